@@ -1,0 +1,209 @@
+"""Model configuration: one frozen dataclass for the Llama family (Llama, Qwen2, Qwen3).
+
+Axis legend used across models/: T tokens in a step, H hidden size, N query heads,
+K kv heads, D head dim, F MLP width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Collection, Mapping
+
+# HF `model_type` values this model family covers.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# GGUF `general.architecture` -> model_type. llama.cpp writes Mistral as "llama".
+GGUF_ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """HF rope-scaling variants. `kind` is "default", "linear" or "llama3".
+
+    HF's "dynamic" NTK scaling rescales every cached key whenever the sequence grows,
+    which a KV cache cannot follow, so it is rejected rather than silently approximated.
+    """
+
+    kind: str = "default"
+    factor: float = 1.0
+    # llama3 only:
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in ("default", "linear", "llama3"):
+            raise ValueError(
+                f"rope scaling type {self.kind!r} is not supported; "
+                "expected one of 'default', 'linear', 'llama3'"
+            )
+        if self.factor <= 0:
+            raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int  # H
+    intermediate_size: int  # F
+    num_layers: int
+    num_heads: int  # N
+    num_kv_heads: int  # K
+    head_dim: int  # D
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3: RMSNorm over D on q and k before RoPE
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
+            )
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Builds a config from the contents of a HF `config.json`."""
+        model_type = d.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            archs = d.get("architectures")
+            raise ValueError(
+                f"unknown architecture: model_type {model_type!r} (architectures {archs}); "
+                f"paxpage supports {SUPPORTED_MODEL_TYPES}"
+            )
+        num_heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
+        # transformers >= 5 moves rope settings into `rope_parameters`.
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+        scaling = RopeScaling(
+            kind=kind,
+            factor=float(rope.get("factor", 1.0)),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+        )
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            model_type=model_type,
+        )
+
+    @classmethod
+    def from_gguf_metadata(
+        cls, metadata: Mapping[str, Any], tensor_names: Collection[str] = ()
+    ) -> "ModelConfig":
+        """Builds a config from GGUF key/values (e.g. "llama.block_count") and the file's tensor names.
+
+        `metadata` needs scalar values only; `{arch}.vocab_size` must be present (a GGUF reader
+        that lacks it fills it from the token_embd shape). Embeddings are tied when the file has
+        no "output.weight"; Q/K/V biases are on when "blk.0.attn_q.bias" exists. Llama 3 rope
+        scaling (baked into a rope_freqs tensor by llama.cpp) is not visible here; the GGUF
+        reader passes it back in as `{arch}.rope.scaling.*` keys.
+        """
+        arch = metadata.get("general.architecture")
+        if arch not in GGUF_ARCH_TO_MODEL_TYPE:
+            raise ValueError(
+                f"unknown architecture: GGUF general.architecture {arch!r}; "
+                f"paxpage supports {tuple(GGUF_ARCH_TO_MODEL_TYPE)}"
+            )
+
+        def get(key, default=None):
+            value = metadata.get(f"{arch}.{key}", default)
+            if value is None:
+                raise ValueError(f"GGUF metadata lacks required key {arch}.{key!r}")
+            return value
+
+        hidden = int(get("embedding_length"))
+        num_heads = int(get("attention.head_count"))
+        kind = str(get("rope.scaling.type", "none"))
+        kind = {"none": "default", "": "default"}.get(kind, kind)
+        scaling = RopeScaling(
+            kind=kind,
+            factor=float(get("rope.scaling.factor", 1.0)),
+            low_freq_factor=float(get("rope.scaling.low_freq_factor", 1.0)),
+            high_freq_factor=float(get("rope.scaling.high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(get("rope.scaling.original_context_length", 8192)),
+        )
+        bos = metadata.get("tokenizer.ggml.bos_token_id")
+        eos = metadata.get("tokenizer.ggml.eos_token_id")
+        names = set(tensor_names)
+        return cls(
+            vocab_size=int(get("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+            head_dim=int(get("attention.key_length", hidden // num_heads)),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=int(get("context_length", 2048)),
+            tie_word_embeddings="output.weight" not in names,
+            qkv_bias="blk.0.attn_q.bias" in names,
+            qk_norm=GGUF_ARCH_TO_MODEL_TYPE[arch] == "qwen3",
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=() if eos is None else (int(eos),),
+            model_type=GGUF_ARCH_TO_MODEL_TYPE[arch],
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike) -> "ModelConfig":
+        config_path = os.path.join(path, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"no config.json in model directory {os.fspath(path)!r}")
+        with open(config_path) as f:
+            return cls.from_hf_dict(json.load(f))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        d["rope_scaling"] = RopeScaling(**d.get("rope_scaling", {}))
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """f32 bytes of K and V for one token across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4

@@ -1,0 +1,165 @@
+"""GGUF files: metadata -> ModelConfig, tensors dequantised to f32 under HF names and HF layout.
+
+llama.cpp's HF->GGUF converter permutes the rows of q_proj/k_proj (weights and biases) for the
+"llama" architecture only, so that its interleaved-pair RoPE matches HF's rotate-half RoPE;
+`unpermute_qk` undoes it (same as transformers' LlamaTensorProcessor). qwen2/qwen3 are stored unpermuted.
+Llama 3 rope scaling is not stored as metadata but baked into a `rope_freqs.weight` tensor; we recover
+the HF llama3 parameters by matching it against the known presets.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from models.config import GGUF_ARCH_TO_MODEL_TYPE, ModelConfig
+
+# GGUF tensor name -> HF name; "{i}" is the layer.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Arrays above this length (token lists, merges) are skipped when reading metadata: we never need them.
+_MAX_METADATA_ARRAY = 1024
+# (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) of released Llama 3.x.
+_LLAMA3_PRESETS = ((8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192), (16.0, 1.0, 4.0, 8192))
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def permute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's HF->GGUF permutation of q/k rows (`num_heads` = K for k_proj). Rows are dim 0."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of `permute_qk`: GGUF rows back to HF (rotate-half) order."""
+    return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(theta: float, head_dim: int, factor: float, low: float, high: float, original: int):
+    """The per-frequency divisors llama.cpp stores in rope_freqs.weight for HF llama3 rope scaling."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out)
+
+
+def _open_reader(path: str):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # truncated or not GGUF: ValueError, IndexError, struct/numpy errors...
+        raise ValueError(f"cannot read GGUF file {path!r}: {type(e).__name__}: {e}") from e
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    """Scalar (and short array) key/values of a GGUFReader."""
+    import gguf
+
+    meta = {}
+    for key, field in reader.fields.items():
+        if field.types and field.types[0] == gguf.GGUFValueType.ARRAY and len(field.data) > _MAX_METADATA_ARRAY:
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def _dequantize(path: str, tensor) -> np.ndarray:
+    import gguf
+
+    try:
+        x = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except Exception as e:
+        raise ValueError(f"cannot dequantise tensor {tensor.name!r} ({tensor.tensor_type.name}) of {path!r}: {e}") from e
+    return np.asarray(x, dtype=np.float32)
+
+
+def _rope_scaling_from_freqs(path: str, meta: dict[str, Any], arch: str, freqs: np.ndarray) -> None:
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    num_heads = int(meta[f"{arch}.attention.head_count"])
+    head_dim = int(meta.get(f"{arch}.attention.key_length", int(meta[f"{arch}.embedding_length"]) // num_heads))
+    for factor, low, high, original in _LLAMA3_PRESETS:
+        expected = llama3_rope_factors(theta, head_dim, factor, low, high, original)
+        if expected.shape == freqs.shape and np.allclose(freqs, expected, rtol=1e-4):
+            meta[f"{arch}.rope.scaling.type"] = "llama3"
+            meta[f"{arch}.rope.scaling.factor"] = factor
+            meta[f"{arch}.rope.scaling.low_freq_factor"] = low
+            meta[f"{arch}.rope.scaling.high_freq_factor"] = high
+            meta[f"{arch}.rope.scaling.original_context_length"] = original
+            return
+    raise ValueError(f"{path!r}: rope_freqs.weight matches no known Llama 3 rope scaling; cannot load")
+
+
+def read_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, Any]]:
+    """Config, f32 tensors (HF names, HF [out, in] layout, Q/K un-permuted) and metadata of a GGUF file.
+
+    The metadata omits long arrays (the token list, merges); "tokenizer.ggml.model" tells whether the
+    file embeds a tokenizer.
+    """
+    reader = _open_reader(path)
+    try:
+        meta = read_metadata(reader)
+    except Exception as e:
+        raise ValueError(f"cannot read GGUF metadata of {path!r}: {type(e).__name__}: {e}") from e
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCH_TO_MODEL_TYPE:
+        raise ValueError(
+            f"unknown architecture: GGUF file {path!r} has general.architecture {arch!r}; "
+            f"paxpage supports {tuple(GGUF_ARCH_TO_MODEL_TYPE)}"
+        )
+    by_name = {t.name: t for t in reader.tensors}
+    if f"{arch}.vocab_size" not in meta and "token_embd.weight" in by_name:
+        meta[f"{arch}.vocab_size"] = int(by_name["token_embd.weight"].shape[-1])  # GGUF shape is [H, V]
+    if "rope_freqs.weight" in by_name:
+        _rope_scaling_from_freqs(path, meta, arch, _dequantize(path, by_name["rope_freqs.weight"]))
+    cfg = ModelConfig.from_gguf_metadata(meta, tensor_names=by_name)
+
+    tensors = {}
+    for name, tensor in by_name.items():
+        if name == "rope_freqs.weight":
+            continue
+        target = hf_name(name)
+        if target is None:
+            raise ValueError(f"GGUF file {path!r} has tensor {name!r} that paxpage does not know")
+        x = _dequantize(path, tensor)
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            x = unpermute_qk(x, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
+        tensors[target] = x
+    return cfg, tensors, meta

@@ -1,0 +1,123 @@
+"""Functional Flax model for the Llama family (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3).
+
+`LlamaModel(cfg, attention).apply({"params": params}, batch, kv_cache)` is a pure function:
+it writes this step's K/V into their pages, attends over the paged cache, and returns the
+logits of the rows named by `batch.logits_indices` together with the updated cache.
+
+Axis legend: T flat tokens in the step, H hidden, N query heads, K kv heads, D head dim,
+F MLP width, V vocabulary, R logits rows. The step's tokens are laid out as Bd decode rows
+of one token followed by Bp prefill rows of Tq tokens (see paxpage.batch.StepBatch).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.rope import apply_rope, inverse_frequencies
+
+# attention(q [B, Tq, N, D], kv_pages, page_indices, kv_lens, q_lens, *, sm_scale) -> [B, Tq, N, D]
+AttentionFn = Callable[..., jax.Array]
+# write_kv(kv_pages, k [T, K, D], v [T, K, D], slot_mapping i32[T]) -> kv_pages
+WriteKvFn = Callable[..., jax.Array]
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):  # [..., H]
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+def _dense(features: int, name: str, dtype, use_bias: bool = False) -> nn.Dense:
+    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+    attention: AttentionFn
+    write_kv: WriteKvFn
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, batch, kv_pages):  # x: [T, H]; kv_pages: [2, P, page_size, K, D]
+        cfg, dtype = self.cfg, self.dtype
+        num_tokens = x.shape[0]
+        h = RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x)
+        q = _dense(cfg.num_heads * cfg.head_dim, "q_proj", dtype, cfg.qkv_bias)(h)
+        k = _dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dtype, cfg.qkv_bias)(h)
+        v = _dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dtype, cfg.qkv_bias)(h)
+        q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, N, D]
+        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, K, D]
+        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = RMSNorm(cfg.rms_norm_eps, dtype, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, dtype, name="k_norm")(k)
+        inv_freq = inverse_frequencies(cfg)
+        q = apply_rope(q, batch.positions, inv_freq).astype(dtype)
+        k = apply_rope(k, batch.positions, inv_freq).astype(dtype)
+        kv_pages = self.write_kv(kv_pages, k, v, batch.slot_mapping)
+        out = _paged_attention_rows(self.attention, q, kv_pages, batch, cfg.head_dim**-0.5)
+        out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim).astype(dtype)
+        x = x + _dense(cfg.hidden_size, "o_proj", dtype)(out)
+        h = RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
+        gate = _dense(cfg.intermediate_size, "gate_proj", dtype)(h)
+        up = _dense(cfg.intermediate_size, "up_proj", dtype)(h)
+        x = x + _dense(cfg.hidden_size, "down_proj", dtype)(nn.silu(gate) * up)
+        return x, kv_pages
+
+
+def _paged_attention_rows(attention, q, kv_pages, batch, sm_scale):
+    """Splits the flat tokens into the decode and prefill row groups and attends each."""
+    num_decode = batch.num_decode_rows
+    num_prefill = batch.num_prefill_rows
+    outs = []
+    if num_decode:
+        q_dec = q[:num_decode][:, None]  # [Bd, 1, N, D]
+        dec_q_lens = (batch.dec_kv_lens > 0).astype(jnp.int32)
+        out = attention(q_dec, kv_pages, batch.dec_page_indices, batch.dec_kv_lens, dec_q_lens,
+                        sm_scale=sm_scale)
+        outs.append(out.reshape(num_decode, *q.shape[1:]))
+    if num_prefill:
+        q_pre = q[num_decode:].reshape(num_prefill, -1, *q.shape[1:])  # [Bp, Tq, N, D]
+        out = attention(q_pre, kv_pages, batch.pre_page_indices, batch.pre_kv_lens,
+                        batch.pre_q_lens, sm_scale=sm_scale)
+        outs.append(out.reshape(-1, *q.shape[1:]))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+
+
+class LlamaModel(nn.Module):
+    cfg: ModelConfig
+    attention: AttentionFn
+    write_kv: WriteKvFn
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, batch, kv_cache: list[jax.Array]):
+        """Returns (logits f32[R, V], updated kv_cache)."""
+        cfg = self.cfg
+        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
+                         param_dtype=self.dtype, name="embed_tokens")
+        x = embed(batch.token_ids)  # [T, H]
+        new_cache = []
+        for i in range(cfg.num_layers):
+            x, pages = DecoderLayer(cfg, self.attention, self.write_kv, self.dtype,
+                                    name=f"layers_{i}")(x, batch, kv_cache[i])
+            new_cache.append(pages)
+        # Only the rows that will be sampled pay for the final norm and the LM head.
+        x = x[batch.logits_indices]  # [R, H]
+        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
+        if cfg.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = _dense(cfg.vocab_size, "lm_head", self.dtype)(x)
+        return logits.astype(jnp.float32), new_cache

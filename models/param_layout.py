@@ -1,0 +1,130 @@
+"""The paxpage parameter tree: its shapes, its HF tensor names, and conversion from HF tensors.
+
+Tree (nested dicts of arrays; kernels are [in, out] like flax Dense):
+    embed_tokens/embedding [V, H]
+    layers_{i}/input_layernorm/scale [H]
+    layers_{i}/{q,k,v}_proj/kernel [H, N*D | K*D]   (+ bias [N*D | K*D] if cfg.qkv_bias)
+    layers_{i}/o_proj/kernel [N*D, H]
+    layers_{i}/{q,k}_norm/scale [D]                 (if cfg.qk_norm)
+    layers_{i}/post_attention_layernorm/scale [H]
+    layers_{i}/{gate,up}_proj/kernel [H, F], layers_{i}/down_proj/kernel [F, H]
+    norm/scale [H]
+    lm_head/kernel [H, V]                           (unless cfg.tie_word_embeddings)
+Axis legend: H hidden, N query heads, K kv heads, D head dim, F MLP width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+
+SEP = "/"
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, bool]]:
+    """Flat path -> (shape, HF tensor name, transpose). HF Linear weights are [out, in]."""
+    H, N, K, D, F, V = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                        cfg.intermediate_size, cfg.vocab_size)
+    specs = {"embed_tokens/embedding": ((V, H), "model.embed_tokens.weight", False)}
+    for i in range(cfg.num_layers):
+        p, hf = f"layers_{i}/", f"model.layers.{i}."
+        specs[p + "input_layernorm/scale"] = ((H,), hf + "input_layernorm.weight", False)
+        for name, width in (("q_proj", N * D), ("k_proj", K * D), ("v_proj", K * D)):
+            specs[p + name + "/kernel"] = ((H, width), hf + f"self_attn.{name}.weight", True)
+            if cfg.qkv_bias:
+                specs[p + name + "/bias"] = ((width,), hf + f"self_attn.{name}.bias", False)
+        specs[p + "o_proj/kernel"] = ((N * D, H), hf + "self_attn.o_proj.weight", True)
+        if cfg.qk_norm:
+            specs[p + "q_norm/scale"] = ((D,), hf + "self_attn.q_norm.weight", False)
+            specs[p + "k_norm/scale"] = ((D,), hf + "self_attn.k_norm.weight", False)
+        specs[p + "post_attention_layernorm/scale"] = ((H,), hf + "post_attention_layernorm.weight", False)
+        specs[p + "gate_proj/kernel"] = ((H, F), hf + "mlp.gate_proj.weight", True)
+        specs[p + "up_proj/kernel"] = ((H, F), hf + "mlp.up_proj.weight", True)
+        specs[p + "down_proj/kernel"] = ((F, H), hf + "mlp.down_proj.weight", True)
+    specs["norm/scale"] = ((H,), "model.norm.weight", False)
+    if not cfg.tie_word_embeddings:
+        specs["lm_head/kernel"] = ((H, V), "lm_head.weight", True)
+    return specs
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """The nested tree of shapes (tuples) a loader must produce for `cfg`."""
+    return unflatten({path: shape for path, (shape, _, _) in param_specs(cfg).items()})
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": x}} -> {"a/b": x}."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, prefix + key + SEP))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split(SEP)
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return tree
+
+
+def check_dtype(dtype: Any) -> jnp.dtype:
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"dtype {dtype!r} is not a dtype; expected e.g. 'float32' or 'bfloat16'") from e
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"dtype {dtype!r} is not a floating dtype; expected e.g. 'float32' or 'bfloat16'")
+    return dt
+
+
+def params_from_hf(
+    cfg: ModelConfig, get_tensor: Callable[[str], Any], dtype: Any, source: str
+) -> dict[str, Any]:
+    """Builds the tree from HF-named tensors. `get_tensor(name)` raises KeyError when absent."""
+    dt = check_dtype(dtype)
+    flat = {}
+    for path, (shape, hf_name, transpose) in param_specs(cfg).items():
+        try:
+            x = get_tensor(hf_name)
+        except KeyError:
+            raise ValueError(f"{source}: missing tensor {hf_name!r}") from None
+        expected = shape[::-1] if transpose else shape
+        if tuple(x.shape) != expected:
+            raise ValueError(
+                f"{source}: tensor {hf_name!r} has shape {tuple(x.shape)}; config implies {expected}"
+            )
+        x = jnp.asarray(x, dtype=dt)
+        flat[path] = x.T if transpose else x
+    return unflatten(flat)
+
+
+def params_from_flat(
+    cfg: ModelConfig, flat: dict[str, Any], dtype: Any, source: str
+) -> dict[str, Any]:
+    """Builds the tree from paxpage-named flat arrays (the GGUF cache), checking names and shapes."""
+    dt = check_dtype(dtype)
+    specs = param_specs(cfg)
+    if set(flat) != set(specs):
+        missing, extra = sorted(set(specs) - set(flat)), sorted(set(flat) - set(specs))
+        raise ValueError(f"{source}: parameter names differ from config; missing {missing[:5]}, extra {extra[:5]}")
+    out = {}
+    for path, (shape, _, _) in specs.items():
+        if tuple(flat[path].shape) != shape:
+            raise ValueError(f"{source}: {path} has shape {tuple(flat[path].shape)}; config implies {shape}")
+        out[path] = jnp.asarray(flat[path], dtype=dt)
+    return unflatten(out)
+
+
+def to_numpy_flat(params: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {path: np.asarray(x) for path, x in flatten(params).items()}

@@ -1,0 +1,56 @@
+"""Tokenizer loading and saving: HF tokenizers from a model directory or a GGUF file, offline only.
+
+transformers is imported lazily: it costs seconds, and a checkpoint without a tokenizer never needs it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+# Any of these marks a directory as holding a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(directory: str | os.PathLike) -> bool:
+    return any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES)
+
+
+# Classes that are exactly "a tokenizer.json plus config": loadable without AutoTokenizer.
+FAST_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(
+    directory: str | os.PathLike, *, gguf_file: str | None = None, fast_class: bool = False
+) -> Any | None:
+    """Loads the tokenizer in `directory` (or the one embedded in `directory/gguf_file`).
+
+    fast_class: load tokenizer.json with PreTrainedTokenizerFast instead of AutoTokenizer. Only for
+        directories whose tokenizer is known to be of a FAST_CLASSES class (our GGUF cache): it skips
+        AutoTokenizer's import of the model-config machinery (and torch), about a second.
+    Returns None when a plain directory holds no tokenizer files (random-weight test models).
+    Raises ValueError naming the directory when tokenizer files exist but cannot be read.
+    """
+    directory = os.fspath(directory)
+    if gguf_file is None and not has_tokenizer(directory):
+        return None
+    where = os.path.join(directory, gguf_file) if gguf_file else directory
+    try:
+        if fast_class:
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)
+        from transformers import AutoTokenizer
+
+        if gguf_file is not None:
+            return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file, local_files_only=True)
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except Exception as e:  # transformers raises many types; users get one.
+        raise ValueError(f"cannot load tokenizer from {where!r}: {type(e).__name__}: {e}") from e
+
+
+def save_tokenizer(tokenizer: Any, directory: str | os.PathLike) -> None:
+    """Writes `tokenizer` (chat template included) with `save_pretrained`."""
+    if not hasattr(tokenizer, "save_pretrained"):
+        raise ValueError(f"tokenizer of type {type(tokenizer).__name__} has no save_pretrained")
+    tokenizer.save_pretrained(os.fspath(directory))

@@ -1,0 +1,98 @@
+"""Engine-facing entry points: row-layout paged attention and KV write on the Pallas kernels.
+
+Axis legend: B rows, Tq query tokens per row, T flat tokens, N query heads, K kv heads, D head dim,
+P pages. Semantics are exactly `reference.paged_attention_ref` / `reference.write_kv` (see
+/work/spec/SPEC.md). Rows with Tq == 1 go to the decode kernel; Tq > 1 packs the real tokens of
+all rows back to back and runs the ragged kernel.
+
+impl: "pallas" compiles for the current accelerator (jax.default_backend() "gpu" or "tpu");
+"pallas-interpret" runs the same kernels in the Pallas interpreter (slow; CPU tests). `backend`
+picks which kernel family ("gpu" or "tpu") to run; by default the platform's, "gpu" on CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import kv_write
+from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.ragged_attention import ragged_paged_attention
+
+IMPLS = ("pallas", "pallas-interpret")
+
+
+def resolve_impl(impl: str, backend: str | None = None) -> tuple[str, bool]:
+    """(kernel backend, interpret) for `impl`."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl is {impl!r}; expected one of {IMPLS}")
+    platform = jax.default_backend()
+    if impl == "pallas":
+        if platform not in ("gpu", "tpu"):
+            raise ValueError(
+                f"impl='pallas' needs a GPU or TPU but jax.default_backend() is {platform!r}; "
+                "use impl='pallas-interpret' (slow, for tests) or 'xla' on CPU"
+            )
+        if backend is not None and backend != platform:
+            raise ValueError(f"backend {backend!r} cannot compile on platform {platform!r}")
+        return platform, False
+    if backend is None:
+        backend = platform if platform in ("gpu", "tpu") else "gpu"
+    if backend not in ("gpu", "tpu"):
+        raise ValueError(f"backend is {backend!r}; expected 'gpu' or 'tpu'")
+    return backend, True
+
+
+def paged_attention(
+    q: jax.Array,  # [B, Tq, N, D] f32/bf16; row b has q_lens[b] real tokens, rest padding
+    kv_pages: jax.Array,  # [2, P, page_size, K, D] one layer's pool, already holding this step's K/V
+    page_indices: jax.Array,  # i32[B, pages_per_seq]
+    kv_lens: jax.Array,  # i32[B] keys of row b including this step's (0 = padding row)
+    q_lens: jax.Array,  # i32[B] new tokens of row b (<= kv_lens[b], <= Tq)
+    *,
+    sm_scale: float,
+    impl: str,
+    backend: str | None = None,
+) -> jax.Array:  # [B, Tq, N, D]; padding tokens are zeros
+    kernel_backend, interpret = resolve_impl(impl, backend)
+    batch, num_q, num_heads, head_dim = q.shape
+    if page_indices.shape[0] != batch or kv_lens.shape != (batch,) or q_lens.shape != (batch,):
+        raise ValueError(
+            f"page_indices {page_indices.shape}, kv_lens {kv_lens.shape}, q_lens {q_lens.shape} "
+            f"do not match {batch} rows"
+        )
+    q_lens = q_lens.astype(jnp.int32)
+    kv_lens = kv_lens.astype(jnp.int32)
+    if num_q == 1:
+        out = decode_attention(
+            q[:, 0], kv_pages, page_indices, kv_lens,
+            sm_scale=sm_scale, backend=kernel_backend, interpret=interpret,
+        )  # [B, N, D]
+        return jnp.where(q_lens[:, None, None] > 0, out, jnp.zeros_like(out))[:, None]
+
+    # Pack real tokens: token i of row b -> flat cu[b] + i; padding tokens go out of range.
+    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])  # [B + 1]
+    i = jnp.arange(num_q, dtype=jnp.int32)
+    real = i[None, :] < q_lens[:, None]  # [B, Tq]
+    dest = jnp.where(real, cu[:-1, None] + i[None, :], batch * num_q).reshape(-1)  # [B * Tq]
+    flat_q = jnp.zeros((batch * num_q, num_heads, head_dim), q.dtype)
+    flat_q = flat_q.at[dest].set(q.reshape(-1, num_heads, head_dim), mode="drop")
+    flat_out = ragged_paged_attention(
+        flat_q, kv_pages, page_indices, cu, kv_lens, jnp.full((1,), batch, jnp.int32),
+        sm_scale=sm_scale, backend=kernel_backend, interpret=interpret,
+    )  # [B * Tq, N, D]
+    out = flat_out[jnp.minimum(dest, batch * num_q - 1)].reshape(q.shape)
+    return jnp.where(real[:, :, None, None], out, jnp.zeros_like(out))
+
+
+def write_kv(
+    kv_pages: jax.Array,  # [2, P, page_size, K, D] one layer's pool (donate it in the caller's jit)
+    k: jax.Array,  # [T, K, D]
+    v: jax.Array,  # [T, K, D]
+    slot_mapping: jax.Array,  # i32[T]; -1 = padding, not written
+    *,
+    impl: str,
+    backend: str | None = None,
+) -> jax.Array:  # the pool with token t's K/V at slot_mapping[t]
+    kernel_backend, interpret = resolve_impl(impl, backend)
+    return kv_write.write_kv(kv_pages, k, v, slot_mapping, backend=kernel_backend, interpret=interpret)

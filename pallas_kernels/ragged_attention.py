@@ -1,0 +1,334 @@
+"""Ragged paged attention for mixed steps (chunked prefill + decode) as Pallas kernels.
+
+Axis legend: T flat tokens, N query heads, K kv heads, G = N // K (Gp: padded for the GPU dot),
+D head dim, P pages, S_max sequence slots, Q = cdiv(T, block_q) query blocks, R = block_q * Gp
+rows of one query block for one kv head, W = Q + S_max work items (TPU).
+
+Sequence i owns flat tokens cu_q_lens[i] .. cu_q_lens[i+1]-1 (q_len = their count >= 1) and has
+kv_lens[i] keys in its pages, this step's included. Its token j sits at position
+kv_lens[i] - q_len + j and attends causally to keys 0..that position. Tokens past
+cu_q_lens[num_seqs] return zeros. Shapes depend only on T and S_max; num_seqs is data.
+
+The grid walks fixed query blocks of the flat token array, so every output block is written by
+exactly one program (GPU) or one run of consecutive grid steps (TPU). A block may hold tokens of
+several sequences: each is attended separately and merged by a row mask. Queries are laid out
+[Q, K, R, D] with row r = token * Gp + g, so the causal test needs no integer division:
+key kp is visible to row r iff (kp - base) * Gp <= r, base = position of the block's token 0.
+
+GPU: Triton lowering (see decode_attention.py for why not Mosaic GPU); metadata are plain inputs
+read as scalars, the loop over sequences and key blocks runs inside the kernel.
+TPU: Mosaic TPU; metadata and a precomputed work list (query block, sequence) are scalar-prefetch
+SMEM inputs, the grid is (W, pages) and each step's page is fetched by the BlockSpec index map.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.decode_attention import (
+    MASK_VALUE,
+    check_backend,
+    interpret_arg,
+    next_pow2,
+    online_softmax_step,
+    scores_nt,
+    tpu_params,
+    triton_params,
+)
+
+
+def _seq_geometry(j, q_start, q_end, kv_len, *, block_q):
+    """Scalars of sequence (q_start, q_end, kv_len) seen from query block j."""
+    q_len = q_end - q_start
+    row0 = (q_start - j * block_q)  # block-local token where the sequence starts (may be < 0)
+    base = kv_len - q_len - row0  # position of block-local token 0 under this sequence
+    last_tok = jnp.minimum(q_end, (j + 1) * block_q) - 1 - j * block_q
+    num_keys = jnp.maximum(base + last_tok + 1, 0)  # keys the block's last token of this seq sees
+    return row0, row0 + q_len, base, num_keys
+
+
+def _masked_scores(q, k, v, key0, kv_len, base, row_lo, row_hi, *, sm_scale, rows_per_tok):
+    """Scores [R, S] with causal/sequence mask applied; v [S, D] with keys >= kv_len zeroed."""
+    rows, block_len = q.shape[0], k.shape[0]
+    r = lax.broadcasted_iota(jnp.int32, (rows, block_len), 0)
+    kp = key0 + lax.broadcasted_iota(jnp.int32, (rows, block_len), 1)
+    visible = ((kp - base) * rows_per_tok <= r) & (r >= row_lo * rows_per_tok) & (r < row_hi * rows_per_tok)
+    s = jnp.where(visible, scores_nt(q, k) * sm_scale, MASK_VALUE)
+    key_ok = key0 + lax.broadcasted_iota(jnp.int32, (block_len, 1), 0) < kv_len
+    return s, jnp.where(key_ok, v, jnp.zeros_like(v))
+
+
+def _row_mask(rows, row_lo, row_hi, rows_per_tok):
+    r = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    return (r >= row_lo * rows_per_tok) & (r < row_hi * rows_per_tok)  # [R, 1]
+
+
+# ---------------------------------------------------------------- GPU (Triton lowering)
+def _ragged_kernel_gpu(
+    cu_ref,  # i32[S_max + 1]
+    kv_lens_ref,  # i32[S_max]
+    pt_ref,  # i32[S_max, pages_per_seq]
+    first_ref,  # i32[Q] first sequence touching block j
+    last_ref,  # i32[Q] last sequence touching block j
+    q_ref,  # [R, D]
+    k_ref,  # [P, page_size, D] kv head h of the pool, read in place
+    v_ref,  # [P, page_size, D]
+    o_ref,  # [R, D]
+    *, sm_scale: float, block_q: int, rows_per_tok: int, pages_per_block: int,
+):
+    j = pl.program_id(0)
+    page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
+    block_len = pages_per_block * page_size
+    q = q_ref[...]
+    rows = q.shape[0]
+
+    def seq_body(i, out):
+        kv_len = kv_lens_ref[i]
+        row_lo, row_hi, base, num_keys = _seq_geometry(j, cu_ref[i], cu_ref[i + 1], kv_len, block_q=block_q)
+
+        def kv_body(kb, carry):
+            ids = pt_ref[i, pl.ds(kb * pages_per_block, pages_per_block)]
+            k = k_ref[ids].reshape(block_len, head_dim)
+            v = v_ref[ids].reshape(block_len, head_dim)
+            s, v = _masked_scores(
+                q, k, v, kb * block_len, kv_len, base, row_lo, row_hi,
+                sm_scale=sm_scale, rows_per_tok=rows_per_tok,
+            )
+            return online_softmax_step(s, v, *carry)
+
+        init = (
+            jnp.full((rows, 1), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32),
+        )
+        _, l, acc = lax.fori_loop(0, pl.cdiv(num_keys, block_len), kv_body, init)
+        seq_out = acc / jnp.where(l == 0.0, 1.0, l)
+        return jnp.where(_row_mask(rows, row_lo, row_hi, rows_per_tok), seq_out, out)
+
+    out = lax.fori_loop(first_ref[j], last_ref[j] + 1, seq_body, jnp.zeros((rows, head_dim), jnp.float32))
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _ragged_gpu(qw, kv_pages, table, cu, kv_lens, first, last, *, sm_scale, block_q, rows_per_tok,
+                pages_per_block, interpret):
+    num_q_blocks, num_kv_heads, rows, head_dim = qw.shape
+    _, num_pages, page_size, _, _ = kv_pages.shape
+    kernel = functools.partial(
+        _ragged_kernel_gpu, sm_scale=sm_scale, block_q=block_q, rows_per_tok=rows_per_tok,
+        pages_per_block=pages_per_block,
+    )
+    full = lambda x: pl.BlockSpec(x.shape, lambda j, h: (0,) * x.ndim)
+    pool_block = (None, num_pages, page_size, None, head_dim)
+    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda j, h: (j, h, 0, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(num_q_blocks, num_kv_heads),
+        in_specs=[
+            full(cu), full(kv_lens), full(table), full(first), full(last), q_spec,
+            pl.BlockSpec(pool_block, lambda j, h: (0, 0, 0, h, 0)),
+            pl.BlockSpec(pool_block, lambda j, h: (1, 0, 0, h, 0)),
+        ],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(qw.shape, qw.dtype),
+        compiler_params=triton_params(),
+        interpret=interpret_arg("gpu", interpret),
+        name="paxpage_ragged_attention_gpu",
+    )(cu, kv_lens, table, first, last, qw, kv_pages, kv_pages)
+
+
+# ---------------------------------------------------------------- TPU (Mosaic TPU)
+def _work_geometry(w, cu_ref, kv_lens_ref, wb_ref, ws_ref, *, block_q):
+    i = ws_ref[w]
+    return _seq_geometry(wb_ref[w], cu_ref[i], cu_ref[i + 1], kv_lens_ref[i], block_q=block_q)
+
+
+def _ragged_kernel_tpu(
+    cu_ref, kv_lens_ref, pt_ref,  # SMEM i32[S_max + 1], i32[S_max], i32[S_max * pages_per_seq]
+    wb_ref, ws_ref, wi_ref, wv_ref,  # SMEM i32[W]: query block, sequence, first-of-block, valid
+    q_ref,  # [K, R, D]
+    k_ref,  # [page_size, K, D] one page
+    v_ref,  # [page_size, K, D]
+    o_ref,  # [K, R, D] resident while consecutive work items share the block
+    m_sc, l_sc, acc_sc,  # VMEM f32[K, R, 1], f32[K, R, 1], f32[K, R, D]
+    *, sm_scale: float, block_q: int, rows_per_tok: int,
+):
+    w, p = pl.program_id(0), pl.program_id(1)
+    page_size = k_ref.shape[0]
+    rows = q_ref.shape[1]
+    kv_len = kv_lens_ref[ws_ref[w]]
+    row_lo, row_hi, base, num_keys = _work_geometry(w, cu_ref, kv_lens_ref, wb_ref, ws_ref, block_q=block_q)
+
+    @pl.when((p == 0) & (wi_ref[w] == 1))
+    def _zero_block():
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+    @pl.when(p == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
+        l_sc[...] = jnp.zeros_like(l_sc)
+        acc_sc[...] = jnp.zeros_like(acc_sc)
+
+    @pl.when((wv_ref[w] == 1) & (p * page_size < num_keys))
+    def _compute():
+        for h in range(k_ref.shape[1]):  # K is small and static
+            s, v = _masked_scores(
+                q_ref[h], k_ref[:, h, :], v_ref[:, h, :], p * page_size, kv_len, base, row_lo, row_hi,
+                sm_scale=sm_scale, rows_per_tok=rows_per_tok,
+            )
+            m, l, acc = online_softmax_step(s, v, m_sc[h], l_sc[h], acc_sc[h])
+            m_sc[h] = m
+            l_sc[h] = l
+            acc_sc[h] = acc
+
+    @pl.when((wv_ref[w] == 1) & (p == pl.num_programs(1) - 1))
+    def _merge():
+        in_seq = _row_mask(rows, row_lo, row_hi, rows_per_tok)
+        for h in range(k_ref.shape[1]):
+            l = l_sc[h]
+            seq_out = acc_sc[h] / jnp.where(l == 0.0, 1.0, l)
+            o_ref[h] = jnp.where(in_seq, seq_out, o_ref[h].astype(jnp.float32)).astype(o_ref.dtype)
+
+
+def _work_list(first, last, num_q_blocks, num_slots):
+    """Flatten (query block, sequence) pairs in block order; a block with no sequence gets one
+    invalid item so its output is still zeroed. W = Q + S_max bounds the count."""
+    count = jnp.maximum(last - first + 1, 1)  # [Q]
+    ends = jnp.cumsum(count)
+    w = jnp.arange(num_q_blocks + num_slots, dtype=jnp.int32)
+    block = jnp.minimum(jnp.searchsorted(ends, w, side="right"), num_q_blocks - 1).astype(jnp.int32)
+    local = w - (ends[block] - count[block])
+    real = w < ends[-1]
+    seq = first[block] + local
+    valid = real & (seq <= last[block])
+    seq = jnp.clip(jnp.where(valid, seq, 0), 0, num_slots - 1)
+    is_first = real & (local == 0)
+    return block, seq.astype(jnp.int32), is_first.astype(jnp.int32), valid.astype(jnp.int32)
+
+
+def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, *, sm_scale, block_q, rows_per_tok,
+                interpret):
+    num_q_blocks, num_kv_heads, rows, head_dim = qw.shape
+    _, _, page_size, _, _ = kv_pages.shape
+    num_slots, pages_per_seq = table.shape
+    wb, ws, wi, wv = _work_list(first, last, num_q_blocks, num_slots)
+    geom = functools.partial(_work_geometry, block_q=block_q)
+
+    def page_map(half):
+        def index_map(w, p, cu_r, kvl_r, pt_r, wb_r, ws_r, wi_r, wv_r):
+            num_keys = geom(w, cu_r, kvl_r, wb_r, ws_r)[3]
+            used = jnp.maximum(pl.cdiv(num_keys, page_size) - 1, 0)
+            # Past the keys this item needs, repeat the last page: no new DMA, no stray read.
+            return (half, pt_r[ws_r[w] * pages_per_seq + jnp.minimum(p, used)], 0, 0, 0)
+        return index_map
+
+    block_map = lambda w, p, cu_r, kvl_r, pt_r, wb_r, *_: (wb_r[w], 0, 0, 0)
+    page_block = (None, None, page_size, num_kv_heads, head_dim)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=7,
+        grid=(wb.shape[0], pages_per_seq),
+        in_specs=[
+            pl.BlockSpec((None, num_kv_heads, rows, head_dim), block_map),
+            pl.BlockSpec(page_block, page_map(0)),
+            pl.BlockSpec(page_block, page_map(1)),
+        ],
+        out_specs=pl.BlockSpec((None, num_kv_heads, rows, head_dim), block_map),
+        scratch_shapes=[
+            pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
+            pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
+            pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),
+        ],
+    )
+    kernel = functools.partial(_ragged_kernel_tpu, sm_scale=sm_scale, block_q=block_q, rows_per_tok=rows_per_tok)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(qw.shape, qw.dtype),
+        # Output blocks are revisited by consecutive work items: both axes must run in order.
+        compiler_params=tpu_params(("arbitrary", "arbitrary")),
+        interpret=interpret_arg("tpu", interpret),
+        name="paxpage_ragged_attention_tpu",
+    )(cu, kv_lens, table.reshape(-1), wb, ws, wi, wv, qw, kv_pages, kv_pages)
+
+
+# ---------------------------------------------------------------- public wrapper
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "block_q", "pages_per_block", "backend", "interpret")
+)
+def ragged_paged_attention(
+    q: jax.Array,  # [T, N, D] f32 or bf16, flat tokens of all sequences back to back
+    kv_pages: jax.Array,  # [2, P, page_size, K, D] one layer's pool, already holding this step's K/V
+    page_indices: jax.Array,  # i32[S_max, pages_per_seq] logical -> physical page of sequence i
+    cu_q_lens: jax.Array,  # i32[S_max + 1] token offsets; cu_q_lens[0] = 0
+    kv_lens: jax.Array,  # i32[S_max] keys of sequence i including its new tokens
+    num_seqs: jax.Array,  # i32[1] sequences in use; slots past it are ignored
+    *,
+    sm_scale: float,
+    block_q: int | None = None,  # tokens per query block
+    pages_per_block: int | None = None,  # GPU: pages per inner key block
+    backend: str = "gpu",
+    interpret: bool = False,
+) -> jax.Array:  # [T, N, D] dtype of q
+    check_backend(backend)
+    num_tokens, num_heads, head_dim = q.shape
+    two, _, page_size, num_kv_heads, kv_dim = kv_pages.shape
+    if two != 2 or kv_dim != head_dim:
+        raise ValueError(f"kv_pages has shape {kv_pages.shape}; expected [2, P, page_size, K, {head_dim}]")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} kv heads")
+    num_slots, pages_per_seq = page_indices.shape
+    if cu_q_lens.shape != (num_slots + 1,) or kv_lens.shape != (num_slots,):
+        raise ValueError(
+            f"cu_q_lens {cu_q_lens.shape} / kv_lens {kv_lens.shape} do not match {num_slots} sequence slots"
+        )
+    group = num_heads // num_kv_heads
+    if backend == "gpu":
+        if page_size & (page_size - 1) or head_dim & (head_dim - 1) or head_dim < 16:
+            raise ValueError(
+                f"GPU kernel needs power-of-two page_size and head_dim >= 16; got {page_size}, {head_dim}"
+            )
+        rows_per_tok = next_pow2(group)
+        if block_q is None:
+            block_q = max(16 // rows_per_tok, min(64 // rows_per_tok, next_pow2(num_tokens)))
+        block_q = max(next_pow2(block_q), pl.cdiv(16, rows_per_tok))  # dot rows >= 16
+        if pages_per_block is None:
+            pages_per_block = max(1, 64 // page_size)
+        pages_per_block = max(pages_per_block, pl.cdiv(16, page_size))
+        pages_pad = pl.cdiv(pages_per_seq, pages_per_block) * pages_per_block
+    else:
+        rows_per_tok = group
+        block_q = block_q or 8
+        pages_pad = pages_per_seq
+    num_q_blocks = pl.cdiv(num_tokens, block_q)
+
+    # Clean the metadata so that slots past num_seqs are empty and never read pages.
+    slot = jnp.arange(num_slots + 1, dtype=jnp.int32)
+    num = jnp.clip(num_seqs.reshape(-1)[0].astype(jnp.int32), 0, num_slots)
+    cu = cu_q_lens.astype(jnp.int32)
+    cu = jnp.where(slot <= num, cu, cu[num])
+    kv_lens = jnp.where(slot[:-1] < num, kv_lens.astype(jnp.int32), 0)
+    table = jnp.pad(page_indices.astype(jnp.int32), ((0, 0), (0, pages_pad - pages_per_seq)))
+    # Sequences touching query block j: those not ending before it, starting before its end.
+    block_start = jnp.arange(num_q_blocks, dtype=jnp.int32) * block_q
+    first = jnp.sum(cu[None, 1:] <= block_start[:, None], axis=1).astype(jnp.int32)
+    last = (jnp.sum((cu[None, :-1] < block_start[:, None] + block_q) & (slot[None, :-1] < num), axis=1) - 1)
+    last = last.astype(jnp.int32)
+
+    # [T, N, D] -> [Q, K, block_q * Gp, D], row = token * Gp + g.
+    qw = jnp.pad(q, ((0, num_q_blocks * block_q - num_tokens), (0, 0), (0, 0)))
+    qw = qw.reshape(num_q_blocks, block_q, num_kv_heads, group, head_dim)
+    qw = jnp.pad(qw, ((0, 0), (0, 0), (0, 0), (0, rows_per_tok - group), (0, 0)))
+    qw = qw.transpose(0, 2, 1, 3, 4).reshape(num_q_blocks, num_kv_heads, block_q * rows_per_tok, head_dim)
+    kw = dict(sm_scale=sm_scale, block_q=block_q, rows_per_tok=rows_per_tok, interpret=interpret)
+    if backend == "gpu":
+        out = _ragged_gpu(qw, kv_pages, table, cu, kv_lens, first, last, pages_per_block=pages_per_block, **kw)
+    else:
+        out = _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, **kw)
+    out = out.reshape(num_q_blocks, num_kv_heads, block_q, rows_per_tok, head_dim)[:, :, :, :group]
+    out = out.transpose(0, 2, 1, 3, 4).reshape(num_q_blocks * block_q, num_heads, head_dim)
+    return out[:num_tokens]

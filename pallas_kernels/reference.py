@@ -1,0 +1,66 @@
+"""Pure-jnp reference paged attention and KV write: the semantics every kernel must match.
+
+Axis legend: B rows (sequences), Tq query tokens per row, T flat tokens, S key/value length,
+N query heads, K kv heads, D head dim, P pages, G = N // K query heads per kv head.
+
+These are written for clarity, not speed: they gather each row's whole page table.
+The engine's fast CPU path is `pallas_kernels.xla_attention`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def write_kv(
+    kv_pages: jax.Array,  # [2, P, page_size, K, D] one layer's pool
+    k: jax.Array,  # [T, K, D] this step's keys, flat tokens
+    v: jax.Array,  # [T, K, D]
+    slot_mapping: jax.Array,  # i32[T] page_id * page_size + offset; -1 = padding, not written
+) -> jax.Array:
+    """Returns the pool with token t's K/V stored at slot_mapping[t]."""
+    _, num_pages, page_size, num_kv_heads, head_dim = kv_pages.shape
+    flat = kv_pages.reshape(2, num_pages * page_size, num_kv_heads, head_dim)
+    # -1 would wrap around; send padding out of bounds so mode="drop" skips it.
+    slots = jnp.where(slot_mapping < 0, num_pages * page_size, slot_mapping)
+    flat = flat.at[0, slots].set(k.astype(flat.dtype), mode="drop")
+    flat = flat.at[1, slots].set(v.astype(flat.dtype), mode="drop")
+    return flat.reshape(kv_pages.shape)
+
+
+def paged_attention_ref(
+    q: jax.Array,  # [B, Tq, N, D]
+    kv_pages: jax.Array,  # [2, P, page_size, K, D] already holding this step's K/V
+    page_indices: jax.Array,  # i32[B, pages_per_seq]
+    kv_lens: jax.Array,  # i32[B] cached tokens incl. this step's; 0 = padding row
+    q_lens: jax.Array,  # i32[B] new tokens this step
+    *,
+    sm_scale: float,
+) -> jax.Array:  # [B, Tq, N, D]
+    """Causal paged attention in the row layout (see /work/spec/SPEC.md).
+
+    Query token i of row b is at position kv_lens[b] - q_lens[b] + i and sees keys
+    0..that position. Padding query tokens (i >= q_lens[b]) return zeros.
+    """
+    batch, num_q, num_heads, head_dim = q.shape
+    _, _, page_size, num_kv_heads, _ = kv_pages.shape
+    group = num_heads // num_kv_heads
+    k = kv_pages[0][page_indices]  # [B, pages_per_seq, page_size, K, D]
+    v = kv_pages[1][page_indices]
+    k = k.reshape(batch, -1, num_kv_heads, head_dim).astype(jnp.float32)  # [B, S, K, D]
+    v = v.reshape(batch, -1, num_kv_heads, head_dim).astype(jnp.float32)
+    qg = q.astype(jnp.float32).reshape(batch, num_q, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("BTKGD,BSKD->BKGTS", qg, k) * sm_scale
+    q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(num_q)[None, :]  # [B, Tq]
+    k_pos = jnp.arange(k.shape[1])  # [S]
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_lens[:, None, None])
+    mask = mask[:, None, None, :, :]  # [B, 1, 1, Tq, S]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    # Padding queries have no visible key: give them a harmless finite row, zero them below.
+    any_visible = jnp.any(mask, axis=-1, keepdims=True)
+    scores = jnp.where(any_visible, scores, 0.0)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v).reshape(batch, num_q, num_heads, head_dim)
+    valid = jnp.arange(num_q)[None, :] < q_lens[:, None]  # [B, Tq]
+    return jnp.where(valid[:, :, None, None], out, 0.0).astype(q.dtype)

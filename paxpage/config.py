@@ -1,0 +1,95 @@
+"""Engine configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from models.config import ModelConfig
+
+ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret")
+DTYPES = ("float32", "bfloat16")
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB when neither num_pages nor kv_cache_bytes is given
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16  # tokens per KV page
+    num_pages: int | None = None  # pool size; derived from kv_cache_bytes when None
+    kv_cache_bytes: int | None = None  # KV memory budget; 1 GiB when both are None
+    max_num_seqs: int = 64  # sequences per step
+    max_num_batched_tokens: int = 512  # new tokens per step (prefill chunks + decodes)
+    max_model_len: int | None = None  # prompt + output tokens; model's limit when None
+    prefill_row_len: int = 32  # Tq: prefill tokens are packed in rows of this width
+    dtype: str | None = None  # "float32" on CPU, "bfloat16" on GPU/TPU when None
+    attention_impl: str | None = None  # "xla" on CPU, "pallas" on GPU/TPU when None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_row_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("num_pages", "kv_cache_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if self.num_pages is not None and self.kv_cache_bytes is not None:
+            raise ValueError(
+                f"give num_pages ({self.num_pages}) or kv_cache_bytes ({self.kv_cache_bytes}), not both"
+            )
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_impl is not None and self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}"
+            )
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def resolve(self, model: ModelConfig) -> "ResolvedConfig":
+        """Fills the defaults that depend on the model and the backend."""
+        on_cpu = jax.default_backend() == "cpu"
+        dtype = self.dtype or ("float32" if on_cpu else "bfloat16")
+        impl = self.attention_impl or ("xla" if on_cpu else "pallas")
+        max_model_len = self.max_model_len or model.max_position_embeddings
+        if max_model_len > model.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's "
+                f"max_position_embeddings {model.max_position_embeddings}"
+            )
+        itemsize = 4 if dtype == "float32" else 2
+        page_bytes = 2 * model.num_layers * self.page_size * model.num_kv_heads * model.head_dim * itemsize
+        if self.num_pages is not None:
+            num_pages = self.num_pages
+        else:
+            budget = self.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+            num_pages = budget // page_bytes
+            if num_pages < 1:
+                raise ValueError(
+                    f"kv_cache_bytes {budget} is smaller than one page ({page_bytes} bytes)"
+                )
+        return ResolvedConfig(self, dtype, impl, max_model_len, num_pages, page_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedConfig:
+    """EngineConfig with every default filled for one model on one backend."""
+
+    engine: EngineConfig
+    dtype: str
+    attention_impl: str
+    max_model_len: int
+    num_pages: int
+    page_bytes: int
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.engine.page_size)

@@ -1,0 +1,151 @@
+"""Incremental detokenization and stop strings for one output sequence.
+
+Decoding token by token is wrong for byte-level BPE: one character (emoji, CJK) can span several
+tokens, and decoding a lone piece gives U+FFFD. Following vLLM, we keep two offsets into the
+token list: text is decoded over a short window [prefix_offset:] and only what goes beyond the
+decode of [prefix_offset:read_offset] is new, and only once it does not end in U+FFFD. The
+window also gives SentencePiece tokenizers the left context they need for leading spaces.
+
+Stop strings are searched in the decoded text across token boundaries. Text that could still
+turn out to be the start of a stop string is held back from the streamed deltas (unless the stop
+string is included in the output anyway) and released by the next `add` or by `finish`, so a
+stream never shows text the final output does not contain. Deltas concatenated equal `.text`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+# Prompt tokens kept as left context for the first output token (vLLM uses 5 as well).
+_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True, stop: Sequence[str] = (),
+                 include_stop_str_in_output: bool = False, min_tokens: int = 0):
+        if isinstance(stop, str):
+            stop = (stop,)
+        if any(not s for s in stop):
+            raise ValueError(f"stop strings must be non-empty, got {list(stop)!r}")
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._special_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
+        self._stop = tuple(stop)
+        self._include_stop = include_stop_str_in_output
+        self._max_stop_len = max(map(len, self._stop), default=0)
+        self._min_tokens = min_tokens  # stop strings count only from this many output tokens
+
+        context = [i for i in prompt_token_ids if i not in self._special_ids][-_CONTEXT_TOKENS:]
+        self._ids: list[int] = list(context)  # context + output tokens still to be decoded
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._prefix_text = self._decode(self._ids)
+
+        self.output_token_ids: list[int] = []
+        self._decoded = ""  # all output text decoded so far (cut at a stop string)
+        self._emitted = 0  # length of the prefix of _decoded already returned as deltas
+        self._stopped_by: str | None = None
+        self._finished = False
+
+    # ---- public API ----
+
+    @property
+    def text(self) -> str:
+        """Output text returned so far: the concatenation of every delta."""
+        return self._decoded[:self._emitted]
+
+    @property
+    def stopped_by(self) -> str | None:
+        """The stop string that ended the output, or None."""
+        return self._stopped_by
+
+    @property
+    def finished(self) -> bool:
+        return self._finished or self._stopped_by is not None
+
+    def add(self, token_id: int) -> str:
+        """Append one generated token; return the new text to stream (may be "").
+
+        Once a stop string is matched, `stopped_by` is set, the returned delta ends the text
+        and further calls return "" (the engine should stop the sequence)."""
+        if self.finished:
+            return ""
+        self.output_token_ids.append(token_id)
+        if token_id in self._special_ids:
+            return ""
+        self._ids.append(token_id)
+        new_text = self._decode(self._ids[self._prefix_offset:])
+        if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+            return ""  # an incomplete character: wait for the tokens that finish it
+        delta = new_text[len(self._prefix_text):]
+        # Slide the window: the new prefix is the tokens just consumed.
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix_offset:])
+        # Forget tokens left of the window so the list stays short.
+        del self._ids[:self._prefix_offset]
+        self._read_offset -= self._prefix_offset
+        self._prefix_offset = 0
+        return self._append_text(delta)
+
+    def finish(self) -> str:
+        """End of sequence: decode what is pending (even an incomplete character, as U+FFFD)
+        and release held-back text. Returns the last delta."""
+        if self.finished:
+            return ""
+        tail = self._decode(self._ids[self._prefix_offset:])
+        delta = self._append_text(tail[len(self._prefix_text):]) if len(tail) > len(self._prefix_text) else ""
+        self._finished = True
+        if self._stopped_by is None:
+            delta += self._release(len(self._decoded))
+        return delta
+
+    # ---- internals ----
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        if not ids:
+            return ""
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special,
+                                      clean_up_tokenization_spaces=False)
+
+    def _append_text(self, delta: str) -> str:
+        """Add decoded text, look for a stop string, return what may be streamed now."""
+        search_from = max(0, len(self._decoded) - self._max_stop_len + 1)
+        self._decoded += delta
+        match = None
+        if len(self.output_token_ids) >= self._min_tokens:
+            match = self._find_stop(search_from)
+        if match is not None:
+            start, stop = match
+            self._stopped_by = stop
+            self._decoded = self._decoded[:start + len(stop) if self._include_stop else start]
+            return self._release(len(self._decoded))
+        return self._release(len(self._decoded) - self._held_back())
+
+    def _find_stop(self, search_from: int) -> tuple[int, str] | None:
+        """Earliest stop string occurrence starting at or after search_from (ties: list order)."""
+        best = None
+        for stop in self._stop:
+            i = self._decoded.find(stop, search_from)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, stop)
+        return best
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix that is a proper prefix of a stop string."""
+        if self._include_stop:
+            return 0  # a matched stop string stays in the output, so nothing can be retracted
+        text = self._decoded
+        for n in range(min(self._max_stop_len - 1, len(text) - self._emitted), 0, -1):
+            suffix = text[-n:]
+            if any(s.startswith(suffix) for s in self._stop):
+                return n
+        return 0
+
+    def _release(self, upto: int) -> str:
+        assert upto >= self._emitted, (upto, self._emitted)  # held-back text covers any match
+        delta = self._decoded[self._emitted:upto]
+        self._emitted = upto
+        return delta

@@ -1,0 +1,62 @@
+"""What users get back: one result per prompt, and streamed deltas."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Completion:
+    """One generated sequence (one of `n` samples, or one kept beam)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort"; None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob}, chosen first
+    cumulative_logprob: float = 0.0
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """The result for one prompt. `.text`, `.token_ids`, `.finish_reason` are the first
+    (or, for beam search, the best) completion's; `.outputs` holds all of them."""
+
+    index: int  # the prompt's position in the input list
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[Completion]
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self):
+        return self.outputs[0].stop_reason
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.outputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamDelta:
+    """One streamed piece of a request's text."""
+
+    index: int  # the prompt's position
+    text: str  # new text since the last delta of this (index, sample)
+    token_ids: tuple[int, ...]  # new tokens
+    finish_reason: str | None  # None until the request's last delta for this sample
+    sample: int = 0  # which of the n samples

@@ -1,0 +1,149 @@
+"""Model runner: packs the scheduler's decisions into a StepBatch and runs the jitted step.
+
+The step is one pure function of (params, kv_cache, batch, sampling tensors): the model
+writes the step's K/V into the donated cache, computes logits for the rows that sample,
+and the sampler picks tokens on device, so only token ids (and requested logprobs)
+cross back to the host. Shapes are bucketed to powers of two in (decode rows, prefill
+rows, logits rows), so a steady decoding phase never recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+from models.llama import LlamaModel
+from pallas_kernels import reference
+from pallas_kernels.xla_attention import paged_attention_xla
+from paxpage import sampler as sampler_lib
+from paxpage.batch import StepBatch
+from paxpage.config import ResolvedConfig
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum); 0 stays 0."""
+    if n <= 0:
+        return 0
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+@dataclasses.dataclass
+class RowPlan:
+    """Host-side description of one scheduled sequence's tokens in the step."""
+
+    token_ids: Sequence[int]  # the sequence's tokens (prompt + output)
+    page_table: Sequence[int]
+    start: int  # first new token's position
+    num_new: int  # q_len this step
+    num_samples: int  # logits rows wanted for its last token (0 = mid-prefill chunk)
+
+
+def _attention_fns(impl: str):
+    if impl == "xla":
+        return paged_attention_xla, reference.write_kv
+    from pallas_kernels import dispatch  # imported lazily: Pallas is not needed on the fast CPU path
+
+    return (
+        functools.partial(dispatch.paged_attention, impl=impl),
+        functools.partial(dispatch.write_kv, impl=impl),
+    )
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, params, cfg: ResolvedConfig):
+        self.model_cfg = model_cfg
+        self.cfg = cfg
+        dtype = jnp.dtype(cfg.dtype)
+        attention, write_kv = _attention_fns(cfg.attention_impl)
+        self.model = LlamaModel(model_cfg, attention, write_kv, dtype)
+        self.params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+        shape = (2, cfg.num_pages, cfg.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        self.kv_cache = [jnp.zeros(shape, dtype) for _ in range(model_cfg.num_layers)]
+        self._step = jax.jit(self._forward, donate_argnums=(1,), static_argnames=("num_logprobs",))
+        self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
+        self.max_decode_rows = bucket(cfg.max_num_seqs)
+
+    def _forward(self, params, kv_cache, batch: StepBatch, sampling, *, num_logprobs: int):
+        logits, kv_cache = self.model.apply({"params": params}, batch, kv_cache)
+        return kv_cache, sampler_lib.sample(logits, sampling, num_logprobs)
+
+    # ------------------------------------------------------------------ packing
+    def pack(self, rows: Sequence[RowPlan]) -> tuple[StepBatch, list[int]]:
+        """Lays out the rows' tokens; returns the batch and, per logits row, the plan index."""
+        page_size, row_len = self.cfg.page_size, self.cfg.prefill_row_len
+        pages_per_seq = self.cfg.pages_per_seq
+        decode = [i for i, r in enumerate(rows) if r.num_new == 1]
+        prefill = [i for i, r in enumerate(rows) if r.num_new > 1]
+        num_dec = bucket(len(decode))
+        pre_rows = [(i, a, min(a + row_len, rows[i].start + rows[i].num_new))
+                    for i in prefill
+                    for a in range(rows[i].start, rows[i].start + rows[i].num_new, row_len)]
+        num_pre = bucket(len(pre_rows))
+        total = num_dec + num_pre * row_len
+        token_ids = np.zeros(total, np.int32)
+        positions = np.zeros(total, np.int32)
+        slots = np.full(total, -1, np.int32)
+        dec_pages = np.zeros((num_dec, pages_per_seq), np.int32)
+        dec_lens = np.zeros(num_dec, np.int32)
+        pre_pages = np.zeros((num_pre, pages_per_seq), np.int32)
+        pre_lens = np.zeros(num_pre, np.int32)
+        pre_q = np.zeros(num_pre, np.int32)
+        last_token_index = {}
+
+        def place(flat: int, plan: RowPlan, pos_lo: int, pos_hi: int) -> None:
+            n = pos_hi - pos_lo
+            pos = np.arange(pos_lo, pos_hi)
+            table = np.asarray(plan.page_table, np.int32)
+            token_ids[flat:flat + n] = plan.token_ids[pos_lo:pos_hi]
+            positions[flat:flat + n] = pos
+            slots[flat:flat + n] = table[pos // page_size] * page_size + pos % page_size
+
+        for row, i in enumerate(decode):
+            plan = rows[i]
+            place(row, plan, plan.start, plan.start + 1)
+            dec_pages[row, :len(plan.page_table)] = plan.page_table
+            dec_lens[row] = plan.start + 1
+            last_token_index[i] = row
+        for row, (i, lo, hi) in enumerate(pre_rows):
+            plan = rows[i]
+            flat = num_dec + row * row_len
+            place(flat, plan, lo, hi)
+            pre_pages[row, :len(plan.page_table)] = plan.page_table
+            pre_lens[row] = hi
+            pre_q[row] = hi - lo
+            last_token_index[i] = flat + (hi - lo) - 1
+
+        logits_plan = [i for i, r in enumerate(rows) for _ in range(r.num_samples)]
+        num_logits = bucket(len(logits_plan))
+        logits_indices = np.zeros(num_logits, np.int32)
+        logits_indices[:len(logits_plan)] = [last_token_index[i] for i in logits_plan]
+        batch = StepBatch(token_ids, positions, slots, dec_pages, dec_lens, pre_pages, pre_lens,
+                          pre_q, logits_indices)
+        return batch, logits_plan
+
+    # ------------------------------------------------------------------ device calls
+    def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicates pages src -> dst in every layer, batched in one call."""
+        if not copies:
+            return
+        n = bucket(len(copies), 4)
+        src = np.zeros(n, np.int32)
+        # Padding copies target a page past the pool, which the scatter drops.
+        dst = np.full(n, self.cfg.num_pages, np.int32)
+        src[:len(copies)], dst[:len(copies)] = zip(*copies)
+        self.kv_cache = self._copy(self.kv_cache, src, dst)
+
+    def run(self, batch: StepBatch, sampling, num_logprobs: int = 0):
+        self.kv_cache, out = self._step(self.params, self.kv_cache, batch, sampling,
+                                        num_logprobs=num_logprobs)
+        return jax.device_get(out)
+
+
+def _copy_pages(kv_cache, src, dst):  # src, dst: i32[C]
+    return [pages.at[:, dst].set(pages[:, src], mode="drop") for pages in kv_cache]

@@ -1,0 +1,290 @@
+"""One jitted sampler for the whole batch; every sampling parameter is a per-row array.
+
+Axis legend: R logits rows (sequences sampled this step, padded), V vocabulary,
+M generated-token slots per row, M2 prompt-token slots per row, E banned-token slots per row,
+L number of top logprobs reported.
+
+Order of operations in `sample` (vLLM semantics):
+  1. banned ids (min_tokens: EOS / stop tokens) -> -inf
+  2. repetition penalty (HF) over prompt + output tokens, then presence / frequency penalties
+     (OpenAI) over output tokens
+  3. logprobs = log_softmax(penalised logits): the reported logprobs, before temperature
+  4. greedy rows (temperature ~ 0) take argmax of the penalised logits
+  5. sampled rows: / temperature, top-k, top-p, min-p filtering, then gumbel-max with the row key
+
+The host never builds [R, V] arrays: penalties get padded token-id lists and the counts are
+built on device by a scatter-add. Token-list widths are bucketed to powers of two so the number
+of compiles stays small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paxpage.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_MIN_BUCKET = 16  # smallest width of the token-id lists, so short sequences share one compile
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def row_key(seed: int, step: int) -> np.ndarray:
+    """Raw threefry key data u32[2] for the token at position `step` of a sequence with `seed`.
+
+    Pure function of (seed, step), computed on the host, so a row samples the same token whatever
+    batch it is in. Splitmix64 only has to decorrelate the inputs: threefry does the mixing."""
+    x = _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
+    return np.array([x >> 32, x & 0xFFFFFFFF], dtype=np.uint32)
+
+
+def _bucket(n: int) -> int:
+    """Smallest power of two >= max(n, _MIN_BUCKET)."""
+    return max(_MIN_BUCKET, 1 << max(0, n - 1).bit_length())
+
+
+class RowInfo(NamedTuple):
+    """What the host knows about one logits row. `step` defaults to len(output_ids)."""
+
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    seed: int
+    step: int | None = None
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "keys", "output_ids", "prompt_ids",
+                 "banned_ids"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    temperature: jax.Array  # f32[R]; <= GREEDY_TEMPERATURE means greedy
+    top_p: jax.Array  # f32[R]; 1 = off
+    top_k: jax.Array  # i32[R]; 0 = off
+    min_p: jax.Array  # f32[R]; 0 = off
+    repetition_penalty: jax.Array  # f32[R]; 1 = off
+    presence_penalty: jax.Array  # f32[R]
+    frequency_penalty: jax.Array  # f32[R]
+    keys: jax.Array  # u32[R, 2] raw threefry key data, from row_key
+    output_ids: jax.Array  # i32[R, M] generated tokens, -1 pad (rows with a penalty only)
+    prompt_ids: jax.Array  # i32[R, M2] prompt tokens, -1 pad (rows with repetition_penalty only)
+    banned_ids: jax.Array  # i32[R, E] tokens forced to -inf (min_tokens), -1 pad
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+    @classmethod
+    def build(cls, rows: Sequence[RowInfo | tuple], vocab_size: int, pad_rows_to: int | None = None,
+              eos_token_ids: Sequence[int] | int | None = ()) -> SamplingTensors:
+        """Pack host rows into padded arrays. Padding rows are greedy with no penalties.
+
+        rows: RowInfo or (params, prompt_ids, output_ids, seed[, step]) tuples.
+        eos_token_ids: banned (with each row's stop_token_ids) while a row is below min_tokens.
+        """
+        rows = [r if isinstance(r, RowInfo) else RowInfo(*r) for r in rows]
+        num_real = len(rows)
+        num_rows = num_real if pad_rows_to is None else pad_rows_to
+        if num_rows < num_real:
+            raise ValueError(f"pad_rows_to={pad_rows_to} is smaller than the {num_real} rows")
+        if eos_token_ids is None:
+            eos_token_ids = ()
+        elif isinstance(eos_token_ids, int):
+            eos_token_ids = (eos_token_ids,)
+
+        temperature = np.zeros(num_rows, np.float32)
+        top_p = np.ones(num_rows, np.float32)
+        top_k = np.zeros(num_rows, np.int32)
+        min_p = np.zeros(num_rows, np.float32)
+        rep = np.ones(num_rows, np.float32)
+        presence = np.zeros(num_rows, np.float32)
+        frequency = np.zeros(num_rows, np.float32)
+        keys = np.zeros((num_rows, 2), np.uint32)
+        banned: list[tuple[int, ...]] = []
+        for i, (p, _, out, seed, step) in enumerate(rows):
+            temperature[i] = p.temperature
+            top_p[i] = p.top_p
+            top_k[i] = 0 if p.top_k <= 0 or p.top_k >= vocab_size else p.top_k
+            min_p[i] = p.min_p
+            rep[i] = p.repetition_penalty
+            presence[i] = p.presence_penalty
+            frequency[i] = p.frequency_penalty
+            keys[i] = row_key(seed, len(out) if step is None else step)
+            banned.append(p.banned_token_ids(len(out), eos_token_ids))
+
+        # Token lists only for rows that use them: without penalties they stay [R, 16].
+        needs_output = (rep != 1.0) | (presence != 0.0) | (frequency != 0.0)
+        needs_prompt = rep != 1.0
+
+        def pad_lists(lists: list[Sequence[int]], width: int) -> np.ndarray:
+            out = np.full((num_rows, width), -1, np.int32)
+            for i, ids in enumerate(lists):
+                if len(ids):
+                    out[i, :len(ids)] = ids
+            return out
+
+        outs = [r.output_ids if needs_output[i] else () for i, r in enumerate(rows)]
+        prompts = [r.prompt_ids if needs_prompt[i] else () for i, r in enumerate(rows)]
+        output_ids = pad_lists(outs, _bucket(max(map(len, outs), default=0)))
+        prompt_ids = pad_lists(prompts, _bucket(max(map(len, prompts), default=0)))
+        # Banned lists are short (EOS + stop ids); bucket from 1 so the common case is [R, 1].
+        banned_width = 1 << max(0, max(map(len, banned), default=0) - 1).bit_length()
+        banned_ids = pad_lists(banned, banned_width)
+
+        return cls(
+            temperature=jnp.asarray(temperature), top_p=jnp.asarray(top_p),
+            top_k=jnp.asarray(top_k), min_p=jnp.asarray(min_p),
+            repetition_penalty=jnp.asarray(rep), presence_penalty=jnp.asarray(presence),
+            frequency_penalty=jnp.asarray(frequency), keys=jnp.asarray(keys),
+            output_ids=jnp.asarray(output_ids), prompt_ids=jnp.asarray(prompt_ids),
+            banned_ids=jnp.asarray(banned_ids),
+        )
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["token_ids", "logprobs", "top_ids", "top_logprobs"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: jax.Array  # i32[R] sampled token per row
+    logprobs: jax.Array  # f32[R] logprob of the sampled token (penalised logits, no temperature)
+    top_ids: jax.Array  # i32[R, L] most likely tokens, descending
+    top_logprobs: jax.Array  # f32[R, L]
+
+
+def _token_counts(ids: jax.Array, vocab_size: int) -> jax.Array:
+    """ids i32[R, M] with -1 padding -> counts f32[R, V]."""
+    num_rows = ids.shape[0]
+    rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], ids.shape)
+    cols = jnp.where(ids < 0, vocab_size, ids)  # padding goes out of bounds and is dropped
+    return jnp.zeros((num_rows, vocab_size), jnp.float32).at[rows, cols].add(1.0, mode="drop")
+
+
+def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Banned ids, then repetition (HF), presence and frequency (OpenAI) penalties. [R, V]."""
+    num_rows, vocab_size = logits.shape
+    rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], t.banned_ids.shape)
+    cols = jnp.where(t.banned_ids < 0, vocab_size, t.banned_ids)
+    logits = logits.at[rows, cols].set(-jnp.inf, mode="drop")
+
+    def penalise(logits):
+        output_counts = _token_counts(t.output_ids, vocab_size)  # [R, V]
+        seen = (output_counts > 0) | (_token_counts(t.prompt_ids, vocab_size) > 0)
+        rep = t.repetition_penalty[:, None]
+        logits = jnp.where(seen, jnp.where(logits < 0, logits * rep, logits / rep), logits)
+        logits = logits - t.frequency_penalty[:, None] * output_counts
+        return logits - t.presence_penalty[:, None] * (output_counts > 0)
+
+    needs_penalties = jnp.any((t.repetition_penalty != 1.0) | (t.presence_penalty != 0.0)
+                              | (t.frequency_penalty != 0.0))
+    return jax.lax.cond(needs_penalties, penalise, lambda x: x, logits)
+
+
+def _sortable(x: jax.Array) -> jax.Array:
+    """f32 -> i32 with the same order (IEEE bits; negative floats have their magnitude bits
+    flipped), so thresholds can be found by an exact bisection over 32-bit integers."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _largest_threshold(keys: jax.Array, ok_fn) -> jax.Array:
+    """Largest i32 threshold tau per row with ok_fn(keys >= tau) true, given ok_fn is monotone
+    (true for small tau). keys i32[R, V] -> i32[R, 1]. 32 halvings of the i32 range: exact.
+
+    XLA's CPU sort of [R, V] costs ~8 ms per row at V = 49152; this costs ~0.2 ms per row."""
+    num_rows = keys.shape[0]
+    lo = jnp.full((num_rows, 1), jnp.iinfo(jnp.int32).min, jnp.int32)  # ok_fn(lo) holds
+    hi = jnp.full((num_rows, 1), jnp.iinfo(jnp.int32).max, jnp.int32)
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        # upper midpoint without overflow; lo < mid <= hi while lo < hi
+        mid = (lo >> 1) + (hi >> 1) + ((lo & 1) | (hi & 1))
+        ok = ok_fn(keys >= mid) & (lo < hi)
+        return jnp.where(ok, mid, lo), jnp.where(ok | (lo >= hi), hi, mid - 1)
+
+    lo, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return lo
+
+
+def filter_logits(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Top-k, then top-p on the renormalised top-k set, then min-p; dropped tokens -> -inf.
+
+    Each filter keeps {x >= threshold} per row, so ties at the threshold are all kept
+    (as in vLLM). The best token is always kept."""
+    vocab_size = scaled.shape[-1]
+    needs_top_k_top_p = jnp.any((t.top_k > 0) | (t.top_p < 1.0))
+
+    def top_k_top_p(scaled):
+        keys = _sortable(scaled)  # [R, V]
+        top_k = jnp.where(t.top_k > 0, t.top_k, vocab_size)[:, None]
+        k_floor = _largest_threshold(keys, lambda kept: jnp.sum(kept, -1, keepdims=True) >= top_k)
+        in_top_k = keys >= k_floor
+        probs = jnp.where(in_top_k, jnp.exp(scaled - jnp.max(scaled, -1, keepdims=True)), 0.0)
+        # top-p on the top-k set renormalised: kept mass >= top_p * (mass of the top-k set)
+        target = t.top_p[:, None] * jnp.sum(probs, -1, keepdims=True)
+        p_floor = _largest_threshold(
+            keys, lambda kept: jnp.sum(jnp.where(kept, probs, 0.0), -1, keepdims=True) >= target)
+        # top_p == 1 keeps the whole top-k set, whatever the rounding of the sums.
+        p_floor = jnp.where(t.top_p[:, None] >= 1.0, k_floor, p_floor)
+        return jnp.where(keys >= jnp.maximum(k_floor, p_floor), scaled, -jnp.inf)
+
+    scaled = jax.lax.cond(needs_top_k_top_p, top_k_top_p, lambda s: s, scaled)
+    # min-p compares probabilities to the best one: p_i >= min_p * p_max
+    # <=> x_i >= x_max + log(min_p), unaffected by the renormalisation after top-k / top-p.
+    best = jnp.max(scaled, axis=-1, keepdims=True)
+    min_p = t.min_p[:, None]
+    floor = jnp.where(min_p > 0, best + jnp.log(jnp.where(min_p > 0, min_p, 1.0)), -jnp.inf)
+    return jnp.where(scaled >= floor, scaled, -jnp.inf)
+
+
+def _argmax(x: jax.Array) -> jax.Array:
+    """First index of the row maximum, i32[R]; lax.top_k is ~2x faster than argmax on CPU."""
+    return jax.lax.top_k(x, 1)[1][:, 0].astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0) -> SamplerOutput:
+    """logits [R, V] (any float dtype) -> SamplerOutput. Rows are independent of each other.
+
+    Which rows are greedy, filtered or penalised is data, not a compile parameter: the costly
+    parts sit behind lax.cond on "does any row need this", so one executable serves any mix."""
+    logits = apply_penalties(logits.astype(jnp.float32), t)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [R, V]
+    greedy = t.temperature <= GREEDY_TEMPERATURE
+    argmax = _argmax(logits)
+
+    def draw(logits):
+        temperature = jnp.where(greedy, 1.0, t.temperature)[:, None]
+        filtered = filter_logits(logits / temperature, t)
+        keys = jax.random.wrap_key_data(t.keys, impl="threefry2x32")
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], jnp.float32))(keys)
+        return jnp.where(greedy, argmax, _argmax(filtered + gumbel))
+
+    token_ids = jax.lax.cond(jnp.all(greedy), lambda _: argmax, draw, logits)
+    chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
+    if num_logprobs > 0:
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    else:
+        top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    return SamplerOutput(token_ids=token_ids, logprobs=chosen,
+                         top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)

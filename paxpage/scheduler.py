@@ -1,0 +1,357 @@
+"""Continuous-batching scheduler with a vLLM-v1 style token budget. Pure Python (no jax).
+
+One engine iteration:
+    out = scheduler.schedule()          # which sequences run, how many tokens each, CoW copies
+    ... device: run out.copies, then the step over out.scheduled, sample a token for each row with samples=True
+    scheduler.update(out, {seq_id: token})   # advance num_computed_tokens, cache full pages, append tokens
+    ... engine: scheduler.finish(seq, "stop" | "length") for sequences that are done
+
+Decisions (see tests/engine/test_scheduler.py):
+- Order: RUNNING sequences first, in admission order (forked children sit right after their parent's group),
+  then WAITING ones in FIFO order (head-of-line blocking: admission stops at the first that does not fit).
+- Token budget: each scheduled sequence costs its new tokens (decode 1). With chunked prefill (default) an
+  unfinished prefill gets min(remaining, budget left). Without it a prefill runs whole or waits; the config then
+  requires max_num_batched_tokens >= max_model_len, so any admissible sequence fits one step alone.
+- At most max_num_seqs sequences are scheduled per step; admission also stops at max_num_seqs running.
+- Preemption (recompute): when a running sequence cannot get its pages, the most recently admitted running
+  sequence (the last in order, possibly itself) is preempted: pages freed (cached full pages stay evictable),
+  num_computed_tokens = 0, tokens kept, put at the FRONT of the waiting queue. A step that preempted admits
+  nothing. Preempting one member of a fork group is fine: each sequence keeps its own tokens and is recomputed
+  alone (sharing with the group is lost, correctness is not).
+- contiguous allocation (memory baseline): admission reserves pages for max_model_len tokens at once.
+- Progress: if nothing was scheduled or preempted while work remains, that is a bug -> RuntimeError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import deque
+from collections.abc import Mapping
+
+from paxpage.page_manager import PageManager, cdiv
+from paxpage.sequence import Sequence, SequenceStatus
+
+_POSITIVE_FIELDS = ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    num_pages: int  # P: KV pages in the pool
+    page_size: int  # tokens per page
+    max_num_seqs: int  # max sequences scheduled in one step (batch rows)
+    max_num_batched_tokens: int  # token budget of one step
+    max_model_len: int  # max prompt + output tokens of one sequence
+    enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool = True
+    allocation: str = "paged"  # "paged" | "contiguous" (reserve max_model_len tokens at admission)
+
+    def __post_init__(self):
+        for name in _POSITIVE_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} is {value!r}; must be an int >= 1")
+        if self.allocation not in ("paged", "contiguous"):
+            raise ValueError(f"allocation is {self.allocation!r}; must be 'paged' or 'contiguous'")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens is {self.max_num_batched_tokens}; without chunked prefill it must be "
+                f">= max_model_len ({self.max_model_len}) so every sequence can be prefilled in one step"
+            )
+        if self.allocation == "contiguous" and self.num_pages < self.max_pages_per_seq:
+            raise ValueError(
+                f"num_pages is {self.num_pages}; contiguous allocation needs >= {self.max_pages_per_seq} "
+                f"(max_model_len {self.max_model_len} / page_size {self.page_size})"
+            )
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        """Width of a page table: no sequence ever holds more pages."""
+        return cdiv(self.max_model_len, self.page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # q_len: tokens computed this step, positions [start, start + num_new_tokens)
+    start: int  # seq.num_computed_tokens before this step
+    samples: bool  # this chunk reaches the end of seq's tokens: sample the next token from its last row
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    copies: list[tuple[int, int]]  # CoW (src_page, dst_page), to run on device BEFORE the step, in order
+    preempted: list[Sequence]
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_hit_rate: float  # hit tokens / looked-up tokens over all admissions
+    kv_utilization: float  # computed tokens held / (used pages * page_size); shared pages counted once
+    num_used_pages: int
+    num_free_pages: int  # free + evictable cached
+    num_cached_pages: int  # registered in the prefix cache
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.page_manager = PageManager(config.num_pages, config.page_size, config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self.num_preemptions = 0
+        self._live: dict[int, Sequence] = {}  # seq_id -> waiting or running sequence
+        self._arrivals = itertools.count()
+        self._reserve_tokens = config.max_model_len if config.allocation == "contiguous" else 0
+
+    # ---- queries ------------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get(self, seq_id: int) -> Sequence | None:
+        return self._live.get(seq_id)
+
+    def stats(self) -> SchedulerStats:
+        pm, ps = self.page_manager, self.config.page_size
+        fill: dict[int, int] = {}
+        for seq in self.running:
+            for i, page in enumerate(seq.page_table):
+                fill[page] = max(fill.get(page, 0), min(ps, max(0, seq.num_computed_tokens - i * ps)))
+        used = pm.num_used_pages
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            prefix_hit_rate=pm.hit_rate,
+            kv_utilization=sum(fill.values()) / (used * ps) if used else 0.0,
+            num_used_pages=used,
+            num_free_pages=pm.num_free_pages,
+            num_cached_pages=pm.num_cached_pages,
+        )
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def _check_fits(self, seq: Sequence) -> None:
+        cfg = self.config
+        total = seq.num_prompt_tokens + seq.max_tokens
+        if total > cfg.max_model_len:
+            raise ValueError(
+                f"sequence {seq.seq_id}: prompt has {seq.num_prompt_tokens} tokens + max_tokens {seq.max_tokens} "
+                f"= {total}; max_model_len is {cfg.max_model_len}"
+            )
+        pages = cdiv(total, cfg.page_size)
+        if pages > cfg.num_pages:
+            raise ValueError(
+                f"sequence {seq.seq_id}: {total} tokens need {pages} pages of {cfg.page_size}; "
+                f"the cache has {cfg.num_pages} pages"
+            )
+        if seq.num_output_tokens > seq.max_tokens:
+            raise ValueError(
+                f"sequence {seq.seq_id} has {seq.num_output_tokens} output tokens; max_tokens is {seq.max_tokens}"
+            )
+
+    def _check_fresh(self, seq: Sequence) -> None:
+        if seq.seq_id in self._live:
+            raise ValueError(f"seq_id {seq.seq_id} is already scheduled")
+        if seq.status is not SequenceStatus.WAITING or seq.page_table or seq.num_computed_tokens:
+            raise ValueError(f"{seq} is not fresh (WAITING, no pages, nothing computed)")
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (FIFO). ValueError at once if it can never fit."""
+        self._check_fresh(seq)
+        self._check_fits(seq)
+        seq.arrival = next(self._arrivals)
+        self.waiting.append(seq)
+        self._live[seq.seq_id] = seq
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child (fresh, e.g. parent.clone() with its own last token) shares parent's pages and computed tokens
+        and joins parent's queue right after parent's group. Call it after update(), not between schedule()
+        and update(). child.token_ids must equal parent's over parent's computed tokens."""
+        if self._live.get(parent.seq_id) is not parent:
+            raise ValueError(f"fork parent {parent.seq_id} is not waiting or running")
+        self._check_fresh(child)
+        self._check_fits(child)
+        nc = parent.num_computed_tokens
+        if child.num_tokens <= nc or child.token_ids[:nc] != parent.token_ids[:nc]:
+            raise ValueError(
+                f"fork child {child.seq_id} ({child.num_tokens} tokens) must extend parent {parent.seq_id}'s "
+                f"{nc} computed tokens by at least one token"
+            )
+        child.group_id = parent.group_id
+        child.arrival = next(self._arrivals)
+        queue = self.running if parent.status is SequenceStatus.RUNNING else self.waiting
+        idx = queue.index(parent) + 1
+        while idx < len(queue) and queue[idx].group_id == parent.group_id:
+            idx += 1
+        if parent.status is SequenceStatus.RUNNING:
+            self.page_manager.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+        queue.insert(idx, child)
+        self._live[child.seq_id] = child
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Engine decided seq is done: free its pages, FINISHED."""
+        if self._live.get(seq.seq_id) is not seq:
+            raise ValueError(f"sequence {seq.seq_id} is not waiting or running ({seq.status.name})")
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.page_manager.release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._live[seq.seq_id]
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Finish a waiting or running sequence with reason "abort"; None if unknown or already finished."""
+        seq = self._live.get(seq_id)
+        if seq is not None:
+            self.finish(seq, "abort")
+        return seq
+
+    def abort_group(self, group_id: int) -> list[Sequence]:
+        seqs = [s for s in self._live.values() if s.group_id == group_id]
+        for seq in seqs:
+            self.finish(seq, "abort")
+        return seqs
+
+    # ---- the step -----------------------------------------------------------------------------------
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.page_manager.release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        cfg, pm = self.config, self.page_manager
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        copies: list[tuple[int, int]] = []
+        preempted: list[Sequence] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0 and len(scheduled) < cfg.max_num_seqs:
+            seq = self.running[i]
+            q = seq.num_uncomputed_tokens
+            assert q >= 1, f"running {seq} has nothing to compute; update() must append its sampled token"
+            if q > budget:
+                if not cfg.enable_chunked_prefill:
+                    i += 1  # runs whole in a later step
+                    continue
+                q = budget
+            while not pm.can_allocate(pm.num_pages_to_write(seq, q)):
+                victim = self.running[-1]  # most recently admitted; index >= i, so not yet scheduled
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # preempted itself: it was the last running sequence
+            copies += pm.prepare_write(seq, q)
+            scheduled.append(ScheduledSeq(seq, q, seq.num_computed_tokens, q == seq.num_uncomputed_tokens))
+            budget -= q
+            i += 1
+
+        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            hits = pm.match_prefix(seq)
+            num_hit = len(hits) * cfg.page_size
+            q = seq.num_tokens - num_hit
+            if q > budget:
+                if not cfg.enable_chunked_prefill:
+                    break
+                q = budget
+            num_new = max(0, pm.num_pages_for(max(num_hit + q, self._reserve_tokens)) - len(hits))
+            if not pm.can_allocate(pm.num_revived(hits) + num_new):
+                break
+            self.waiting.popleft()
+            pm.acquire_prefix(seq, hits)
+            copies += pm.prepare_write(seq, q, self._reserve_tokens)  # own fresh pages: never copies
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, q, num_hit, q == seq.num_uncomputed_tokens))
+            budget -= q
+
+        if not scheduled and not preempted and self.has_unfinished():
+            raise RuntimeError(f"scheduler made no progress: {self._describe()}")
+        return SchedulerOutput(scheduled, copies, preempted, cfg.max_num_batched_tokens - budget)
+
+    def update(self, output: SchedulerOutput, sampled_tokens: Mapping[int, int]) -> None:
+        """After the device step: advance num_computed_tokens, cache newly full pages, and append the sampled
+        token of every scheduled sequence with samples=True (sampled_tokens[seq_id]). Sequences finished or
+        aborted since schedule() are skipped. Validates everything before changing anything."""
+        sampling = {s.seq.seq_id for s in output.scheduled if s.samples}
+        unexpected = sorted(set(sampled_tokens) - sampling)
+        if unexpected:
+            raise ValueError(f"sampled tokens for seq_ids {unexpected}, which did not sample this step")
+        live = [s for s in output.scheduled if self._live.get(s.seq.seq_id) is s.seq]
+        for s in live:
+            seq = s.seq
+            if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != s.start:
+                raise ValueError(f"stale output for {seq} (start {s.start}); update() called twice?")
+            if s.samples and seq.seq_id not in sampled_tokens:
+                raise ValueError(f"no sampled token for seq_id {seq.seq_id}")
+            if s.samples and seq.num_output_tokens >= seq.max_tokens:
+                raise ValueError(
+                    f"sequence {seq.seq_id} already has {seq.num_output_tokens} output tokens; max_tokens is "
+                    f"{seq.max_tokens}; finish() it"
+                )
+        for s in live:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            self.page_manager.cache_full_pages(seq)
+            if s.samples:
+                seq.append_token(sampled_tokens[seq.seq_id])
+
+    # ---- invariants ---------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError if queues, sequence states or page accounting are inconsistent."""
+        pm = self.page_manager
+        seqs = self.running + list(self.waiting)
+        pm.check_invariants(seqs)
+        ids = [s.seq_id for s in seqs]
+        _check(len(set(ids)) == len(ids) and set(ids) == set(self._live), f"queues {ids} vs live {sorted(self._live)}")
+        for seq in self.waiting:
+            _check(seq.status is SequenceStatus.WAITING, f"{seq} in waiting queue")
+            _check(not seq.page_table and seq.num_computed_tokens == 0, f"waiting {seq} holds pages")
+        for seq in self.running:
+            _check(seq.status is SequenceStatus.RUNNING, f"{seq} in running queue")
+            _check(0 <= seq.num_computed_tokens < seq.num_tokens, f"running {seq} has nothing to compute")
+            _check(len(seq.page_table) <= self.config.max_pages_per_seq, f"{seq} holds too many pages")
+        for seq in seqs:
+            _check(seq.num_output_tokens <= seq.max_tokens, f"{seq} is past max_tokens {seq.max_tokens}")
+
+    def _describe(self) -> str:
+        pm = self.page_manager
+        return (
+            f"running={self.running} waiting={list(self.waiting)} free_pages={pm.num_free_pages}/{pm.num_pages} "
+            f"config={self.config}"
+        )
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise AssertionError(msg)

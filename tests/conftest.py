@@ -1,0 +1,83 @@
+"""Shared fixtures: the real default model (paxpage and HF transformers on the same GGUF),
+and tiny random-weight HF models saved to disk for fast checks."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    import paxpage
+
+    return paxpage.load()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """The same GGUF loaded by transformers: the independent reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.loading import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=GGUF_NAME,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+def save_tiny_hf(path, kind: str = "llama", seed: int = 0, **overrides):
+    """Saves a tiny random-weight HF model of `kind` (llama | qwen2 | qwen3) to `path`."""
+    import torch
+    import transformers as tf
+
+    base = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    base.update(overrides)
+    classes = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+    }
+    config_cls, model_cls = classes[kind]
+    if kind == "qwen3":
+        base.setdefault("head_dim", 16)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**base)).eval()
+    # Random init gives near-uniform logits; sharper weights make greedy choices well separated.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    save_tiny_hf(path, "llama")
+    return path
+
+
+def hf_greedy(model, prompt_ids, max_new_tokens):
+    """HF transformers greedy continuation (token ids after the prompt)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=max_new_tokens, pad_token_id=0,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+def random_prompts(n, vocab, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=int(length)).tolist() for length in lengths[:n]]

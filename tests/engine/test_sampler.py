@@ -1,0 +1,260 @@
+"""Sampler: filtering supports and frequencies, penalties against HF / numpy, compiles, seeds."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+from paxpage.sampler import RowInfo, SamplingTensors, apply_penalties, filter_logits, row_key, sample
+from paxpage.sampling_params import SamplingParams
+
+# Upper 0.1% points of the chi-square distribution by degrees of freedom (scipy is not installed).
+CHI2_CRITICAL_0_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
+
+PROBS = np.array([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015, 0.005])
+LOGITS = np.log(PROBS).astype(np.float32)  # [V=8], token i has probability PROBS[i]
+
+
+def _draw(params: SamplingParams, logits=LOGITS, num_draws=4000, step=0):
+    """num_draws independent samples of one logits row: one row per seed."""
+    rows = [RowInfo(params, [1], [], seed, step) for seed in range(num_draws)]
+    t = SamplingTensors.build(rows, vocab_size=len(logits))
+    out = sample(jnp.tile(jnp.asarray(logits), (num_draws, 1)), t)
+    return np.asarray(out.token_ids)
+
+
+def _chi_square_check(tokens, expected_probs):
+    """Support equals expected_probs > 0 and frequencies pass a chi-square test at 0.1%."""
+    allowed = np.flatnonzero(expected_probs > 0)
+    assert set(np.unique(tokens)) <= set(allowed), f"tokens outside {allowed}: {np.unique(tokens)}"
+    counts = np.bincount(tokens, minlength=len(expected_probs))[allowed]
+    expected = len(tokens) * expected_probs[allowed] / expected_probs[allowed].sum()
+    stat = float(np.sum((counts - expected) ** 2 / expected))
+    assert stat < CHI2_CRITICAL_0_001[len(allowed) - 1], (stat, counts, expected)
+
+
+def _keep(probs, mask):
+    return np.where(mask, probs, 0.0)
+
+
+def test_plain_sampling_matches_softmax():
+    _chi_square_check(_draw(SamplingParams()), PROBS)
+
+
+def test_temperature_sharpens():
+    sharpened = PROBS ** 2  # temperature 0.5 squares the probabilities (before renormalising)
+    _chi_square_check(_draw(SamplingParams(temperature=0.5, top_k=4)), _keep(sharpened, np.arange(8) < 4))
+
+
+def test_top_k():
+    _chi_square_check(_draw(SamplingParams(top_k=3)), _keep(PROBS, np.arange(8) < 3))
+
+
+def test_top_p():
+    # mass of strictly better tokens: 0, .4, .65, .8 -> top_p .7 keeps the first 3
+    _chi_square_check(_draw(SamplingParams(top_p=0.7)), _keep(PROBS, np.arange(8) < 3))
+
+
+def test_top_p_applies_to_the_renormalised_top_k_set():
+    # top-4 renormalised: .444 .278 .167 .111 -> mass before: 0, .444, .722: top_p .7 keeps 2
+    # (without renormalising it would keep 3)
+    _chi_square_check(_draw(SamplingParams(top_k=4, top_p=0.7)), _keep(PROBS, np.arange(8) < 2))
+
+
+def test_min_p():
+    # keeps p >= 0.5 * 0.4 = 0.2
+    _chi_square_check(_draw(SamplingParams(min_p=0.5)), _keep(PROBS, PROBS >= 0.2))
+
+
+def test_filters_tiny_top_p_keeps_the_best_token():
+    assert set(_draw(SamplingParams(top_p=1e-6), num_draws=200)) == {0}
+
+
+def _reference_filter(x, top_k, top_p, min_p):
+    """Sort-based numpy top-k -> top-p (renormalised) -> min-p, returning the kept mask."""
+    order = np.argsort(-x, kind="stable")
+    xs = x[order]
+    k = len(x) if top_k <= 0 else top_k
+    p = np.exp(xs[:k] - xs[0])
+    p /= p.sum()
+    before = np.cumsum(p) - p
+    num_kept = max(1, int(np.sum(before < top_p))) if top_p < 1 else k
+    threshold = xs[num_kept - 1]
+    keep = x >= threshold
+    if min_p > 0:
+        keep &= x >= x.max() + np.log(min_p)
+    return keep
+
+
+def test_filter_logits_matches_sort_reference():
+    rng = np.random.default_rng(0)
+    num_rows, vocab = 64, 300
+    x = rng.normal(size=(num_rows, vocab)).astype(np.float32) * rng.uniform(0.5, 4, size=(num_rows, 1))
+    x[:4, :10] = x[:4].max(axis=1, keepdims=True) + 1  # ten-way ties at the top
+    top_k = rng.choice([0, 1, 2, 7, 50, 299], size=num_rows)
+    top_p = rng.choice([1.0, 0.9, 0.5, 0.1, 0.99], size=num_rows)
+    min_p = rng.choice([0.0, 0.0, 0.05, 0.3], size=num_rows)
+    params = [SamplingParams(top_k=int(k), top_p=float(p), min_p=float(m))
+              for k, p, m in zip(top_k, top_p, min_p)]
+    t = SamplingTensors.build([RowInfo(p, [0], [], 0) for p in params], vocab)
+    kept = np.isfinite(np.asarray(jax.jit(filter_logits)(jnp.asarray(x), t)))
+    for r in range(num_rows):
+        ref = _reference_filter(x[r].astype(np.float64), top_k[r], top_p[r], min_p[r])
+        # float32 vs float64 cumulative sums may differ right at a top_p boundary: allow 1 token
+        assert np.sum(kept[r] != ref) <= 1, (r, top_k[r], top_p[r], min_p[r])
+    assert kept[:4, :10].all()  # ties at the threshold are all kept
+
+
+def test_repetition_penalty_matches_hf():
+    rng = np.random.default_rng(1)
+    vocab = 50
+    logits = rng.normal(size=(3, vocab)).astype(np.float32) * 3
+    cases = [(1.3, [1, 2, 3, 3], [4, 49]), (0.7, [5], [5, 6, 7, 8, 9, 10]), (2.0, list(range(20)), [])]
+    rows = [RowInfo(SamplingParams(repetition_penalty=pen), prompt, out, 0) for pen, prompt, out in cases]
+    got = np.asarray(apply_penalties(jnp.asarray(logits), SamplingTensors.build(rows, vocab)))
+    for r, (pen, prompt, out) in enumerate(cases):
+        ids = torch.tensor([prompt + out], dtype=torch.long)
+        want = RepetitionPenaltyLogitsProcessor(pen)(ids, torch.tensor(logits[r:r + 1]))[0].numpy()
+        np.testing.assert_allclose(got[r], want, rtol=1e-6)
+
+
+def test_presence_and_frequency_penalties_match_numpy():
+    rng = np.random.default_rng(2)
+    vocab = 40
+    logits = rng.normal(size=(2, vocab)).astype(np.float32)
+    cases = [(0.5, 0.25, [1, 2, 2, 2, 7], [3, 3]), (-1.0, 1.5, [0, 0, 39], [])]
+    rows = [RowInfo(SamplingParams(presence_penalty=pp, frequency_penalty=fp), prompt, out, 0)
+            for pp, fp, out, prompt in cases]
+    got = np.asarray(apply_penalties(jnp.asarray(logits), SamplingTensors.build(rows, vocab)))
+    for r, (pp, fp, out, _) in enumerate(cases):
+        counts = np.bincount(out, minlength=vocab)  # output tokens only: the prompt is not penalised
+        want = logits[r] - fp * counts - pp * (counts > 0)
+        np.testing.assert_allclose(got[r], want, rtol=1e-6)
+
+
+def test_all_penalties_together_and_logprobs_before_temperature():
+    rng = np.random.default_rng(3)
+    vocab = 32
+    logits = rng.normal(size=(1, vocab)).astype(np.float32) * 2
+    prompt, out = [3, 4, 5], [5, 6, 6]
+    p = SamplingParams(temperature=2.0, repetition_penalty=1.5, presence_penalty=0.3,
+                       frequency_penalty=0.2, logprobs=4)
+    t = SamplingTensors.build([RowInfo(p, prompt, out, 9)], vocab)
+    result = sample(jnp.asarray(logits), t, num_logprobs=4)
+
+    want = logits[0].copy()
+    seen = list(set(prompt + out))  # HF first, then OpenAI penalties on output counts
+    want[seen] = np.where(want[seen] < 0, want[seen] * 1.5, want[seen] / 1.5)
+    counts = np.bincount(out, minlength=vocab)
+    want = want - 0.2 * counts - 0.3 * (counts > 0)
+    logprobs = want - np.log(np.sum(np.exp(want - want.max()))) - want.max()  # no temperature
+    token = int(result.token_ids[0])
+    np.testing.assert_allclose(float(result.logprobs[0]), logprobs[token], rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(result.top_ids[0]), np.argsort(-logprobs)[:4])
+    np.testing.assert_allclose(np.asarray(result.top_logprobs[0]), np.sort(logprobs)[::-1][:4], rtol=1e-5)
+
+
+def test_min_tokens_bans_eos_and_stop_tokens():
+    vocab, eos = 16, 2
+    logits = np.zeros((3, vocab), np.float32)
+    logits[:, eos], logits[:, 9], logits[:, 5] = 10.0, 9.0, 8.0
+    p = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[9])
+    rows = [RowInfo(p, [1], [7, 7], 0),  # 2 < 3 generated: EOS and 9 banned
+            RowInfo(p, [1], [7, 7, 7], 0),  # min_tokens reached
+            RowInfo(p.replace(ignore_eos=True), [1], [], 0)]  # ignore_eos: EOS is not a stop
+    t = SamplingTensors.build(rows, vocab, eos_token_ids=(eos,))
+    out = sample(jnp.asarray(logits), t, num_logprobs=2)
+    assert out.token_ids.tolist() == [5, eos, eos]
+    assert float(out.logprobs[0]) > -1.0  # banned tokens carry no probability
+    assert out.top_ids[0].tolist() == [5, 0]
+
+
+def test_greedy_rows_take_argmax_and_ignore_filters():
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(6, 100)).astype(np.float32)
+    greedy = SamplingParams(temperature=0, top_k=3, top_p=0.1, min_p=0.9)
+    rows = [RowInfo(greedy if r % 2 == 0 else SamplingParams(), [1], [], r) for r in range(6)]
+    out = sample(jnp.asarray(logits), SamplingTensors.build(rows, 100))
+    np.testing.assert_array_equal(np.asarray(out.token_ids)[::2], logits[::2].argmax(-1))
+
+
+def test_any_mix_of_rows_compiles_once():
+    num_rows, vocab = 5, 37  # a shape no other test uses
+    logits = jnp.asarray(np.random.default_rng(5).normal(size=(num_rows, vocab)), jnp.float32)
+    variants = [
+        [SamplingParams(temperature=0)] * num_rows,
+        [SamplingParams()] * num_rows,
+        [SamplingParams(temperature=0), SamplingParams(top_k=5), SamplingParams(top_p=0.8),
+         SamplingParams(min_p=0.1, temperature=0.7), SamplingParams(repetition_penalty=1.2)],
+        [SamplingParams(presence_penalty=1.0, frequency_penalty=-0.5, temperature=0)] * num_rows,
+    ]
+    before = sample._cache_size()
+    for params in variants:
+        t = SamplingTensors.build([RowInfo(p, [1, 2], [3], i) for i, p in enumerate(params)], vocab)
+        jax.block_until_ready(sample(logits, t, num_logprobs=2))
+    assert sample._cache_size() - before == 1
+
+
+def test_row_key_is_a_pure_function():
+    k = row_key(1234, 7)
+    assert k.dtype == np.uint32 and k.shape == (2,)
+    np.testing.assert_array_equal(k, row_key(1234, 7))
+    assert not np.array_equal(k, row_key(1234, 8))
+    assert not np.array_equal(k, row_key(1235, 7))
+    row_key(2**70, 0)  # any non-negative int is accepted
+
+
+def test_same_row_same_tokens_whatever_the_batch():
+    vocab = 512
+    rng = np.random.default_rng(6)
+    logits_row = rng.normal(size=vocab).astype(np.float32) * 2
+    target = SamplingParams(temperature=0.9, top_k=100, top_p=0.95, frequency_penalty=0.3)
+    prompt = [5, 6, 7]
+    for step in range(8):
+        output = list(rng.integers(0, vocab, size=step))
+        alone = sample(jnp.asarray(logits_row[None]),
+                       SamplingTensors.build([RowInfo(target, prompt, output, 1234)], vocab))
+        # 32 rows, the target at row 17, neighbours with other params, longer token lists, and
+        # padding rows: the row must not notice.
+        neighbours = [RowInfo(SamplingParams(temperature=float(rng.uniform(0, 2)),
+                                             repetition_penalty=1.1, top_k=int(rng.integers(0, 50))),
+                              list(rng.integers(0, vocab, size=40)), list(rng.integers(0, vocab, size=70)),
+                              int(rng.integers(0, 2**31)))
+                      for _ in range(29)]
+        rows = neighbours[:17] + [RowInfo(target, prompt, output, 1234)] + neighbours[17:]
+        batch_logits = rng.normal(size=(32, vocab)).astype(np.float32)
+        batch_logits[17] = logits_row
+        batch = sample(jnp.asarray(batch_logits), SamplingTensors.build(rows, vocab, pad_rows_to=32))
+        assert int(batch.token_ids[17]) == int(alone.token_ids[0]), step
+        assert float(batch.logprobs[17]) == pytest.approx(float(alone.logprobs[0]), abs=1e-6)
+
+
+def test_seeds_and_steps_change_the_draw():
+    draws_by_seed = _draw(SamplingParams(), num_draws=64)
+    draws_by_step = [int(_draw(SamplingParams(), num_draws=1, step=s)[0]) for s in range(16)]
+    assert len(set(draws_by_seed.tolist())) > 3 and len(set(draws_by_step)) > 3
+
+
+def test_build_pads_rows_and_buckets_token_lists():
+    p = SamplingParams(repetition_penalty=1.1, top_k=10_000)
+    t = SamplingTensors.build([RowInfo(p, list(range(20)), list(range(3)), 0),
+                               RowInfo(SamplingParams(), list(range(100)), list(range(100)), 1)],
+                              vocab_size=1000, pad_rows_to=4)
+    assert t.num_rows == 4
+    assert t.output_ids.shape == (4, 16) and t.prompt_ids.shape == (4, 32)  # powers of two, >= 16
+    assert t.output_ids[1].tolist() == [-1] * 16  # no penalty: its tokens are not shipped
+    assert t.top_k.tolist() == [0, 0, 0, 0]  # top_k >= vocab is off
+    assert t.temperature[2:].tolist() == [0.0, 0.0]  # padding rows are greedy
+    assert t.banned_ids.shape == (4, 1)
+    with pytest.raises(ValueError, match="pad_rows_to=1 is smaller than the 2 rows"):
+        SamplingTensors.build([RowInfo(p, [1], [], 0)] * 2, 1000, pad_rows_to=1)
+
+
+def test_bfloat16_logits_and_no_logprobs():
+    logits = jnp.asarray(np.random.default_rng(7).normal(size=(2, 64)), jnp.bfloat16)
+    t = SamplingTensors.build([RowInfo(SamplingParams(), [1], [], i) for i in range(2)], 64)
+    out = sample(logits, t)
+    assert out.token_ids.dtype == jnp.int32 and out.top_ids.shape == (2, 0)
+    assert np.all(np.asarray(out.logprobs) <= 0)

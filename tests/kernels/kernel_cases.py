@@ -1,0 +1,80 @@
+"""Shared builders for kernel tests: paged pools with permuted page tables and NaN-filled unused pages.
+
+Axis legend: B rows, Tq query tokens per row, N query heads, K kv heads, D head dim, P pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+# One tolerance table per dtype: kernels sum in a different order than the reference, and bf16
+# outputs may land one bf16 ulp apart.
+TOLERANCE = {
+    jnp.float32: dict(atol=3e-5, rtol=3e-5),
+    jnp.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+# A covering subset of dtype x page_size x head ratio (N // K) x head_dim: every value of every
+# factor appears with both dtypes, so the file stays within the interpret-mode time budget.
+CONFIGS = [
+    # (dtype, page_size, ratio, head_dim, num_kv_heads)
+    (jnp.float32, 8, 1, 64, 2),
+    (jnp.float32, 16, 3, 128, 1),
+    (jnp.float32, 32, 8, 64, 1),
+    (jnp.bfloat16, 8, 8, 128, 1),
+    (jnp.bfloat16, 16, 1, 64, 2),
+    (jnp.bfloat16, 32, 3, 128, 2),
+]
+
+
+def config_id(cfg) -> str:
+    dtype, page_size, ratio, head_dim, num_kv_heads = cfg
+    return f"{jnp.dtype(dtype).name}-ps{page_size}-r{ratio}-d{head_dim}-k{num_kv_heads}"
+
+
+@dataclasses.dataclass
+class PagedCase:
+    kv_pages: np.ndarray  # [2, P, page_size, K, D]; pages nobody uses are NaN
+    page_indices: np.ndarray  # i32[B, pages_per_seq]; entries past a row's pages point at NaN pages
+    kv_lens: np.ndarray  # i32[B]
+    q_lens: np.ndarray  # i32[B]
+    q: np.ndarray  # [B, Tq, N, D]
+
+
+def make_case(rng, *, dtype, page_size, ratio, head_dim, num_kv_heads, kv_lens, q_lens,
+              pages_per_seq, num_q=None, spare_pages=3) -> PagedCase:
+    kv_lens = np.asarray(kv_lens, np.int32)
+    q_lens = np.asarray(q_lens, np.int32)
+    batch = len(kv_lens)
+    num_q = num_q or max(1, int(q_lens.max(initial=1)))
+    used = [-(-int(n) // page_size) for n in kv_lens]
+    num_pages = sum(used) + spare_pages
+    perm = rng.permutation(num_pages).astype(np.int32)
+    spare = perm[sum(used):]
+    pool = rng.standard_normal((2, num_pages, page_size, num_kv_heads, head_dim)).astype(np.float32)
+    pool[:, spare] = np.nan
+    table = rng.choice(spare, size=(batch, pages_per_seq)).astype(np.int32)  # stray entries -> NaN
+    start = 0
+    for b, n in enumerate(used):
+        table[b, :n] = perm[start:start + n]
+        start += n
+    # NaN in the tail of a used page, past the row's length, must not leak either.
+    for b, n in enumerate(kv_lens):
+        if n % page_size:
+            pool[:, table[b, n // page_size], n % page_size:] = np.nan
+    num_heads = ratio * num_kv_heads
+    q = rng.standard_normal((batch, num_q, num_heads, head_dim)).astype(np.float32)
+    return PagedCase(
+        kv_pages=np.asarray(jnp.asarray(pool, dtype)), page_indices=table, kv_lens=kv_lens,
+        q_lens=q_lens, q=np.asarray(jnp.asarray(q, dtype)),
+    )
+
+
+def assert_close(got, want, dtype):
+    got = np.asarray(jnp.asarray(got, jnp.float32))
+    want = np.asarray(jnp.asarray(want, jnp.float32))
+    assert np.isfinite(got).all(), "kernel output has NaN/inf: a stray page or padding leaked"
+    np.testing.assert_allclose(got, want, **TOLERANCE[dtype])
