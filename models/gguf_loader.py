@@ -10,7 +10,6 @@ the HF llama3 parameters by matching it against the known presets.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import numpy as np
@@ -86,7 +85,7 @@ def _open_reader(path: str):
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # truncated or not GGUF: ValueError, IndexError, struct/numpy errors...
-        raise ValueError(f"cannot read GGUF file {path!r}: {type(e).__name__}: {e}") from e
+        raise ValueError(f"cannot read GGUF file {path!r} (truncated or not GGUF?): {type(e).__name__}: {e}") from e
 
 
 def read_metadata(reader) -> dict[str, Any]:
@@ -149,7 +148,10 @@ def read_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, 
         meta[f"{arch}.vocab_size"] = int(by_name["token_embd.weight"].shape[-1])  # GGUF shape is [H, V]
     if "rope_freqs.weight" in by_name:
         _rope_scaling_from_freqs(path, meta, arch, _dequantize(path, by_name["rope_freqs.weight"]))
-    cfg = ModelConfig.from_gguf_metadata(meta, tensor_names=by_name)
+    try:
+        cfg = ModelConfig.from_gguf_metadata(meta, tensor_names=by_name)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"GGUF file {path!r}: {e}") from e
 
     tensors = {}
     for name, tensor in by_name.items():

@@ -49,7 +49,10 @@ def safetensors_files(directory: str) -> list[str]:
 
 def load_hf_dir(directory: str, dtype: Any) -> tuple[ModelConfig, dict[str, Any]]:
     """Reads config and weights of a HF directory into the paxpage tree (see models/param_layout.py)."""
-    cfg = ModelConfig.from_hf_dir(directory)
+    try:
+        cfg = ModelConfig.from_hf_dir(directory)
+    except (KeyError, TypeError) as e:  # a config.json lacking a required field
+        raise ValueError(f"config.json in {directory!r} is incomplete: missing or bad {e}") from e
     with contextlib.ExitStack() as stack:
         owner: dict[str, tuple[str, Any]] = {}  # tensor name -> (file, open handle)
         for path in safetensors_files(directory):

@@ -163,6 +163,8 @@ def _write_cache(entry: str, cfg: ModelConfig, flat: dict, tokenizer: Any, gguf_
         os.rename(tmp, entry)  # atomic; fails if another process won the race, which is fine
         tmp = None
     except OSError as e:
+        if os.path.isdir(entry):
+            return  # another process wrote the same entry first
         log.warning("paxpage: cannot write GGUF cache %s (%s); next load converts again", entry, e)
     finally:
         if tmp is not None:

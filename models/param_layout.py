@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax.numpy as jnp
-import numpy as np
 
 from models.config import ModelConfig
 
@@ -125,6 +124,3 @@ def params_from_flat(
         out[path] = jnp.asarray(flat[path], dtype=dt)
     return unflatten(out)
 
-
-def to_numpy_flat(params: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {path: np.asarray(x) for path, x in flatten(params).items()}

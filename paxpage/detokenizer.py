@@ -10,6 +10,10 @@ Stop strings are searched in the decoded text across token boundaries. Text that
 turn out to be the start of a stop string is held back from the streamed deltas (unless the stop
 string is included in the output anyway) and released by the next `add` or by `finish`, so a
 stream never shows text the final output does not contain. Deltas concatenated equal `.text`.
+
+Contract for the engine: call `add` for each generated token, and `finish()` once when the
+sequence ends for any reason other than a matched stop string (EOS, stop token, length):
+until then `.text` may lack a held-back tail or an incomplete character.
 """
 
 from __future__ import annotations

@@ -169,7 +169,9 @@ class LLMEngine:
                                  sample.seed + i))
         tensors = SamplingTensors.build(infos, self.model_cfg.vocab_size,
                                         pad_rows_to=len(batch.logits_indices),
-                                        eos_token_ids=self.eos_token_ids)
+                                        eos_token_ids=self.eos_token_ids,
+                                        # A fixed width: a growing one would recompile the fused step.
+                                        token_width=self.config.max_model_len)
         num_logprobs = _logprob_bucket(max((r.params.logprobs or 0) for r in rows) if rows else 0)
         t1 = time.perf_counter()
         result = self.runner.run(batch, tensors, num_logprobs)

@@ -1,7 +1,7 @@
 """One jitted sampler for the whole batch; every sampling parameter is a per-row array.
 
 Axis legend: R logits rows (sequences sampled this step, padded), V vocabulary,
-M generated-token slots per row, M2 prompt-token slots per row, E banned-token slots per row,
+S token slots per row (prompt then output ids, for penalties), E banned-token slots per row,
 L number of top logprobs reported.
 
 Order of operations in `sample` (vLLM semantics):
@@ -13,8 +13,14 @@ Order of operations in `sample` (vLLM semantics):
   5. sampled rows: / temperature, top-k, top-p, min-p filtering, then gumbel-max with the row key
 
 The host never builds [R, V] arrays: penalties get padded token-id lists and the counts are
-built on device by a scatter-add. Token-list widths are bucketed to powers of two so the number
-of compiles stays small.
+built on device by a scatter-add. Which rows are greedy / filtered / penalised is data: the costly
+stages sit behind `lax.cond(any row needs it)`, so any mix of rows runs one executable. Only the
+shapes compile: R, V, S (powers of two >= 16, or fixed with `token_width`), E (powers of two
+>= 4) and the static num_logprobs.
+
+CPU cost notes (V = 49152): XLA's CPU sort takes ~8 ms per row, so top-k / top-p thresholds are
+found by an exact 32-step bisection over the float bits instead (~1 ms per row for both);
+argmax is lax.top_k(x, 1), about 2x faster than jnp.argmax on CPU.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ import numpy as np
 from paxpage.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 _MASK64 = (1 << 64) - 1
-_MIN_BUCKET = 16  # smallest width of the token-id lists, so short sequences share one compile
+_MIN_TOKEN_WIDTH = 16  # smallest width of the token-id lists, so short sequences share one compile
+_MIN_BANNED_WIDTH = 4  # EOS ids + stop_token_ids rarely exceed this
 
 
 def _splitmix64(x: int) -> int:
@@ -50,9 +57,9 @@ def row_key(seed: int, step: int) -> np.ndarray:
     return np.array([x >> 32, x & 0xFFFFFFFF], dtype=np.uint32)
 
 
-def _bucket(n: int) -> int:
-    """Smallest power of two >= max(n, _MIN_BUCKET)."""
-    return max(_MIN_BUCKET, 1 << max(0, n - 1).bit_length())
+def _bucket(n: int, minimum: int) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
 class RowInfo(NamedTuple):
@@ -68,7 +75,7 @@ class RowInfo(NamedTuple):
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty", "keys", "output_ids", "prompt_ids",
+                 "presence_penalty", "frequency_penalty", "keys", "token_ids", "num_prompt",
                  "banned_ids"],
     meta_fields=[],
 )
@@ -82,8 +89,10 @@ class SamplingTensors:
     presence_penalty: jax.Array  # f32[R]
     frequency_penalty: jax.Array  # f32[R]
     keys: jax.Array  # u32[R, 2] raw threefry key data, from row_key
-    output_ids: jax.Array  # i32[R, M] generated tokens, -1 pad (rows with a penalty only)
-    prompt_ids: jax.Array  # i32[R, M2] prompt tokens, -1 pad (rows with repetition_penalty only)
+    # Penalty tokens, -1 pad: prompt ids then output ids. Rows without repetition_penalty send
+    # no prompt (num_prompt 0), rows without any penalty send nothing.
+    token_ids: jax.Array  # i32[R, S]
+    num_prompt: jax.Array  # i32[R] leading entries of token_ids that are prompt (repetition only)
     banned_ids: jax.Array  # i32[R, E] tokens forced to -inf (min_tokens), -1 pad
 
     @property
@@ -92,11 +101,15 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, rows: Sequence[RowInfo | tuple], vocab_size: int, pad_rows_to: int | None = None,
-              eos_token_ids: Sequence[int] | int | None = ()) -> SamplingTensors:
+              eos_token_ids: Sequence[int] | int | None = (),
+              token_width: int | None = None) -> SamplingTensors:
         """Pack host rows into padded arrays. Padding rows are greedy with no penalties.
 
         rows: RowInfo or (params, prompt_ids, output_ids, seed[, step]) tuples.
         eos_token_ids: banned (with each row's stop_token_ids) while a row is below min_tokens.
+        token_width: fixed S (e.g. max_model_len) so penalised sequences growing never change
+            the shape (the sampler is fused into the model step, where a new shape recompiles
+            the whole step); None buckets S to powers of two >= 16.
         """
         rows = [r if isinstance(r, RowInfo) else RowInfo(*r) for r in rows]
         num_real = len(rows)
@@ -128,31 +141,36 @@ class SamplingTensors:
             keys[i] = row_key(seed, len(out) if step is None else step)
             banned.append(p.banned_token_ids(len(out), eos_token_ids))
 
-        # Token lists only for rows that use them: without penalties they stay [R, 16].
+        # Token lists only for rows that use them.
         needs_output = (rep != 1.0) | (presence != 0.0) | (frequency != 0.0)
-        needs_prompt = rep != 1.0
-
-        def pad_lists(lists: list[Sequence[int]], width: int) -> np.ndarray:
-            out = np.full((num_rows, width), -1, np.int32)
-            for i, ids in enumerate(lists):
-                if len(ids):
-                    out[i, :len(ids)] = ids
-            return out
-
-        outs = [r.output_ids if needs_output[i] else () for i, r in enumerate(rows)]
-        prompts = [r.prompt_ids if needs_prompt[i] else () for i, r in enumerate(rows)]
-        output_ids = pad_lists(outs, _bucket(max(map(len, outs), default=0)))
-        prompt_ids = pad_lists(prompts, _bucket(max(map(len, prompts), default=0)))
-        # Banned lists are short (EOS + stop ids); bucket from 1 so the common case is [R, 1].
-        banned_width = 1 << max(0, max(map(len, banned), default=0) - 1).bit_length()
-        banned_ids = pad_lists(banned, banned_width)
+        num_prompt = np.zeros(num_rows, np.int32)
+        lengths = np.zeros(num_rows, np.int64)
+        for i, r in enumerate(rows):
+            if needs_output[i]:
+                num_prompt[i] = len(r.prompt_ids) if rep[i] != 1.0 else 0
+                lengths[i] = num_prompt[i] + len(r.output_ids)
+        needed = int(lengths.max(initial=0))
+        if token_width is None:
+            token_width = _bucket(needed, _MIN_TOKEN_WIDTH)
+        elif token_width < needed:
+            raise ValueError(f"token_width={token_width} is smaller than the {needed} penalty "
+                             "tokens (prompt + output) of the longest row")
+        token_ids = np.full((num_rows, token_width), -1, np.int32)
+        for i, r in enumerate(rows):
+            if needs_output[i]:
+                token_ids[i, :num_prompt[i]] = r.prompt_ids[:num_prompt[i]]
+                token_ids[i, num_prompt[i]:lengths[i]] = r.output_ids
+        banned_ids = np.full((num_rows, _bucket(max(map(len, banned), default=0), _MIN_BANNED_WIDTH)),
+                             -1, np.int32)
+        for i, ids in enumerate(banned):
+            banned_ids[i, :len(ids)] = ids
 
         return cls(
             temperature=jnp.asarray(temperature), top_p=jnp.asarray(top_p),
             top_k=jnp.asarray(top_k), min_p=jnp.asarray(min_p),
             repetition_penalty=jnp.asarray(rep), presence_penalty=jnp.asarray(presence),
             frequency_penalty=jnp.asarray(frequency), keys=jnp.asarray(keys),
-            output_ids=jnp.asarray(output_ids), prompt_ids=jnp.asarray(prompt_ids),
+            token_ids=jnp.asarray(token_ids), num_prompt=jnp.asarray(num_prompt),
             banned_ids=jnp.asarray(banned_ids),
         )
 
@@ -170,12 +188,13 @@ class SamplerOutput:
     top_logprobs: jax.Array  # f32[R, L]
 
 
-def _token_counts(ids: jax.Array, vocab_size: int) -> jax.Array:
-    """ids i32[R, M] with -1 padding -> counts f32[R, V]."""
+def _token_counts(ids: jax.Array, weights: jax.Array, vocab_size: int) -> jax.Array:
+    """ids i32[R, S] with -1 padding, weights f32[R, S] -> sum of weights per token f32[R, V]."""
     num_rows = ids.shape[0]
     rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], ids.shape)
     cols = jnp.where(ids < 0, vocab_size, ids)  # padding goes out of bounds and is dropped
-    return jnp.zeros((num_rows, vocab_size), jnp.float32).at[rows, cols].add(1.0, mode="drop")
+    zeros = jnp.zeros((num_rows, vocab_size), jnp.float32)
+    return zeros.at[rows, cols].add(weights, mode="drop")
 
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -186,8 +205,10 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     logits = logits.at[rows, cols].set(-jnp.inf, mode="drop")
 
     def penalise(logits):
-        output_counts = _token_counts(t.output_ids, vocab_size)  # [R, V]
-        seen = (output_counts > 0) | (_token_counts(t.prompt_ids, vocab_size) > 0)
+        is_output = jnp.arange(t.token_ids.shape[1])[None, :] >= t.num_prompt[:, None]  # [R, S]
+        output_counts = _token_counts(t.token_ids, is_output.astype(jnp.float32), vocab_size)
+        # prompt or output tokens: every real entry; padding is dropped by the scatter
+        seen = _token_counts(t.token_ids, jnp.ones(t.token_ids.shape, jnp.float32), vocab_size) > 0
         rep = t.repetition_penalty[:, None]
         logits = jnp.where(seen, jnp.where(logits < 0, logits * rep, logits / rep), logits)
         logits = logits - t.frequency_penalty[:, None] * output_counts
@@ -201,6 +222,7 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
 def _sortable(x: jax.Array) -> jax.Array:
     """f32 -> i32 with the same order (IEEE bits; negative floats have their magnitude bits
     flipped), so thresholds can be found by an exact bisection over 32-bit integers."""
+    x = jnp.where(x == 0, 0.0, x)  # -0.0 == 0.0 must map to one key
     bits = jax.lax.bitcast_convert_type(x, jnp.int32)
     return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 

@@ -69,7 +69,7 @@ def test_min_p():
 
 
 def test_filters_tiny_top_p_keeps_the_best_token():
-    assert set(_draw(SamplingParams(top_p=1e-6), num_draws=200)) == {0}
+    assert set(_draw(SamplingParams(top_p=1e-6))) == {0}
 
 
 def _reference_filter(x, top_k, top_p, min_p):
@@ -232,24 +232,37 @@ def test_same_row_same_tokens_whatever_the_batch():
 
 
 def test_seeds_and_steps_change_the_draw():
-    draws_by_seed = _draw(SamplingParams(), num_draws=64)
+    draws_by_seed = _draw(SamplingParams())[:64]
     draws_by_step = [int(_draw(SamplingParams(), num_draws=1, step=s)[0]) for s in range(16)]
     assert len(set(draws_by_seed.tolist())) > 3 and len(set(draws_by_step)) > 3
 
 
 def test_build_pads_rows_and_buckets_token_lists():
     p = SamplingParams(repetition_penalty=1.1, top_k=10_000)
-    t = SamplingTensors.build([RowInfo(p, list(range(20)), list(range(3)), 0),
-                               RowInfo(SamplingParams(), list(range(100)), list(range(100)), 1)],
-                              vocab_size=1000, pad_rows_to=4)
+    rows = [RowInfo(p, list(range(20)), [7, 8, 9], 0),
+            RowInfo(SamplingParams(), list(range(100)), list(range(100)), 1),  # no penalty
+            RowInfo(SamplingParams(presence_penalty=1.0), [5] * 50, [4], 2)]  # output only
+    t = SamplingTensors.build(rows, vocab_size=1000, pad_rows_to=4)
     assert t.num_rows == 4
-    assert t.output_ids.shape == (4, 16) and t.prompt_ids.shape == (4, 32)  # powers of two, >= 16
-    assert t.output_ids[1].tolist() == [-1] * 16  # no penalty: its tokens are not shipped
+    assert t.token_ids.shape == (4, 32)  # 23 tokens -> power of two >= 16
+    assert t.token_ids[0, :24].tolist() == list(range(20)) + [7, 8, 9, -1]
+    assert t.token_ids[1].tolist() == [-1] * 32  # no penalty: its tokens are not shipped
+    assert t.token_ids[2, :2].tolist() == [4, -1] and t.num_prompt.tolist() == [20, 0, 0, 0]
     assert t.top_k.tolist() == [0, 0, 0, 0]  # top_k >= vocab is off
-    assert t.temperature[2:].tolist() == [0.0, 0.0]  # padding rows are greedy
-    assert t.banned_ids.shape == (4, 1)
+    assert t.temperature[3] == 0.0  # padding rows are greedy
+    assert t.banned_ids.shape == (4, 4)
     with pytest.raises(ValueError, match="pad_rows_to=1 is smaller than the 2 rows"):
-        SamplingTensors.build([RowInfo(p, [1], [], 0)] * 2, 1000, pad_rows_to=1)
+        SamplingTensors.build(rows[:2], 1000, pad_rows_to=1)
+
+
+def test_fixed_token_width_keeps_the_shape():
+    p = SamplingParams(frequency_penalty=0.5)
+    for length in (0, 5, 60):
+        t = SamplingTensors.build([RowInfo(p, [1], [3] * length, 0)], 100, token_width=64)
+        assert t.token_ids.shape == (1, 64)
+    with pytest.raises(ValueError, match="token_width=64 is smaller than the 65 penalty tokens"):
+        SamplingTensors.build([RowInfo(p.replace(repetition_penalty=1.2), [1] * 5, [3] * 60, 0)],
+                              100, token_width=64)
 
 
 def test_bfloat16_logits_and_no_logprobs():

@@ -6,9 +6,23 @@ Axis legend: B rows, Tq query tokens per row, N query heads, K kv heads, D head 
 from __future__ import annotations
 
 import dataclasses
+import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+
+# scripts/device_check.sh sets PAXPAGE_KERNEL_INTERPRET=0 to run the same tests compiled on the
+# accelerator; by default (CPU CI) every kernel family runs in the Pallas interpreter.
+INTERPRET = os.environ.get("PAXPAGE_KERNEL_INTERPRET", "1") != "0"
+IMPL = "pallas-interpret" if INTERPRET else "pallas"
+
+
+def skip_unless_runnable(backend: str) -> None:
+    """Interpret mode runs both kernel families; compiled mode only the platform's own."""
+    if not INTERPRET and backend != jax.default_backend():
+        pytest.skip(f"{backend} kernels cannot compile on {jax.default_backend()}")
 
 # One tolerance table per dtype: kernels sum in a different order than the reference, and bf16
 # outputs may land one bf16 ulp apart.
@@ -78,3 +92,9 @@ def assert_close(got, want, dtype):
     want = np.asarray(jnp.asarray(want, jnp.float32))
     assert np.isfinite(got).all(), "kernel output has NaN/inf: a stray page or padding leaked"
     np.testing.assert_allclose(got, want, **TOLERANCE[dtype])
+
+
+def reference_pool(kv_pages: np.ndarray) -> np.ndarray:
+    """The jnp reference gathers every listed page and 0 * NaN poisons its einsum, so it sees the
+    NaNs as zeros; the kernels get the NaN pool and must never let those entries through."""
+    return np.nan_to_num(np.asarray(jnp.asarray(kv_pages, jnp.float32))).astype(kv_pages.dtype)

@@ -6,6 +6,7 @@ import json
 import os
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -145,11 +146,8 @@ def test_save_load_roundtrip(tmp_path, dtype):
     assert json.loads((tmp_path / "ck" / "config.json").read_text())["paxpage_format"] == 1
     cfg2, params2, tok2 = load_model(tmp_path / "ck", dtype=dtype)
     assert cfg2 == cfg
-    want = {k: v for k, v in params.items()}
-    import jax
-
-    assert jax.tree.structure(params2) == jax.tree.structure(want)
-    for a, b in zip(jax.tree.leaves(params2), jax.tree.leaves(want)):
+    assert jax.tree.structure(params2) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(params2), jax.tree.leaves(params)):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     assert tok2("hello world")["input_ids"] == [3, 4]
@@ -383,8 +381,6 @@ def test_default_model_matches_transformers_gguf():
     assert cfg.tie_word_embeddings and cfg.rope_theta == c.rope_parameters["rope_theta"]
     want = expected_tree(state(ref), L=cfg.num_layers, bias=False, qk_norm=False, tied=True)
     for tree in (params, params2):
-        import jax
-
         flat_got = jax.tree_util.tree_leaves_with_path(tree)
         flat_want = dict(jax.tree_util.tree_leaves_with_path(want))
         assert len(flat_got) == len(flat_want)

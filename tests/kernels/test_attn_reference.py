@@ -1,0 +1,74 @@
+"""Tier (a): the jnp reference and write_kv against hand-computed numpy values."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import reference
+
+
+def _softmax_attend(q, keys, values, scale):
+    """q [D], keys/values [S, D] -> [D], written out by hand."""
+    scores = np.array([scale * float(np.dot(q, k)) for k in keys])
+    weights = np.exp(scores - scores.max())
+    weights /= weights.sum()
+    return (weights[:, None] * values).sum(axis=0)
+
+
+def test_one_row_one_page_decode():
+    # Pool: P=1 page of 2 slots, K=1, D=2. keys (1,0),(0,1); values (1,2),(3,4). q=(1,0), scale 1.
+    kv = np.zeros((2, 1, 2, 1, 2), np.float32)
+    kv[0, 0, :, 0] = [[1, 0], [0, 1]]
+    kv[1, 0, :, 0] = [[1, 2], [3, 4]]
+    q = np.array([[[[1.0, 0.0]]]], np.float32)  # [B=1, Tq=1, N=1, D=2]
+    out = reference.paged_attention_ref(
+        jnp.asarray(q), jnp.asarray(kv), np.array([[0]], np.int32), np.array([2], np.int32),
+        np.array([1], np.int32), sm_scale=1.0,
+    )
+    w = np.exp(1.0) / (np.exp(1.0) + 1.0)  # softmax(1, 0)
+    np.testing.assert_allclose(np.asarray(out)[0, 0, 0], [w * 1 + (1 - w) * 3, w * 2 + (1 - w) * 4], rtol=1e-6)
+
+
+def test_two_pages_permuted_with_causal_prefill():
+    rng = np.random.default_rng(1)
+    page_size, head_dim = 2, 4
+    kv = rng.standard_normal((2, 3, page_size, 1, head_dim)).astype(np.float32)
+    table = np.array([[2, 0]], np.int32)  # logical page 0 -> physical 2, 1 -> 0
+    keys = np.concatenate([kv[0, 2, :, 0], kv[0, 0, :, 0]])  # [4, D] in logical order
+    values = np.concatenate([kv[1, 2, :, 0], kv[1, 0, :, 0]])
+    q = rng.standard_normal((1, 3, 1, head_dim)).astype(np.float32)  # Tq=3, 2 real tokens
+    out = np.asarray(reference.paged_attention_ref(
+        jnp.asarray(q), jnp.asarray(kv), table, np.array([3], np.int32), np.array([2], np.int32),
+        sm_scale=0.5,
+    ))
+    # kv_len 3, q_len 2: token 0 is at position 1 (sees keys 0..1), token 1 at position 2 (0..2).
+    np.testing.assert_allclose(out[0, 0, 0], _softmax_attend(q[0, 0, 0], keys[:2], values[:2], 0.5), rtol=1e-5)
+    np.testing.assert_allclose(out[0, 1, 0], _softmax_attend(q[0, 1, 0], keys[:3], values[:3], 0.5), rtol=1e-5)
+    np.testing.assert_array_equal(out[0, 2], 0.0)  # padding token
+
+
+def test_gqa_heads_share_kv_head_and_padding_row_is_zero():
+    rng = np.random.default_rng(2)
+    kv = rng.standard_normal((2, 2, 4, 2, 3)).astype(np.float32)  # K=2, D=3
+    q = rng.standard_normal((2, 1, 4, 3)).astype(np.float32)  # N=4 -> heads 0,1 use kv 0; 2,3 use kv 1
+    out = np.asarray(reference.paged_attention_ref(
+        jnp.asarray(q), jnp.asarray(kv), np.array([[1], [0]], np.int32), np.array([3, 0], np.int32),
+        np.array([1, 0], np.int32), sm_scale=0.7,
+    ))
+    for n in range(4):
+        h = n // 2
+        want = _softmax_attend(q[0, 0, n], kv[0, 1, :3, h], kv[1, 1, :3, h], 0.7)
+        np.testing.assert_allclose(out[0, 0, n], want, rtol=1e-5)
+    np.testing.assert_array_equal(out[1], 0.0)
+
+
+def test_write_kv_sets_slots_and_skips_padding():
+    kv = np.zeros((2, 2, 2, 1, 1), np.float32)  # P=2, page_size=2 -> slots 0..3
+    k = np.array([[[1.0]], [[2.0]], [[3.0]]], np.float32)
+    v = -k
+    out = np.asarray(reference.write_kv(jnp.asarray(kv), jnp.asarray(k), jnp.asarray(v), np.array([3, -1, 0], np.int32)))
+    want = np.zeros_like(kv)
+    want[0, 1, 1, 0, 0], want[1, 1, 1, 0, 0] = 1.0, -1.0  # slot 3 = page 1, offset 1
+    want[0, 0, 0, 0, 0], want[1, 0, 0, 0, 0] = 3.0, -3.0  # slot 0
+    np.testing.assert_array_equal(out, want)

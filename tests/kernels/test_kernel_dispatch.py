@@ -1,0 +1,60 @@
+"""dispatch.paged_attention / write_kv: row-layout semantics of the reference, impl selection."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_cases import IMPL, assert_close, make_case, reference_pool, skip_unless_runnable
+from pallas_kernels import dispatch, reference
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize(
+    "kv_lens,q_lens",
+    [
+        ([9, 16, 1, 0], [1, 1, 1, 0]),  # decode step (Tq == 1) with a padding row
+        ([9, 30, 3, 0, 12], [6, 2, 3, 0, 0]),  # prefill chunks, padding row, row with no new tokens
+    ],
+    ids=["decode", "mixed"],
+)
+def test_paged_attention_row_layout(backend, kv_lens, q_lens):
+    skip_unless_runnable(backend)
+    rng = np.random.default_rng(7)
+    case = make_case(
+        rng, dtype=jnp.float32, page_size=8, ratio=2, head_dim=64, num_kv_heads=2,
+        kv_lens=kv_lens, q_lens=q_lens, pages_per_seq=4,
+    )
+    step = jax.jit(lambda q, kv, pt, kvl, ql: dispatch.paged_attention(
+        q, kv, pt, kvl, ql, sm_scale=0.125, impl=IMPL, backend=backend))
+    got = step(jnp.asarray(case.q), jnp.asarray(case.kv_pages), case.page_indices, case.kv_lens, case.q_lens)
+    want = reference.paged_attention_ref(
+        jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)), case.page_indices,
+        case.kv_lens, case.q_lens, sm_scale=0.125,
+    )
+    assert got.shape == case.q.shape
+    assert_close(got, want, jnp.float32)
+
+
+def test_write_kv_matches_reference():
+    rng = np.random.default_rng(0)
+    pool = rng.standard_normal((2, 3, 8, 1, 64)).astype(np.float32)
+    k = rng.standard_normal((4, 1, 64)).astype(np.float32)
+    slots = np.array([5, -1, 17, 0], np.int32)
+    want = reference.write_kv(jnp.asarray(pool), k, -k, slots)
+    got = dispatch.write_kv(jnp.array(pool), k, -k, slots, impl=IMPL)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_impl_selection():
+    assert dispatch.resolve_impl("pallas-interpret", "tpu") == ("tpu", True)
+    with pytest.raises(ValueError, match="impl"):
+        dispatch.resolve_impl("triton")
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ValueError, match="pallas-interpret"):
+            dispatch.resolve_impl("pallas")
+        assert dispatch.resolve_impl("pallas-interpret") == ("gpu", True)
+    else:
+        assert dispatch.resolve_impl("pallas") == (jax.default_backend(), False)

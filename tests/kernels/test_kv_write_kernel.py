@@ -1,0 +1,55 @@
+"""Tier (b): the in-place KV write kernel against reference.write_kv, compared exactly."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_cases import INTERPRET, skip_unless_runnable
+from pallas_kernels import reference
+from pallas_kernels.kv_write import write_kv
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_write_kv_exact(dtype, backend):
+    skip_unless_runnable(backend)
+    rng = np.random.default_rng(0)
+    num_pages, page_size, num_kv_heads, head_dim, num_tokens = 5, 8, 2, 64, 11
+    pool = rng.standard_normal((2, num_pages, page_size, num_kv_heads, head_dim)).astype(np.float32)
+    pool[:, 3] = np.nan  # untouched NaN pages must stay bit-identical
+    pool = np.asarray(jnp.asarray(pool, dtype))
+    k = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32)
+    # Permuted distinct slots across pages, padding (-1) in the middle and at the end,
+    # one slot inside the NaN page.
+    slots = rng.permutation(np.setdiff1d(np.arange(num_pages * page_size), np.arange(24, 32)))[:num_tokens]
+    slots[[2, 7, 10]] = -1
+    slots[4] = 3 * page_size + 5
+    slots = slots.astype(np.int32)
+    want = reference.write_kv(jnp.asarray(pool), jnp.asarray(k, dtype), jnp.asarray(v, dtype), slots)
+    got = write_kv(jnp.array(pool), jnp.asarray(k, dtype), jnp.asarray(v, dtype), slots, block_t=4,
+                   backend=backend, interpret=INTERPRET)
+    assert got.dtype == pool.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_write_kv_donates_and_aliases_the_pool():
+    backend = "gpu" if INTERPRET else jax.default_backend()
+    pool = jnp.zeros((2, 4, 8, 1, 64), jnp.float32)
+    k = jnp.ones((3, 1, 64), jnp.float32)
+    slots = jnp.array([0, -1, 9], jnp.int32)
+    lowered = write_kv.lower(pool, k, k, slots, backend=backend, interpret=INTERPRET).as_text()
+    # The pool argument is donated to the output: updated in place, not copied.
+    assert "tf.aliasing_output = 0" in lowered
+    out = write_kv(pool, k, k, slots, backend=backend, interpret=INTERPRET)
+    assert pool.is_deleted()
+    assert float(out[0, 1, 1, 0, 0]) == 1.0 and float(out[0, 0, 1, 0, 0]) == 0.0
+
+
+def test_write_kv_rejects_shape_mismatch():
+    with pytest.raises(ValueError, match="do not fit"):
+        write_kv(jnp.zeros((2, 4, 8, 1, 64)), jnp.zeros((3, 2, 64)), jnp.zeros((3, 2, 64)),
+                 jnp.zeros((3,), jnp.int32), interpret=True)

@@ -1,0 +1,76 @@
+"""Tier (b): the ragged (mixed prefill + decode) kernel against the jnp reference, flat layout."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_cases import CONFIGS, INTERPRET, assert_close, config_id, make_case, reference_pool, skip_unless_runnable
+from pallas_kernels import reference
+from pallas_kernels.ragged_attention import ragged_paged_attention
+
+PAGES_PER_SEQ = 4
+SPARE_SLOTS = 2  # sequence slots past num_seqs, filled with garbage metadata
+TRAILING_TOKENS = 3  # flat tokens past the last sequence: must come back as zeros
+
+
+def _seqs(page_size):
+    # (kv_len, q_len): whole prompt, chunked prefill (unaligned), decode at a page boundary,
+    # maximal length with 2 new tokens, first token of a sequence.
+    return [(page_size + 3, page_size + 3), (2 * page_size + 5, 4), (2 * page_size, 1),
+            (PAGES_PER_SEQ * page_size, 2), (1, 1)]
+
+
+def _check(cfg, backend, *, block_q=None, seed=0):
+    skip_unless_runnable(backend)
+    dtype, page_size, ratio, head_dim, num_kv_heads = cfg
+    rng = np.random.default_rng(seed)
+    kv_lens, q_lens = (list(x) for x in zip(*_seqs(page_size)))
+    case = make_case(
+        rng, dtype=dtype, page_size=page_size, ratio=ratio, head_dim=head_dim, num_kv_heads=num_kv_heads,
+        kv_lens=kv_lens, q_lens=q_lens, pages_per_seq=PAGES_PER_SEQ,
+    )
+    scale = head_dim ** -0.5
+    num_seqs = len(kv_lens)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    flat_q = np.concatenate([case.q[b, :q_lens[b]] for b in range(num_seqs)])
+    flat_q = np.concatenate([flat_q, rng.standard_normal((TRAILING_TOKENS, *flat_q.shape[1:])).astype(flat_q.dtype)])
+    num_pages = case.kv_pages.shape[1]
+    table = np.concatenate([case.page_indices, rng.integers(0, num_pages, (SPARE_SLOTS, PAGES_PER_SEQ))])
+    cu_slots = np.concatenate([cu, rng.integers(0, 50, SPARE_SLOTS)]).astype(np.int32)
+    kv_slots = np.concatenate([kv_lens, rng.integers(1, 50, SPARE_SLOTS)]).astype(np.int32)
+
+    got = ragged_paged_attention(
+        jnp.asarray(flat_q), jnp.asarray(case.kv_pages), table.astype(np.int32), cu_slots, kv_slots,
+        np.array([num_seqs], np.int32), sm_scale=scale, block_q=block_q, backend=backend, interpret=INTERPRET,
+    )
+    rows = reference.paged_attention_ref(
+        jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)), case.page_indices,
+        case.kv_lens, case.q_lens, sm_scale=scale,
+    )
+    want = np.concatenate([np.asarray(rows[b, :q_lens[b]]) for b in range(num_seqs)])
+    want = np.concatenate([want, np.zeros((TRAILING_TOKENS, *want.shape[1:]), want.dtype)])
+    assert got.dtype == dtype and got.shape == flat_q.shape
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=config_id)
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_ragged_matches_reference(cfg, backend):
+    _check(cfg, backend)
+
+
+@pytest.mark.parametrize("backend,block_q", [("gpu", 32), ("tpu", 4)])
+def test_ragged_query_blocks_spanning_sequences(backend, block_q):
+    # Other block sizes move sequence boundaries inside query blocks.
+    _check(CONFIGS[1], backend, block_q=block_q, seed=5)
+
+
+def test_ragged_rejects_mismatched_metadata():
+    with pytest.raises(ValueError, match="sequence slots"):
+        ragged_paged_attention(
+            jnp.zeros((4, 2, 64)), jnp.zeros((2, 4, 8, 1, 64)), jnp.zeros((3, 2), jnp.int32),
+            jnp.zeros((3,), jnp.int32), jnp.zeros((3,), jnp.int32), jnp.ones((1,), jnp.int32),
+            sm_scale=1.0, interpret=True,
+        )
