@@ -26,6 +26,9 @@ class EngineConfig:
     attention_impl: str | None = None  # "xla" on CPU, "pallas" on GPU/TPU when None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # "paged": pages on demand. "contiguous": the pre-paging scheme, reserving max_model_len
+    # tokens per sequence at admission; kept as a baseline for the memory benchmark.
+    kv_allocation: str = "paged"
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_row_len"):
@@ -40,6 +43,8 @@ class EngineConfig:
             raise ValueError(
                 f"give num_pages ({self.num_pages}) or kv_cache_bytes ({self.kv_cache_bytes}), not both"
             )
+        if self.kv_allocation not in ("paged", "contiguous"):
+            raise ValueError(f"kv_allocation must be 'paged' or 'contiguous', got {self.kv_allocation!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_impl is not None and self.attention_impl not in ATTENTION_IMPLS:

@@ -86,6 +86,7 @@ class LLMEngine:
             max_model_len=cfg.max_model_len,
             enable_prefix_caching=cfg.enable_prefix_caching,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
+            allocation=cfg.kv_allocation,
         ))
         self.eos_token_ids = tuple(model_cfg.eos_token_ids) or (
             (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()

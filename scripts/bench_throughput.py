@@ -1,0 +1,339 @@
+"""Offline throughput: paxpage against HF transformers `generate` on the same weights.
+
+Every request is queued at t=0 (offline batch inference, as in vLLM's benchmark_throughput):
+N requests with ShareGPT-like prompt / output lengths (scripts/workload.py), random token
+ids, EOS ignored so each request generates exactly its output length, fixed seed.
+
+paxpage: one warm-up pass over the same workload (it meets every shape bucket the measured
+pass meets), then the measured pass, driven step by step to time each request:
+    TTFT  time from the start of the pass to the request's first output token
+    TPOT  (finish - first token) / (output tokens - 1)
+Any XLA compile during the measured pass fails the run (exit 1) unless --allow-compiles.
+
+HF baseline: static padded batches, as users write them: requests in arrival order, chunks
+of `batch size`, left padding + attention mask, greedy, min_new_tokens = max_new_tokens =
+the chunk's longest output; only each request's wanted tokens count. The batch size is the
+best of a small sweep (--hf-batch-sizes), every size measured on the whole workload. torch
+gets as many threads as jax's CPU backend has cores.
+
+Last, one steady decode step of max_num_seqs rows is profiled: full jitted step, the step
+with attention (and the KV write) swapped for no-ops, the model without the sampler, the
+sampler alone, and host packing; shares are rough (separately timed parts, noisy machine).
+
+Usage:
+    python scripts/bench_throughput.py --json /tmp/throughput.json
+    python scripts/bench_throughput.py --num-requests 8 --no-hf --model PATH
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import paxpage  # noqa: E402
+import workload as wl  # noqa: E402
+from paxpage import compile_counter  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------- paxpage
+def run_paxpage(model: paxpage.Model, work: wl.Workload, cfg: paxpage.EngineConfig) -> dict:
+    """One pass over the workload, step by step; per-request TTFT / TPOT and engine stats."""
+    engine = model.engine(cfg)
+    stats0 = dataclasses.replace(engine.stats)
+    preempt0 = engine.scheduler.num_preemptions
+    n = work.num_requests
+    first, finish, counts = [None] * n, [None] * n, [0] * n
+    start = time.perf_counter()
+    for i, (prompt, out_len) in enumerate(zip(work.prompts, work.output_lens)):
+        engine.add_request(prompt, paxpage.SamplingParams(max_tokens=out_len, temperature=0,
+                                                          ignore_eos=True), index=i)
+    max_running = 0
+    while engine.has_unfinished():
+        results = engine.step()
+        now = time.perf_counter()
+        max_running = max(max_running, engine.scheduler.num_running)
+        for request, deltas in results:
+            i = request.index
+            for d in deltas:
+                if d.token_ids:
+                    if first[i] is None:
+                        first[i] = now
+                    counts[i] += len(d.token_ids)
+                if d.finish_reason is not None:
+                    finish[i] = now
+    wall = time.perf_counter() - start
+    if counts != work.output_lens:
+        raise RuntimeError(f"paxpage generated {sum(counts)} tokens, expected {work.num_output_tokens}")
+    st = engine.stats
+    ttft = [f - start for f in first]
+    tpot = [(e - f) / (c - 1) for f, e, c in zip(first, finish, counts) if c > 1]
+    steps = st.steps - stats0.steps
+    return {
+        "wall_s": wall,
+        "steps": steps,
+        "host_s": st.host_seconds - stats0.host_seconds,
+        "device_s": st.device_seconds - stats0.device_seconds,
+        "host_share": (st.host_seconds - stats0.host_seconds) / wall,
+        "mean_kv_utilisation": (st.kv_utilisation_sum - stats0.kv_utilisation_sum) / max(1, steps),
+        "preemptions": engine.scheduler.num_preemptions - preempt0,
+        "max_running": max_running,
+        "ttft_s": wl.percentiles(ttft),
+        "tpot_s": wl.percentiles(tpot),
+    }
+
+
+def rates(work: wl.Workload, seconds: float) -> dict:
+    return {
+        "requests_per_s": work.num_requests / seconds,
+        "output_tok_per_s": work.num_output_tokens / seconds,
+        "total_tok_per_s": (work.num_prompt_tokens + work.num_output_tokens) / seconds,
+    }
+
+
+# ---------------------------------------------------------------------------------------- HF
+def hf_model_for(source: str | None):
+    """The same weights in transformers (GGUF via gguf_file, HF dir); None if it cannot load them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.hf_loader import is_hf_dir
+    from models.loading import default_model_path
+
+    path = source or default_model_path()
+    on_gpu = torch.cuda.is_available() and jax.default_backend() == "gpu"
+    dtype = torch.bfloat16 if on_gpu else torch.float32  # what paxpage uses on that backend
+    if path.endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                     gguf_file=os.path.basename(path), dtype=dtype)
+    elif os.path.isdir(path) and is_hf_dir(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        return None
+    return model.to("cuda" if on_gpu else "cpu").eval()
+
+
+def hf_generate(model, work: wl.Workload, batch_size: int) -> float:
+    """Seconds to serve the workload in static padded batches of batch_size (arrival order)."""
+    import torch
+
+    device = next(model.parameters()).device
+    start = time.perf_counter()
+    for lo in range(0, work.num_requests, batch_size):
+        prompts = work.prompts[lo:lo + batch_size]
+        wanted = work.output_lens[lo:lo + batch_size]
+        width = max(map(len, prompts))
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, p in enumerate(prompts):  # left padding
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        new = max(wanted)
+        with torch.no_grad():
+            out = model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                                 max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+        if out.shape[1] - width != new:
+            raise RuntimeError(f"HF generated {out.shape[1] - width} tokens, expected {new}")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def run_hf(source: str | None, work: wl.Workload, batch_sizes, threads: int) -> dict | None:
+    import torch
+
+    torch.set_num_threads(threads)
+    model = hf_model_for(source)
+    if model is None:
+        print(f"HF baseline skipped: transformers cannot load {source!r}", flush=True)
+        return None
+    hf_generate(model, wl.Workload([work.prompts[0][:8]] * 2, [4, 4]), 2)  # warm-up
+    sweep = {}
+    for bs in batch_sizes:
+        seconds = hf_generate(model, work, bs)
+        sweep[bs] = {"wall_s": seconds, **rates(work, seconds)}
+        print(f"  HF batch {bs:3d}: {sweep[bs]['output_tok_per_s']:7.1f} output tok/s "
+              f"({seconds:.1f} s)", flush=True)
+    best = max(sweep, key=lambda b: sweep[b]["output_tok_per_s"])
+    return {"best_batch_size": best, "threads": threads, "sweep": {str(b): v for b, v in sweep.items()},
+            **sweep[best]}
+
+
+# ---------------------------------------------------------------------------------------- profile
+def _timeit(fn, iters: int) -> float:
+    """Median seconds of fn() (which must block) after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def profile_decode_step(model: paxpage.Model, cfg: paxpage.EngineConfig, context: int,
+                        iters: int) -> dict:
+    """Rough breakdown of one decode step of cfg.max_num_seqs rows at `context` tokens each.
+
+    Run after the measured passes: it writes K/V into the pool's first pages (finished
+    sequences' prefix-cache entries there become stale; nothing runs on this engine after)."""
+    from models.llama import LlamaModel
+    from paxpage import sampler as sampler_lib
+    from paxpage.runner import RowPlan
+
+    engine = model.engine(cfg)
+    runner, rcfg = engine.runner, engine.config
+    rows = rcfg.max_num_seqs
+    pages_per_row = -(-(context + 1) // rcfg.page_size)
+    context = min(context, rcfg.max_model_len - 1, rcfg.num_pages * rcfg.page_size // rows - 1)
+    pages_per_row = -(-(context + 1) // rcfg.page_size)
+    rng = np.random.default_rng(0)
+    sp = paxpage.SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+    def host_pack():
+        plans, infos = [], []
+        for r in range(rows):
+            tokens = rng.integers(0, model.config.vocab_size, context + 1).tolist()
+            table = list(range(r * pages_per_row, (r + 1) * pages_per_row))
+            plans.append(RowPlan(tokens, table, context, 1, 1))
+            infos.append(sampler_lib.RowInfo(sp, tokens[:context], tokens[context:], r))
+        batch, _ = runner.pack(plans)
+        tensors = sampler_lib.SamplingTensors.build(
+            infos, model.config.vocab_size, pad_rows_to=len(batch.logits_indices),
+            eos_token_ids=engine.eos_token_ids, token_width=rcfg.max_model_len)
+        return batch, tensors
+
+    batch, tensors = host_pack()
+    pack_s = _timeit(host_pack, iters)
+    full_s = _timeit(lambda: runner.run(batch, tensors), iters)
+
+    def no_attention(q, kv_pages, page_indices, kv_lens, q_lens, *, sm_scale):
+        return q
+
+    bare = LlamaModel(model.config, no_attention, lambda pages, k, v, slots: pages, jnp.dtype(rcfg.dtype))
+    step_no_attn = jax.jit(lambda p, kv, b, s: sampler_lib.sample(bare.apply({"params": p}, b, kv)[0], s, 0))
+    forward = jax.jit(lambda p, kv, b: runner.model.apply({"params": p}, b, kv)[0])
+    sample = jax.jit(lambda logits, s: sampler_lib.sample(logits, s, 0))
+    logits = forward(runner.params, runner.kv_cache, batch)
+    no_attn_s = _timeit(lambda: jax.block_until_ready(step_no_attn(runner.params, runner.kv_cache, batch, tensors)), iters)
+    forward_s = _timeit(lambda: jax.block_until_ready(forward(runner.params, runner.kv_cache, batch)), iters)
+    sampler_s = _timeit(lambda: jax.block_until_ready(sample(logits, tensors)), iters)
+    total = full_s + pack_s
+    attention_s = max(0.0, full_s - no_attn_s)
+    return {
+        "rows": rows, "context": context,
+        "step_s": full_s, "host_pack_s": pack_s,
+        "model_forward_s": forward_s, "attention_s": attention_s, "sampler_s": sampler_s,
+        "step_without_attention_s": no_attn_s,
+        "shares": {  # of (jitted step + host packing)
+            "matmuls_and_rest": max(0.0, full_s - attention_s - sampler_s) / total,
+            "attention_and_kv_write": attention_s / total,
+            "sampling": sampler_s / total,
+            "host_packing": pack_s / total,
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    defaults = wl.backend_defaults()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    wl.add_workload_args(parser, defaults)
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="default: the workload's longest request rounded up to a power of two")
+    parser.add_argument("--kv-cache-bytes", type=int, default=None, help="default: the engine's (1 GiB)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=list(defaults.hf_batch_sizes))
+    parser.add_argument("--hf-threads", type=int, default=os.cpu_count())
+    parser.add_argument("--allow-compiles", action="store_true",
+                        help="do not fail when the measured pass compiles")
+    parser.add_argument("--no-profile", action="store_true", help="skip the decode-step profile")
+    parser.add_argument("--profile-iters", type=int, default=5)
+    parser.add_argument("--json", metavar="PATH", help="write every figure here")
+    args = parser.parse_args(argv)
+
+    compile_counter.install()
+    t = time.perf_counter()
+    model = paxpage.load(args.model)
+    print(f"loaded {args.model or 'SmolLM2-135M-Instruct'} in {time.perf_counter() - t:.1f} s "
+          f"(backend {jax.default_backend()})", flush=True)
+    work = wl.workload_from_args(args, model.config.vocab_size)
+    longest = max(p + o for p, o in zip(work.prompt_lens, work.output_lens))
+    max_model_len = args.max_model_len or min(model.config.max_position_embeddings,
+                                              1 << (longest - 1).bit_length())
+    cfg = paxpage.EngineConfig(page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+                               max_num_batched_tokens=args.max_num_batched_tokens,
+                               max_model_len=max_model_len, kv_cache_bytes=args.kv_cache_bytes)
+    summary = work.summary()
+    print(f"workload: {summary['num_requests']} requests, {summary['prompt_tokens']} prompt + "
+          f"{summary['output_tokens']} output tokens; prompt len median {summary['prompt_len']['median']:.0f} "
+          f"(max {summary['prompt_len']['max']}), output len median {summary['output_len']['median']:.0f} "
+          f"(max {summary['output_len']['max']})", flush=True)
+
+    t = time.perf_counter()
+    c0 = compile_counter.compiles()
+    run_paxpage(model, work, cfg)
+    warm = {"wall_s": time.perf_counter() - t, "compiles": compile_counter.compiles() - c0,
+            "compile_s": compile_counter.compile_seconds()}
+    print(f"paxpage warm-up: {warm['wall_s']:.1f} s, {warm['compiles']} compiles", flush=True)
+    c0 = compile_counter.compiles()
+    pax = run_paxpage(model, work, cfg)
+    compiles_after = compile_counter.compiles() - c0
+    pax.update(rates(work, pax["wall_s"]))
+    print(f"paxpage: {pax['requests_per_s']:.2f} req/s, {pax['output_tok_per_s']:.1f} output tok/s, "
+          f"{pax['total_tok_per_s']:.1f} total tok/s ({pax['wall_s']:.1f} s, {pax['steps']} steps, "
+          f"max {pax['max_running']} running, {pax['preemptions']} preemptions)", flush=True)
+    print(f"  TTFT p50/p90/p99: " + " / ".join(f"{v * 1e3:.0f}" for v in pax["ttft_s"].values()) + " ms; "
+          f"TPOT p50/p90/p99: " + " / ".join(f"{v * 1e3:.0f}" for v in pax["tpot_s"].values()) + " ms", flush=True)
+    print(f"  host share of wall time: {pax['host_share']:.1%}; compiles after warm-up: {compiles_after}",
+          flush=True)
+
+    hf = None
+    if not args.no_hf:
+        print("HF transformers baseline:", flush=True)
+        hf = run_hf(args.model, work, args.hf_batch_sizes, args.hf_threads)
+    ratio = pax["output_tok_per_s"] / hf["output_tok_per_s"] if hf else None
+    if hf:
+        print(f"HF (batch {hf['best_batch_size']}): {hf['requests_per_s']:.2f} req/s, "
+              f"{hf['output_tok_per_s']:.1f} output tok/s, {hf['total_tok_per_s']:.1f} total tok/s", flush=True)
+        print(f"ratio paxpage / HF (output tok/s): {ratio:.2f}x", flush=True)
+
+    profile = None
+    if not args.no_profile:
+        context = int(np.mean(work.prompt_lens) + np.mean(work.output_lens) / 2)
+        profile = profile_decode_step(model, cfg, context, args.profile_iters)
+        print(f"decode step profile ({profile['rows']} rows, context {profile['context']}): "
+              f"step {profile['step_s'] * 1e3:.0f} ms, host packing {profile['host_pack_s'] * 1e3:.1f} ms; "
+              f"forward without sampler {profile['model_forward_s'] * 1e3:.0f} ms, "
+              f"attention+KV write {profile['attention_s'] * 1e3:.0f} ms, sampler {profile['sampler_s'] * 1e3:.1f} ms",
+              flush=True)
+        print("  shares: " + ", ".join(f"{k} {v:.0%}" for k, v in profile["shares"].items()), flush=True)
+
+    if args.json:
+        wl.write_json(args.json, {
+            "backend": jax.default_backend(), "model": args.model or "SmolLM2-135M-Instruct",
+            "workload": summary, "engine_config": dataclasses.asdict(cfg),
+            "paxpage": pax, "warmup": warm, "hf": hf, "ratio": ratio,
+            "compiles_after_warmup": compiles_after, "profile": profile,
+        })
+    if compiles_after and not args.allow_compiles:
+        print(f"FAIL: {compiles_after} XLA compiles during the measured pass (after warm-up): a shape "
+              "escaped its bucket. Pass --allow-compiles to ignore.", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
