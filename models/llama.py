@@ -103,7 +103,8 @@ class LlamaModel(nn.Module):
 
     @nn.compact
     def __call__(self, batch, kv_cache: list[jax.Array]):
-        """Returns (logits f32[R, V], updated kv_cache)."""
+        """Returns (logits f32[R + Rp, V], updated kv_cache): the sampling rows, then the
+        prompt-logprob rows."""
         cfg = self.cfg
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
                          param_dtype=self.dtype, name="embed_tokens")
@@ -114,7 +115,8 @@ class LlamaModel(nn.Module):
                                     name=f"layers_{i}")(x, batch, kv_cache[i])
             new_cache.append(pages)
         # Only the rows that will be sampled pay for the final norm and the LM head.
-        x = x[batch.logits_indices]  # [R, H]
+        rows = jnp.concatenate([batch.logits_indices, batch.prompt_logits_indices])
+        x = x[rows]  # [R + Rp, H]
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
         if cfg.tie_word_embeddings:
             logits = embed.attend(x)

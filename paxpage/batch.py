@@ -29,7 +29,11 @@ class StepBatch:
     pre_page_indices: jax.Array  # i32[Bp, pages_per_seq]
     pre_kv_lens: jax.Array  # i32[Bp] tokens in cache up to the row's last token; 0 = padding
     pre_q_lens: jax.Array  # i32[Bp] real tokens in the row (<= Tq)
-    logits_indices: jax.Array  # i32[R] flat token index of each logits row (may repeat)
+    logits_indices: jax.Array  # i32[R] flat token index of each sampling row (may repeat)
+    # Prompt logprobs (only requests that ask): row i scores token prompt_targets[i] given the
+    # prefix ending at flat token prompt_logits_indices[i]. Rp = 0 in the common case.
+    prompt_logits_indices: jax.Array  # i32[Rp]
+    prompt_targets: jax.Array  # i32[Rp]
 
     @property
     def num_decode_rows(self) -> int:

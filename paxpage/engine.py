@@ -15,6 +15,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from models.config import ModelConfig
+from paxpage import beam as beam_lib
 from paxpage import compile_counter
 from paxpage.config import EngineConfig
 from paxpage.detokenizer import IncrementalDetokenizer
@@ -39,6 +40,8 @@ class _Sample:
     stop_reason: Any = None
     emitted_text: int = 0  # characters already streamed
     emitted_tokens: int = 0
+    # prompt position p -> {prompt[p + 1]: logprob, top alternatives...}; only when asked
+    prompt_logprobs: dict[int, dict[int, float]] | None = None
 
 
 @dataclasses.dataclass
@@ -50,9 +53,12 @@ class _Request:
     params: SamplingParams
     samples: list[_Sample]
     forked: bool = False  # True once the n samples exist
+    beam: beam_lib.BeamSearch | None = None  # beam search state; samples are then the live beams
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return len(self.samples) == self.params.n and all(s.finish_reason for s in self.samples)
 
 
@@ -96,6 +102,7 @@ class LLMEngine:
         self._by_seq: dict[int, tuple[_Request, _Sample]] = {}
         self._next_request = 0
         self._next_seq = 0
+        self._beams = beam_lib.BeamCoordinator(self)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, index: int = 0,
@@ -107,6 +114,10 @@ class LLMEngine:
         self._next_request += 1
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         request = _Request(request_id, index, prompt, list(prompt_ids), params, [])
+        if params.beam_width > 1:  # rows of its beams sample greedily with top-K logprobs
+            request.beam = beam_lib.BeamSearch(params, len(prompt_ids), self.eos_token_ids,
+                                               self.model_cfg.vocab_size, self.config)
+            request.params = request.beam.row_params
         sample = self._new_sample(request, list(prompt_ids), seed)
         self.scheduler.add(sample.seq)  # raises ValueError for a request that can never fit
         request.samples.append(sample)
@@ -123,6 +134,9 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens, p.stop,
                                        p.include_stop_str_in_output, p.min_tokens) if self.tokenizer else None
         sample = _Sample(seq, seed, detok, [] if p.logprobs is not None else None)
+        if p.prompt_logprobs is not None and not request.samples:
+            sample.prompt_logprobs = {}
+            seq.use_prefix_cache = False  # cached prompt pages would skip their logprobs
         self._by_seq[seq.seq_id] = (request, sample)
         return sample
 
@@ -149,14 +163,18 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         self.runner.copy_pages(sched.copies)
+        if self._beams.hold_back(sched):  # a beam request runs all its live beams in a step or none
+            return []
         plans, rows = [], []
         for item in sched.scheduled:
             request, sample = self._by_seq[item.seq.seq_id]
             fork_now = item.samples and not request.forked
+            wants_prompt = sample.prompt_logprobs is not None and item.start < item.seq.num_prompt_tokens
             plans.append(RowPlan(item.seq.token_ids, item.seq.page_table, item.start,
                                  item.num_new_tokens,
-                                 (request.params.n if fork_now else 1) if item.samples else 0))
-        batch, logits_plan = self.runner.pack(plans)
+                                 (request.params.n if fork_now else 1) if item.samples else 0,
+                                 item.seq.num_prompt_tokens if wants_prompt else 0))
+        batch, logits_plan, prompt_plan = self.runner.pack(plans)
         for plan_index in logits_plan:
             request, sample = self._by_seq[sched.scheduled[plan_index].seq.seq_id]
             rows.append(request)
@@ -174,43 +192,64 @@ class LLMEngine:
                                         # A fixed width: a growing one would recompile the fused step.
                                         token_width=self.config.max_model_len)
         num_logprobs = _logprob_bucket(max((r.params.logprobs or 0) for r in rows) if rows else 0)
+        num_prompt_logprobs = _logprob_bucket(max(
+            (self._by_seq[sched.scheduled[i].seq.seq_id][0].params.prompt_logprobs or 0
+             for i, _ in prompt_plan), default=0))
         t1 = time.perf_counter()
-        result = self.runner.run(batch, tensors, num_logprobs)
+        result, prompt_result = self.runner.run(batch, tensors, num_logprobs, num_prompt_logprobs)
         t2 = time.perf_counter()
+        self._record_prompt_logprobs(sched, prompt_plan, prompt_result)
 
         # Each logits row holds a token: rows of one sequence are contiguous in `logits_plan`.
         sampled: dict[int, int] = {}
         forks: list[tuple[_Request, _Sample, int]] = []  # (request, parent, first row)
         new_tokens: list[tuple[_Request, _Sample, int, int]] = []  # (request, sample, token, row)
+        beam_rows: list[tuple[_Request, _Sample, int]] = []  # beam.py picks their tokens
         row = 0
         while row < len(logits_plan):
             item = sched.scheduled[logits_plan[row]]
             request, sample = self._by_seq[item.seq.seq_id]
             count = logits_plan.count(logits_plan[row])
+            if request.beam is not None:
+                beam_rows.append((request, sample, row))
+                row += count
+                continue
             sampled[item.seq.seq_id] = int(result.token_ids[row])
             new_tokens.append((request, sample, int(result.token_ids[row]), row))
             if count > 1:
                 forks.append((request, sample, row))
             request.forked = True
             row += count
+        self._beams.select(beam_rows, result, sampled)
         self.scheduler.update(sched, sampled)
         # Parallel samples fork after the parent's prompt is in the cache: they share its
         # pages, and the first write into the shared last page copies it.
         for request, parent, first_row in forks:
             for extra in range(1, request.params.n):
                 child = self._new_sample(request, request.prompt_ids, parent.seed + extra)
-                self.scheduler.fork(parent.seq, child.seq)
                 token = int(result.token_ids[first_row + extra])
                 child.seq.append_token(token)
+                self.scheduler.fork(parent.seq, child.seq)
                 request.samples.append(child)
                 new_tokens.append((request, child, token, first_row + extra))
         deltas = self._check_stops(new_tokens, result)
+        deltas += self._beams.apply()  # forks, dropped beams, finished beam requests
         self.stats.steps += 1
         self.stats.generated_tokens += len(new_tokens)
         self.stats.kv_utilisation_sum += self.scheduler.stats().kv_utilization
         self.stats.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
         self.stats.device_seconds += t2 - t1
         return deltas
+
+    def _record_prompt_logprobs(self, sched, prompt_plan, res) -> None:
+        for j, (plan_index, position) in enumerate(prompt_plan):
+            seq = sched.scheduled[plan_index].seq
+            request, sample = self._by_seq[seq.seq_id]
+            k = request.params.prompt_logprobs
+            entry = {seq.prompt_token_ids[position + 1]: float(res.target_logprobs[j])}
+            for tid, lp in zip(res.top_ids[j][:k], res.top_logprobs[j][:k]):
+                entry.setdefault(int(tid), float(lp))
+            sample.prompt_logprobs[position] = entry  # a recompute after preemption overwrites
 
     def _check_stops(self, new_tokens, result) -> list[tuple[_Request, list[StreamDelta]]]:
         by_request: dict[int, tuple[_Request, list[StreamDelta]]] = {}
@@ -255,13 +294,22 @@ class LLMEngine:
         return list(by_request.values())
 
     def output(self, request: _Request) -> RequestOutput:
+        if request.beam is not None:
+            return self._beams.output(request)
         completions = [
             Completion(i, s.detok.text if s.detok is not None else "", list(s.seq.output_token_ids),
                        s.finish_reason, s.stop_reason, s.logprobs, s.cumulative_logprob)
             for i, s in enumerate(request.samples)
         ]
+        first = request.samples[0]
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None:
+            # vLLM layout: None for the first prompt token, then one entry per later token.
+            prompt_logprobs = [None] + [first.prompt_logprobs.get(p)
+                                        for p in range(len(request.prompt_ids) - 1)]
         return RequestOutput(request.index, request.prompt, request.prompt_ids, completions,
-                             num_cached_tokens=request.samples[0].seq.num_cached_tokens)
+                             prompt_logprobs=prompt_logprobs,
+                             num_cached_tokens=first.seq.num_cached_tokens)
 
     def run(self, requests: Iterable[_Request] | None = None, progress=None) -> None:
         """Steps until every request has finished."""

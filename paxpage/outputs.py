@@ -16,6 +16,7 @@ class Completion:
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob}, chosen first
     cumulative_logprob: float = 0.0
+    score: float | None = None  # beam search: cumulative_logprob / num_tokens ** length_penalty
 
 
 @dataclasses.dataclass

@@ -209,7 +209,7 @@ class PageManager:
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Longest chain of cached pages holding seq's leading tokens, capped at (num_tokens - 1) // page_size
         pages so at least one token is left to compute (its logits are needed). No side effects."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.use_prefix_cache:
             return []
         pages: list[int] = []
         parent = None

@@ -42,6 +42,7 @@ class RowPlan:
     start: int  # first new token's position
     num_new: int  # q_len this step
     num_samples: int  # logits rows wanted for its last token (0 = mid-prefill chunk)
+    num_prompt_tokens: int = 0  # > 0: also score each prompt token computed this step
 
 
 def _attention_fns(impl: str):
@@ -65,17 +66,22 @@ class ModelRunner:
         self.params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
         shape = (2, cfg.num_pages, cfg.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
         self.kv_cache = [jnp.zeros(shape, dtype) for _ in range(model_cfg.num_layers)]
-        self._step = jax.jit(self._forward, donate_argnums=(1,), static_argnames=("num_logprobs",))
+        # The model step and the sampler compile separately: sampler options (logprob widths,
+        # penalty lists) then never recompile the model, and a new batch shape reuses the
+        # sampler. Logits stay on device between the two calls.
+        self._step = jax.jit(self._forward, donate_argnums=(1,))
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
         self.max_decode_rows = bucket(cfg.max_num_seqs)
 
-    def _forward(self, params, kv_cache, batch: StepBatch, sampling, *, num_logprobs: int):
+    def _forward(self, params, kv_cache, batch: StepBatch):
         logits, kv_cache = self.model.apply({"params": params}, batch, kv_cache)
-        return kv_cache, sampler_lib.sample(logits, sampling, num_logprobs)
+        num_rows = batch.logits_indices.shape[0]
+        return kv_cache, logits[:num_rows], logits[num_rows:]
 
     # ------------------------------------------------------------------ packing
-    def pack(self, rows: Sequence[RowPlan]) -> tuple[StepBatch, list[int]]:
-        """Lays out the rows' tokens; returns the batch and, per logits row, the plan index."""
+    def pack(self, rows: Sequence[RowPlan]) -> tuple[StepBatch, list[int], list[tuple[int, int]]]:
+        """Lays out the rows' tokens. Returns the batch, the plan index of each sampling row,
+        and (plan index, position) of each prompt-logprob row."""
         page_size, row_len = self.cfg.page_size, self.cfg.prefill_row_len
         pages_per_seq = self.cfg.pages_per_seq
         decode = [i for i, r in enumerate(rows) if r.num_new == 1]
@@ -95,37 +101,48 @@ class ModelRunner:
         pre_lens = np.zeros(num_pre, np.int32)
         pre_q = np.zeros(num_pre, np.int32)
         last_token_index = {}
+        prompt_rows: list[tuple[int, int, int, int]] = []  # (plan, position, flat index, target)
 
-        def place(flat: int, plan: RowPlan, pos_lo: int, pos_hi: int) -> None:
+        def place(flat: int, plan_index: int, pos_lo: int, pos_hi: int) -> None:
+            plan = rows[plan_index]
             n = pos_hi - pos_lo
             pos = np.arange(pos_lo, pos_hi)
             table = np.asarray(plan.page_table, np.int32)
             token_ids[flat:flat + n] = plan.token_ids[pos_lo:pos_hi]
             positions[flat:flat + n] = pos
             slots[flat:flat + n] = table[pos // page_size] * page_size + pos % page_size
+            for p in range(pos_lo, min(pos_hi, plan.num_prompt_tokens - 1)):
+                prompt_rows.append((plan_index, p, flat + p - pos_lo, plan.token_ids[p + 1]))
 
         for row, i in enumerate(decode):
             plan = rows[i]
-            place(row, plan, plan.start, plan.start + 1)
+            place(row, i, plan.start, plan.start + 1)
             dec_pages[row, :len(plan.page_table)] = plan.page_table
             dec_lens[row] = plan.start + 1
             last_token_index[i] = row
         for row, (i, lo, hi) in enumerate(pre_rows):
             plan = rows[i]
             flat = num_dec + row * row_len
-            place(flat, plan, lo, hi)
+            place(flat, i, lo, hi)
             pre_pages[row, :len(plan.page_table)] = plan.page_table
             pre_lens[row] = hi
             pre_q[row] = hi - lo
             last_token_index[i] = flat + (hi - lo) - 1
 
         logits_plan = [i for i, r in enumerate(rows) for _ in range(r.num_samples)]
-        num_logits = bucket(len(logits_plan))
+        # R follows from (Bd, Bp) rather than being a third bucket (only n > 1 parallel
+        # samples can need more), and stays a power of two so the sampler is shared.
+        num_logits = bucket(max(num_dec + num_pre, len(logits_plan)))
         logits_indices = np.zeros(num_logits, np.int32)
         logits_indices[:len(logits_plan)] = [last_token_index[i] for i in logits_plan]
+        num_prompt_rows = bucket(len(prompt_rows))
+        prompt_indices = np.zeros(num_prompt_rows, np.int32)
+        prompt_targets = np.zeros(num_prompt_rows, np.int32)
+        for j, (_, _, flat, target) in enumerate(prompt_rows):
+            prompt_indices[j], prompt_targets[j] = flat, target
         batch = StepBatch(token_ids, positions, slots, dec_pages, dec_lens, pre_pages, pre_lens,
-                          pre_q, logits_indices)
-        return batch, logits_plan
+                          pre_q, logits_indices, prompt_indices, prompt_targets)
+        return batch, logits_plan, [(plan, pos) for plan, pos, _, _ in prompt_rows]
 
     # ------------------------------------------------------------------ device calls
     def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
@@ -139,10 +156,35 @@ class ModelRunner:
         src[:len(copies)], dst[:len(copies)] = zip(*copies)
         self.kv_cache = self._copy(self.kv_cache, src, dst)
 
-    def run(self, batch: StepBatch, sampling, num_logprobs: int = 0):
-        self.kv_cache, out = self._step(self.params, self.kv_cache, batch, sampling,
-                                        num_logprobs=num_logprobs)
-        return jax.device_get(out)
+    def run(self, batch: StepBatch, sampling, num_logprobs: int = 0, num_prompt_logprobs: int = 0):
+        """Returns (SamplerOutput, PromptLogprobs) as numpy."""
+        self.kv_cache, logits, prompt_logits = self._step(self.params, self.kv_cache, batch)
+        out = sampler_lib.sample(logits, sampling, num_logprobs)
+        prompt = None
+        if batch.prompt_targets.shape[0]:
+            prompt = _prompt_logprobs(prompt_logits, batch.prompt_targets, num_prompt_logprobs)
+        return jax.device_get((out, prompt))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    target_logprobs: jax.Array  # f32[Rp] logprob of the prompt's next token
+    top_ids: jax.Array  # i32[Rp, L]
+    top_logprobs: jax.Array  # f32[Rp, L]
+
+
+@functools.partial(jax.jit, static_argnames=("num_top",))
+def _prompt_logprobs(logits, targets, num_top: int) -> PromptLogprobs:
+    """vLLM semantics: log-softmax of the raw model logits (no penalties, no temperature)."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [Rp, V]
+    chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+    if num_top > 0:
+        top_lp, top_ids = jax.lax.top_k(logprobs, num_top)
+    else:
+        top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    return PromptLogprobs(chosen, top_ids.astype(jnp.int32), top_lp)
 
 
 def _copy_pages(kv_cache, src, dst):  # src, dst: i32[C]

@@ -55,6 +55,13 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to report per generated token
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Beam search (HF transformers semantics) when beam_width > 1: the request returns its
+    # beam_width best finished beams, best first. Deterministic: temperature, top_p, top_k,
+    # min_p and seed are ignored; n must be 1; penalties, min_tokens and stop strings are not
+    # supported (HF applies them to log-probs, not logits). EOS and stop_token_ids end a beam.
+    beam_width: int = 1
+    length_penalty: float = 1.0  # finished score = sum_logprobs / num_generated ** length_penalty
+    early_stopping: bool | str = False  # True | False | "never", as in HF generate
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -109,6 +116,30 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+        self._check_beam(set_)
+
+    def _check_beam(self, set_) -> None:
+        _check_int("beam_width", self.beam_width)
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
+        set_("length_penalty", _check_float("length_penalty", self.length_penalty))
+        if math.isinf(self.length_penalty):
+            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        if self.beam_width == 1:
+            return
+        if self.n != 1:
+            raise ValueError(f"n must be 1 with beam search (beam_width={self.beam_width} returns "
+                             f"beam_width completions), got n={self.n}")
+        if self.uses_penalties:
+            raise ValueError("beam search does not support repetition / presence / frequency penalties")
+        if self.min_tokens:
+            raise ValueError(f"beam search does not support min_tokens, got {self.min_tokens}")
+        if self.stop:
+            raise ValueError(f"beam search does not support stop strings, got {list(self.stop)!r}; "
+                             "use stop_token_ids")
 
     @staticmethod
     def _normalise_stop(stop: Any) -> tuple[str, ...]:

@@ -6,6 +6,10 @@ One engine iteration:
     scheduler.update(out, {seq_id: token})   # advance num_computed_tokens, cache full pages, append tokens
     ... engine: scheduler.finish(seq, "stop" | "length") for sequences that are done
 
+Parallel sampling (n > 1): when a prompt's last chunk samples n tokens from one logits row, the engine passes
+the first to update(), then for each other token t: child = parent.clone(); child.output_token_ids[-1] = t;
+scheduler.fork(parent, child). The children share the prompt's pages; the partial last page is copied on write.
+
 Decisions (see tests/engine/test_scheduler.py):
 - Order: RUNNING sequences first, in admission order (forked children sit right after their parent's group),
   then WAITING ones in FIFO order (head-of-line blocking: admission stops at the first that does not fit).

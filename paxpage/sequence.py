@@ -55,6 +55,8 @@ class Sequence:
         self.arrival: int = -1  # set by Scheduler.add/fork: FIFO order key of the waiting queue
         self.num_preemptions: int = 0
         self.num_cached_tokens: int = 0  # prefix-cache hit tokens at the last admission
+        # False: never reuse cached pages (prompt logprobs must score every prompt token).
+        self.use_prefix_cache: bool = True
         self.finish_reason: str | None = None
         # prefix-cache bookkeeping (PageManager): chained keys of full pages, and how many of this
         # sequence's leading pages cache_full_pages() has already looked at.
@@ -95,11 +97,13 @@ class Sequence:
 
     def page_tokens(self, index: int, page_size: int) -> tuple[int, ...]:
         """Token ids stored in logical page `index` (may be partial at the end)."""
-        lo = index * page_size
+        lo, hi = index * page_size, (index + 1) * page_size
         n_prompt = len(self.prompt_token_ids)
-        if lo + page_size <= n_prompt:  # fast path: page lies inside the prompt
-            return tuple(self.prompt_token_ids[lo : lo + page_size])
-        return tuple(self.token_ids[lo : lo + page_size])
+        if hi <= n_prompt:
+            return tuple(self.prompt_token_ids[lo:hi])
+        if lo >= n_prompt:
+            return tuple(self.output_token_ids[lo - n_prompt : hi - n_prompt])
+        return tuple(self.prompt_token_ids[lo:]) + tuple(self.output_token_ids[: hi - n_prompt])
 
     def clone(self, *, seq_id: int | None = None) -> Sequence:
         """A fresh WAITING copy with the same tokens, max_tokens, group and sampling params, holding no pages.

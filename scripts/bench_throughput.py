@@ -4,11 +4,15 @@ Every request is queued at t=0 (offline batch inference, as in vLLM's benchmark_
 N requests with ShareGPT-like prompt / output lengths (scripts/workload.py), random token
 ids, EOS ignored so each request generates exactly its output length, fixed seed.
 
-paxpage: one warm-up pass over the same workload (it meets every shape bucket the measured
-pass meets), then the measured pass, driven step by step to time each request:
+paxpage: one warm-up pass over the same lengths with other random prompts (it meets every
+shape bucket the measured passes meet, and leaves no prefix-cache entries they could hit),
+then --repeats measured passes (the first before the HF sweep, the rest after it with fresh
+prompts, so both systems see similar load on a noisy machine; the fastest pass counts, as
+the fastest HF batch size does), driven step by step to time each request:
     TTFT  time from the start of the pass to the request's first output token
     TPOT  (finish - first token) / (output tokens - 1)
-Any XLA compile during the measured pass fails the run (exit 1) unless --allow-compiles.
+Any XLA compile during a measured pass fails the run (exit 1) unless --allow-compiles.
+Padding figures say how many of the step shapes' token slots and rows held real work.
 
 HF baseline: static padded batches, as users write them: requests in arrival order, chunks
 of `batch size`, left padding + attention mask, greedy, min_new_tokens = max_new_tokens =
@@ -46,6 +50,21 @@ from paxpage import compile_counter  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------- paxpage
+def _step(engine, first: list, finish: list, counts: list) -> None:
+    """One engine step; stamps each request's first token and finish with the time."""
+    results = engine.step()
+    now = time.perf_counter()
+    for request, deltas in results:
+        i = request.index
+        for d in deltas:
+            if d.token_ids:
+                if first[i] is None:
+                    first[i] = now
+                counts[i] += len(d.token_ids)
+            if d.finish_reason is not None:
+                finish[i] = now
+
+
 def run_paxpage(model: paxpage.Model, work: wl.Workload, cfg: paxpage.EngineConfig) -> dict:
     """One pass over the workload, step by step; per-request TTFT / TPOT and engine stats."""
     engine = model.engine(cfg)
@@ -58,19 +77,30 @@ def run_paxpage(model: paxpage.Model, work: wl.Workload, cfg: paxpage.EngineConf
         engine.add_request(prompt, paxpage.SamplingParams(max_tokens=out_len, temperature=0,
                                                           ignore_eos=True), index=i)
     max_running = 0
-    while engine.has_unfinished():
-        results = engine.step()
-        now = time.perf_counter()
-        max_running = max(max_running, engine.scheduler.num_running)
-        for request, deltas in results:
-            i = request.index
-            for d in deltas:
-                if d.token_ids:
-                    if first[i] is None:
-                        first[i] = now
-                    counts[i] += len(d.token_ids)
-                if d.finish_reason is not None:
-                    finish[i] = now
+    pad = dict.fromkeys(("tokens", "token_slots", "decode_rows", "decode_row_slots",
+                         "prefill_tokens", "prefill_token_slots"), 0)
+    pack = engine.runner.pack
+
+    def counting_pack(*a, **kw):  # what the padded shapes cost: real vs padded tokens and rows
+        packed = pack(*a, **kw)
+        b = packed[0]
+        real_dec = int(np.count_nonzero(b.dec_kv_lens))
+        pad["tokens"] += int(np.count_nonzero(b.slot_mapping >= 0))
+        pad["token_slots"] += len(b.token_ids)
+        pad["decode_rows"] += real_dec
+        pad["decode_row_slots"] += len(b.dec_kv_lens)
+        pad["prefill_tokens"] += int(np.sum(b.pre_q_lens))
+        pad["prefill_token_slots"] += len(b.token_ids) - len(b.dec_kv_lens)
+        return packed
+
+    engine.runner.pack = counting_pack
+    try:
+        while engine.has_unfinished():
+            _step(engine, first, finish, counts)
+            max_running = max(max_running, engine.scheduler.num_running)
+    finally:
+        del engine.runner.pack  # back to the class method
+
     wall = time.perf_counter() - start
     if counts != work.output_lens:
         raise RuntimeError(f"paxpage generated {sum(counts)} tokens, expected {work.num_output_tokens}")
@@ -87,6 +117,7 @@ def run_paxpage(model: paxpage.Model, work: wl.Workload, cfg: paxpage.EngineConf
         "mean_kv_utilisation": (st.kv_utilisation_sum - stats0.kv_utilisation_sum) / max(1, steps),
         "preemptions": engine.scheduler.num_preemptions - preempt0,
         "max_running": max_running,
+        "padding": pad,
         "ttft_s": wl.percentiles(ttft),
         "tpot_s": wl.percentiles(tpot),
     }
@@ -206,7 +237,7 @@ def profile_decode_step(model: paxpage.Model, cfg: paxpage.EngineConfig, context
             table = list(range(r * pages_per_row, (r + 1) * pages_per_row))
             plans.append(RowPlan(tokens, table, context, 1, 1))
             infos.append(sampler_lib.RowInfo(sp, tokens[:context], tokens[context:], r))
-        batch, _ = runner.pack(plans)
+        batch = runner.pack(plans)[0]
         tensors = sampler_lib.SamplingTensors.build(
             infos, model.config.vocab_size, pad_rows_to=len(batch.logits_indices),
             eos_token_ids=engine.eos_token_ids, token_width=rcfg.max_model_len)
@@ -220,8 +251,10 @@ def profile_decode_step(model: paxpage.Model, cfg: paxpage.EngineConfig, context
         return q
 
     bare = LlamaModel(model.config, no_attention, lambda pages, k, v, slots: pages, jnp.dtype(rcfg.dtype))
-    step_no_attn = jax.jit(lambda p, kv, b, s: sampler_lib.sample(bare.apply({"params": p}, b, kv)[0], s, 0))
-    forward = jax.jit(lambda p, kv, b: runner.model.apply({"params": p}, b, kv)[0])
+    num_rows = len(batch.logits_indices)  # the model returns the sampling rows' logits first
+    step_no_attn = jax.jit(lambda p, kv, b, s: sampler_lib.sample(
+        bare.apply({"params": p}, b, kv)[0][:num_rows], s, 0))
+    forward = jax.jit(lambda p, kv, b: runner.model.apply({"params": p}, b, kv)[0][:num_rows])
     sample = jax.jit(lambda logits, s: sampler_lib.sample(logits, s, 0))
     logits = forward(runner.params, runner.kv_cache, batch)
     no_attn_s = _timeit(lambda: jax.block_until_ready(step_no_attn(runner.params, runner.kv_cache, batch, tensors)), iters)
@@ -244,6 +277,20 @@ def profile_decode_step(model: paxpage.Model, cfg: paxpage.EngineConfig, context
 
 
 # ---------------------------------------------------------------------------------------- main
+def _print_pass(k: int, pax: dict) -> None:
+    print(f"paxpage pass {k}: {pax['requests_per_s']:.2f} req/s, {pax['output_tok_per_s']:.1f} output tok/s, "
+          f"{pax['total_tok_per_s']:.1f} total tok/s ({pax['wall_s']:.1f} s, {pax['steps']} steps, "
+          f"max {pax['max_running']} running, {pax['preemptions']} preemptions, {pax['compiles']} compiles)",
+          flush=True)
+    print("  TTFT p50/p90/p99: " + " / ".join(f"{v * 1e3:.0f}" for v in pax["ttft_s"].values()) + " ms; "
+          "TPOT p50/p90/p99: " + " / ".join(f"{v * 1e3:.0f}" for v in pax["tpot_s"].values()) + " ms; "
+          f"host share of wall time {pax['host_share']:.1%}", flush=True)
+    p = pax["padding"]
+    print(f"  padding: {p['tokens']} real tokens in {p['token_slots']} token slots "
+          f"({p['tokens'] / p['token_slots']:.0%}); decode rows {p['decode_rows']}/{p['decode_row_slots']}, "
+          f"prefill tokens {p['prefill_tokens']}/{p['prefill_token_slots']}", flush=True)
+
+
 def main(argv=None) -> int:
     defaults = wl.backend_defaults()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -253,10 +300,14 @@ def main(argv=None) -> int:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="default: the workload's longest request rounded up to a power of two")
-    parser.add_argument("--kv-cache-bytes", type=int, default=None, help="default: the engine's (1 GiB)")
+    memory = parser.add_mutually_exclusive_group()
+    memory.add_argument("--kv-cache-bytes", type=int, default=None, help="default: the engine's (1 GiB)")
+    memory.add_argument("--num-pages", type=int, default=None)
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=list(defaults.hf_batch_sizes))
     parser.add_argument("--hf-threads", type=int, default=os.cpu_count())
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="measured paxpage passes (first before, the rest after HF); the fastest counts")
     parser.add_argument("--allow-compiles", action="store_true",
                         help="do not fail when the measured pass compiles")
     parser.add_argument("--no-profile", action="store_true", help="skip the decode-step profile")
@@ -275,7 +326,8 @@ def main(argv=None) -> int:
                                               1 << (longest - 1).bit_length())
     cfg = paxpage.EngineConfig(page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=args.max_num_batched_tokens,
-                               max_model_len=max_model_len, kv_cache_bytes=args.kv_cache_bytes)
+                               max_model_len=max_model_len, kv_cache_bytes=args.kv_cache_bytes,
+                               num_pages=args.num_pages)
     summary = work.summary()
     print(f"workload: {summary['num_requests']} requests, {summary['prompt_tokens']} prompt + "
           f"{summary['output_tokens']} output tokens; prompt len median {summary['prompt_len']['median']:.0f} "
@@ -284,26 +336,32 @@ def main(argv=None) -> int:
 
     t = time.perf_counter()
     c0 = compile_counter.compiles()
-    run_paxpage(model, work, cfg)
+    run_paxpage(model, work.with_fresh_prompts(model.config.vocab_size, args.seed + 7919), cfg)
     warm = {"wall_s": time.perf_counter() - t, "compiles": compile_counter.compiles() - c0,
             "compile_s": compile_counter.compile_seconds()}
     print(f"paxpage warm-up: {warm['wall_s']:.1f} s, {warm['compiles']} compiles", flush=True)
-    c0 = compile_counter.compiles()
-    pax = run_paxpage(model, work, cfg)
-    compiles_after = compile_counter.compiles() - c0
-    pax.update(rates(work, pax["wall_s"]))
-    print(f"paxpage: {pax['requests_per_s']:.2f} req/s, {pax['output_tok_per_s']:.1f} output tok/s, "
-          f"{pax['total_tok_per_s']:.1f} total tok/s ({pax['wall_s']:.1f} s, {pax['steps']} steps, "
-          f"max {pax['max_running']} running, {pax['preemptions']} preemptions)", flush=True)
-    print(f"  TTFT p50/p90/p99: " + " / ".join(f"{v * 1e3:.0f}" for v in pax["ttft_s"].values()) + " ms; "
-          f"TPOT p50/p90/p99: " + " / ".join(f"{v * 1e3:.0f}" for v in pax["tpot_s"].values()) + " ms", flush=True)
-    print(f"  host share of wall time: {pax['host_share']:.1%}; compiles after warm-up: {compiles_after}",
-          flush=True)
 
+    def measured_pass(k: int) -> dict:
+        # Pass k > 0 gets fresh prompts of the same lengths: no prefix-cache hits on earlier passes.
+        c0 = compile_counter.compiles()
+        w = work if k == 0 else work.with_fresh_prompts(model.config.vocab_size, args.seed + 7919 * (k + 1))
+        result = run_paxpage(model, w, cfg)
+        result.update(rates(w, result["wall_s"]), compiles=compile_counter.compiles() - c0)
+        _print_pass(k, result)
+        return result
+
+    # Passes alternate with the HF sweep so that both see similar machine load (noisy machine).
+    passes = [measured_pass(0)]
     hf = None
     if not args.no_hf:
         print("HF transformers baseline:", flush=True)
         hf = run_hf(args.model, work, args.hf_batch_sizes, args.hf_threads)
+    passes += [measured_pass(k) for k in range(1, args.repeats)]
+    pax = dict(max(passes, key=lambda r: r["output_tok_per_s"]))
+    pax["passes_output_tok_per_s"] = [r["output_tok_per_s"] for r in passes]
+    compiles_after = sum(r["compiles"] for r in passes)
+    print(f"paxpage (fastest of {len(passes)} passes): {pax['output_tok_per_s']:.1f} output tok/s; "
+          f"compiles after warm-up: {compiles_after}", flush=True)
     ratio = pax["output_tok_per_s"] / hf["output_tok_per_s"] if hf else None
     if hf:
         print(f"HF (batch {hf['best_batch_size']}): {hf['requests_per_s']:.2f} req/s, "

@@ -50,6 +50,7 @@ def backend_defaults() -> Defaults:
 class Workload:
     prompts: list[list[int]]  # token ids per request
     output_lens: list[int]  # tokens to generate per request (EOS ignored)
+    shared_prefix: int = 0  # leading tokens common to every prompt
 
     @property
     def num_requests(self) -> int:
@@ -76,8 +77,13 @@ class Workload:
             "output_len": {"min": int(o.min()), "median": float(np.median(o)), "max": int(o.max())},
         }
 
-    def subset(self, indices) -> "Workload":
-        return Workload([self.prompts[i] for i in indices], [self.output_lens[i] for i in indices])
+    def lengths(self) -> list[tuple[int, int]]:
+        return list(zip(self.prompt_lens, self.output_lens))
+
+    def with_fresh_prompts(self, vocab_size: int, seed: int) -> "Workload":
+        """Same lengths, other random prompts: a warm-up that meets the same shapes without
+        leaving prefix-cache entries the measured pass could hit."""
+        return make_workload(self.lengths(), vocab_size, seed, self.shared_prefix)
 
 
 def _clipped_lognormal(rng: np.random.Generator, n: int, lo: int, hi: int) -> np.ndarray:
@@ -114,11 +120,15 @@ def read_lengths(path: str) -> list[tuple[int, int]]:
     return pairs
 
 
-def make_workload(lengths: list[tuple[int, int]], vocab_size: int, seed: int) -> Workload:
-    """Random prompt token ids for each (prompt_len, output_len)."""
+def make_workload(lengths: list[tuple[int, int]], vocab_size: int, seed: int,
+                  shared_prefix: int = 0) -> Workload:
+    """Random prompt token ids for each (prompt_len, output_len). With shared_prefix > 0 every
+    prompt starts with the same random tokens (a system prompt; prompt lengths unchanged)."""
     rng = np.random.default_rng(seed + 1)  # a stream independent of the length draw
-    prompts = [rng.integers(0, vocab_size, size=p).tolist() for p, _ in lengths]
-    return Workload(prompts, [o for _, o in lengths])
+    prefix = rng.integers(0, vocab_size, size=shared_prefix).tolist()
+    prompts = [(prefix[:p] + rng.integers(0, vocab_size, size=max(0, p - shared_prefix)).tolist())
+               for p, _ in lengths]
+    return Workload(prompts, [o for _, o in lengths], shared_prefix)
 
 
 def add_workload_args(parser: argparse.ArgumentParser, defaults: Defaults) -> None:
@@ -135,13 +145,13 @@ def add_workload_args(parser: argparse.ArgumentParser, defaults: Defaults) -> No
                    help="anything paxpage.load accepts (default: SmolLM2-135M-Instruct GGUF)")
 
 
-def workload_from_args(args, vocab_size: int) -> Workload:
+def workload_from_args(args, vocab_size: int, shared_prefix: int = 0) -> Workload:
     if args.lengths:
         lengths = read_lengths(args.lengths)
     else:
         lengths = sharegpt_lengths(args.num_requests, args.seed, tuple(args.prompt_range),
                                    tuple(args.output_range))
-    return make_workload(lengths, vocab_size, args.seed)
+    return make_workload(lengths, vocab_size, args.seed, shared_prefix)
 
 
 def write_json(path: str, data: dict) -> None:

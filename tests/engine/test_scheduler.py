@@ -1,7 +1,11 @@
 """Scheduler: hand-worked states of admission, token budget, preemption, fork/CoW, prefix caching."""
 
+import ast
+import inspect
+
 import pytest
 
+from paxpage import page_manager, scheduler, sequence
 from paxpage.scheduler import Scheduler, SchedulerConfig
 from paxpage.sequence import Sequence, SequenceStatus
 
@@ -329,3 +333,46 @@ def test_no_progress_is_a_runtime_error():
     with pytest.raises(RuntimeError, match="scheduler made no progress"):
         s.schedule()
     assert make().schedule().is_empty  # nothing to do is fine
+
+
+def test_admission_counts_revived_cached_pages_against_free_memory():
+    s = make(num_pages=4, page_size=2, max_model_len=8, enable_prefix_caching=True)
+    a = Sequence([1, 2, 3, 4, 5], 1, seq_id=1)
+    s.add(a)
+    step(s)  # a finishes: pages 0, 1 cached and evictable; 2 free
+    c = Sequence([7, 7, 7], 2, seq_id=2)
+    s.add(c)
+    step(s)
+    assert c.page_table == [2, 3] and s.page_manager.evictable_pages() == [1, 0]
+    d = Sequence([1, 2, 3, 4, 9], 2, seq_id=3)
+    s.add(d)
+    # d would hit pages 0, 1 but reviving them leaves no page for its fifth token: 2 + 1 > 2 free
+    assert rows(step(s)) == [(2, 1, 3, True)]
+    assert s.waiting[0] is d and s.page_manager.evictable_pages() == [1, 0, 3, 2]  # c finished and cached
+    assert rows(step(s)) == [(3, 1, 4, True)]  # d admitted with 4 cached tokens; its new page evicts 3
+    assert (d.num_cached_tokens, d.page_table, s.page_manager.evictable_pages()) == (4, [0, 1, 3], [2])
+
+
+def test_sequence_basics_and_clone():
+    a = Sequence([5, 6, 7], 4, seq_id=40)
+    a.append_token(8)
+    assert (a.token_ids, a.num_tokens, a.num_prompt_tokens, a.num_output_tokens) == ([5, 6, 7, 8], 4, 3, 1)
+    assert (a.group_id, a.status, a.last_token_id, a.page_tokens(1, 2)) == (40, SequenceStatus.WAITING, 8, (7, 8))
+    b = a.clone(seq_id=41)
+    assert (b.seq_id, b.group_id, b.token_ids, b.max_tokens, b.page_table) == (41, 40, [5, 6, 7, 8], 4, [])
+    b.append_token(9)
+    assert a.output_token_ids == [8]  # the clone's lists are its own
+    with pytest.raises(ValueError, match="prompt has 0 tokens"):
+        Sequence([], 1)
+    with pytest.raises(ValueError, match="max_tokens is 0"):
+        Sequence([1], 0)
+
+
+def test_host_side_modules_import_no_jax():
+    allowed = {"__future__", "collections", "dataclasses", "enum", "heapq", "itertools", "typing"}
+    allowed |= {"paxpage.page_manager", "paxpage.sequence"}
+    for module in (sequence, page_manager, scheduler):
+        tree = ast.parse(inspect.getsource(module))
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert {n for n in names if n not in allowed and n.split(".")[0] not in allowed} == set(), module

@@ -1,0 +1,269 @@
+"""KV memory: paged allocation against the contiguous (pre-paging) scheme, one memory budget.
+
+The same workload (scripts/workload.py) runs twice on a KV pool of the same size:
+  paged       pages allocated as tokens arrive, returned when a sequence ends (paxpage default)
+  contiguous  every admitted sequence reserves max_model_len tokens up front, as systems
+              before PagedAttention did (EngineConfig(kv_allocation="contiguous"))
+For each it reports the most sequences running at once, KV utilisation (the share of the
+allocated pages' token slots that hold live K/V, averaged over steps: internal padding of
+last pages and reserved-but-empty slots are the waste), and throughput. The default budget
+holds --contiguous-seqs full-length reservations, so the contiguous scheme is memory-bound,
+as it is on a real server.
+
+Plots (--out-dir): kv_utilisation.png, utilisation and running sequences over time for both
+schemes; page_map.png, the page pool of each scheme at its fullest step: which sequence owns
+each page (one colour per sequence, pale where allocated but not yet holding tokens), free and
+prefix-cached pages, pages shared by several sequences outlined in red.
+
+Usage:
+    python scripts/bench_memory.py --json /tmp/memory.json --out-dir /tmp/memory
+    python scripts/bench_memory.py --num-pages 512 --max-model-len 2048 --shared-prefix 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import paxpage  # noqa: E402
+import workload as wl  # noqa: E402
+
+SCHEMES = ("paged", "contiguous")
+
+
+@dataclasses.dataclass
+class PoolSnapshot:
+    """The page pool at one step: per page, owner index (-1 none), live tokens, refcount."""
+
+    step: int
+    owner: np.ndarray  # i32[P] index into the running list at that step, -1 = not held
+    fill: np.ndarray  # i32[P] tokens of live K/V in the page
+    refcount: np.ndarray  # i32[P]
+    cached: np.ndarray  # bool[P] free but holding a prefix-cache entry (evictable)
+    num_running: int
+
+
+def snapshot(engine, step: int) -> PoolSnapshot:
+    sched = engine.scheduler
+    pm, ps = sched.page_manager, engine.config.page_size
+    num_pages = engine.config.num_pages
+    owner = np.full(num_pages, -1, np.int32)
+    fill = np.zeros(num_pages, np.int32)
+    for r, seq in enumerate(sched.running):
+        for i, page in enumerate(seq.page_table):
+            if owner[page] < 0:
+                owner[page] = r
+            fill[page] = max(fill[page], min(ps, max(0, seq.num_computed_tokens - i * ps)))
+    refcount = np.array([pm.refcount(p) for p in range(num_pages)], np.int32)
+    cached = np.array([pm.refcount(p) == 0 and pm.is_cached(p) for p in range(num_pages)])
+    return PoolSnapshot(step, owner, fill, refcount, cached, len(sched.running))
+
+
+def run_scheme(model, work: wl.Workload, cfg: paxpage.EngineConfig) -> dict:
+    """One pass; per-step utilisation, running sequences and a snapshot of the fullest step."""
+    engine = model.engine(cfg)
+    pool = engine.config.num_pages
+    for i, (prompt, out_len) in enumerate(zip(work.prompts, work.output_lens)):
+        engine.add_request(prompt, paxpage.SamplingParams(max_tokens=out_len, temperature=0,
+                                                          ignore_eos=True), index=i)
+    preempt0 = engine.scheduler.num_preemptions
+    times, util, running, used = [], [], [], []
+    best: PoolSnapshot | None = None
+    best_used = -1
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        # Measured before the step: the batch about to run and the pages it holds.
+        st = engine.scheduler.stats()
+        if st.num_running:
+            times.append(time.perf_counter() - start)
+            util.append(st.kv_utilization)
+            running.append(st.num_running)
+            used.append(st.num_used_pages)
+            if st.num_used_pages > best_used:
+                best, best_used = snapshot(engine, len(util) - 1), st.num_used_pages
+        engine.step()
+    wall = time.perf_counter() - start
+    return {
+        "wall_s": wall,
+        "output_tok_per_s": work.num_output_tokens / wall,
+        "requests_per_s": work.num_requests / wall,
+        "steps": len(util),
+        "max_running": int(max(running)),
+        "mean_running": float(np.mean(running)),
+        "mean_kv_utilisation": float(np.mean(util)),
+        "mean_pool_occupancy": float(np.mean(used)) / pool,
+        "preemptions": engine.scheduler.num_preemptions - preempt0,
+        "num_pages": pool,
+        "page_bytes": engine.config.page_bytes,
+        "series": {"time_s": times, "kv_utilisation": util, "num_running": running, "used_pages": used},
+        "_snapshot": best,
+    }
+
+
+# ---------------------------------------------------------------------------------------- plots
+def plot_utilisation(results: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    for name, color in zip(SCHEMES, ("tab:blue", "tab:orange")):
+        s = results[name]["series"]
+        mean = results[name]["mean_kv_utilisation"]
+        ax1.plot(s["time_s"], np.array(s["kv_utilisation"]) * 100, color=color,
+                 label=f"{name} (mean {mean:.1%})")
+        ax2.plot(s["time_s"], s["num_running"], color=color, label=name)
+    ax1.set_ylabel("KV utilisation (%)\nlive tokens / allocated slots")
+    ax1.set_ylim(0, 105)
+    ax1.legend(loc="lower right")
+    ax1.grid(alpha=0.3)
+    ax2.set_ylabel("sequences running")
+    ax2.set_xlabel("time since start of the pass (s)")
+    ax2.legend(loc="upper right")
+    ax2.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _pool_image(snap: PoolSnapshot, page_size: int, columns: int):
+    import matplotlib
+
+    palette = matplotlib.colormaps["tab20"]
+    num_pages = len(snap.owner)
+    num_rows = -(-num_pages // columns)
+    image = np.ones((num_rows, columns, 3))  # white = past the pool
+    for page in range(num_pages):
+        r, c = divmod(page, columns)
+        if snap.owner[page] >= 0:
+            rgb = np.array(palette(snap.owner[page] % 20)[:3])
+            frac = snap.fill[page] / page_size
+            image[r, c] = rgb if frac > 0 else 0.25 * rgb + 0.75  # pale: allocated, still empty
+        elif snap.cached[page]:
+            image[r, c] = (0.55, 0.55, 0.55)
+        else:
+            image[r, c] = (0.9, 0.9, 0.9)
+    return image
+
+
+def plot_page_map(results: dict, page_size: int, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Patch, Rectangle
+
+    num_pages = results["paged"]["num_pages"]
+    columns = max(8, min(64, int(np.ceil(np.sqrt(num_pages * 2)))))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
+    for ax, name in zip(axes, SCHEMES):
+        snap = results[name]["_snapshot"]
+        ax.imshow(_pool_image(snap, page_size, columns), interpolation="nearest", aspect="equal")
+        for page in np.flatnonzero(snap.refcount > 1):
+            r, c = divmod(int(page), columns)
+            ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.2))
+        held = snap.owner >= 0
+        live = snap.fill[held].sum() / max(1, held.sum() * page_size)
+        ax.set_title(f"{name}: step {snap.step}, {snap.num_running} sequences,\n"
+                     f"{held.sum()}/{num_pages} pages held, {live:.0%} of their slots live")
+        ax.set_xlabel(f"page id mod {columns}")
+        ax.set_ylabel(f"page id // {columns}")
+    legend = [
+        Patch(facecolor="tab:blue", label="holds a sequence's tokens (one colour per sequence)"),
+        Patch(facecolor=0.25 * np.array(to_rgb("tab:blue")) + 0.75, label="allocated to a sequence, no tokens yet"),
+        Patch(facecolor=(0.9, 0.9, 0.9), label="free"),
+        Patch(facecolor=(0.55, 0.55, 0.55), label="free, holds a prefix-cache entry"),
+        Patch(facecolor="white", edgecolor="red", label="shared by several sequences (refcount > 1)"),
+    ]
+    fig.legend(handles=legend, loc="lower center", ncol=3, fontsize=9)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.1, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    defaults = wl.backend_defaults()
+    on_cpu = jax.default_backend() == "cpu"
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    wl.add_workload_args(parser, defaults)
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="tokens of a system prompt every request starts with (shared pages)")
+    parser.add_argument("--max-model-len", type=int, default=1024,
+                        help="what the contiguous scheme reserves per sequence")
+    parser.add_argument("--page-size", type=int, default=16)
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--kv-cache-bytes", type=int, default=None)
+    budget.add_argument("--num-pages", type=int, default=None)
+    parser.add_argument("--contiguous-seqs", type=int, default=4 if on_cpu else 32,
+                        help="default budget: room for this many max_model_len reservations")
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="skip the warm-up passes (throughput then includes compiles)")
+    parser.add_argument("--out-dir", default=".", help="where the PNGs go")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+
+    model = paxpage.load(args.model)
+    work = wl.workload_from_args(args, model.config.vocab_size, shared_prefix=args.shared_prefix)
+    num_pages = args.num_pages
+    if num_pages is None and args.kv_cache_bytes is None:
+        num_pages = args.contiguous_seqs * -(-args.max_model_len // args.page_size)
+    results = {}
+    for name in SCHEMES:
+        cfg = paxpage.EngineConfig(page_size=args.page_size, num_pages=num_pages,
+                                   kv_cache_bytes=args.kv_cache_bytes, max_model_len=args.max_model_len,
+                                   max_num_seqs=args.max_num_seqs,
+                                   max_num_batched_tokens=args.max_num_batched_tokens,
+                                   kv_allocation=name)
+        if not args.no_warmup:
+            run_scheme(model, work.with_fresh_prompts(model.config.vocab_size, args.seed + 7919), cfg)
+        results[name] = run_scheme(model, work, cfg)
+        r = results[name]
+        print(f"{name:>10}: max {r['max_running']:3d} running (mean {r['mean_running']:.1f}), "
+              f"KV utilisation {r['mean_kv_utilisation']:.1%}, pool occupancy {r['mean_pool_occupancy']:.0%}, "
+              f"{r['output_tok_per_s']:.1f} output tok/s ({r['wall_s']:.1f} s, {r['preemptions']} preemptions)",
+              flush=True)
+    pool_bytes = results["paged"]["num_pages"] * results["paged"]["page_bytes"]
+    summary = work.summary()
+    title = (f"{summary['num_requests']} requests, KV pool {results['paged']['num_pages']} pages x "
+             f"{args.page_size} tokens ({pool_bytes / 2**20:.0f} MiB), max_model_len {args.max_model_len}")
+    os.makedirs(args.out_dir, exist_ok=True)
+    plots = {"utilisation": os.path.join(args.out_dir, "kv_utilisation.png"),
+             "page_map": os.path.join(args.out_dir, "page_map.png")}
+    plot_utilisation(results, plots["utilisation"], "KV cache utilisation: paged vs contiguous\n" + title)
+    plot_page_map(results, args.page_size, plots["page_map"], "KV page pool at each scheme's fullest step\n"
+                  + title)
+    speedup = results["paged"]["output_tok_per_s"] / results["contiguous"]["output_tok_per_s"]
+    print(f"paged / contiguous: {results['paged']['max_running'] / results['contiguous']['max_running']:.1f}x "
+          f"sequences, {speedup:.2f}x output tok/s; plots in {args.out_dir}", flush=True)
+    if args.json:
+        for r in results.values():
+            r.pop("_snapshot")
+        wl.write_json(args.json, {
+            "backend": jax.default_backend(), "model": args.model or "SmolLM2-135M-Instruct",
+            "workload": summary, "shared_prefix": args.shared_prefix, "max_model_len": args.max_model_len,
+            "page_size": args.page_size, "pool_bytes": pool_bytes, **results,
+            "paged_utilisation": results["paged"]["mean_kv_utilisation"],
+            "contiguous_utilisation": results["contiguous"]["mean_kv_utilisation"],
+            "throughput_ratio": speedup, "plots": plots,
+        })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
