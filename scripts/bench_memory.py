@@ -120,9 +120,9 @@ def plot_utilisation(results: dict, path: str, title: str) -> None:
     for name, color in zip(SCHEMES, ("tab:blue", "tab:orange")):
         s = results[name]["series"]
         mean = results[name]["mean_kv_utilisation"]
-        ax1.plot(s["time_s"], np.array(s["kv_utilisation"]) * 100, color=color,
+        ax1.plot(s["time_s"], np.array(s["kv_utilisation"]) * 100, color=color, drawstyle="steps-post",
                  label=f"{name} (mean {mean:.1%})")
-        ax2.plot(s["time_s"], s["num_running"], color=color, label=name)
+        ax2.plot(s["time_s"], s["num_running"], color=color, drawstyle="steps-post", label=name)
     ax1.set_ylabel("KV utilisation (%)\nlive tokens / allocated slots")
     ax1.set_ylim(0, 105)
     ax1.legend(loc="lower right")
@@ -140,14 +140,15 @@ def plot_utilisation(results: dict, path: str, title: str) -> None:
 def _pool_image(snap: PoolSnapshot, page_size: int, columns: int):
     import matplotlib
 
-    palette = matplotlib.colormaps["tab20"]
+    # tab10 without its grey (grey means free here); pale versions mark reserved, empty pages.
+    palette = [c for i, c in enumerate(matplotlib.colormaps["tab10"].colors) if i != 7]
     num_pages = len(snap.owner)
     num_rows = -(-num_pages // columns)
     image = np.ones((num_rows, columns, 3))  # white = past the pool
     for page in range(num_pages):
         r, c = divmod(page, columns)
         if snap.owner[page] >= 0:
-            rgb = np.array(palette(snap.owner[page] % 20)[:3])
+            rgb = np.array(palette[snap.owner[page] % len(palette)])
             frac = snap.fill[page] / page_size
             image[r, c] = rgb if frac > 0 else 0.25 * rgb + 0.75  # pale: allocated, still empty
         elif snap.cached[page]:
@@ -241,7 +242,7 @@ def main(argv=None) -> int:
     pool_bytes = results["paged"]["num_pages"] * results["paged"]["page_bytes"]
     summary = work.summary()
     title = (f"{summary['num_requests']} requests, KV pool {results['paged']['num_pages']} pages x "
-             f"{args.page_size} tokens ({pool_bytes / 2**20:.0f} MiB), max_model_len {args.max_model_len}")
+             f"{args.page_size} tokens ({pool_bytes / 2**20:.1f} MiB), max_model_len {args.max_model_len}")
     os.makedirs(args.out_dir, exist_ok=True)
     plots = {"utilisation": os.path.join(args.out_dir, "kv_utilisation.png"),
              "page_map": os.path.join(args.out_dir, "page_map.png")}

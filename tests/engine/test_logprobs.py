@@ -37,3 +37,13 @@ def test_prompt_logprobs_match_hf_across_chunks(tiny_llama_dir):
     for i, entry in enumerate(out.outputs[0].logprobs):
         token = out.token_ids[i]
         np.testing.assert_allclose(entry[token], ref[len(prompt) + i - 1, token], atol=1e-4)
+
+
+def test_prompt_logprobs_complete_despite_prefix_cache(tiny_llama_dir):
+    model = paxpage.load(tiny_llama_dir)
+    prompt = random_prompts(1, 128, [30], seed=9)[0]
+    kwargs = dict(max_tokens=2, temperature=0, ignore_eos=True, page_size=8, num_pages=32,
+                  enable_prefix_caching=True, use_tqdm=False)
+    paxpage.generate(model, [prompt], **kwargs)  # fills the prefix cache
+    again = paxpage.generate(model, [prompt], prompt_logprobs=1, **kwargs)[0]
+    assert all(entry is not None for entry in again.prompt_logprobs[1:])

@@ -1,0 +1,47 @@
+"""Text-level behaviour on the real model: stop strings across tokens, streaming, chats."""
+
+from __future__ import annotations
+
+import pytest
+
+import paxpage
+
+pytestmark = pytest.mark.slow
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_stop_string_split_across_tokens(smollm2):
+    full = paxpage.generate(smollm2, [CHAT], max_tokens=20, temperature=0, use_tqdm=False)[0]
+    assert full.text.startswith("The capital of France is Paris")
+    tok = smollm2.tokenizer
+    pieces = [tok.decode([t]) for t in full.token_ids]
+    assert " is" in pieces and " Paris" in pieces  # so "is Par" spans two tokens
+    out = paxpage.generate(smollm2, [CHAT], max_tokens=20, temperature=0, stop=["is Par"],
+                           use_tqdm=False)[0]
+    assert out.text == "The capital of France "
+    assert out.finish_reason == "stop" and out.stop_reason == "is Par"
+    kept = paxpage.generate(smollm2, [CHAT], max_tokens=20, temperature=0, stop=["is Par"],
+                            include_stop_str_in_output=True, use_tqdm=False)[0]
+    assert kept.text == "The capital of France is Par"
+
+
+def test_stream_deltas_concatenate_to_generate(smollm2):
+    prompts = [CHAT, "Once upon a time", [{"role": "user", "content": "Say hello in Japanese."}]]
+    kw = dict(max_tokens=24, temperature=0.7, seed=3)
+    whole = paxpage.generate(smollm2, prompts, use_tqdm=False, **kw)
+    texts, finish = ["", "", ""], [None, None, None]
+    for delta in paxpage.stream(smollm2, prompts, **kw):
+        assert finish[delta.index] is None, "no delta after the final one"
+        texts[delta.index] += delta.text
+        finish[delta.index] = delta.finish_reason
+    assert texts == [o.text for o in whole]
+    assert finish == [o.finish_reason for o in whole]
+    assert "\ufffd" not in "".join(texts)
+
+
+def test_cli_prints_answer(smollm2, capsys):
+    from paxpage.cli import main
+
+    assert main(["generate", "What is the capital of France?", "--max-tokens", "12"]) == 0
+    assert "Paris" in capsys.readouterr().out
