@@ -110,6 +110,8 @@ class BeamSearch:
         self.scores: list[np.float32] = [np.float32(0.0)]  # per live beam, in `live` order
         self.beam_logprobs: list[list[dict[int, float]]] = [[]]  # per live beam, if params.logprobs
         self.num_cached_tokens = 0  # prefix-cache hit tokens of the prompt
+        # this step's top ids / log-probs [m, L] of the live beams, for per-token logprobs
+        self._row_top: tuple[np.ndarray, np.ndarray] | None = None
         self.finished: list[Hypothesis] = []  # best first, at most W
         self.improvable = True  # HF's is_early_stop_heuristic_unsatisfied
         self.done = False
@@ -171,8 +173,6 @@ class BeamSearch:
             for t, v in zip(ids[cand.parent][:self.params.logprobs], lps[cand.parent][:self.params.logprobs]):
                 entry.setdefault(int(t), float(v))
         return entry
-
-    _row_top: tuple[np.ndarray, np.ndarray] | None = None
 
     # ---- results -----------------------------------------------------------------------------------
     def completions(self, tokenizer) -> list[Completion]:

@@ -18,7 +18,8 @@ HF baseline: static padded batches, as users write them: requests in arrival ord
 of `batch size`, left padding + attention mask, greedy, min_new_tokens = max_new_tokens =
 the chunk's longest output; only each request's wanted tokens count. The batch size is the
 best of a small sweep (--hf-batch-sizes), every size measured on the whole workload. torch
-gets as many threads as jax's CPU backend has cores.
+gets as many threads as the machine has cores (as jax does), or 1 if a quick timing finds
+that faster (on a loaded machine OpenMP's spinning barriers can make 2 threads ~10x slower).
 
 Last, one steady decode step of max_num_seqs rows is profiled: full jitted step, the step
 with attention (and the KV write) swapped for no-ops, the model without the sampler, the
@@ -179,14 +180,35 @@ def hf_generate(model, work: wl.Workload, batch_size: int) -> float:
     return time.perf_counter() - start
 
 
-def run_hf(source: str | None, work: wl.Workload, batch_sizes, threads: int) -> dict | None:
+def pick_threads(model, vocab_size: int, candidates) -> int:
+    """The fastest torch thread count for a batch-8 decode-sized forward. On a loaded machine
+    OpenMP's barriers can make 2 threads ~10x slower than 1; the baseline gets the better one."""
     import torch
 
-    torch.set_num_threads(threads)
+    x = torch.randint(0, vocab_size, (8, 1), device=next(model.parameters()).device)
+    best, best_s = None, float("inf")
+    for threads in dict.fromkeys(candidates):
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            model(x)
+            seconds = _timeit(lambda: model(x), 3)
+        if seconds < best_s:
+            best, best_s = threads, seconds
+    torch.set_num_threads(best)
+    return best
+
+
+def run_hf(source: str | None, work: wl.Workload, batch_sizes, threads: int | None) -> dict | None:
+    import torch
+
     model = hf_model_for(source)
     if model is None:
         print(f"HF baseline skipped: transformers cannot load {source!r}", flush=True)
         return None
+    if threads is None:
+        threads = pick_threads(model, model.config.vocab_size, (os.cpu_count(), 1))
+    torch.set_num_threads(threads)
+    print(f"  torch threads: {threads}", flush=True)
     hf_generate(model, wl.Workload([work.prompts[0][:8]] * 2, [4, 4]), 2)  # warm-up
     sweep = {}
     for bs in batch_sizes:
@@ -211,21 +233,41 @@ def _timeit(fn, iters: int) -> float:
     return float(np.median(times))
 
 
+def _interleaved(fns: dict, iters: int) -> dict:
+    """Median seconds of each blocking callable, timed round-robin after one warm-up call
+    each, so slow drifts in machine load hit every variant alike."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: float(np.median(v)) for name, v in times.items()}
+
+
 def profile_decode_step(model: paxpage.Model, cfg: paxpage.EngineConfig, context: int,
                         iters: int) -> dict:
-    """Rough breakdown of one decode step of cfg.max_num_seqs rows at `context` tokens each.
+    """Rough breakdown of one decode step of cfg.max_num_seqs rows at `context` tokens each:
+    the engine's jitted step; the same step with attention and the KV write swapped for
+    no-ops (XLA then also drops the K/V projections); the sampler alone; host packing.
+    On the XLA attention path also the step with 4-page (instead of 16-page) attention chunks.
 
     Run after the measured passes: it writes K/V into the pool's first pages (finished
     sequences' prefix-cache entries there become stale; nothing runs on this engine after)."""
+    import functools
+
     from models.llama import LlamaModel
+    from pallas_kernels import reference
+    from pallas_kernels.xla_attention import paged_attention_xla
     from paxpage import sampler as sampler_lib
     from paxpage.runner import RowPlan
 
     engine = model.engine(cfg)
     runner, rcfg = engine.runner, engine.config
     rows = rcfg.max_num_seqs
-    pages_per_row = -(-(context + 1) // rcfg.page_size)
-    context = min(context, rcfg.max_model_len - 1, rcfg.num_pages * rcfg.page_size // rows - 1)
+    context = max(1, min(context, rcfg.max_model_len - 1, rcfg.num_pages * rcfg.page_size // rows - 1))
     pages_per_row = -(-(context + 1) // rcfg.page_size)
     rng = np.random.default_rng(0)
     sp = paxpage.SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -244,34 +286,48 @@ def profile_decode_step(model: paxpage.Model, cfg: paxpage.EngineConfig, context
         return batch, tensors
 
     batch, tensors = host_pack()
-    pack_s = _timeit(host_pack, iters)
-    full_s = _timeit(lambda: runner.run(batch, tensors), iters)
+    num_rows = len(batch.logits_indices)  # the model returns the sampling rows' logits first
+    dtype = jnp.dtype(rcfg.dtype)
+
+    def variant(attention, write_kv):
+        """A donated step like the engine's (no copy of the pool), with other attention."""
+        m = LlamaModel(model.config, attention, write_kv, dtype)
+
+        def step(p, kv, b, s):
+            logits, kv = m.apply({"params": p}, b, kv)
+            return kv, sampler_lib.sample(logits[:num_rows], s, 0).token_ids
+
+        jitted = jax.jit(step, donate_argnums=(1,))
+
+        def call():
+            runner.kv_cache, out = jitted(runner.params, runner.kv_cache, batch, tensors)
+            jax.block_until_ready(out)
+        return call
 
     def no_attention(q, kv_pages, page_indices, kv_lens, q_lens, *, sm_scale):
         return q
 
-    bare = LlamaModel(model.config, no_attention, lambda pages, k, v, slots: pages, jnp.dtype(rcfg.dtype))
-    num_rows = len(batch.logits_indices)  # the model returns the sampling rows' logits first
-    step_no_attn = jax.jit(lambda p, kv, b, s: sampler_lib.sample(
-        bare.apply({"params": p}, b, kv)[0][:num_rows], s, 0))
-    forward = jax.jit(lambda p, kv, b: runner.model.apply({"params": p}, b, kv)[0][:num_rows])
-    sample = jax.jit(lambda logits, s: sampler_lib.sample(logits, s, 0))
-    logits = forward(runner.params, runner.kv_cache, batch)
-    no_attn_s = _timeit(lambda: jax.block_until_ready(step_no_attn(runner.params, runner.kv_cache, batch, tensors)), iters)
-    forward_s = _timeit(lambda: jax.block_until_ready(forward(runner.params, runner.kv_cache, batch)), iters)
-    sampler_s = _timeit(lambda: jax.block_until_ready(sample(logits, tensors)), iters)
-    total = full_s + pack_s
-    attention_s = max(0.0, full_s - no_attn_s)
+    logits = jnp.zeros((num_rows, model.config.vocab_size), jnp.float32)
+    sample = jax.jit(lambda lg, s: sampler_lib.sample(lg, s, 0))
+    fns = {
+        "step": lambda: runner.run(batch, tensors),
+        "step_without_attention": variant(no_attention, lambda pages, k, v, slots: pages),
+        "sampler": lambda: jax.block_until_ready(sample(logits, tensors)),
+        "host_pack": host_pack,
+    }
+    if rcfg.attention_impl == "xla":
+        fns["step_attention_chunk_4_pages"] = variant(
+            functools.partial(paged_attention_xla, pages_per_chunk=4), reference.write_kv)
+    t = _interleaved(fns, iters)
+    total = t["step"] + t["host_pack"]
+    attention = max(0.0, t["step"] - t["step_without_attention"])
     return {
-        "rows": rows, "context": context,
-        "step_s": full_s, "host_pack_s": pack_s,
-        "model_forward_s": forward_s, "attention_s": attention_s, "sampler_s": sampler_s,
-        "step_without_attention_s": no_attn_s,
+        "rows": rows, "context": context, "seconds": t,
         "shares": {  # of (jitted step + host packing)
-            "matmuls_and_rest": max(0.0, full_s - attention_s - sampler_s) / total,
-            "attention_and_kv_write": attention_s / total,
-            "sampling": sampler_s / total,
-            "host_packing": pack_s / total,
+            "matmuls_and_rest": max(0.0, t["step_without_attention"] - t["sampler"]) / total,
+            "attention_and_kv_write": attention / total,
+            "sampling": t["sampler"] / total,
+            "host_packing": t["host_pack"] / total,
         },
     }
 
@@ -298,6 +354,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--prefill-row-len", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="default: the workload's longest request rounded up to a power of two")
     memory = parser.add_mutually_exclusive_group()
@@ -305,7 +362,8 @@ def main(argv=None) -> int:
     memory.add_argument("--num-pages", type=int, default=None)
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=list(defaults.hf_batch_sizes))
-    parser.add_argument("--hf-threads", type=int, default=os.cpu_count())
+    parser.add_argument("--hf-threads", type=int, default=None,
+                        help="torch threads; default: the faster of all cores and 1, timed")
     parser.add_argument("--repeats", type=int, default=2,
                         help="measured paxpage passes (first before, the rest after HF); the fastest counts")
     parser.add_argument("--allow-compiles", action="store_true",
@@ -324,7 +382,8 @@ def main(argv=None) -> int:
     longest = max(p + o for p, o in zip(work.prompt_lens, work.output_lens))
     max_model_len = args.max_model_len or min(model.config.max_position_embeddings,
                                               1 << (longest - 1).bit_length())
-    cfg = paxpage.EngineConfig(page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+    cfg = paxpage.EngineConfig(page_size=args.page_size, prefill_row_len=args.prefill_row_len,
+                               max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=args.max_num_batched_tokens,
                                max_model_len=max_model_len, kv_cache_bytes=args.kv_cache_bytes,
                                num_pages=args.num_pages)
@@ -372,11 +431,9 @@ def main(argv=None) -> int:
     if not args.no_profile:
         context = int(np.mean(work.prompt_lens) + np.mean(work.output_lens) / 2)
         profile = profile_decode_step(model, cfg, context, args.profile_iters)
+        t = profile["seconds"]
         print(f"decode step profile ({profile['rows']} rows, context {profile['context']}): "
-              f"step {profile['step_s'] * 1e3:.0f} ms, host packing {profile['host_pack_s'] * 1e3:.1f} ms; "
-              f"forward without sampler {profile['model_forward_s'] * 1e3:.0f} ms, "
-              f"attention+KV write {profile['attention_s'] * 1e3:.0f} ms, sampler {profile['sampler_s'] * 1e3:.1f} ms",
-              flush=True)
+              + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()), flush=True)
         print("  shares: " + ", ".join(f"{k} {v:.0%}" for k, v in profile["shares"].items()), flush=True)
 
     if args.json:

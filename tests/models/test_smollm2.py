@@ -86,3 +86,22 @@ def test_prefill_logprobs_close_to_hf(smollm2, hf_smollm2, references):
     got = np.array(list(entry.values()))
     want = ref[list(entry.keys())]
     np.testing.assert_allclose(got, want, atol=2e-3)
+
+
+def test_hf_save_pretrained_dir_gives_same_tokens_as_gguf(smollm2, hf_smollm2, tmp_path):
+    import transformers
+
+    # A GGUF-loaded HF model refuses save_pretrained; rebuild it as a plain model first.
+    config = transformers.LlamaConfig.from_dict(
+        {k: v for k, v in hf_smollm2.config.to_dict().items() if k != "quantization_config"})
+    plain = transformers.LlamaForCausalLM(config)
+    plain.load_state_dict(hf_smollm2.state_dict())
+    plain.save_pretrained(tmp_path)
+    smollm2.tokenizer.save_pretrained(tmp_path)
+    from_dir = paxpage.load(tmp_path)
+    prompts = [[{"role": "user", "content": q}] for q in QUESTIONS[:2]]
+    kw = dict(max_tokens=24, temperature=0, use_tqdm=False, num_pages=128)
+    a = paxpage.generate(smollm2, prompts, **kw)
+    b = paxpage.generate(from_dir, prompts, **kw)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.text for o in a] == [o.text for o in b]
