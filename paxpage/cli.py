@@ -8,7 +8,9 @@ import sys
 
 def _generate(args: argparse.Namespace) -> int:
     import paxpage
+    from paxpage import xla_cache
 
+    xla_cache.enable()
     model = paxpage.load(args.model)
     prompts = args.prompts or [
         "What is the capital of France?",
