@@ -10,11 +10,10 @@ Both backends split each row's keys into C parts that run as independent program
 an online softmax (running max m, running sum l, unnormalised accumulator acc) and the parts are
 merged exactly afterwards with a log-sum-exp rescale (`combine_splits`).
 
-* GPU: the Triton lowering of Pallas (`jax.experimental.pallas.triton`), not Mosaic GPU. Mosaic GPU
-  would need explicit SMEM staging, TMA copies per page and barriers; its primitives cannot be
-  exercised from this CPU-only development machine, while the Triton path gathers pages straight
-  from global memory (`k_ref[page_ids]`), is what jax's own GPU paged_attention uses, and runs in the
-  generic interpreter (`interpret=True`) on CPU.
+* GPU: the Triton lowering of Pallas (`jax.experimental.pallas.triton`): it gathers pages straight
+  from global memory (`k_ref[page_ids]`), as jax's own GPU paged_attention does, and runs in the
+  generic interpreter (`interpret=True`) on CPU. The Mosaic GPU kernel (TMA page copies into SMEM,
+  barriers) is `decode_attention_mgpu`; dispatch.py chooses between the two.
 * TPU: Mosaic TPU with `PrefetchScalarGridSpec`: lengths and the page table sit in SMEM and the
   BlockSpec index map fetches one page per grid step (Pallas double-buffers the DMAs). Interpreted on
   CPU with `pltpu.InterpretParams()`.

@@ -8,6 +8,14 @@ all rows back to back and runs the ragged kernel.
 impl: "pallas" compiles for the current accelerator (jax.default_backend() "gpu" or "tpu");
 "pallas-interpret" runs the same kernels in the Pallas interpreter (slow; CPU tests). `backend`
 picks which kernel family ("gpu" or "tpu") to run; by default the platform's, "gpu" on CPU.
+
+GPU decode kernel (`gpu_decode`, backend "gpu", Tq == 1 only): "mosaic" is the Mosaic GPU kernel
+(`decode_attention_mgpu`), "triton" the Triton-lowered one (`decode_attention`), and "auto" (the
+default) picks Mosaic GPU when `decode_attention_mgpu.unsupported_reason` is None (the module
+imports; interpret mode exists when interpreting; dtype f32/bf16/f16, head_dim % 64 == 0,
+page_size in 8..64, N // K <= 8) and, when compiling, the GPU is Hopper or newer (TMA needs
+compute capability >= 9.0); otherwise Triton. Asking for "mosaic" where it cannot run raises
+ValueError with the reason. Prefill (Tq > 1) always uses the ragged kernel.
 """
 
 from __future__ import annotations
@@ -15,11 +23,42 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import kv_write
+from pallas_kernels import decode_attention_mgpu, kv_write
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.ragged_attention import ragged_paged_attention
 
 IMPLS = ("pallas", "pallas-interpret")
+GPU_DECODE_KERNELS = ("auto", "mosaic", "triton")
+
+
+def _mosaic_device_reason() -> str | None:
+    """Why the local GPU cannot run Mosaic GPU kernels (TMA, sm_90+), else None."""
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    try:
+        major = int(str(capability).split(".")[0])
+    except ValueError:
+        return f"unknown compute capability {capability!r} of {device.device_kind}"
+    return None if major >= 9 else f"{device.device_kind} is sm_{capability}; Mosaic GPU needs sm_90+"
+
+
+def select_gpu_decode(choice: str, q_dtype, kv_shape, kv_dtype, num_heads: int, *, interpret: bool) -> str:
+    """"mosaic" or "triton" for a decode step on the GPU family (rule in the module docstring)."""
+    if choice not in GPU_DECODE_KERNELS:
+        raise ValueError(f"gpu_decode is {choice!r}; expected one of {GPU_DECODE_KERNELS}")
+    if choice == "triton":
+        return "triton"
+    _, _, page_size, num_kv_heads, head_dim = kv_shape
+    reason = decode_attention_mgpu.unsupported_reason(
+        q_dtype, kv_dtype, page_size, num_heads, num_kv_heads, head_dim, interpret=interpret
+    )
+    if reason is None and not interpret:
+        reason = _mosaic_device_reason()
+    if reason is None:
+        return "mosaic"
+    if choice == "mosaic":
+        raise ValueError(f"gpu_decode='mosaic' cannot run here: {reason}")
+    return "triton"
 
 
 def resolve_impl(impl: str, backend: str | None = None) -> tuple[str, bool]:
@@ -53,6 +92,7 @@ def paged_attention(
     sm_scale: float,
     impl: str,
     backend: str | None = None,
+    gpu_decode: str = "auto",  # GPU decode kernel: "auto", "mosaic" or "triton" (module docstring)
 ) -> jax.Array:  # [B, Tq, N, D]; padding tokens are zeros
     kernel_backend, interpret = resolve_impl(impl, backend)
     batch, num_q, num_heads, head_dim = q.shape
@@ -64,10 +104,18 @@ def paged_attention(
     q_lens = q_lens.astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)
     if num_q == 1:
-        out = decode_attention(
-            q[:, 0], kv_pages, page_indices, kv_lens,
-            sm_scale=sm_scale, backend=kernel_backend, interpret=interpret,
-        )  # [B, N, D]
+        mosaic = kernel_backend == "gpu" and select_gpu_decode(
+            gpu_decode, q.dtype, kv_pages.shape, kv_pages.dtype, num_heads, interpret=interpret
+        ) == "mosaic"
+        if mosaic:
+            out = decode_attention_mgpu.decode_attention_mgpu(
+                q[:, 0], kv_pages, page_indices, kv_lens, sm_scale=sm_scale, interpret=interpret,
+            )  # [B, N, D]
+        else:
+            out = decode_attention(
+                q[:, 0], kv_pages, page_indices, kv_lens,
+                sm_scale=sm_scale, backend=kernel_backend, interpret=interpret,
+            )  # [B, N, D]
         return jnp.where(q_lens[:, None, None] > 0, out, jnp.zeros_like(out))[:, None]
 
     # Pack real tokens: token i of row b -> flat cu[b] + i; padding tokens go out of range.

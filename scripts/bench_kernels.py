@@ -3,7 +3,8 @@
 Axis legend: B rows, S context (keys per row), N query heads, K kv heads, D head dim, P pages.
 
 Decode workload (one query token per row, every row at context S). For each (B, S) it times:
-  decode   our decode kernel (pallas_kernels.decode_attention)
+  decode   our decode kernel (pallas_kernels.decode_attention; on GPU the Triton lowering)
+  mosaic   our Mosaic GPU decode kernel (pallas_kernels.decode_attention_mgpu; GPU family only)
   ragged   our ragged kernel on the same tokens (q_len = 1 per sequence)
   ref      reference.paged_attention_ref (gathers whole page tables; skipped when huge)
   shipped  jax.experimental.pallas.ops.{gpu,tpu}.paged_attention for the platform
@@ -33,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from pallas_kernels import reference  # noqa: E402
 from pallas_kernels.decode_attention import decode_attention  # noqa: E402
+from pallas_kernels.decode_attention_mgpu import decode_attention_mgpu  # noqa: E402
 from pallas_kernels.ragged_attention import ragged_paged_attention  # noqa: E402
 
 REF_MAX_TOKENS = 1 << 19  # the reference materialises [B, S, K, D] f32 copies: cap B * S
@@ -104,6 +106,8 @@ def bench_one(rng, batch, context, args, platform, interpret, kernel_backend, co
     impls = {
         "decode": (functools.partial(decode_attention, sm_scale=scale, backend=kernel_backend, interpret=interpret),
                    (q, kv_pages, page_indices, lengths)),
+        "mosaic": (functools.partial(decode_attention_mgpu, sm_scale=scale, interpret=interpret),
+                   (q, kv_pages, page_indices, lengths)),
         "ragged": (functools.partial(ragged_paged_attention, sm_scale=scale, backend=kernel_backend, interpret=interpret),
                    (q, kv_pages, page_indices, cu, lengths, jnp.array([batch], jnp.int32))),
         "ref": (jax.jit(lambda q, kv, pt, n: reference.paged_attention_ref(
@@ -112,11 +116,13 @@ def bench_one(rng, batch, context, args, platform, interpret, kernel_backend, co
     }
     results = []
     want = None
-    for name in ("ref", "decode", "ragged", "shipped"):
+    for name in ("ref", "decode", "mosaic", "ragged", "shipped"):
         row = dict(kernel=name, batch=batch, context=context, dtype=args.dtype)
         try:
             if name == "ref" and batch * context > REF_MAX_TOKENS:
                 raise RuntimeError(f"skipped: B*S={batch * context} > {REF_MAX_TOKENS}")
+            if name == "mosaic" and kernel_backend != "gpu":
+                raise RuntimeError("skipped: Mosaic GPU kernel is GPU-only")
             if name == "shipped":
                 fn, call_args = shipped_op(platform, interpret, q, kv_pages, page_indices, lengths,
                                            page_size=args.page_size, sm_scale=scale)

@@ -167,6 +167,7 @@ def plot_page_map(results: dict, page_size: int, path: str, title: str) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.colors import to_rgb
     from matplotlib.patches import Patch, Rectangle
+    from matplotlib.ticker import MaxNLocator
 
     num_pages = results["paged"]["num_pages"]
     columns = int(min(64, max(8, 2 ** round(np.log2(np.sqrt(2 * num_pages))))))
@@ -181,6 +182,8 @@ def plot_page_map(results: dict, page_size: int, path: str, title: str) -> None:
         live = snap.fill[held].sum() / max(1, held.sum() * page_size)
         ax.set_title(f"{name}: step {snap.step}, {snap.num_running} sequences,\n"
                      f"{held.sum()}/{num_pages} pages held, {live:.0%} of their slots live")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel(f"page id mod {columns}")
         ax.set_ylabel(f"page id // {columns}")
     legend = [

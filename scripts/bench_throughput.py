@@ -252,11 +252,12 @@ def profile_decode_step(model: paxpage.Model, cfg: paxpage.EngineConfig, context
     """Rough breakdown of one decode step of cfg.max_num_seqs rows at `context` tokens each:
     the engine's jitted step; the same step with attention and the KV write swapped for
     no-ops (XLA then also drops the K/V projections); the sampler alone; host packing.
-    On the XLA attention path also the step with 4-page (instead of 16-page) attention chunks.
+    On the XLA attention path also the step with one-page attention chunks.
 
     Run after the measured passes: it writes K/V into the pool's first pages (finished
     sequences' prefix-cache entries there become stale; nothing runs on this engine after)."""
     import functools
+    import inspect
 
     from models.llama import LlamaModel
     from pallas_kernels import reference
@@ -315,9 +316,10 @@ def profile_decode_step(model: paxpage.Model, cfg: paxpage.EngineConfig, context
         "sampler": lambda: jax.block_until_ready(sample(logits, tensors)),
         "host_pack": host_pack,
     }
-    if rcfg.attention_impl == "xla":
-        fns["step_attention_chunk_4_pages"] = variant(
-            functools.partial(paged_attention_xla, pages_per_chunk=4), reference.write_kv)
+    if rcfg.attention_impl == "xla" and "chunk_tokens" in inspect.signature(paged_attention_xla).parameters:
+        # The XLA path walks the context in chunks; one page per chunk is its smallest setting.
+        fns[f"step_attention_chunk_{rcfg.page_size}_tokens"] = variant(
+            functools.partial(paged_attention_xla, chunk_tokens=rcfg.page_size), reference.write_kv)
     t = _interleaved(fns, iters)
     total = t["step"] + t["host_pack"]
     attention = max(0.0, t["step"] - t["step_without_attention"])

@@ -11,7 +11,7 @@ from kernel_cases import IMPL, assert_close, make_case, reference_pool, skip_unl
 from pallas_kernels import dispatch, reference
 
 
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("backend,gpu_decode", [("gpu", "auto"), ("gpu", "triton"), ("tpu", "auto")])
 @pytest.mark.parametrize(
     "kv_lens,q_lens",
     [
@@ -20,7 +20,7 @@ from pallas_kernels import dispatch, reference
     ],
     ids=["decode", "mixed"],
 )
-def test_paged_attention_row_layout(backend, kv_lens, q_lens):
+def test_paged_attention_row_layout(backend, gpu_decode, kv_lens, q_lens):
     skip_unless_runnable(backend)
     rng = np.random.default_rng(7)
     case = make_case(
@@ -28,7 +28,7 @@ def test_paged_attention_row_layout(backend, kv_lens, q_lens):
         kv_lens=kv_lens, q_lens=q_lens, pages_per_seq=4,
     )
     step = jax.jit(lambda q, kv, pt, kvl, ql: dispatch.paged_attention(
-        q, kv, pt, kvl, ql, sm_scale=0.125, impl=IMPL, backend=backend))
+        q, kv, pt, kvl, ql, sm_scale=0.125, impl=IMPL, backend=backend, gpu_decode=gpu_decode))
     got = step(jnp.asarray(case.q), jnp.asarray(case.kv_pages), case.page_indices, case.kv_lens, case.q_lens)
     want = reference.paged_attention_ref(
         jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)), case.page_indices,
@@ -58,3 +58,18 @@ def test_impl_selection():
         assert dispatch.resolve_impl("pallas-interpret") == ("gpu", True)
     else:
         assert dispatch.resolve_impl("pallas") == (jax.default_backend(), False)
+
+
+def test_gpu_decode_selection():
+    kv = (2, 4, 16, 2, 64)  # [2, P, page_size, K, D]
+    assert dispatch.select_gpu_decode("triton", jnp.bfloat16, kv, jnp.bfloat16, 4, interpret=True) == "triton"
+    # Shapes the Mosaic kernel does not take fall back to Triton under "auto", raise under "mosaic".
+    odd = (2, 4, 16, 2, 96)
+    assert dispatch.select_gpu_decode("auto", jnp.bfloat16, odd, jnp.bfloat16, 4, interpret=True) == "triton"
+    with pytest.raises(ValueError, match="head_dim 96"):
+        dispatch.select_gpu_decode("mosaic", jnp.bfloat16, odd, jnp.bfloat16, 4, interpret=True)
+    with pytest.raises(ValueError, match="gpu_decode"):
+        dispatch.select_gpu_decode("pallas", jnp.bfloat16, kv, jnp.bfloat16, 4, interpret=True)
+    want = "triton" if dispatch.decode_attention_mgpu.unsupported_reason(
+        jnp.bfloat16, jnp.bfloat16, 16, 4, 2, 64, interpret=True) else "mosaic"
+    assert dispatch.select_gpu_decode("auto", jnp.bfloat16, kv, jnp.bfloat16, 4, interpret=True) == want
