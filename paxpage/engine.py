@@ -222,6 +222,8 @@ class LLMEngine:
             row += count
         self._beams.select(beam_rows, result, sampled)
         self.scheduler.update(sched, sampled)
+        # Measured while this step's sequences still hold their pages (before stops free them).
+        self.stats.kv_utilisation_sum += self.scheduler.stats().kv_utilization
         # Parallel samples fork after the parent's prompt is in the cache: they share its
         # pages, and the first write into the shared last page copies it.
         for request, parent, first_row in forks:
@@ -236,7 +238,6 @@ class LLMEngine:
         deltas += self._beams.apply()  # forks, dropped beams, finished beam requests
         self.stats.steps += 1
         self.stats.generated_tokens += len(new_tokens)
-        self.stats.kv_utilisation_sum += self.scheduler.stats().kv_utilization
         self.stats.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
         self.stats.device_seconds += t2 - t1
         return deltas

@@ -210,7 +210,10 @@ def main(argv=None) -> int:
                         help="tokens of a system prompt every request starts with (shared pages)")
     parser.add_argument("--max-model-len", type=int, default=1024,
                         help="what the contiguous scheme reserves per sequence")
-    parser.add_argument("--page-size", type=int, default=16)
+    # The only waste of paged allocation is each sequence's unfilled last page, about
+    # page_size / 2 tokens: small next to the ~100-token sequences of the CPU-sized workload
+    # only with 8-token pages (16: 93%, 8: 97% measured); accelerator workloads are longer.
+    parser.add_argument("--page-size", type=int, default=8 if on_cpu else 16)
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--kv-cache-bytes", type=int, default=None)
     budget.add_argument("--num-pages", type=int, default=None)
