@@ -169,29 +169,8 @@ class ModelRunner:
         out = sampler_lib.sample(logits, sampling, num_logprobs)
         prompt = None
         if batch.prompt_targets.shape[0]:
-            prompt = _prompt_logprobs(prompt_logits, batch.prompt_targets, num_prompt_logprobs)
+            prompt = sampler_lib.score_prompt(prompt_logits, batch.prompt_targets, num_prompt_logprobs)
         return jax.device_get((out, prompt))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PromptLogprobs:
-    target_logprobs: jax.Array  # f32[Rp] logprob of the prompt's next token
-    top_ids: jax.Array  # i32[Rp, L]
-    top_logprobs: jax.Array  # f32[Rp, L]
-
-
-@functools.partial(jax.jit, static_argnames=("num_top",))
-def _prompt_logprobs(logits, targets, num_top: int) -> PromptLogprobs:
-    """vLLM semantics: log-softmax of the raw model logits (no penalties, no temperature)."""
-    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [Rp, V]
-    chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
-    if num_top > 0:
-        top_lp, top_ids = jax.lax.top_k(logprobs, num_top)
-    else:
-        top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
-        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
-    return PromptLogprobs(chosen, top_ids.astype(jnp.int32), top_lp)
 
 
 def _copy_pages(kv_cache, src, dst):  # src, dst: i32[C]

@@ -302,11 +302,33 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0) -> Samp
         return jnp.where(greedy, argmax, _argmax(filtered + gumbel))
 
     token_ids = jax.lax.cond(jnp.all(greedy), lambda _: argmax, draw, logits)
+    chosen, top_ids, top_logprobs = _logprobs_of(logprobs, token_ids, num_logprobs)
+    return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids,
+                         top_logprobs=top_logprobs)
+
+
+def _logprobs_of(logprobs: jax.Array, token_ids: jax.Array, num_top: int):
+    """logprobs f32[R, V], token_ids i32[R] -> (chosen f32[R], top ids i32[R, L], top f32[R, L])."""
     chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
-    if num_logprobs > 0:
-        top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    if num_top > 0:
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top)
     else:
-        top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
-        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
-    return SamplerOutput(token_ids=token_ids, logprobs=chosen,
-                         top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
+        top_logprobs = jnp.zeros((logprobs.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((logprobs.shape[0], 0), jnp.int32)
+    return chosen, top_ids.astype(jnp.int32), top_logprobs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    target_logprobs: jax.Array  # f32[Rp] logprob of each prompt token given its prefix
+    top_ids: jax.Array  # i32[Rp, L]
+    top_logprobs: jax.Array  # f32[Rp, L]
+
+
+@functools.partial(jax.jit, static_argnames=("num_top",))
+def score_prompt(logits: jax.Array, targets: jax.Array, num_top: int) -> PromptLogprobs:
+    """Prompt logprobs, vLLM semantics: log-softmax of the raw model logits (no penalties,
+    no temperature). logits f32[Rp, V], targets i32[Rp]."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return PromptLogprobs(*_logprobs_of(logprobs, targets, num_top))
