@@ -81,7 +81,7 @@ def fork_sharing(model, args):
                 saved_n4=1 - n4 / (4 * one), saved_beam4=1 - beam4 / (4 * one))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--num-requests", type=int, default=32)
@@ -92,12 +92,13 @@ def main() -> None:
     parser.add_argument("--fork-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model = paxpage.load(args.model)
     result = dict(prefix_caching=prefix_caching(model, args), forks=fork_sharing(model, args))
     if args.json:
         wl.write_json(args.json, result)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -79,3 +79,16 @@ def test_bench_memory_smoke(tiny_model_dir, tmp_path):
     assert data["paged"]["max_running"] >= data["contiguous"]["max_running"]
     for name in data["plots"].values():
         assert os.path.getsize(name) > 1000
+
+
+def test_bench_sharing_smoke(tiny_model_dir, tmp_path):
+    bench = _load_script("bench_sharing")
+    out = tmp_path / "sharing.json"
+    assert bench.main(["--model", tiny_model_dir, "--num-requests", "3", "--prefix", "16",
+                       "--max-tokens", "3", "--fork-prompt", "40", "--fork-tokens", "4",
+                       "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["prefix_caching"]["identical_tokens"]
+    assert data["prefix_caching"]["on"]["prefix_hit_rate"] > 0
+    forks = data["forks"]
+    assert forks["pages_n4"] < forks["pages_unshared_x4"] and forks["pages_beam4"] < forks["pages_unshared_x4"]
