@@ -43,10 +43,42 @@ def load_tokenizer(
         from transformers import AutoTokenizer
 
         if gguf_file is not None:
-            return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file, local_files_only=True)
+            try:
+                return gguf_tokenizer(where)
+            except ImportError:  # transformers moved its GGUF helpers: take the official path
+                return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file, local_files_only=True)
         return AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except Exception as e:  # transformers raises many types; users get one.
         raise ValueError(f"cannot load tokenizer from {where!r}: {type(e).__name__}: {e}") from e
+
+
+def gguf_tokenizer(path: str) -> Any:
+    """The tokenizer embedded in a GGUF file, without torch.
+
+    transformers' own GGUF path (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`) reads the
+    metadata with a torch-based reader, and torch is only a test dependency here. This reads the
+    same fields with the `gguf` package and hands them to transformers' GGUF tokenizer builder,
+    as that path does; tests check it against AutoTokenizer token for token.
+    """
+    import gguf
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        _SPECIAL_TOKENS, GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+
+    reader = gguf.GGUFReader(path)
+    metadata = {key: field.contents() for key, field in reader.fields.items()
+                if key.startswith("tokenizer.") or key == "general.architecture"}
+    grouped = {group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
+                       if f"tokenizer.{key}" in metadata}
+               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer.get("tokenizer_type") == "llama":
+        config.setdefault("add_bos_token", True)  # llama.cpp's default for sentencepiece vocabularies
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
 
 
 def save_tokenizer(tokenizer: Any, directory: str | os.PathLike) -> None:

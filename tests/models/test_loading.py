@@ -393,3 +393,23 @@ def test_default_model_matches_transformers_gguf():
         assert t.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
             ref_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert t.eos_token == ref_tok.eos_token == "<|im_end|>"
+
+
+@pytest.mark.slow
+def test_gguf_tokenizer_without_torch_matches_transformers():
+    """Our torch-free GGUF tokenizer reader gives AutoTokenizer's tokens and chat template."""
+    from transformers import AutoTokenizer
+
+    from models.loading import default_model_path
+    from models.tokenizer import gguf_tokenizer
+
+    path = default_model_path()
+    ours = gguf_tokenizer(path)
+    ref = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    for text in ["Hello world!", "日本語のテキスト 🎉", "  spaces\n\ttabs", "<|im_start|>user\nhi<|im_end|>"]:
+        assert ours.encode(text) == ref.encode(text)
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    assert (ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            == ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+    assert (ours.eos_token, ours.bos_token, ours.all_special_ids) == (ref.eos_token, ref.bos_token,
+                                                                     ref.all_special_ids)
