@@ -10,9 +10,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Iterable
+from typing import Any
 
-import numpy as np
 
 from models.config import ModelConfig
 from paxpage import beam as beam_lib
@@ -165,7 +164,7 @@ class LLMEngine:
         self.runner.copy_pages(sched.copies)
         if self._beams.hold_back(sched):  # a beam request runs all its live beams in a step or none
             return []
-        plans, rows = [], []
+        plans = []
         for item in sched.scheduled:
             request, sample = self._by_seq[item.seq.seq_id]
             fork_now = item.samples and not request.forked
@@ -175,15 +174,13 @@ class LLMEngine:
                                  (request.params.n if fork_now else 1) if item.samples else 0,
                                  item.seq.num_prompt_tokens if wants_prompt else 0))
         batch, logits_plan, prompt_plan = self.runner.pack(plans)
+        # Rows of one request's first sample draw its n samples with seeds seed + i.
+        infos, rows, row_counter = [], [], {}
         for plan_index in logits_plan:
             request, sample = self._by_seq[sched.scheduled[plan_index].seq.seq_id]
-            rows.append(request)
-        # Rows of one request's first sample draw its n samples with seeds seed + i.
-        infos, row_counter = [], {}
-        for plan_index, request in zip(logits_plan, rows):
-            _, sample = self._by_seq[sched.scheduled[plan_index].seq.seq_id]
             i = row_counter.get(plan_index, 0)
             row_counter[plan_index] = i + 1
+            rows.append(request)
             infos.append(RowInfo(request.params, request.prompt_ids, sample.seq.output_token_ids,
                                  sample.seed + i))
         tensors = SamplingTensors.build(infos, self.model_cfg.vocab_size,
@@ -311,14 +308,6 @@ class LLMEngine:
         return RequestOutput(request.index, request.prompt, request.prompt_ids, completions,
                              prompt_logprobs=prompt_logprobs,
                              num_cached_tokens=first.seq.num_cached_tokens)
-
-    def run(self, requests: Iterable[_Request] | None = None, progress=None) -> None:
-        """Steps until every request has finished."""
-        while self.has_unfinished():
-            finished_before = len(self._requests)
-            self.step()
-            if progress is not None:
-                progress.update(finished_before - len(self._requests))
 
     def request(self, request_id: int) -> _Request | None:
         return self._requests.get(request_id)
