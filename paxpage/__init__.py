@@ -7,12 +7,15 @@
 """
 
 from paxpage.api import Model, generate, load, save, stream
+from paxpage.async_engine import AsyncEngine
 from paxpage.config import EngineConfig
 from paxpage.engine import LLMEngine
-from paxpage.outputs import Completion, RequestOutput, StreamDelta
+from paxpage.engine_loop import EngineDeadError, EngineLoop, EngineOverloadedError
+from paxpage.outputs import Completion, RequestMetrics, RequestOutput, StreamDelta
 from paxpage.sampling_params import SamplingParams
 
 __all__ = [
-    "Completion", "EngineConfig", "LLMEngine", "Model", "RequestOutput", "SamplingParams",
-    "StreamDelta", "generate", "load", "save", "stream",
+    "AsyncEngine", "Completion", "EngineConfig", "EngineDeadError", "EngineLoop", "EngineOverloadedError",
+    "LLMEngine", "Model", "RequestMetrics", "RequestOutput", "SamplingParams", "StreamDelta",
+    "generate", "load", "save", "stream",
 ]
