@@ -44,7 +44,14 @@ def test_cli_prints_answer(smollm2, capsys):
     from paxpage.cli import main
 
     assert main(["generate", "What is the capital of France?", "--max-tokens", "12"]) == 0
-    assert "Paris" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Paris" in out
+    (finish,) = [line for line in out.splitlines() if line.startswith("[")]
+    want = smollm2.tokenizer.encode(" The capital of France is Paris.", add_special_tokens=False)
+    assert finish == f"[stop, {len(want) + 1} tokens]"  # the answer, then <|im_end|>
+    assert main(["generate", "What is the capital of France?", "--max-tokens", "12", "--stream"]) == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out and finish in out.splitlines()  # streaming ends with the same line
 
 
 def test_chat_answers_with_the_chat_template(smollm2):
