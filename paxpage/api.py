@@ -235,6 +235,42 @@ def generate(model: Model, prompts, *, sampling_params: SamplingParams | Sequenc
     return results
 
 
+def chat(model: Model, messages, *, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+         engine_config: EngineConfig | None = None, use_tqdm: bool = True,
+         **kwargs) -> list[RequestOutput]:
+    """Answers chats with the model's chat template applied, as instruct models expect.
+
+    messages: one conversation (a list of {"role": str, "content": str} dicts) or a list of them.
+    Options and outputs are `generate`'s, one output per conversation; `generate` sends a str as
+    raw text, with no template."""
+    if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
+        conversations = [messages]
+    elif isinstance(messages, (list, tuple)):
+        conversations = list(messages)
+    else:
+        raise TypeError(f"chat expects a conversation (a list of message dicts) or a list of them, "
+                        f"got {type(messages).__name__}")
+    if not conversations:
+        raise ValueError("chat got no conversations")
+    for i, conversation in enumerate(conversations):
+        if not isinstance(conversation, (list, tuple)):
+            raise TypeError(f"conversation {i} must be a list of message dicts, got {type(conversation).__name__}")
+        if not conversation:
+            raise ValueError(f"conversation {i} has no messages")
+        for j, message in enumerate(conversation):
+            if not isinstance(message, dict):
+                raise TypeError(f"conversation {i} message {j} must be a dict with 'role' and 'content', "
+                                f"got {type(message).__name__}")
+            missing = [k for k in ("role", "content") if k not in message]
+            if missing:
+                raise ValueError(f"conversation {i} message {j} lacks {missing}; it has keys {sorted(message)}")
+            if not isinstance(message["role"], str):
+                raise TypeError(f"conversation {i} message {j} role must be a str, "
+                                f"got {type(message['role']).__name__}")
+    return generate(model, [list(c) for c in conversations], sampling_params=sampling_params,
+                    engine_config=engine_config, use_tqdm=use_tqdm, **kwargs)
+
+
 def stream(model: Model, prompts, *, sampling_params=None, engine_config: EngineConfig | None = None,
            **kwargs) -> Iterator[StreamDelta]:
     """Yields text deltas as tokens are produced; each sample's last delta carries its
