@@ -15,6 +15,8 @@ import itertools
 import os
 import time
 
+import jax
+
 from models.config import ModelConfig
 from paxpage import beam as beam_lib
 from paxpage import compile_counter
@@ -33,13 +35,19 @@ class EngineStats:
     steps: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    overlapped_steps: int = 0  # steps left in flight while the next one was scheduled
     host_seconds: float = 0.0  # scheduling + packing + stop checks
     device_seconds: float = 0.0  # jitted step incl. the token transfer
-    kv_utilisation_sum: float = 0.0  # summed over steps; divide by steps
+    # KV utilisation sampled every KV_SAMPLE_EVERY steps (the exact count scans every page table)
+    kv_utilisation_sum: float = 0.0
+    kv_utilisation_samples: int = 0
 
     @property
     def mean_kv_utilisation(self) -> float:
-        return self.kv_utilisation_sum / max(1, self.steps)
+        return self.kv_utilisation_sum / max(1, self.kv_utilisation_samples)
+
+
+KV_SAMPLE_EVERY = 8
 
 
 class LLMEngine:
@@ -68,6 +76,7 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
         self._beams = beam_lib.BeamCoordinator(self.scheduler, self.outputs, self.new_sequence)
+        self._inflight: _Launched | None = None  # async scheduling: the step still on the device
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, index: int = 0,
@@ -101,10 +110,9 @@ class LLMEngine:
     def abort(self, request_id: int) -> None:
         _, seqs = self.outputs.abort(request_id)
         for seq in seqs:
+            if seq.output_token_ids and seq.output_token_ids[-1] == PENDING_TOKEN:
+                seq.output_token_ids.pop()  # its in-flight token is discarded
             self.scheduler.abort(seq.seq_id)
-
-    def has_unfinished(self) -> bool:
-        return len(self.outputs) > 0
 
     def request(self, request_id: int) -> Request | None:
         """A live request (None once it finished or was aborted)."""
@@ -119,30 +127,64 @@ class LLMEngine:
     def step(self) -> list[tuple[Request, list[StreamDelta]]]:
         """Runs one step; returns, per request that produced text, its new deltas.
 
+        With async scheduling (the default) a plain decode step stays in flight on the device
+        while the host schedules and dispatches the next one; its tokens are read, checked for
+        stops and returned by the next call, one step late. Sequences that stopped meanwhile
+        have their one extra token discarded, so outputs equal the synchronous engine's.
         Finished requests leave the engine (`request.finished`); read them via `output(request)`."""
-        t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            return []
-        self.runner.copy_pages(sched.copies)
-        if self._beams.hold_back(sched):  # a beam request runs all its live beams in a step or none
-            return []
+        t0, waited = time.perf_counter(), self.stats.device_seconds
+        launched = None
+        sched = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
+        if sched is not None and sched.scheduled:
+            self.runner.copy_pages(sched.copies)
+            # a beam request runs all its live beams in a step or none
+            if not self._beams.hold_back(sched):
+                launched = self._launch(sched)
+        deltas: list[tuple[Request, list[StreamDelta]]] = []
+        if self._inflight is not None:  # the previous step's tokens, one step late
+            previous, self._inflight = self._inflight, None
+            deltas += self._resolve(previous)
+        if launched is not None:
+            if self._can_overlap(launched):
+                self._advance(launched)
+                self._inflight = launched
+                self.stats.overlapped_steps += 1
+            else:
+                deltas += self._complete(launched)
+            self.stats.steps += 1
+        self.stats.host_seconds += time.perf_counter() - t0 - (self.stats.device_seconds - waited)
+        return deltas
+
+    def has_unfinished(self) -> bool:
+        # An in-flight step with no live request left carries only tokens to discard.
+        return len(self.outputs) > 0
+
+    def _launch(self, sched) -> "_Launched":
+        """Packs the scheduled rows and dispatches the step; returns without waiting."""
+        inflight = self._inflight.row_of_seq if self._inflight is not None else {}
         plans = []
         for item in sched.scheduled:
             request, sample = self.outputs.lookup(item.seq.seq_id)
             fork_now = item.samples and not request.forked
             wants_prompt = sample.prompt_logprobs is not None and item.start < item.seq.num_prompt_tokens
-            plans.append(RowPlan(item.seq.token_ids, item.seq.page_table, item.start,
+            pending = item.num_new_tokens == 1 and item.seq.last_token_id == PENDING_TOKEN
+            plans.append(RowPlan(item.seq.tokens, item.seq.page_table, item.start,
                                  item.num_new_tokens,
                                  (request.params.n if fork_now else 1) if item.samples else 0,
-                                 item.seq.num_prompt_tokens if wants_prompt else 0))
-        batch, logits_plan, prompt_plan = self.runner.pack(plans)
+                                 item.seq.num_prompt_tokens if wants_prompt else 0,
+                                 item.seq.seq_id, item.seq.num_preemptions,
+                                 inflight[item.seq.seq_id] if pending else -1))
+        if self.runner.tables.num_rows > 2 * self.scheduler.num_running + 64:  # forget ended ones
+            self.runner.tables.retain({s.seq_id for s in self.scheduler.running})
+        batch, logits_plan, prompt_plan, prev_rows = self.runner.pack(plans)
         # Rows of one request's first sample draw its n samples with seeds seed + i.
-        infos, row_params, row_counter = [], [], {}
-        for plan_index in logits_plan:
+        infos, rows, row_params, row_counter = [], [], [], {}
+        for row, plan_index in enumerate(logits_plan):
             request, sample = self.outputs.lookup(sched.scheduled[plan_index].seq.seq_id)
             i = row_counter.get(plan_index, 0)
             row_counter[plan_index] = i + 1
+            if i == 0:
+                rows.append((request, sample, row))
             row_params.append(request.params)
             infos.append(RowInfo(request.params, request.prompt_ids, sample.seq.output_token_ids,
                                  sample.seed + i))
@@ -155,39 +197,85 @@ class LLMEngine:
         num_prompt_logprobs = _logprob_bucket(max(
             (self.outputs.lookup(sched.scheduled[i].seq.seq_id)[0].params.prompt_logprobs or 0
              for i, _ in prompt_plan), default=0))
-        t1 = time.perf_counter()
-        result, prompt_result = self.runner.run(batch, tensors, num_logprobs, num_prompt_logprobs)
-        t2 = time.perf_counter()
-        for j, (plan_index, position) in enumerate(prompt_plan):
+        prev_tokens = self._inflight.result.token_ids if prev_rows is not None else None
+        result, prompt_result = self.runner.launch(batch, tensors, num_logprobs, num_prompt_logprobs,
+                                                   prev_rows, prev_tokens)
+        counts = [row_counter[logits_plan[row]] for _, _, row in rows]
+        return _Launched(sched, rows, counts, prompt_plan, result, prompt_result)
+
+    def _can_overlap(self, step: "_Launched") -> bool:
+        """A step may stay in flight when the next step can be scheduled without its tokens: plain
+        sampling rows only (no beams, no forks, no penalties, which read the tokens; no prompt
+        logprobs). Rows that reach their length limit finish early (see `_advance`)."""
+        if not self.config.async_scheduling or step.prompt_plan:
+            return False
+        for (request, _, _), count in zip(step.rows, step.counts):
+            p = request.params
+            if request.beam is not None or count > 1 or p.repetition_penalty != 1.0 \
+                    or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+                return False
+        return True
+
+    def _advance(self, step: "_Launched") -> None:
+        """Books an in-flight step's tokens as pending, so the next step can be scheduled: each
+        sampling sequence gets a placeholder token that `_resolve` replaces. A sequence whose
+        next token is its last by length leaves the scheduler now (its token still comes)."""
+        self.scheduler.update(step.sched, {sample.seq.seq_id: PENDING_TOKEN for _, sample, _ in step.rows})
+        self._sample_kv_utilisation()
+        max_len = self.config.max_model_len
+        for request, sample, row in step.rows:
+            seq = sample.seq
+            step.row_of_seq[seq.seq_id] = row
+            if seq.is_finished:  # stopped when the previous step's tokens were read
+                continue
+            if seq.num_output_tokens >= request.params.max_tokens or seq.num_tokens >= max_len:
+                self.scheduler.finish(seq, "length")
+
+    def _resolve(self, step: "_Launched") -> list[tuple[Request, list[StreamDelta]]]:
+        """Reads an in-flight step's tokens and hands them to the output processor."""
+        t = time.perf_counter()
+        result = jax.device_get(step.result)
+        self.stats.device_seconds += time.perf_counter() - t
+        new_tokens = []
+        for request, sample, row in step.rows:
+            seq = sample.seq
+            if sample.finish_reason is not None:  # aborted while in flight
+                continue
+            assert seq.output_token_ids[-1] == PENDING_TOKEN, seq
+            token = int(result.token_ids[row])
+            seq.output_token_ids[-1] = token
+            new_tokens.append(NewToken(request, sample, token, row))
+        return self._process(new_tokens, result)
+
+    def _complete(self, step: "_Launched") -> list[tuple[Request, list[StreamDelta]]]:
+        """The synchronous path: waits for the step's tokens, then books them."""
+        t = time.perf_counter()
+        result, prompt_result = jax.device_get((step.result, step.prompt_result))
+        self.stats.device_seconds += time.perf_counter() - t
+        sched = step.sched
+        for j, (plan_index, position) in enumerate(step.prompt_plan):
             self.outputs.record_prompt_logprobs(
                 sched.scheduled[plan_index].seq, position, prompt_result.target_logprobs[j],
                 prompt_result.top_ids[j], prompt_result.top_logprobs[j])
-
-        # Each logits row holds a token: rows of one sequence are contiguous in `logits_plan`.
         sampled: dict[int, int] = {}
         forks: list[tuple[Request, object, int]] = []  # (request, parent sample, first row)
         new_tokens: list[NewToken] = []
         beam_rows: list[tuple[Request, object, int]] = []  # beam.py picks their tokens
-        row = 0
-        while row < len(logits_plan):
-            item = sched.scheduled[logits_plan[row]]
-            request, sample = self.outputs.lookup(item.seq.seq_id)
-            count = logits_plan.count(logits_plan[row])
+        for (request, sample, row), count in zip(step.rows, step.counts):
             if request.beam is not None:
                 beam_rows.append((request, sample, row))
-                row += count
+                continue
+            if sample.finish_reason is not None:  # stopped while the previous step was in flight
                 continue
             token = int(result.token_ids[row])
-            sampled[item.seq.seq_id] = token
+            sampled[sample.seq.seq_id] = token
             new_tokens.append(NewToken(request, sample, token, row))
             if count > 1:
                 forks.append((request, sample, row))
             request.forked = True
-            row += count
         self._beams.select(beam_rows, result, sampled)
         self.scheduler.update(sched, sampled)
-        # Measured while this step's sequences still hold their pages (before stops free them).
-        self.stats.kv_utilisation_sum += self.scheduler.stats().kv_utilization
+        self._sample_kv_utilisation()
         # Parallel samples fork after the parent's prompt is in the cache: they share its
         # pages, and the first write into the shared last page copies it.
         for request, parent, first_row in forks:
@@ -199,15 +287,39 @@ class LLMEngine:
                 self.scheduler.fork(parent.seq, seq)
                 request.samples.append(child)
                 new_tokens.append(NewToken(request, child, token, first_row + extra))
+        deltas = self._process(new_tokens, result)
+        deltas += self._beams.apply(self.tokenizer)  # forks, dropped beams, finished beam requests
+        return deltas
+
+    def _process(self, new_tokens: list[NewToken], result) -> list[tuple[Request, list[StreamDelta]]]:
         deltas, to_finish = self.outputs.process(new_tokens, result)
         for seq, reason in to_finish:
-            self.scheduler.finish(seq, reason)
-        deltas += self._beams.apply(self.tokenizer)  # forks, dropped beams, finished beam requests
-        self.stats.steps += 1
+            if not seq.is_finished:  # a sequence finished early by length already left
+                self.scheduler.finish(seq, reason)
         self.stats.generated_tokens += len(new_tokens)
-        self.stats.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
-        self.stats.device_seconds += t2 - t1
         return deltas
+
+    def _sample_kv_utilisation(self) -> None:
+        # Measured while this step's sequences still hold their pages (before stops free them).
+        if self.stats.steps % KV_SAMPLE_EVERY == 0:
+            self.stats.kv_utilisation_sum += self.scheduler.stats().kv_utilization
+            self.stats.kv_utilisation_samples += 1
+
+
+PENDING_TOKEN = -1  # an in-flight step's token that the host does not have yet
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A dispatched step: what it scheduled and its device results."""
+
+    sched: object  # SchedulerOutput
+    rows: list[tuple[Request, object, int]]  # (request, sample, first logits row) per sampling seq
+    counts: list[int]  # logits rows of each entry of `rows` (n > 1 when a request forks)
+    prompt_plan: list[tuple[int, int]]
+    result: object  # SamplerOutput, device arrays
+    prompt_result: object
+    row_of_seq: dict[int, int] = dataclasses.field(default_factory=dict)  # in flight: seq -> row
 
 
 def _logprob_bucket(n: int) -> int:
