@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("which", choices=["throughput", "memory"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=_bench)
+    from paxpage.server.cli import add_serve_parser
+    add_serve_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 
