@@ -89,8 +89,8 @@ async def _chunks(ctx, stream: MergedStream, head: dict, n: int, k: int | None, 
                 lp = completion_logprobs(delta.token_ids, entries, k, ctx.strings,
                                          text_offset=offsets.get(index, 0))
             offsets[index] = offsets.get(index, 0) + len(delta.text)
-            if not delta.text and delta.finish_reason is None and lp is None:
-                continue
+            if not delta.text and delta.finish_reason is None and not delta.token_ids:
+                continue  # a token-id-only model still streams a chunk per step: progress is visible
             choice = {"index": index, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason}
             if delta.finish_reason is not None:
                 choice["stop_reason"] = getattr(delta, "stop_reason", None)

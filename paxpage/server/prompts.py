@@ -44,6 +44,8 @@ def encode_completion_prompts(tokenizer: Any, prompt, vocab_size: int) -> list[t
     for i, p in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         if isinstance(p, str):
+            if not p:
+                raise bad_request(f"{where} is empty; at least 1 prompt token is required", "prompt")
             if tokenizer is None:
                 raise bad_request(f"{where} is text but this model has no tokenizer; send token ids", "prompt")
             ids, text = list(tokenizer.encode(p)), p

@@ -89,4 +89,6 @@ def engine_error(e: Exception, prompt_param: str) -> APIError:
     field = message.split(" ", 1)[0]
     if field in ("max_tokens", "stop_token_ids", "logprobs", "prompt_logprobs"):
         return bad_request(message, field)
+    if prompt_param not in message:
+        message = f"{prompt_param} cannot be served: {message}"
     return bad_request(message, prompt_param)
