@@ -75,8 +75,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"paxpage serve: {e}", file=sys.stderr)
         return 2
     api_key = args.api_key if args.api_key is not None else (os.environ.get("PAXPAGE_API_KEY") or None)
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
-        print(f"paxpage serve: --max-waiting-requests must be >= 0, got {args.max_waiting_requests}",
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        print(f"paxpage serve: --max-waiting-requests must be >= 1, got {args.max_waiting_requests}",
               file=sys.stderr)
         return 2
 
