@@ -91,6 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))  # before loading: a taken port fails fast
+    sock.listen(2048)  # clients that connect before uvicorn runs wait in the backlog
     model = paxpage.load(args.model, dtype=config.dtype or "float32")
     engine = AsyncEngine(model, config, max_waiting_requests=args.max_waiting_requests)
     try:

@@ -2,7 +2,7 @@
 thread, one per model and configuration, shared by the session.
 
 - `tiny_server`: a tiny random llama without tokenizer (token-id prompts). One running sequence,
-  one waiting at most, a 64-page KV pool and an API key: the error, overload and disconnect
+  one waiting at most, a 16k-token KV pool and an API key: the error, overload and disconnect
   checks, none of which needs real text.
 - `smol_server`: SmolLM2-135M-Instruct (chat template, tokenizer) for text-level checks."""
 
@@ -20,7 +20,10 @@ from tests.conftest import save_tiny_hf
 
 CLIENT_TIMEOUT = httpx.Timeout(180.0, connect=10.0)  # a first CPU step compiles for a while
 TINY_KEY = "sk-tiny-test"
-TINY_PAGES, TINY_PAGE_SIZE, TINY_MAX_LEN = 64, 16, 2048
+# A 16k-token pool (tiny pages are cheap) and a longer context: long requests run for seconds
+# (a tiny step is ~1 ms), and a prompt can pass max_model_len yet never fit the pool.
+TINY_PAGES, TINY_PAGE_SIZE, TINY_MAX_LEN = 1024, 16, 32768
+LONG_TOKENS = 16000
 SMOL_CONFIG = dict(num_pages=256, page_size=16, max_num_seqs=16)
 
 

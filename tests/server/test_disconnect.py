@@ -9,9 +9,9 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import metrics, wait_idle
+from tests.server.conftest import LONG_TOKENS, metrics, wait_idle
 
-MAX_TOKENS = 1000  # far more than the few seconds these tests wait would produce... if not aborted
+MAX_TOKENS = LONG_TOKENS  # ~1 ms a token: many seconds, unless aborted
 LONG = {"prompt": [3, 1, 4, 1, 5], "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import TINY_KEY, TINY_MAX_LEN, TINY_PAGE_SIZE, TINY_PAGES, metrics
+from tests.server.conftest import LONG_TOKENS, TINY_KEY, TINY_MAX_LEN, TINY_PAGE_SIZE, TINY_PAGES, metrics
 
 PROMPT = [1, 2, 3, 4]
 
@@ -89,7 +89,7 @@ def test_request_that_never_fits_the_pool_is_400_while_others_go_on(tiny_client,
     pool_tokens = TINY_PAGES * TINY_PAGE_SIZE
     assert pool_tokens < TINY_MAX_LEN  # it passes the max_model_len check, only the pool refuses it
     with tiny_client.stream("POST", "/v1/completions",
-                            json={"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}) as live:
+                            json={"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}) as live:
         assert live.status_code == 200
         lines = live.iter_lines()
         assert next(l for l in lines if l.startswith("data: "))  # the live request is generating
@@ -147,7 +147,7 @@ def test_openai_client_sees_401_without_key(tiny_server):
 
 def test_overload_is_503_with_retry_after(tiny_client):
     """max_num_seqs=1, max_waiting_requests=1: one runs, one waits, the next is refused at once."""
-    long = {"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True}
+    long = {"prompt": PROMPT, "max_tokens": LONG_TOKENS, "ignore_eos": True}
     with tiny_client.stream("POST", "/v1/completions", json={**long, "stream": True}) as running:
         lines = running.iter_lines()
         assert next(l for l in lines if l.startswith("data: "))

@@ -31,7 +31,7 @@ def tiny_dir(tmp_path_factory):
 
 def _start(tiny_dir, *extra, env=None):
     cmd = [sys.executable, "-m", "paxpage.cli", "serve", "--model", str(tiny_dir), "--port", "0",
-           "--num-pages", "64", "--max-num-seqs", "4", "--log-level", "warning", *extra]
+           "--num-pages", "256", "--max-num-seqs", "4", "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})
     lines: queue.Queue = queue.Queue()
@@ -64,7 +64,7 @@ def test_signal_stops_the_server_within_seconds(tiny_dir, sig):
             assert c.get("/v1/models").status_code == 401  # PAXPAGE_API_KEY applies
             assert c.get("/v1/models", headers=headers).json()["data"][0]["id"] == tiny_dir.name
             with c.stream("POST", "/v1/completions", headers=headers, json={
-                    "prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True, "stream": True}) as r:
+                    "prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True, "stream": True}) as r:
                 assert r.status_code == 200, r.read()
                 lines = r.iter_lines()
                 assert next(l for l in lines if l.startswith("data: "))
