@@ -53,11 +53,13 @@ async def completions(body: CompletionRequest, request: Request):
         for c in out.outputs:
             lp = None
             if k is not None:
-                lp = completion_logprobs(c.token_ids, c.logprobs, k, ctx.strings, text_offset=len(echoes[p]))
-                if body.echo:
+                prompt_lp, offset = None, len(echoes[p])
+                if body.echo:  # the prompt's tokens come first; offsets run on over both
                     entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-                    lp = merge_completion_logprobs(
-                        completion_logprobs(out.prompt_token_ids, entries, k, ctx.strings), lp)
+                    prompt_lp = completion_logprobs(out.prompt_token_ids, entries, k, ctx.strings)
+                    offset = sum(len(t) for t in prompt_lp["tokens"])
+                lp = merge_completion_logprobs(
+                    prompt_lp, completion_logprobs(c.token_ids, c.logprobs, k, ctx.strings, text_offset=offset))
             choices.append({"index": p * params.n + c.index, "text": echoes[p] + c.text, "logprobs": lp,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     choices.sort(key=lambda c: c["index"])
@@ -72,7 +74,7 @@ async def _chunks(ctx, stream: MergedStream, head: dict, n: int, k: int | None, 
     head = {**head, "object": "text_completion"}
     extra = {"usage": None} if include_usage else {}
     completion_tokens = 0
-    offsets: dict[int, int] = {}  # choice index -> characters sent (logprobs text_offset)
+    offsets: dict[int, int] = {}  # choice index -> logprobs text_offset of its next token
     try:
         for p, echo in enumerate(echoes):
             for s in range(n):
@@ -88,7 +90,8 @@ async def _chunks(ctx, stream: MergedStream, head: dict, n: int, k: int | None, 
             if k is not None and entries:
                 lp = completion_logprobs(delta.token_ids, entries, k, ctx.strings,
                                          text_offset=offsets.get(index, 0))
-            offsets[index] = offsets.get(index, 0) + len(delta.text)
+            # as in the whole answer: offsets advance by each token's own text
+            offsets[index] = offsets.get(index, 0) + sum(len(ctx.strings.get(t)) for t in delta.token_ids)
             if not delta.text and delta.finish_reason is None and not delta.token_ids:
                 continue  # a token-id-only model still streams a chunk per step: progress is visible
             choice = {"index": index, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason}

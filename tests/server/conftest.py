@@ -107,6 +107,19 @@ def tiny_client(tiny_server):
         wait_idle(client)  # leave it idle for the next test
 
 
+@pytest.fixture
+def fresh_tiny_server(tiny_model, request):
+    """A tiny server of its own (four sequences, no key, no queue limit), for tests that break
+    its engine or need several sequences at once; stall_timeout_s via indirect parametrisation."""
+    import paxpage
+    from paxpage.async_engine import AsyncEngine
+
+    engine = AsyncEngine(tiny_model, paxpage.EngineConfig(num_pages=256, max_num_seqs=4, max_model_len=8192))
+    server = LiveServer(engine, served_model_name="tiny", stall_timeout_s=getattr(request, "param", 300.0))
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def smol_config():
     import paxpage
