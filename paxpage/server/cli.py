@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
 import threading
 
 
@@ -69,16 +68,11 @@ def default_model_name(source: str | None) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    try:
-        config = engine_config_from_args(args)
-    except ValueError as e:
-        print(f"paxpage serve: {e}", file=sys.stderr)
-        return 2
+    """Bad options raise ValueError before the model loads (paxpage.cli prints it on one line)."""
+    config = engine_config_from_args(args)
     api_key = args.api_key if args.api_key is not None else (os.environ.get("PAXPAGE_API_KEY") or None)
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
-        print(f"paxpage serve: --max-waiting-requests must be >= 1, got {args.max_waiting_requests}",
-              file=sys.stderr)
-        return 2
+        raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
 
     import uvicorn
 
@@ -90,7 +84,11 @@ def run_serve(args: argparse.Namespace) -> int:
     xla_cache.enable()
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))  # before loading: a taken port fails fast
+    try:
+        sock.bind((args.host, args.port))  # before loading: a taken port fails fast
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     sock.listen(2048)  # clients that connect before uvicorn runs wait in the backlog
     model = paxpage.load(args.model, dtype=config.dtype or "float32")
     engine = AsyncEngine(model, config, max_waiting_requests=args.max_waiting_requests)
