@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("cache", help="show or empty the cache of converted models and compiled steps")
     c.add_argument("action", choices=["info", "clear"])
     c.set_defaults(func=_cache)
+    from paxpage.server.cli import add_serve_parser
+    add_serve_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
