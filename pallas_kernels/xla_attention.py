@@ -74,9 +74,11 @@ def paged_attention_xla(
     q32 = q.astype(jnp.float32) * sm_scale
     expanded = num_q == 1
     if expanded:
-        own = (jnp.arange(num_heads)[:, None] // group) == jnp.arange(num_kv_heads)[None, :]  # [N, K]
-        qx = jnp.where(own[None, None, :, :, None], q32[:, :, :, None, :], 0.0)
-        qx = qx.reshape(batch, num_q * num_heads, width)  # [B, M, J]
+        # Head h's queries in kv head h // G's columns: static slices and pads.
+        qx = jnp.concatenate([
+            jnp.pad(q32[:, :, h * group:(h + 1) * group],
+                    ((0, 0), (0, 0), (0, 0), (h * head_dim, width - (h + 1) * head_dim)))
+            for h in range(num_kv_heads)], axis=2).reshape(batch, num_q * num_heads, width)  # [B, M, J]
         stat_shape = (batch, num_q * num_heads)  # [B, M]
         acc_shape = (batch, num_q * num_heads, width)  # [B, M, J]
         q_pos_s = jnp.repeat(q_pos, num_heads, axis=1)[:, :, None]  # [B, M, 1]
@@ -122,9 +124,11 @@ def paged_attention_xla(
     )
     _, _, l, acc = lax.while_loop(lambda carry: carry[0] < num_chunks, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    if expanded:  # keep each head's own kv head's columns: [B, M, J] -> [B, Tq, N, D]
-        out = out.reshape(batch, num_q, num_heads, num_kv_heads, head_dim)
-        out = jnp.sum(jnp.where(own[None, None, :, :, None], out, 0.0), axis=3)
+    if expanded:  # each head's own kv head's columns, [B, M, J] -> [B, Tq, N, D], by static
+        # slices: a masked sum over K ran as a reduce costing as much as a whole chunk step.
+        out = out.reshape(batch, num_q, num_heads, width)
+        out = jnp.concatenate([out[:, :, h * group:(h + 1) * group, h * head_dim:(h + 1) * head_dim]
+                               for h in range(num_kv_heads)], axis=2)
     else:
         out = out.transpose(0, 3, 1, 2, 4).reshape(batch, num_q, num_heads, head_dim)
     valid = jnp.arange(num_q)[None, :] < q_lens[:, None]
