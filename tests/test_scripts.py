@@ -100,8 +100,8 @@ def test_bench_step_quick(tmp_path):
 
     out = tmp_path / "step.json"
     root = os.path.dirname(SCRIPTS)
-    proc = subprocess.run([sys.executable, "-m", "paxpage.cli", "bench", "step", "--quick", "--json", str(out)],
-                          cwd=root, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "-m", "paxpage.cli", "bench", "step", "--quick", "--json", str(out)]
+    proc = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["read_bandwidth_gb_per_s"] > 0
