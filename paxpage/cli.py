@@ -78,11 +78,14 @@ def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCH_SCRIPTS = {"throughput": "bench_throughput.py", "memory": "bench_memory.py", "step": "bench_step.py"}
+
+
 def _bench(args: argparse.Namespace) -> int:
+    import pathlib
     import runpy
 
-    script = {"throughput": "bench_throughput.py", "memory": "bench_memory.py"}[args.which]
-    import pathlib
+    script = BENCH_SCRIPTS[args.which]
 
     path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / script
     if not path.exists():
@@ -108,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--raw", action="store_true", help="send prompts as plain text, not as a chat")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
     g.set_defaults(func=_generate)
-    b = sub.add_parser("bench", help="run a benchmark script (throughput | memory)")
-    b.add_argument("which", choices=["throughput", "memory"])
+    b = sub.add_parser("bench", help=f"run a benchmark script ({' | '.join(BENCH_SCRIPTS)})")
+    b.add_argument("which", choices=list(BENCH_SCRIPTS))
     rest = b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the script")
     rest.required = False  # else a bare `paxpage bench` claims `rest` is required too
     b.set_defaults(func=_bench)
