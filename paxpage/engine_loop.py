@@ -94,6 +94,7 @@ class EngineLoop:
         self._by_engine_id: dict[int, str] = {}
         self._last_progress = time.monotonic()
         self._ids = itertools.count()
+        self._publish()
         self._thread = threading.Thread(target=self._run, name="paxpage-engine-loop", daemon=True)
         self._thread.start()
         _LOOPS.add(self)
@@ -128,16 +129,28 @@ class EngineLoop:
                 self._cv.notify()
 
     def snapshot(self) -> EngineSnapshot:
-        stats = self.engine.scheduler.stats()
-        busy = bool(self._live)
+        """The counters as the loop thread last published them (after each step, add and abort),
+        so no caller reads the engine's state while the loop changes it."""
+        counts = self._counts
+        busy = counts["num_live"] > 0
         return EngineSnapshot(
-            num_running=stats.num_running, num_waiting=stats.num_waiting + self._num_pending_adds,
-            kv_cache_usage=stats.num_used_pages / self.engine.config.num_pages,
-            prompt_tokens=self.engine.stats.prompt_tokens,
-            generation_tokens=self.engine.stats.generated_tokens,
-            num_preemptions=stats.num_preemptions, num_steps=self.engine.stats.steps,
-            alive=self.alive, error=None if self._error is None else repr(self._error),
+            num_running=counts["num_running"], num_waiting=counts["num_waiting"] + self._num_pending_adds,
+            kv_cache_usage=counts["kv_cache_usage"], prompt_tokens=counts["prompt_tokens"],
+            generation_tokens=counts["generation_tokens"], num_preemptions=counts["num_preemptions"],
+            num_steps=counts["num_steps"], alive=self.alive,
+            error=None if self._error is None else repr(self._error),
             seconds_since_progress=time.monotonic() - self._last_progress if busy else 0.0)
+
+    def _publish(self) -> None:
+        """On the loop thread: O(1) counters for `snapshot`, replaced as one dict."""
+        engine, scheduler = self.engine, self.engine.scheduler
+        self._counts = {
+            "num_live": len(self._live), "num_running": scheduler.num_running,
+            "num_waiting": scheduler.num_waiting,
+            "kv_cache_usage": scheduler.page_manager.num_used_pages / engine.config.num_pages,
+            "prompt_tokens": engine.stats.prompt_tokens, "generation_tokens": engine.stats.generated_tokens,
+            "num_preemptions": scheduler.num_preemptions, "num_steps": engine.stats.steps,
+        }
 
     @property
     def alive(self) -> bool:
@@ -176,6 +189,7 @@ class EngineLoop:
                     self._add(*payload) if kind == "add" else self._abort(payload)
                 if self._live:
                     self._step()
+                self._publish()
         except BaseException as exc:  # noqa: BLE001 - every live caller must hear of it
             self._error = exc
         finally:
