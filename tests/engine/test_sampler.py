@@ -239,15 +239,17 @@ def test_seeds_and_steps_change_the_draw():
 
 def test_build_pads_rows_and_buckets_token_lists():
     p = SamplingParams(repetition_penalty=1.1, top_k=10_000)
-    rows = [RowInfo(p, list(range(20)), [7, 8, 9], 0),
+    rows = [RowInfo(p, list(range(20)), [7, 8, 9, 25, 25], 0),
             RowInfo(SamplingParams(), list(range(100)), list(range(100)), 1),  # no penalty
-            RowInfo(SamplingParams(presence_penalty=1.0), [5] * 50, [4], 2)]  # output only
+            RowInfo(SamplingParams(presence_penalty=1.0), [5] * 50, [4, 4], 2)]  # output only
     t = SamplingTensors.build(rows, vocab_size=1000, pad_rows_to=4)
     assert t.num_rows == 4
-    assert t.token_ids.shape == (4, 32)  # 23 tokens -> power of two >= 16
-    assert t.token_ids[0, :24].tolist() == list(range(20)) + [7, 8, 9, -1]
+    assert t.token_ids.shape == t.token_counts.shape == (4, 32)  # 21 distinct -> power of two >= 16
+    # distinct ids of prompt + output, each with its count among the output tokens
+    assert t.token_ids[0, :22].tolist() == list(range(20)) + [25, -1]
+    assert t.token_counts[0, :22].tolist() == [0] * 7 + [1, 1, 1] + [0] * 10 + [2, 0]
     assert t.token_ids[1].tolist() == [-1] * 32  # no penalty: its tokens are not shipped
-    assert t.token_ids[2, :2].tolist() == [4, -1] and t.num_prompt.tolist() == [20, 0, 0, 0]
+    assert t.token_ids[2, :2].tolist() == [4, -1] and t.token_counts[2, :2].tolist() == [2, 0]
     assert t.top_k.tolist() == [0, 0, 0, 0]  # top_k >= vocab is off
     assert t.temperature[3] == 0.0  # padding rows are greedy
     assert t.banned_ids.shape == (4, 4)
@@ -255,14 +257,21 @@ def test_build_pads_rows_and_buckets_token_lists():
         SamplingTensors.build(rows[:2], 1000, pad_rows_to=1)
 
 
-def test_fixed_token_width_keeps_the_shape():
+def test_token_width_caps_a_small_fixed_set_of_widths():
     p = SamplingParams(frequency_penalty=0.5)
-    for length in (0, 5, 60):
-        t = SamplingTensors.build([RowInfo(p, [1], [3] * length, 0)], 100, token_width=64)
-        assert t.token_ids.shape == (1, 64)
-    with pytest.raises(ValueError, match="token_width=64 is smaller than the 65 penalty tokens"):
-        SamplingTensors.build([RowInfo(p.replace(repetition_penalty=1.2), [1] * 5, [3] * 60, 0)],
-                              100, token_width=64)
+    widths = set()
+    for length in (0, 5, 17, 60, 64):
+        widths.add(SamplingTensors.build([RowInfo(p, [1], list(range(length)), 0)], 1000,
+                                         token_width=64).token_ids.shape[1])
+    assert widths == {16, 32, 64}
+    # No penalised row: the smallest width, however long the sequences and token_width.
+    t = SamplingTensors.build([RowInfo(SamplingParams(), [1] * 500, [3] * 500, 0)], 1000,
+                              token_width=2048)
+    assert t.token_ids.shape == t.token_counts.shape == (1, 16)
+    assert t.token_ids.tolist() == [[-1] * 16]
+    with pytest.raises(ValueError, match="token_width=64 is smaller than the 66 distinct penalty"):
+        SamplingTensors.build([RowInfo(p.replace(repetition_penalty=1.2), [1000 - 1] * 5,
+                                       list(range(65)), 0)], 1000, token_width=64)
 
 
 def test_bfloat16_logits_and_no_logprobs():
