@@ -5,11 +5,14 @@ Axis legend: R rows, V vocabulary, C candidates (a row's C best tokens, descendi
 the vocabulary, B tokens per block.
 
 A non-greedy row with scaled logits x = logits / temperature draws token i with probability
-proportional to exp(x_i) over the kept set {x >= max(v_k, v_p, v_m)} (`filter_logits`'
+proportional to exp(x_i) over the kept set {logits >= max(v_k, v_p, v_m)} (`filter_logits`'
 semantics, ties at a threshold kept):
-  v_k  the top_k-th largest x (top_k off: -inf)
-  v_p  the largest v whose {x >= v} holds top_p of the top-k set's mass (top_p 1: -inf)
-  v_m  max(x) + log(min_p) (min_p off: -inf)
+  v_k  the top_k-th largest logit (top_k off: -inf)
+  v_p  the largest v whose {logits >= v} holds top_p of the top-k set's mass (top_p 1: -inf)
+  v_m  max(logits) + temperature * log(min_p), i.e. p_i >= min_p * p_max (min_p off: -inf)
+Thresholds compare logits, not x, which has their order (up to ties made by rounding): x is
+recomputed in each pass, possibly rounded differently, and a drawn token must compare equal
+to itself from one pass to the next.
 
 Each row takes one of three paths, chosen from the row alone, so a seeded row draws the same
 token whatever batch it is in:
@@ -39,6 +42,7 @@ import jax.numpy as jnp
 
 NUM_CANDIDATES = 128  # top_k up to this takes the candidate path
 _BLOCK = 256  # tokens per block of the inverse-CDF draw over the whole vocabulary
+_MAX_ROUNDS = 200  # rejection rounds of one row on the exact path (a guard: see exact_row)
 
 
 def _sortable(x: jax.Array) -> jax.Array:
@@ -88,13 +92,16 @@ def _expand(a: jax.Array, ndim: int) -> jax.Array:
 
 
 def _weights(logits: jax.Array, temperature, best, floor, low) -> jax.Array:
-    """With x = logits / temperature: exp(x - best) where floor <= x and low < x, else 0.
-    temperature, best, floor, low: the batch shape of logits without its token axes. x is
-    recomputed inside each pass rather than stored: a materialised [R, V] array costs as much
-    as a pass on CPU."""
+    """exp(logits / temperature - best) where floor <= logits and low < logits, else 0.
+    temperature, best, floor, low: the batch shape of logits without its token axes.
+
+    The scaled logits are recomputed inside each pass rather than stored (a materialised
+    [R, V] array costs as much as a pass on CPU), and XLA may round them differently in
+    different passes; so every threshold (a drawn token's own value above all) compares the
+    logits themselves, whose order the scaled logits share."""
     temperature, best, floor, low = (_expand(a, logits.ndim) for a in (temperature, best, floor, low))
-    x = logits / temperature
-    return jnp.where((x >= floor) & (x > low), jnp.exp(x - best), 0.0)
+    kept = (logits >= floor) & (logits > low)
+    return jnp.where(kept, jnp.exp(logits / temperature - best), 0.0)
 
 
 def _blocks(x: jax.Array) -> jax.Array:
@@ -107,25 +114,25 @@ def _blocks(x: jax.Array) -> jax.Array:
     return x.reshape(x.shape[:-1] + (num_blocks, _BLOCK))
 
 
-def _inverse_cdf(logits: jax.Array, temperature, best, floor, low, u: jax.Array):
-    """Draw from _weights(logits, temperature, best, floor, low) with uniforms u, over the whole
-    vocabulary: block sums, pick a block, then pick inside it. logits f32[..., V], u f32[...].
-    -> (token i32[...], its scaled logit f32[...], total weight f32[...])."""
+def _inverse_cdf(logits: jax.Array, weight_args, u: jax.Array):
+    """Draw from _weights(logits, *weight_args) with uniforms u, over the whole vocabulary:
+    block sums, pick a block, then pick inside it. logits f32[..., V], u f32[...].
+    -> (token i32[...], its logit f32[...], total weight f32[...])."""
     xb = _blocks(logits)  # [..., N, B]
-    block_sums = jnp.sum(_weights(xb, temperature, best, floor, low), axis=-1)  # [..., N]
+    block_sums = jnp.sum(_weights(xb, *weight_args), axis=-1)  # [..., N]
     cum = jnp.cumsum(block_sums, axis=-1)
     total = cum[..., -1]
     target = u * total
     block = _pick(cum, target)
     before = jnp.where(block > 0, jnp.take_along_axis(cum, jnp.maximum(block - 1, 0)[..., None], -1)[..., 0], 0.0)
     xin = jnp.take_along_axis(xb, block[..., None, None], axis=-2)[..., 0, :]  # [..., B]
-    inner = _pick(jnp.cumsum(_weights(xin, temperature, best, floor, low), axis=-1), target - before)
-    value = jnp.take_along_axis(xin, inner[..., None], axis=-1)[..., 0] / temperature
+    inner = _pick(jnp.cumsum(_weights(xin, *weight_args), axis=-1), target - before)
+    value = jnp.take_along_axis(xin, inner[..., None], axis=-1)[..., 0]
     return block * _BLOCK + inner, value, total
 
 
 def _mass_above(logits: jax.Array, temperature, best, floor, value) -> jax.Array:
-    """Weight of {x >= floor, x > value}, x = logits / temperature: f32[...]."""
+    """Weight of {logits >= floor, logits > value}: f32[...]."""
     return jnp.sum(_weights(logits, temperature, best, floor, value), axis=-1)
 
 
@@ -140,7 +147,10 @@ def draw(logits: jax.Array, best_logit: jax.Array, temperature: jax.Array, top_k
     best = best_logit / temperature  # == max(x) exactly: x / t is monotone in x
     keys = jax.random.wrap_key_data(keys, impl="threefry2x32")
     u0 = jax.vmap(_uniform, in_axes=(0, None))(keys, 0)  # [R]
-    v_min = jnp.where(min_p > 0, best + jnp.log(jnp.where(min_p > 0, min_p, 1.0)), -jnp.inf)
+    # min-p keeps x >= max(x) + log(min_p), i.e. logits >= max(logits) + T log(min_p): the
+    # best token always passes, whatever the rounding
+    l_min = jnp.where(min_p > 0, best_logit + temperature * jnp.log(jnp.where(min_p > 0, min_p, 1.0)),
+                      -jnp.inf)
     sampled = ~greedy
     wants_top_k = sampled & (top_k > 0)
 
@@ -158,18 +168,17 @@ def draw(logits: jax.Array, best_logit: jax.Array, temperature: jax.Array, top_k
     cand_logits, cand_ids = jax.lax.cond(jnp.any(wants_top_k), top_candidates, argmax_only, logits)
     cand_ids = cand_ids.astype(jnp.int32)
     argmax = cand_ids[:, 0]
-    cx = cand_logits / temperature[:, None]  # [R, C] scaled, descending (weakly)
-    v_last = cx[:, -1]
-    kth = jnp.take_along_axis(cx, jnp.clip(top_k - 1, 0, num_cands - 1)[:, None], -1)[:, 0]
-    fits = wants_top_k & (top_k <= num_cands) & (kth > v_last)
-    v_top_k = jnp.where(top_k > 0, kth, -jnp.inf)
-    in_k = jnp.where(cx >= v_top_k[:, None], jnp.exp(cx - best[:, None]), 0.0)  # top-k set weights
-    cum_k = jnp.cumsum(in_k, axis=-1)
+    # Thresholds compare logits (descending here), weights use the scaled x.
+    cand_w = jnp.exp(cand_logits / temperature[:, None] - best[:, None])  # [R, C]
+    kth = jnp.take_along_axis(cand_logits, jnp.clip(top_k - 1, 0, num_cands - 1)[:, None], -1)[:, 0]
+    fits = wants_top_k & (top_k <= num_cands) & (kth > cand_logits[:, -1])
+    l_top_k = jnp.where(top_k > 0, kth, -jnp.inf)
+    cum_k = jnp.cumsum(jnp.where(cand_logits >= l_top_k[:, None], cand_w, 0.0), axis=-1)
     # v_p: the first candidate whose cumulative mass reaches top_p of the top-k set's mass
     j = _pick(cum_k, top_p * cum_k[:, -1])
-    v_top_p = jnp.where(top_p < 1.0, jnp.take_along_axis(cx, j[:, None], -1)[:, 0], -jnp.inf)
-    floor = jnp.maximum(jnp.maximum(v_top_k, v_top_p), v_min)
-    w = jnp.where(cx >= floor[:, None], jnp.exp(cx - best[:, None]), 0.0)
+    l_top_p = jnp.where(top_p < 1.0, jnp.take_along_axis(cand_logits, j[:, None], -1)[:, 0], -jnp.inf)
+    floor = jnp.maximum(jnp.maximum(l_top_k, l_top_p), l_min)
+    w = jnp.where(cand_logits >= floor[:, None], cand_w, 0.0)
     cum_w = jnp.cumsum(w, axis=-1)
     cand_token = jnp.take_along_axis(cand_ids, _pick(cum_w, u0 * cum_w[:, -1])[:, None], -1)[:, 0]
 
@@ -178,8 +187,9 @@ def draw(logits: jax.Array, best_logit: jax.Array, temperature: jax.Array, top_k
     no_floor = jnp.full((num_rows,), -jnp.inf, jnp.float32)
 
     def propose(logits):
-        token, value, total = _inverse_cdf(logits, temperature, best, no_floor, no_floor, u0)
-        kept = value >= v_min
+        token, value, total = _inverse_cdf(
+            logits, (temperature, best, no_floor, no_floor), u0)
+        kept = value >= l_min
 
         def top_p_test(_):
             return _mass_above(logits, temperature, best, no_floor, value) < top_p * total
@@ -199,29 +209,34 @@ def draw(logits: jax.Array, best_logit: jax.Array, temperature: jax.Array, top_k
     # ---- exact: the remaining rows one at a time.
     def exact_row(r):
         lr = jax.lax.dynamic_index_in_dim(logits, r, keepdims=False)  # [V]
-        t_r, best_r, k, p, vmin = temperature[r], best[r], top_k[r], top_p[r], v_min[r]
+        t_r, best_r, k, p, lmin = temperature[r], best[r], top_k[r], top_p[r], l_min[r]
 
-        def kth_largest(lr):
-            xr = lr / t_r
-            keys_r = _sortable(xr)[None]
+        def kth_largest(lr):  # the k-th largest logit, exactly
+            keys_r = _sortable(lr)[None]
             tau = largest_threshold(keys_r, lambda kept: jnp.sum(kept, -1, keepdims=True) >= k)
-            return jnp.min(jnp.where(keys_r >= tau, xr[None], jnp.inf))
+            return jnp.min(jnp.where(keys_r >= tau, lr[None], jnp.inf))
 
-        v_k = jax.lax.cond(k > 0, kth_largest, lambda _: jnp.float32(-jnp.inf), lr)
-        target = p * _mass_above(lr, t_r, best_r, v_k, -jnp.inf)
-        floor = jnp.maximum(v_k, vmin)
+        l_k = jax.lax.cond(k > 0, kth_largest, lambda _: jnp.float32(-jnp.inf), lr)
+        target = p * _mass_above(lr, t_r, best_r, l_k, -jnp.inf)  # top_p of the top-k set
 
         def not_done(state):
-            return ~state[3]
+            # A guard, not a limit met in practice: each round discards at least the drawn
+            # token and all worse ones (typically half the remaining mass). A row with no finite
+            # logit would loop forever; past the cap the row takes its best token.
+            return ~state[3] & (state[0] <= _MAX_ROUNDS)
 
         def round_(state):
             round_, low, _, _ = state
-            token, value, _ = _inverse_cdf(lr, t_r, best_r, floor, low, _uniform(keys[r], round_))
-            ok = (p >= 1.0) | (_mass_above(lr, t_r, best_r, v_k, value) < target)
+            floor = jnp.maximum(l_k, lmin)
+            token, value, _ = _inverse_cdf(lr, (t_r, best_r, floor, low),
+                                           _uniform(keys[r], round_))
+            # value strictly increases from round to round, and the best token is accepted
+            ok = (p >= 1.0) | (_mass_above(lr, t_r, best_r, l_k, value) < target)
             return round_ + 1, value, token, ok
 
         state = (jnp.int32(1), jnp.float32(-jnp.inf), jnp.int32(0), jnp.bool_(False))
-        return jax.lax.while_loop(not_done, round_, state)[2]
+        _, _, token, ok = jax.lax.while_loop(not_done, round_, state)
+        return jnp.where(ok, token, argmax[r])
 
     def next_row(state):
         tokens, pending = state
