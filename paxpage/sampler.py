@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxpage.sampling_draw import _sortable, draw, largest_threshold
+from paxpage.sampling_draw import draw, largest_threshold, sortable_keys
 from paxpage.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -229,7 +229,7 @@ def filter_logits(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
     needs_top_k_top_p = jnp.any((t.top_k > 0) | (t.top_p < 1.0))
 
     def top_k_top_p(scaled):
-        keys = _sortable(scaled)  # [R, V]
+        keys = sortable_keys(scaled)  # [R, V]
         top_k = jnp.where(t.top_k > 0, t.top_k, vocab_size)[:, None]
         k_floor = largest_threshold(keys, lambda kept: jnp.sum(kept, -1, keepdims=True) >= top_k)
         in_top_k = keys >= k_floor

@@ -26,7 +26,7 @@ token whatever batch it is in:
               top_p * (mass kept by min-p), so few rows go on.
   exact       the rest (top_k > C, a tie at the C-th candidate, rejected proposals), one row at
               a time: the top-k threshold by bisection, then rejection rounds restricted to
-              {x > the last rejected value}, each a few passes over one row; the best token is
+              {logits > the last rejected logit}, each a few passes over one row; the best token is
               always accepted, so it ends.
 
 On CPU at R = 256, V = 49152 an elementwise pass over [R, V] costs ~30-60 ms; the first two paths
@@ -45,7 +45,7 @@ _BLOCK = 256  # tokens per block of the inverse-CDF draw over the whole vocabula
 _MAX_ROUNDS = 200  # rejection rounds of one row on the exact path (a guard: see exact_row)
 
 
-def _sortable(x: jax.Array) -> jax.Array:
+def sortable_keys(x: jax.Array) -> jax.Array:
     """f32 -> i32 with the same order (IEEE bits; negative floats have their magnitude bits
     flipped), so thresholds can be found by an exact bisection over 32-bit integers."""
     x = jnp.where(x == 0, 0.0, x)  # -0.0 == 0.0 must map to one key
@@ -124,7 +124,9 @@ def _inverse_cdf(logits: jax.Array, weight_args, u: jax.Array):
     total = cum[..., -1]
     target = u * total
     block = _pick(cum, target)
-    before = jnp.where(block > 0, jnp.take_along_axis(cum, jnp.maximum(block - 1, 0)[..., None], -1)[..., 0], 0.0)
+    # weight of the blocks before the chosen one
+    previous = jnp.take_along_axis(cum, jnp.maximum(block - 1, 0)[..., None], -1)[..., 0]
+    before = jnp.where(block > 0, previous, 0.0)
     xin = jnp.take_along_axis(xb, block[..., None, None], axis=-2)[..., 0, :]  # [..., B]
     inner = _pick(jnp.cumsum(_weights(xin, *weight_args), axis=-1), target - before)
     value = jnp.take_along_axis(xin, inner[..., None], axis=-1)[..., 0]
@@ -212,7 +214,7 @@ def draw(logits: jax.Array, best_logit: jax.Array, temperature: jax.Array, top_k
         t_r, best_r, k, p, lmin = temperature[r], best[r], top_k[r], top_p[r], l_min[r]
 
         def kth_largest(lr):  # the k-th largest logit, exactly
-            keys_r = _sortable(lr)[None]
+            keys_r = sortable_keys(lr)[None]
             tau = largest_threshold(keys_r, lambda kept: jnp.sum(kept, -1, keepdims=True) >= k)
             return jnp.min(jnp.where(keys_r >= tau, lr[None], jnp.inf))
 
