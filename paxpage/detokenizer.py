@@ -4,7 +4,10 @@ Decoding token by token is wrong for byte-level BPE: one character (emoji, CJK) 
 tokens, and decoding a lone piece gives U+FFFD. Following vLLM, we keep two offsets into the
 token list: text is decoded over a short window [prefix_offset:] and only what goes beyond the
 decode of [prefix_offset:read_offset] is new, and only once it does not end in U+FFFD. The
-window also gives SentencePiece tokenizers the left context they need for leading spaces.
+window also gives SentencePiece tokenizers the left context they need for leading spaces. With a
+fast tokenizer the window runs in Rust (tokenizers' DecodeStream, the same algorithm, seeded with
+the prompt context); other tokenizers go through `tokenizer.decode`. Either way a token costs a
+few microseconds whatever the length of the text (scripts/bench_detokenizer.py).
 
 Stop strings are searched in the decoded text across token boundaries. Text that could still
 turn out to be the start of a stop string is held back from the streamed deltas (unless the stop
@@ -20,6 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+try:
+    from tokenizers import Tokenizer as _RustTokenizer
+    from tokenizers.decoders import DecodeStream as _DecodeStream
+except ImportError:  # tokenizers without DecodeStream: decode the window in Python
+    _RustTokenizer = _DecodeStream = None
 
 # Prompt tokens kept as left context for the first output token (vLLM uses 5 as well).
 _CONTEXT_TOKENS = 5
@@ -46,11 +55,22 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(context)  # context + output tokens still to be decoded
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self._prefix_text = self._decode(self._ids)
+        # A fast tokenizer runs the same window algorithm in Rust (tokenizers' DecodeStream):
+        # one call per token instead of two decodes through transformers' Python wrapper.
+        self._stream = None
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if _DecodeStream is not None and isinstance(backend, _RustTokenizer):
+            try:
+                self._stream = _DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+                self._backend = backend
+            except TypeError:  # an older DecodeStream without prompt context
+                self._stream = None
+        # With the stream, the window's text is only needed by finish(): decoded there.
+        self._prefix_text = self._decode(self._ids) if self._stream is None else None
 
         self.output_token_ids: list[int] = []
-        self._decoded = ""  # all output text decoded so far (cut at a stop string)
-        self._emitted = 0  # length of the prefix of _decoded already returned as deltas
+        self._text = ""  # output text returned as deltas so far (grown in place: see _emit)
+        self._tail = ""  # decoded text held back (it could start a stop string): < max_stop_len
         self._stopped_by: str | None = None
         self._finished = False
 
@@ -59,7 +79,7 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         """Output text returned so far: the concatenation of every delta."""
-        return self._decoded[:self._emitted]
+        return self._text
 
     @property
     def stopped_by(self) -> str | None:
@@ -81,13 +101,19 @@ class IncrementalDetokenizer:
         if token_id in self._special_ids:
             return ""
         self._ids.append(token_id)
-        new_text = self._decode(self._ids[self._prefix_offset:])
-        if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
-            return ""  # an incomplete character: wait for the tokens that finish it
-        delta = new_text[len(self._prefix_text):]
+        if self._stream is not None:
+            delta = self._stream.step(self._backend, token_id)
+            if delta is None:
+                return ""  # an incomplete character: wait for the tokens that finish it
+        else:
+            new_text = self._decode(self._ids[self._prefix_offset:])
+            if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+                return ""  # an incomplete character: wait for the tokens that finish it
+            delta = new_text[len(self._prefix_text):]
         # Slide the window: the new prefix is the tokens just consumed.
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._prefix_text = self._decode(self._ids[self._prefix_offset:])
+        if self._stream is None:
+            self._prefix_text = self._decode(self._ids[self._prefix_offset:])
         # Forget tokens left of the window so the list stays short.
         del self._ids[:self._prefix_offset]
         self._read_offset -= self._prefix_offset
@@ -99,11 +125,18 @@ class IncrementalDetokenizer:
         and release held-back text. Returns the last delta."""
         if self.finished:
             return ""
-        tail = self._decode(self._ids[self._prefix_offset:])
-        delta = self._append_text(tail[len(self._prefix_text):]) if len(tail) > len(self._prefix_text) else ""
+        delta = ""
+        if self._read_offset < len(self._ids):  # tokens that have not produced text yet
+            prefix_text = self._prefix_text
+            if prefix_text is None:
+                prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+            tail = self._decode(self._ids[self._prefix_offset:])
+            if len(tail) > len(prefix_text):
+                delta = self._append_text(tail[len(prefix_text):])
         self._finished = True
         if self._stopped_by is None:
-            delta += self._release(len(self._decoded))
+            delta += self._emit(self._tail)
+            self._tail = ""
         return delta
 
     # ---- internals ----
@@ -115,41 +148,53 @@ class IncrementalDetokenizer:
                                       clean_up_tokenization_spaces=False)
 
     def _append_text(self, delta: str) -> str:
-        """Add decoded text, look for a stop string, return what may be streamed now."""
-        search_from = max(0, len(self._decoded) - self._max_stop_len + 1)
-        self._decoded += delta
+        """Add decoded text, look for a stop string, return what may be streamed now.
+
+        Work is bounded by the stop strings' length, not the text's: a new match must end in
+        `delta`, so the search covers the last max_stop_len - 1 characters before it."""
+        keep = self._max_stop_len - 1
+        before = (self._text[-keep:] + self._tail)[-keep:] if keep > 0 else ""
+        window = before + delta
+        num_emitted = len(before) - len(self._tail)  # leading characters already streamed
         match = None
         if len(self.output_token_ids) >= self._min_tokens:
-            match = self._find_stop(search_from)
+            match = self._find_stop(window)
         if match is not None:
             start, stop = match
             self._stopped_by = stop
-            self._decoded = self._decoded[:start + len(stop) if self._include_stop else start]
-            return self._release(len(self._decoded))
-        return self._release(len(self._decoded) - self._held_back())
+            end = start + len(stop) if self._include_stop else start
+            assert end >= num_emitted, (end, num_emitted)  # held-back text covers any match
+            self._tail = ""
+            return self._emit(window[num_emitted:end])
+        pending = self._tail + delta
+        held = self._held_back(pending)
+        self._tail = pending[len(pending) - held:]
+        return self._emit(pending[:len(pending) - held])
 
-    def _find_stop(self, search_from: int) -> tuple[int, str] | None:
-        """Earliest stop string occurrence starting at or after search_from (ties: list order)."""
+    def _find_stop(self, window: str) -> tuple[int, str] | None:
+        """Earliest stop string occurrence in window (ties: list order)."""
         best = None
         for stop in self._stop:
-            i = self._decoded.find(stop, search_from)
+            i = window.find(stop)
             if i != -1 and (best is None or i < best[0]):
                 best = (i, stop)
         return best
 
-    def _held_back(self) -> int:
-        """Length of the longest suffix that is a proper prefix of a stop string."""
+    def _held_back(self, pending: str) -> int:
+        """Length of the longest suffix of pending that is a proper prefix of a stop string."""
         if self._include_stop:
             return 0  # a matched stop string stays in the output, so nothing can be retracted
-        text = self._decoded
-        for n in range(min(self._max_stop_len - 1, len(text) - self._emitted), 0, -1):
-            suffix = text[-n:]
+        for n in range(min(self._max_stop_len - 1, len(pending)), 0, -1):
+            suffix = pending[-n:]
             if any(s.startswith(suffix) for s in self._stop):
                 return n
         return 0
 
-    def _release(self, upto: int) -> str:
-        assert upto >= self._emitted, (upto, self._emitted)  # held-back text covers any match
-        delta = self._decoded[self._emitted:upto]
-        self._emitted = upto
+    def _emit(self, delta: str) -> str:
+        """Append to the streamed text. The attribute is cleared first so the string has a
+        single reference and CPython grows it in place instead of copying it whole."""
+        if delta:
+            text, self._text = self._text, ""
+            text += delta
+            self._text = text
         return delta

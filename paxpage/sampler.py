@@ -1,7 +1,7 @@
 """One jitted sampler for the whole batch; every sampling parameter is a per-row array.
 
 Axis legend: R logits rows (sequences sampled this step, padded), V vocabulary,
-S token slots per row (prompt then output ids, for penalties), E banned-token slots per row,
+S distinct penalty-token slots per row, E banned-token slots per row,
 L number of top logprobs reported.
 
 Order of operations in `sample` (vLLM semantics):
@@ -10,17 +10,19 @@ Order of operations in `sample` (vLLM semantics):
      (OpenAI) over output tokens
   3. logprobs = log_softmax(penalised logits): the reported logprobs, before temperature
   4. greedy rows (temperature ~ 0) take argmax of the penalised logits
-  5. sampled rows: / temperature, top-k, top-p, min-p filtering, then gumbel-max with the row key
+  5. sampled rows: / temperature, top-k, top-p, min-p filtering, then one draw with the row key
+     (paxpage/sampling_draw.py: exact, without sorting the vocabulary)
 
-The host never builds [R, V] arrays: penalties get padded token-id lists and the counts are
-built on device by a scatter-add. Which rows are greedy / filtered / penalised is data: the costly
-stages sit behind `lax.cond(any row needs it)`, so any mix of rows runs one executable. Only the
-shapes compile: R, V, S (powers of two >= 16, or fixed with `token_width`), E (powers of two
->= 4) and the static num_logprobs.
+The host never builds [R, V] arrays: penalties get each row's distinct token ids with their
+output counts, and only those logits are gathered, penalised and scattered back. Which rows are
+greedy / filtered / penalised is data: the costly stages sit behind `lax.cond(any row needs it)`,
+so any mix of rows runs one executable. Only the shapes compile: R, V, S (powers of two >= 16
+capped at `token_width`), E (powers of two >= 4) and the static num_logprobs.
 
-CPU cost notes (V = 49152): XLA's CPU sort takes ~8 ms per row, so top-k / top-p thresholds are
-found by an exact 32-step bisection over the float bits instead (~1 ms per row for both);
-argmax is lax.top_k(x, 1), about 2x faster than jnp.argmax on CPU.
+CPU cost notes (V = 49152): XLA's CPU sort takes ~8 ms per row, so `filter_logits` finds the
+top-k / top-p thresholds by an exact 32-step bisection over the float bits, and `sample` does not
+need them at all on its common paths; argmax is lax.top_k(x, 1), about 2x faster than jnp.argmax
+on CPU; the [R, V] log-softmax is only built when top logprobs are asked for.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paxpage.sampling_draw import draw, largest_threshold, sortable_keys
 from paxpage.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -75,7 +78,7 @@ class RowInfo(NamedTuple):
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty", "keys", "token_ids", "num_prompt",
+                 "presence_penalty", "frequency_penalty", "keys", "token_ids", "token_counts",
                  "banned_ids"],
     meta_fields=[],
 )
@@ -89,10 +92,12 @@ class SamplingTensors:
     presence_penalty: jax.Array  # f32[R]
     frequency_penalty: jax.Array  # f32[R]
     keys: jax.Array  # u32[R, 2] raw threefry key data, from row_key
-    # Penalty tokens, -1 pad: prompt ids then output ids. Rows without repetition_penalty send
-    # no prompt (num_prompt 0), rows without any penalty send nothing.
+    # Penalty tokens in compact form: each distinct id once (-1 pad) with its number of
+    # occurrences among the output tokens. Rows with repetition_penalty list prompt ids too
+    # (count 0 if only in the prompt); rows without any penalty list nothing. S is a power of
+    # two >= 16 fitting the row with the most distinct ids (at most token_width).
     token_ids: jax.Array  # i32[R, S]
-    num_prompt: jax.Array  # i32[R] leading entries of token_ids that are prompt (repetition only)
+    token_counts: jax.Array  # i32[R, S] occurrences of token_ids[r, s] in row r's output
     banned_ids: jax.Array  # i32[R, E] tokens forced to -inf (min_tokens), -1 pad
 
     @property
@@ -107,9 +112,9 @@ class SamplingTensors:
 
         rows: RowInfo or (params, prompt_ids, output_ids, seed[, step]) tuples.
         eos_token_ids: banned (with each row's stop_token_ids) while a row is below min_tokens.
-        token_width: fixed S (e.g. max_model_len) so penalised sequences growing never change
-            the shape (the sampler is fused into the model step, where a new shape recompiles
-            the whole step); None buckets S to powers of two >= 16.
+        token_width: the largest S (e.g. max_model_len), so the widths a run meets are a small
+            fixed set: powers of two >= 16 below token_width, and token_width itself (the
+            widest a row can need). None: powers of two without a cap.
         """
         rows = [r if isinstance(r, RowInfo) else RowInfo(*r) for r in rows]
         num_real = len(rows)
@@ -141,25 +146,29 @@ class SamplingTensors:
             keys[i] = row_key(seed, len(out) if step is None else step)
             banned.append(p.banned_token_ids(len(out), eos_token_ids))
 
-        # Token lists only for rows that use them.
+        # Distinct penalty tokens only for rows that use them. A batch without penalties ships
+        # the smallest width (the same shape as a short penalised batch, so no extra compile)
+        # and its penalty stage is skipped on device.
         needs_output = (rep != 1.0) | (presence != 0.0) | (frequency != 0.0)
-        num_prompt = np.zeros(num_rows, np.int32)
-        lengths = np.zeros(num_rows, np.int64)
-        for i, r in enumerate(rows):
-            if needs_output[i]:
-                num_prompt[i] = len(r.prompt_ids) if rep[i] != 1.0 else 0
-                lengths[i] = num_prompt[i] + len(r.output_ids)
-        needed = int(lengths.max(initial=0))
-        if token_width is None:
-            token_width = _bucket(needed, _MIN_TOKEN_WIDTH)
-        elif token_width < needed:
-            raise ValueError(f"token_width={token_width} is smaller than the {needed} penalty "
-                             "tokens (prompt + output) of the longest row")
-        token_ids = np.full((num_rows, token_width), -1, np.int32)
-        for i, r in enumerate(rows):
-            if needs_output[i]:
-                token_ids[i, :num_prompt[i]] = r.prompt_ids[:num_prompt[i]]
-                token_ids[i, num_prompt[i]:lengths[i]] = r.output_ids
+        distinct: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for i in np.flatnonzero(needs_output):
+            r = rows[i]
+            out = np.asarray(r.output_ids, np.int64).reshape(-1)
+            prompt = np.asarray(r.prompt_ids if rep[i] != 1.0 else (), np.int64).reshape(-1)
+            ids, inverse = np.unique(np.concatenate([prompt, out]), return_inverse=True)
+            distinct[i] = ids, np.bincount(inverse[len(prompt):], minlength=len(ids))
+        needed = max((len(ids) for ids, _ in distinct.values()), default=0)
+        if token_width is not None and token_width < needed:
+            raise ValueError(f"token_width={token_width} is smaller than the {needed} distinct "
+                             "penalty tokens (prompt + output) of the row with the most")
+        width = _bucket(needed, _MIN_TOKEN_WIDTH)
+        if token_width is not None:
+            width = min(width, max(token_width, needed))
+        token_ids = np.full((num_rows, width), -1, np.int32)
+        token_counts = np.zeros((num_rows, width), np.int32)
+        for i, (ids, counts) in distinct.items():
+            token_ids[i, :len(ids)] = ids
+            token_counts[i, :len(ids)] = counts
         banned_ids = np.full((num_rows, _bucket(max(map(len, banned), default=0), _MIN_BANNED_WIDTH)),
                              -1, np.int32)
         for i, ids in enumerate(banned):
@@ -170,7 +179,7 @@ class SamplingTensors:
             top_k=jnp.asarray(top_k), min_p=jnp.asarray(min_p),
             repetition_penalty=jnp.asarray(rep), presence_penalty=jnp.asarray(presence),
             frequency_penalty=jnp.asarray(frequency), keys=jnp.asarray(keys),
-            token_ids=jnp.asarray(token_ids), num_prompt=jnp.asarray(num_prompt),
+            token_ids=jnp.asarray(token_ids), token_counts=jnp.asarray(token_counts),
             banned_ids=jnp.asarray(banned_ids),
         )
 
@@ -188,63 +197,27 @@ class SamplerOutput:
     top_logprobs: jax.Array  # f32[R, L]
 
 
-def _token_counts(ids: jax.Array, weights: jax.Array, vocab_size: int) -> jax.Array:
-    """ids i32[R, S] with -1 padding, weights f32[R, S] -> sum of weights per token f32[R, V]."""
-    num_rows = ids.shape[0]
-    rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], ids.shape)
-    cols = jnp.where(ids < 0, vocab_size, ids)  # padding goes out of bounds and is dropped
-    zeros = jnp.zeros((num_rows, vocab_size), jnp.float32)
-    return zeros.at[rows, cols].add(weights, mode="drop")
-
-
 def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """Banned ids, then repetition (HF), presence and frequency (OpenAI) penalties. [R, V]."""
+    """Banned ids, then repetition (HF), presence and frequency (OpenAI) penalties. [R, V].
+
+    Penalties touch only the listed tokens: gather their logits [R, S], penalise, and write them
+    back with the banned ids' -inf in one scatter (each materialised [R, V] array costs tens of
+    ms on CPU at R = 256, V = 49152). The ids of a row are distinct, so the scatter is a plain
+    set; unpenalised rows write back their own values (x / 1 - 0 == x), so no lax.cond."""
     num_rows, vocab_size = logits.shape
-    rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], t.banned_ids.shape)
-    cols = jnp.where(t.banned_ids < 0, vocab_size, t.banned_ids)
-    logits = logits.at[rows, cols].set(-jnp.inf, mode="drop")
-
-    def penalise(logits):
-        is_output = jnp.arange(t.token_ids.shape[1])[None, :] >= t.num_prompt[:, None]  # [R, S]
-        output_counts = _token_counts(t.token_ids, is_output.astype(jnp.float32), vocab_size)
-        # prompt or output tokens: every real entry; padding is dropped by the scatter
-        seen = _token_counts(t.token_ids, jnp.ones(t.token_ids.shape, jnp.float32), vocab_size) > 0
-        rep = t.repetition_penalty[:, None]
-        logits = jnp.where(seen, jnp.where(logits < 0, logits * rep, logits / rep), logits)
-        logits = logits - t.frequency_penalty[:, None] * output_counts
-        return logits - t.presence_penalty[:, None] * (output_counts > 0)
-
-    needs_penalties = jnp.any((t.repetition_penalty != 1.0) | (t.presence_penalty != 0.0)
-                              | (t.frequency_penalty != 0.0))
-    return jax.lax.cond(needs_penalties, penalise, lambda x: x, logits)
-
-
-def _sortable(x: jax.Array) -> jax.Array:
-    """f32 -> i32 with the same order (IEEE bits; negative floats have their magnitude bits
-    flipped), so thresholds can be found by an exact bisection over 32-bit integers."""
-    x = jnp.where(x == 0, 0.0, x)  # -0.0 == 0.0 must map to one key
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
-def _largest_threshold(keys: jax.Array, ok_fn) -> jax.Array:
-    """Largest i32 threshold tau per row with ok_fn(keys >= tau) true, given ok_fn is monotone
-    (true for small tau). keys i32[R, V] -> i32[R, 1]. 32 halvings of the i32 range: exact.
-
-    XLA's CPU sort of [R, V] costs ~8 ms per row at V = 49152; this costs ~0.2 ms per row."""
-    num_rows = keys.shape[0]
-    lo = jnp.full((num_rows, 1), jnp.iinfo(jnp.int32).min, jnp.int32)  # ok_fn(lo) holds
-    hi = jnp.full((num_rows, 1), jnp.iinfo(jnp.int32).max, jnp.int32)
-
-    def halve(_, bounds):
-        lo, hi = bounds
-        # upper midpoint without overflow; lo < mid <= hi while lo < hi
-        mid = (lo >> 1) + (hi >> 1) + ((lo & 1) | (hi & 1))
-        ok = ok_fn(keys >= mid) & (lo < hi)
-        return jnp.where(ok, mid, lo), jnp.where(ok | (lo >= hi), hi, mid - 1)
-
-    lo, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
-    return lo
+    ids = t.token_ids  # [R, S]
+    x = jnp.take_along_axis(logits, jnp.maximum(ids, 0), axis=-1)
+    x = jnp.where(jnp.any(ids[:, :, None] == t.banned_ids[:, None, :], axis=-1), -jnp.inf, x)
+    rep = t.repetition_penalty[:, None]
+    x = jnp.where(x < 0, x * rep, x / rep)
+    counts = t.token_counts.astype(jnp.float32)
+    x = x - t.frequency_penalty[:, None] * counts
+    x = x - t.presence_penalty[:, None] * (counts > 0)
+    banned = jnp.full(t.banned_ids.shape, -jnp.inf, jnp.float32)
+    all_ids = jnp.concatenate([t.banned_ids, ids], axis=1)  # [R, E + S]
+    rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], all_ids.shape)
+    cols = jnp.where(all_ids < 0, vocab_size, all_ids)  # padding goes out of bounds and is dropped
+    return logits.at[rows, cols].set(jnp.concatenate([banned, x], axis=1), mode="drop")
 
 
 def filter_logits(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -256,14 +229,14 @@ def filter_logits(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
     needs_top_k_top_p = jnp.any((t.top_k > 0) | (t.top_p < 1.0))
 
     def top_k_top_p(scaled):
-        keys = _sortable(scaled)  # [R, V]
+        keys = sortable_keys(scaled)  # [R, V]
         top_k = jnp.where(t.top_k > 0, t.top_k, vocab_size)[:, None]
-        k_floor = _largest_threshold(keys, lambda kept: jnp.sum(kept, -1, keepdims=True) >= top_k)
+        k_floor = largest_threshold(keys, lambda kept: jnp.sum(kept, -1, keepdims=True) >= top_k)
         in_top_k = keys >= k_floor
         probs = jnp.where(in_top_k, jnp.exp(scaled - jnp.max(scaled, -1, keepdims=True)), 0.0)
         # top-p on the top-k set renormalised: kept mass >= top_p * (mass of the top-k set)
         target = t.top_p[:, None] * jnp.sum(probs, -1, keepdims=True)
-        p_floor = _largest_threshold(
+        p_floor = largest_threshold(
             keys, lambda kept: jnp.sum(jnp.where(kept, probs, 0.0), -1, keepdims=True) >= target)
         # top_p == 1 keeps the whole top-k set, whatever the rounding of the sums.
         p_floor = jnp.where(t.top_p[:, None] >= 1.0, k_floor, p_floor)
@@ -289,21 +262,42 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0) -> Samp
 
     Which rows are greedy, filtered or penalised is data, not a compile parameter: the costly
     parts sit behind lax.cond on "does any row need this", so one executable serves any mix."""
-    logits = apply_penalties(logits.astype(jnp.float32), t)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [R, V]
+    logits = logits.astype(jnp.float32)
+    # Banning or penalising writes a modified copy of the logits, which costs as much as a pass
+    # over them on CPU: batches that do neither skip it (the branches return only [R]-sized
+    # results, so neither copies the logits either).
+    modifies = jnp.any(t.banned_ids >= 0) | jnp.any(
+        (t.repetition_penalty != 1.0) | (t.presence_penalty != 0.0) | (t.frequency_penalty != 0.0))
+
+    def penalised(x):
+        # Scatter into a copy made inside this branch: scattering into the operand itself makes
+        # XLA copy the logits before the cond, on every call, whichever branch runs.
+        fresh = jnp.where(t.temperature[:, None] >= -1.0, x, 0.0)  # == x; XLA cannot prove it
+        return _sample(apply_penalties(fresh, t), t, num_logprobs)
+
+    return jax.lax.cond(modifies, penalised, lambda x: _sample(x, t, num_logprobs), logits)
+
+
+def _sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int) -> SamplerOutput:
+    """`sample` on penalised f32 logits."""
+    best = jnp.max(logits, axis=-1)  # [R]
+    # log_softmax's own terms, so a gathered logprob equals its entry of log_softmax(logits)
+    log_total = jnp.log(jnp.sum(jnp.exp(logits - best[:, None]), axis=-1))  # [R]
     greedy = t.temperature <= GREEDY_TEMPERATURE
-    argmax = _argmax(logits)
 
-    def draw(logits):
-        temperature = jnp.where(greedy, 1.0, t.temperature)[:, None]
-        filtered = filter_logits(logits / temperature, t)
-        keys = jax.random.wrap_key_data(t.keys, impl="threefry2x32")
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], jnp.float32))(keys)
-        return jnp.where(greedy, argmax, _argmax(filtered + gumbel))
+    def draw_rows(logits):
+        return draw(logits, best, t.temperature, t.top_k, t.top_p, t.min_p, t.keys, greedy)
 
-    token_ids = jax.lax.cond(jnp.all(greedy), lambda _: argmax, draw, logits)
-    chosen, top_ids, top_logprobs = _logprobs_of(logprobs, token_ids, num_logprobs)
-    return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids,
+    token_ids = jax.lax.cond(jnp.all(greedy), _argmax, draw_rows, logits)
+    if num_logprobs > 0:
+        logprobs = (logits - best[:, None]) - log_total[:, None]  # [R, V]
+        chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    else:
+        chosen = (jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - best) - log_total
+        top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids.astype(jnp.int32),
                          top_logprobs=top_logprobs)
 
 

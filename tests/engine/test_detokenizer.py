@@ -137,3 +137,37 @@ def test_stop_string_may_be_a_special_token_when_not_skipped(tok):
 def test_rejects_empty_stop_string(tok):
     with pytest.raises(ValueError, match="stop strings must be non-empty"):
         IncrementalDetokenizer(tok, [], stop=("a", ""))
+
+
+class _PythonOnly:
+    """The tokenizer without its Rust backend: the detokenizer decodes windows through
+    tokenizer.decode instead of tokenizers' DecodeStream."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        self.all_special_ids = tok.all_special_ids
+
+    def decode(self, *args, **kwargs):
+        return self._tok.decode(*args, **kwargs)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("stop", [(), ("テキ", "the ", "  ")])
+def test_python_window_path_matches_the_full_decode(tok, stop, skip):
+    for text in TEXTS + ["Hi<|im_end|> after", " 🤗🤗 x"]:
+        ids = tok.encode(text)
+        slow = IncrementalDetokenizer(_PythonOnly(tok), tok.encode("Q:"), skip, stop)
+        fast = IncrementalDetokenizer(tok, tok.encode("Q:"), skip, stop)
+        assert slow._stream is None and fast._stream is not None
+        slow_deltas = [slow.add(i) for i in ids] + [slow.finish()]
+        fast_deltas = [fast.add(i) for i in ids] + [fast.finish()]
+        assert slow_deltas == fast_deltas and slow.stopped_by == fast.stopped_by
+        if not stop:
+            assert slow.text == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_long_output_matches_the_full_decode_and_stops_late(tok):
+    ids = tok.encode(" ".join(TEXTS) * 40 + " the END")
+    deltas, detok = _run(tok, ids, stop=("the END",))
+    assert detok.stopped_by == "the END" and "".join(deltas) == detok.text
+    assert detok.text == tok.decode(ids)[:-len("the END")]

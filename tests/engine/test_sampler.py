@@ -239,15 +239,17 @@ def test_seeds_and_steps_change_the_draw():
 
 def test_build_pads_rows_and_buckets_token_lists():
     p = SamplingParams(repetition_penalty=1.1, top_k=10_000)
-    rows = [RowInfo(p, list(range(20)), [7, 8, 9], 0),
+    rows = [RowInfo(p, list(range(20)), [7, 8, 9, 25, 25], 0),
             RowInfo(SamplingParams(), list(range(100)), list(range(100)), 1),  # no penalty
-            RowInfo(SamplingParams(presence_penalty=1.0), [5] * 50, [4], 2)]  # output only
+            RowInfo(SamplingParams(presence_penalty=1.0), [5] * 50, [4, 4], 2)]  # output only
     t = SamplingTensors.build(rows, vocab_size=1000, pad_rows_to=4)
     assert t.num_rows == 4
-    assert t.token_ids.shape == (4, 32)  # 23 tokens -> power of two >= 16
-    assert t.token_ids[0, :24].tolist() == list(range(20)) + [7, 8, 9, -1]
+    assert t.token_ids.shape == t.token_counts.shape == (4, 32)  # 21 distinct -> power of two >= 16
+    # distinct ids of prompt + output, each with its count among the output tokens
+    assert t.token_ids[0, :22].tolist() == list(range(20)) + [25, -1]
+    assert t.token_counts[0, :22].tolist() == [0] * 7 + [1, 1, 1] + [0] * 10 + [2, 0]
     assert t.token_ids[1].tolist() == [-1] * 32  # no penalty: its tokens are not shipped
-    assert t.token_ids[2, :2].tolist() == [4, -1] and t.num_prompt.tolist() == [20, 0, 0, 0]
+    assert t.token_ids[2, :2].tolist() == [4, -1] and t.token_counts[2, :2].tolist() == [2, 0]
     assert t.top_k.tolist() == [0, 0, 0, 0]  # top_k >= vocab is off
     assert t.temperature[3] == 0.0  # padding rows are greedy
     assert t.banned_ids.shape == (4, 4)
@@ -255,14 +257,21 @@ def test_build_pads_rows_and_buckets_token_lists():
         SamplingTensors.build(rows[:2], 1000, pad_rows_to=1)
 
 
-def test_fixed_token_width_keeps_the_shape():
+def test_token_width_caps_a_small_fixed_set_of_widths():
     p = SamplingParams(frequency_penalty=0.5)
-    for length in (0, 5, 60):
-        t = SamplingTensors.build([RowInfo(p, [1], [3] * length, 0)], 100, token_width=64)
-        assert t.token_ids.shape == (1, 64)
-    with pytest.raises(ValueError, match="token_width=64 is smaller than the 65 penalty tokens"):
-        SamplingTensors.build([RowInfo(p.replace(repetition_penalty=1.2), [1] * 5, [3] * 60, 0)],
-                              100, token_width=64)
+    widths = set()
+    for length in (0, 5, 17, 60, 64):
+        widths.add(SamplingTensors.build([RowInfo(p, [1], list(range(length)), 0)], 1000,
+                                         token_width=64).token_ids.shape[1])
+    assert widths == {16, 32, 64}
+    # No penalised row: the smallest width, however long the sequences and token_width.
+    t = SamplingTensors.build([RowInfo(SamplingParams(), [1] * 500, [3] * 500, 0)], 1000,
+                              token_width=2048)
+    assert t.token_ids.shape == t.token_counts.shape == (1, 16)
+    assert t.token_ids.tolist() == [[-1] * 16]
+    with pytest.raises(ValueError, match="token_width=64 is smaller than the 66 distinct penalty"):
+        SamplingTensors.build([RowInfo(p.replace(repetition_penalty=1.2), [1000 - 1] * 5,
+                                       list(range(65)), 0)], 1000, token_width=64)
 
 
 def test_bfloat16_logits_and_no_logprobs():
@@ -271,3 +280,76 @@ def test_bfloat16_logits_and_no_logprobs():
     out = sample(logits, t)
     assert out.token_ids.dtype == jnp.int32 and out.top_ids.shape == (2, 0)
     assert np.all(np.asarray(out.logprobs) <= 0)
+
+
+# ---- the draw's paths (paxpage/sampling_draw.py): candidates, proposal, exact fallback ----
+
+def _grouped_check(tokens, expected_probs, num_groups=5):
+    """Support within expected_probs > 0, and a chi-square test at 0.1% on the counts of
+    num_groups contiguous groups of token ids (many-token supports have too few draws per id)."""
+    allowed = np.flatnonzero(expected_probs > 0)
+    assert set(np.unique(tokens)) <= set(allowed), f"tokens outside the support: {np.unique(tokens)}"
+    edges = np.linspace(0, len(expected_probs), num_groups + 1).astype(int)
+    counts = np.add.reduceat(np.bincount(tokens, minlength=len(expected_probs)), edges[:-1])
+    probs = np.add.reduceat(expected_probs / expected_probs.sum(), edges[:-1])
+    keep = probs > 0
+    expected = len(tokens) * probs[keep]
+    stat = float(np.sum((counts[keep] - expected) ** 2 / expected))
+    assert stat < CHI2_CRITICAL_0_001[int(keep.sum()) - 1], (stat, counts, expected)
+
+
+def test_top_p_mass_spread_over_more_tokens_than_candidates():
+    # 300 tokens at logit 1 hold 53.8% of the mass, 700 at logit 0 the rest: top_p 0.5 keeps
+    # exactly the 300 (more than the 128 candidates); proposals from the other 700 are rejected
+    # and those rows finish on the exact path.
+    logits = np.where(np.arange(1000) < 300, 1.0, 0.0).astype(np.float32)
+    _grouped_check(_draw(SamplingParams(top_p=0.5), logits), _keep(np.exp(logits), np.arange(1000) < 300))
+    # top_p 0.7 needs the second level too: ties at the threshold keep all 1000 tokens.
+    _grouped_check(_draw(SamplingParams(top_p=0.7), logits), np.exp(logits))
+
+
+def test_min_p_rejections_finish_on_the_exact_path():
+    # min_p 0.5 keeps the 10 tokens at logit 2 (7% of the mass): most proposals are rejected.
+    logits = np.where(np.arange(1000) < 10, 2.0, 0.0).astype(np.float32)
+    _grouped_check(_draw(SamplingParams(min_p=0.5), logits), _keep(np.exp(logits), np.arange(1000) < 10),
+                   num_groups=500)  # pairs of tokens: 5 groups with support
+
+
+def test_top_k_beyond_the_candidates_and_ties():
+    # 200 tokens tied at the top: top_k 150 (> 128 candidates) keeps all 200 (ties are kept).
+    logits = np.where(np.arange(400) < 200, 0.0, -1.0).astype(np.float32)
+    _grouped_check(_draw(SamplingParams(top_k=150), logits, num_draws=2000),
+                   _keep(np.exp(logits), np.arange(400) < 200))
+    # top_k 10 inside the candidates, but its threshold ties with the 128th candidate: tokens
+    # 5..299 tie, so all 295 of them are kept besides the 5 best.
+    logits = np.full(400, -2.0, np.float32)
+    logits[:5] = [3.0, 2.5, 2.0, 1.5, 1.0]
+    logits[5:300] = 0.0
+    _grouped_check(_draw(SamplingParams(top_k=10), logits, num_draws=2000),
+                   _keep(np.exp(logits), np.arange(400) < 300), num_groups=4)
+    # top_k 3 with top_p 0.85 on the candidates: the renormalised top 3 are .51 .31 .19, so
+    # the first two (.82) fall short and all 3 stay
+    _grouped_check(_draw(SamplingParams(top_k=3, top_p=0.85), logits, num_draws=2000),
+                   _keep(np.exp(logits), np.arange(400) < 3), num_groups=400)
+    # ... while top_p 0.8 keeps 2
+    _grouped_check(_draw(SamplingParams(top_k=3, top_p=0.8), logits, num_draws=2000),
+                   _keep(np.exp(logits), np.arange(400) < 2), num_groups=400)
+
+
+def test_draws_stay_inside_filter_logits_support():
+    rng = np.random.default_rng(8)
+    num_rows, vocab, seeds = 48, 700, 40
+    x = rng.normal(size=(num_rows, vocab)).astype(np.float32) * rng.uniform(0.1, 4, size=(num_rows, 1))
+    x[:4, :200] = x[:4].max(axis=1, keepdims=True)  # 200-way ties at the top
+    top_k = rng.choice([0, 0, 1, 5, 50, 127, 128, 129, 500], size=num_rows)
+    top_p = rng.choice([1.0, 0.95, 0.5, 0.05], size=num_rows)
+    min_p = rng.choice([0.0, 0.0, 0.02, 0.4], size=num_rows)
+    temperature = rng.choice([0.3, 1.0, 1.7], size=num_rows)
+    params = [SamplingParams(temperature=float(t), top_k=int(k), top_p=float(p), min_p=float(m))
+              for t, k, p, m in zip(temperature, top_k, top_p, min_p)]
+    t = SamplingTensors.build([RowInfo(p, [0], [], 0) for p in params], vocab)
+    kept = np.isfinite(np.asarray(jax.jit(filter_logits)(jnp.asarray(x / temperature[:, None]), t)))
+    rows = [RowInfo(params[r], [0], [], seed) for seed in range(seeds) for r in range(num_rows)]
+    out = sample(jnp.asarray(np.tile(x, (seeds, 1))), SamplingTensors.build(rows, vocab))
+    tokens = np.asarray(out.token_ids).reshape(seeds, num_rows)
+    assert kept[np.arange(num_rows)[None, :], tokens].all()

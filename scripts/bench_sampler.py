@@ -1,0 +1,117 @@
+"""The sampler alone on a decode-sized batch: ms per call for each sampling mode, side by side.
+
+Cases (every row alike): greedy, temperature 0.7, temperature 0.7 + top_p 0.9, top_k 50
+(temperature 1), min_p 0.1 (temperature 1), and repetition penalty 1.1; each timed with
+`token_width` = --max-model-len as the engine builds the tensors. Two kinds of logits:
+  flat    N(0, 0.16^2): what a tiny random model gives (top-p 0.9 keeps ~85% of the vocabulary)
+  peaked  N(0, 1) plus a few strong tokens per row, a trained model's shape (top-p 0.9 keeps a
+          handful to a few hundred tokens)
+--baseline PATH times another sampler.py (e.g. the main checkout's) in the same process,
+interleaved with this one, so before / after share the machine's load.
+
+Usage:
+    python scripts/bench_sampler.py --baseline /work/main/paxpage/sampler.py
+    python scripts/bench_sampler.py --rows 64 --iters 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from paxpage import sampler as sampler_lib  # noqa: E402
+from paxpage.sampling_params import SamplingParams  # noqa: E402
+
+CASES = {
+    "greedy": SamplingParams(temperature=0),
+    "temp0.7": SamplingParams(temperature=0.7),
+    "temp0.7+top_p0.9": SamplingParams(temperature=0.7, top_p=0.9),
+    "top_k50": SamplingParams(top_k=50),
+    "min_p0.1": SamplingParams(min_p=0.1),
+    "rep1.1": SamplingParams(temperature=0.7, repetition_penalty=1.1),
+}
+
+
+def _load(path: str):
+    spec = importlib.util.spec_from_file_location(f"baseline_sampler_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _logits(kind: str, rows: int, vocab: int) -> jax.Array:
+    rng = np.random.default_rng(0)
+    if kind == "flat":
+        x = rng.normal(size=(rows, vocab)).astype(np.float32) * 0.16
+    else:
+        x = rng.normal(size=(rows, vocab)).astype(np.float32)
+        strong = rng.integers(0, vocab, size=(rows, 8))
+        x[np.arange(rows)[:, None], strong] += rng.uniform(4, 12, size=(rows, 8)).astype(np.float32)
+    return jnp.asarray(x)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--context", type=int, default=1536, help="prompt + output tokens per row")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--logits", choices=["flat", "peaked", "both"], default="both")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ",".join(CASES))
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--baseline", help="path of another sampler.py to time alongside")
+    args = ap.parse_args()
+
+    modules = {"this": sampler_lib}
+    if args.baseline:
+        modules["baseline"] = _load(args.baseline)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, args.vocab, size=args.context // 2).tolist()
+    output = rng.integers(0, args.vocab, size=args.context - len(prompt)).tolist()
+    names = args.cases.split(",")
+    kinds = ["flat", "peaked"] if args.logits == "both" else [args.logits]
+    print(f"{args.rows} rows x {args.vocab} vocab, context {args.context}, "
+          f"token_width {args.max_model_len}; median ms of {args.iters}", flush=True)
+    for kind in kinds:
+        logits = _logits(kind, args.rows, args.vocab)
+        fns = {}
+        for label, module in modules.items():
+            for name in names:
+                rows = [module.RowInfo(CASES[name], prompt, output, r) for r in range(args.rows)]
+
+                def call(module=module, rows=rows):
+                    t0 = time.perf_counter()
+                    t = module.SamplingTensors.build(rows, args.vocab, eos_token_ids=(0,),
+                                                     token_width=args.max_model_len)
+                    t = jax.block_until_ready(t)
+                    t1 = time.perf_counter()
+                    jax.block_until_ready(module.sample(logits, t))
+                    return t1 - t0, time.perf_counter() - t1
+                fns[(label, name)] = call
+        for fn in fns.values():  # compile
+            fn()
+        times = {key: [] for key in fns}
+        for _ in range(args.iters):
+            for key, fn in fns.items():
+                times[key].append(fn())
+        print(f"\nlogits {kind}: device ms (sample) / host ms (SamplingTensors.build)")
+        print(f"{'case':<20}" + "".join(f"{label + ' dev':>14}{label + ' host':>14}" for label in modules))
+        for name in names:
+            cells = []
+            for label in modules:
+                build, dev = np.median(np.array(times[(label, name)]), axis=0)
+                cells.append(f"{1e3 * dev:>14.1f}{1e3 * build:>14.1f}")
+            print(f"{name:<20}" + "".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
