@@ -191,7 +191,7 @@ class LLMEngine:
         tensors = SamplingTensors.build(infos, self.model_cfg.vocab_size,
                                         pad_rows_to=len(batch.logits_indices),
                                         eos_token_ids=self.eos_token_ids,
-                                        # A fixed width: a growing one would recompile the fused step.
+                                        # caps the penalty-token width (a few bucketed sizes)
                                         token_width=self.config.max_model_len)
         num_logprobs = _logprob_bucket(max((p.logprobs or 0) for p in row_params) if row_params else 0)
         num_prompt_logprobs = _logprob_bucket(max(
