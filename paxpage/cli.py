@@ -38,7 +38,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import runpy
 
-    script = {"throughput": "bench_throughput.py", "memory": "bench_memory.py"}[args.which]
+    script = {"throughput": "bench_throughput.py", "memory": "bench_memory.py",
+              "serving": "bench_serving.py"}[args.which]
     import pathlib
 
     path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / script
@@ -64,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--raw", action="store_true", help="send prompts as plain text, not as a chat")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
     g.set_defaults(func=_generate)
-    b = sub.add_parser("bench", help="run a benchmark script (throughput | memory)")
-    b.add_argument("which", choices=["throughput", "memory"])
+    b = sub.add_parser("bench", help="run a benchmark script (throughput | memory | serving)")
+    b.add_argument("which", choices=["throughput", "memory", "serving"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=_bench)
     args = parser.parse_args(argv)
