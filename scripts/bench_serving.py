@@ -210,6 +210,10 @@ def parse_args(argv):
                              "2-core CPU (an unloaded request takes ~0.05), use less on accelerators")
     parser.add_argument("--warmup-requests", type=int, default=16,
                         help="requests sent at once to each server before measuring (compiles, CB start)")
+    parser.add_argument("--warmup-rates", default=None,
+                        help="then an unmeasured pass at these rates (default: --request-rates; '' for "
+                             "none): Poisson arrivals make step shapes a burst never does, and paxpage "
+                             "compiles each shape once (seconds each on a busy CPU)")
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--rate-timeout", type=float, default=900.0)
     parser.add_argument("--startup-timeout", type=float, default=900.0)
@@ -217,6 +221,8 @@ def parse_args(argv):
     parser.add_argument("--plot", metavar="PATH.png")
     args = parser.parse_args(argv)
     args.request_rates = [float(r) for r in args.request_rates.split(",")]
+    args.warmup_rates = (args.request_rates if args.warmup_rates is None
+                         else [float(r) for r in args.warmup_rates.split(",") if r])
     args.modes = [m for m in args.modes.split(",") if m]
     args.systems = [args.api] if args.base_url else [s for s in args.systems.split(",") if s]
     if any(r <= 0 for r in args.request_rates):
@@ -276,16 +282,21 @@ def start_servers(args, stack: contextlib.ExitStack, hf_dir: str) -> dict:
 def run(args, specs_for, servers: dict) -> tuple[dict, dict]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
 
-    def one(system, mode, rate, specs, seed):
+    def one(system, mode, rate, specs, seed):  # one rate run: a summary
         url, _ = servers[system]
         records = asyncio.run(load.run_rate(f"{url}/v1/completions", specs, rate, seed,
                                             args.request_timeout, args.rate_timeout, headers))
         return load.summarise(records, specs)
 
-    for system in servers:  # compiles (paxpage), CB start-up (HF); natural mode first (see request_body)
-        summary = one(system, "natural", math.inf, specs_for(system, "natural", -1, args.warmup_requests), 0)
-        print(f"warm-up {system}: {summary['num_finished']}/{summary['num_requests']} finished "
-              f"in {summary['duration_s'] or 0:.1f} s {summary['errors'] or ''}", flush=True)
+    # Compiles (paxpage), CB start-up (HF); natural mode first (HF's CB takes its shared
+    # sampling settings from its first request). Fresh prompts: nothing left to prefix-cache.
+    warmups = [("warm-up burst", math.inf, args.warmup_requests)]
+    warmups += [(f"warm-up rate {r:g}", r, args.num_requests) for r in args.warmup_rates]
+    for label, rate, n in warmups:
+        for system in servers:
+            summary = one(system, "natural", rate, specs_for(system, "natural", label, n), args.seed + 1)
+            print(f"{label} {system}: {summary['num_finished']}/{summary['num_requests']} finished "
+                  f"in {summary['duration_s'] or 0:.1f} s {summary['errors'] or ''}", flush=True)
     results = {mode: {system: [] for system in servers} for mode in args.modes}
     for mode in args.modes:
         for i, rate in enumerate(args.request_rates):
@@ -325,13 +336,13 @@ def main(argv=None) -> int:
         words = word_vocab(tokenizer)
         prompt_cache, real_lens = {}, {}
 
-        def specs_for(system, mode, index, n):
-            """Same prompts for every system at a given run index; fresh ones per index."""
-            key = (mode, index)
+        def specs_for(system, mode, run_key, n):
+            """Same prompts for every system in a given run; fresh ones for every run."""
+            key = (mode, run_key)
             if key not in prompt_cache:
                 draw = (lengths * n)[:n]  # the warm-up may ask for more than there are
                 texts, lens = text_prompts(tokenizer, words, [p for p, _ in draw],
-                                           seed=args.seed + 7919 * (index + 2) + 31 * MODES.index(mode))
+                                           seed=args.seed + 7919 * (len(prompt_cache) + 1))
                 prompt_cache[key] = (texts, [o for _, o in draw])
                 real_lens[key] = lens
             texts, outs = prompt_cache[key]

@@ -168,6 +168,8 @@ def summarise(records: list[RequestRecord], specs: list[RequestSpec] | None = No
         ttft_s=_percentiles(ttft), tpot_s=_percentiles(tpot),
         normalised_latency_s=float(np.mean(latency / tokens)),
         mean_latency_s=float(latency.mean()), mean_output_tokens=float(tokens.mean()),
+        mean_prompt_tokens=(float(np.mean([r.prompt_tokens for r in ok]))
+                            if all(r.prompt_tokens is not None for r in ok) else None),
         tokens_from_usage=all(r.counted_from_usage for r in ok),
     )
     if specs is not None:

@@ -222,12 +222,12 @@ def test_bench_serving_against_fake_server(fake_server, tmp_path, capsys):
     out, png = tmp_path / "serving.json", tmp_path / "serving.png"
     rc = bench.main(["--base-url", url, "--api", "paxpage", "--tokenizer", str(tmp_path / "tok"),
                      "--lengths", str(tmp_path / "lengths.json"), "--request-rates", "20,80",
-                     "--warmup-requests", "2", "--latency-limit", "1.0", "--request-timeout", "20",
+                     "--warmup-requests", "2", "--warmup-rates", "80", "--latency-limit", "1.0", "--request-timeout", "20",
                      "--rate-timeout", "30", "--json", str(out), "--plot", str(png)])
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["servers"]["paxpage"]["model"] == "fake"
-    assert len(seen) == 2 + 2 * 2 * len(lengths)  # warm-up, then 2 modes x 2 rates
+    assert len(seen) == 2 + len(lengths) + 2 * 2 * len(lengths)  # warm-ups, then 2 modes x 2 rates
     assert all(b["model"] == "fake" and b["stream"] and b["temperature"] == 0 for b in seen)
     assert sum(bool(b.get("ignore_eos")) for b in seen) == 2 * len(lengths)  # forced mode only
     prompts = [b["prompt"] for b in seen[2:]]
