@@ -29,7 +29,8 @@ Two modes:
 Per rate and system: achieved requests/s and output tokens/s, TTFT and TPOT p50/p90/p99,
 normalised latency (scripts/serving_load.py defines them). Per mode: the highest measured
 rate each system sustains with normalised latency <= --latency-limit (every lower rate too,
-every request finished), the crossing interpolated on a log-rate axis, and their ratio.
+every request finished; the default limit is twice the slower system's latency at the
+lowest rate), the crossing interpolated on a log-rate axis, and their ratio.
 Every request (--request-timeout) and every rate run (--rate-timeout) is bounded in time.
 """
 
@@ -149,7 +150,7 @@ def print_table(results: dict, systems: list[str]) -> None:
                       f"{'-' if lat is None else f'{lat:10.4f}':>10}", flush=True)
 
 
-def plot(results: dict, capacities: dict, limit: float, path: str, title: str) -> None:
+def plot(results: dict, capacities: dict, limits: dict, path: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -167,7 +168,8 @@ def plot(results: dict, capacities: dict, limit: float, path: str, title: str) -
             cap = capacities[mode].get(system, {}).get("interpolated_rate")
             extra = "" if cap is None else f", sustains {cap:.2f} req/s"
             ax.plot(xs, ys, marker="o", label=f"{system}{extra}")
-        ax.axhline(limit, color="grey", linestyle="--", linewidth=1, label=f"limit {limit:g} s/token")
+        ax.axhline(limits[mode], color="grey", linestyle="--", linewidth=1,
+                   label=f"latency limit {limits[mode]:.3g} s/token")
         if rates:
             ax.set_xscale("log", base=2)
             ax.set_xticks(sorted(rates), [f"{r:g}" for r in sorted(rates)])
@@ -205,9 +207,11 @@ def parse_args(argv):
     parser.add_argument("--hf-threads", type=int, default=1,
                         help="torch threads of HF's server (OMP_NUM_THREADS; 0: torch's default). On this "
                              "loaded 2-core machine 1 thread decoded ~5x faster than 2 (OpenMP spin barriers)")
-    parser.add_argument("--latency-limit", type=float, default=0.1,
-                        help="normalised latency (s/token) a sustained rate stays under; 0.1 suits this "
-                             "2-core CPU (an unloaded request takes ~0.05), use less on accelerators")
+    parser.add_argument("--latency-limit", default="auto",
+                        help="normalised latency (s/token) a sustained rate stays under. 'auto' (per mode): "
+                             "twice the slowest system's normalised latency at the lowest rate, so every "
+                             "system qualifies at light load and the limit marks where queueing has doubled "
+                             "the per-token time of the slower one")
     parser.add_argument("--warmup-requests", type=int, default=16,
                         help="requests sent at once to each server before measuring (compiles, CB start)")
     parser.add_argument("--warmup-rates", default=None,
@@ -308,9 +312,18 @@ def run(args, specs_for, servers: dict) -> tuple[dict, dict]:
                       f"finished, {point['requests_per_s']:.2f} req/s, normalised latency "
                       f"{point['normalised_latency_s'] or float('nan'):.4f} s/token "
                       f"{point['errors'] or ''}", flush=True)
-    capacities = {mode: {s: capacity(results[mode][s], args.latency_limit) for s in servers}
-                  for mode in args.modes}
-    return results, capacities
+    limits = {mode: latency_limit(args.latency_limit, results[mode]) for mode in args.modes}
+    capacities = {mode: {s: capacity(results[mode][s], limits[mode]) for s in servers} for mode in args.modes}
+    return results, capacities, limits
+
+
+def latency_limit(spec: str, per_system: dict) -> float:
+    """--latency-limit as a number, or 'auto': 2x the slowest system's value at the lowest rate."""
+    if spec != "auto":
+        return float(spec)
+    lowest = [min(points, key=lambda p: p["rate"])["normalised_latency_s"] for points in per_system.values()]
+    lowest = [x for x in lowest if x is not None]
+    return 2 * max(lowest) if lowest else float("nan")
 
 
 def main(argv=None) -> int:
@@ -350,14 +363,13 @@ def main(argv=None) -> int:
             return [load.RequestSpec(request_body(system, mode, model_id, t, o), o) for t, o in zip(texts, outs)]
 
         servers = start_servers(args, stack, hf_dir)
-        results, capacities = run(args, specs_for, servers)
+        results, capacities, limits = run(args, specs_for, servers)
 
     systems = list(servers)
     print()
     print_table(results, systems)
     ratios = {}
-    print(f"\nhighest rate sustained at normalised latency <= {args.latency_limit:g} s/token "
-          f"(interpolated crossing in brackets):")
+    print(f"\nhighest rate sustained at normalised latency <= the limit (interpolated crossing in brackets):")
     for mode in args.modes:
         caps = capacities[mode]
         line = ", ".join(f"{s} {_rate(caps[s]['highest_rate'])} ({_rate(caps[s]['interpolated_rate'])}"
@@ -368,7 +380,7 @@ def main(argv=None) -> int:
             bound = "" if caps["paxpage"]["limit_reached"] else ">= "
             line += (f"; ratio paxpage / HF {bound}{_x(r['highest_rate'])} measured, "
                      f"{bound}{_x(r['interpolated_rate'])} interpolated")
-        print(f"  {mode}: {line}")
+        print(f"  {mode}, limit {limits[mode]:.3g} s/token: {line}")
     notes = []
     for mode in args.modes:
         for system in systems:
@@ -382,12 +394,13 @@ def main(argv=None) -> int:
              f"prompts {args.prompt_range[0]}-{args.prompt_range[1]}, outputs {args.output_range[0]}-"
              f"{args.output_range[1]} tokens")
     if args.plot:
-        plot(results, capacities, args.latency_limit, args.plot, title)
+        plot(results, capacities, limits, args.plot, title)
         print(f"plot: {args.plot}")
     if args.json:
         wl.write_json(args.json, {
             "systems": systems, "servers": {s: {"base_url": u, "model": m} for s, (u, m) in servers.items()},
-            "request_rates": args.request_rates, "latency_limit_s_per_token": args.latency_limit,
+            "request_rates": args.request_rates, "latency_limit": args.latency_limit,
+            "latency_limit_s_per_token": limits,
             "workload": {"num_requests": args.num_requests, "lengths": lengths,
                          "prompt_tokens_by_tokenizer": {f"{m}/{i}": v for (m, i), v in real_lens.items()}},
             "results": results, "capacity": capacities, "ratio_paxpage_over_hf": ratios, "notes": notes,

@@ -131,6 +131,10 @@ def test_serving_metrics_hand_computed():
     points[1]["num_finished"] = 3  # an unfinished request: that rate is not sustained
     assert bench.capacity(points, 0.1)["highest_rate"] == 1
     assert bench.capacity(points[:1], 0.1) == {"highest_rate": 1, "interpolated_rate": 1, "limit_reached": False}
+    auto = {"a": [dict(rate=2, normalised_latency_s=0.5), dict(rate=1, normalised_latency_s=0.05)],
+            "b": [dict(rate=1, normalised_latency_s=0.08), dict(rate=2, normalised_latency_s=None)]}
+    assert bench.latency_limit("auto", auto) == pytest.approx(0.16)  # 2x the slower one at the lowest rate
+    assert bench.latency_limit("0.3", auto) == 0.3
     hf = bench.request_body("hf", "forced", "m", "x", 7)
     assert "ignore_eos" not in hf and json.loads(hf["generation_config"])["eos_token_id"] == -1
     assert bench.request_body("paxpage", "forced", "m", "x", 7)["ignore_eos"] is True
@@ -247,4 +251,5 @@ def test_bench_serving_against_fake_server(fake_server, tmp_path, capsys):
         assert data["capacity"][mode]["paxpage"] == {"highest_rate": 80, "interpolated_rate": 80,
                                                      "limit_reached": False}
     assert os.path.getsize(png) > 1000
-    assert "normalised latency <= 1 s/token" in capsys.readouterr().out
+    assert data["latency_limit_s_per_token"] == {"natural": 1.0, "forced": 1.0}
+    assert "natural, limit 1 s/token: paxpage 80.00 req/s" in capsys.readouterr().out
