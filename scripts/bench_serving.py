@@ -196,7 +196,8 @@ def parse_args(argv):
     parser.add_argument("--systems", default="paxpage,hf", help="servers to start: paxpage and/or hf")
     parser.add_argument("--base-url", help="benchmark this running server instead of starting any")
     parser.add_argument("--api", choices=APIS, default="vllm",
-                        help="with --base-url: how it forces lengths (paxpage/vllm: ignore_eos; hf: generation_config)")
+                        help="with --base-url: how it forces lengths (paxpage, vllm: ignore_eos; "
+                             "hf: generation_config; openai: it cannot)")
     parser.add_argument("--served-model-name", help="model name to send (default: the first of /v1/models)")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     parser.add_argument("--tokenizer", help="HF dir or .gguf for the prompt texts (default: the model's)")
@@ -375,7 +376,8 @@ def main(argv=None) -> int:
         line = ", ".join(f"{s} {_rate(caps[s]['highest_rate'])} ({_rate(caps[s]['interpolated_rate'])}"
                          f"{'' if caps[s]['limit_reached'] else ', limit not reached'})" for s in systems)
         if {"paxpage", "hf"} <= set(systems):
-            ratios[mode] = {k: ratio(caps["paxpage"], caps["hf"], k) for k in ("highest_rate", "interpolated_rate")}
+            ratios[mode] = {k: ratio(caps["paxpage"], caps["hf"], k)
+                            for k in ("highest_rate", "interpolated_rate")}
             r = ratios[mode]
             bound = "" if caps["paxpage"]["limit_reached"] else ">= "
             line += (f"; ratio paxpage / HF {bound}{_x(r['highest_rate'])} measured, "

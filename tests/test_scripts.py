@@ -226,7 +226,8 @@ def test_bench_serving_against_fake_server(fake_server, tmp_path, capsys):
     out, png = tmp_path / "serving.json", tmp_path / "serving.png"
     rc = bench.main(["--base-url", url, "--api", "paxpage", "--tokenizer", str(tmp_path / "tok"),
                      "--lengths", str(tmp_path / "lengths.json"), "--request-rates", "20,80",
-                     "--warmup-requests", "2", "--warmup-rates", "80", "--latency-limit", "1.0", "--request-timeout", "20",
+                     "--warmup-requests", "2", "--warmup-rates", "80", "--latency-limit", "1.0",
+                     "--request-timeout", "20",
                      "--rate-timeout", "30", "--json", str(out), "--plot", str(png)])
     assert rc == 0
     data = json.loads(out.read_text())
