@@ -27,7 +27,8 @@ Two modes:
 `share_exact_length` says whether each server produced exactly the tokens asked for.
 
 Per rate and system: achieved requests/s and output tokens/s, TTFT and TPOT p50/p90/p99,
-normalised latency (scripts/serving_load.py defines them). Per mode: the highest measured
+normalised latency (scripts/serving_load.py defines them), and the longest stall between two
+tokens of any request (a paxpage compile of a new step shape shows up there). Per mode: the highest measured
 rate each system sustains with normalised latency <= --latency-limit (every lower rate too,
 every request finished; the default limit is twice the slower system's latency at the
 lowest rate), the crossing interpolated on a log-rate axis, and their ratio.
@@ -135,7 +136,7 @@ def _ms(x):
 
 def print_table(results: dict, systems: list[str]) -> None:
     head = (f"{'mode':>7} {'system':>8} {'rate':>5} {'done':>5} {'req/s':>6} {'tok/s':>6} "
-            f"{'TTFT p50/p90/p99 ms':>19} {'TPOT p50/p90/p99 ms':>19} {'norm s/tok':>10}")
+            f"{'TTFT p50/p90/p99 ms':>19} {'TPOT p50/p90/p99 ms':>19} {'norm s/tok':>10} {'stall s':>7}")
     print(head)
     print("-" * len(head))
     for mode, per_system in results.items():
@@ -147,7 +148,8 @@ def print_table(results: dict, systems: list[str]) -> None:
                       f"{p['requests_per_s']:6.2f} {p['output_tok_per_s']:6.1f} "
                       f"{_ms(t['p50'])}/{_ms(t['p90'])}/{_ms(t['p99'])} "
                       f"{_ms(o['p50'])}/{_ms(o['p90'])}/{_ms(o['p99'])} "
-                      f"{'-' if lat is None else f'{lat:10.4f}':>10}", flush=True)
+                      f"{'-' if lat is None else f'{lat:10.4f}':>10} "
+                      f"{p.get('max_token_gap_s', float('nan')):7.2f}", flush=True)
 
 
 def plot(results: dict, capacities: dict, limits: dict, path: str, title: str) -> None:

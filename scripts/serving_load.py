@@ -5,6 +5,7 @@ Server-Sent Events (`data: {json}` lines; `data: [DONE]` or the end of the body 
 Per request it records, on one monotonic clock:
     start        when the request was sent (its Poisson arrival time)
     first_token  when the first chunk carrying non-empty text arrived (TTFT = first_token - start)
+    max_gap      the longest wait between two such chunks (a stall: a compile, a long prefill)
     end          when the stream ended (end-to-end latency = end - start)
     output_tokens  `usage.completion_tokens` of the final chunk when the server sends usage,
                  else the number of chunks that carried text (one token per chunk)
@@ -43,6 +44,7 @@ class RequestRecord:
     output_tokens: int = 0
     prompt_tokens: int | None = None  # from usage, when sent
     counted_from_usage: bool = False
+    max_gap: float = 0.0  # longest wait between text chunks: a stall (a compile, a long prefill)
     error: str | None = None
 
     @property
@@ -98,8 +100,12 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, record: Reque
                 return
             if any(choice.get("text") for choice in chunk.get("choices") or ()):
                 chunks_with_text += 1
+                now = time.perf_counter()
                 if record.first_token is None:
-                    record.first_token = time.perf_counter()
+                    record.first_token = now
+                else:
+                    record.max_gap = max(record.max_gap, now - last)
+                last = now
             usage = chunk.get("usage")
             if usage:
                 record.output_tokens = int(usage["completion_tokens"])
@@ -171,6 +177,7 @@ def summarise(records: list[RequestRecord], specs: list[RequestSpec] | None = No
         mean_prompt_tokens=(float(np.mean([r.prompt_tokens for r in ok]))
                             if all(r.prompt_tokens is not None for r in ok) else None),
         tokens_from_usage=all(r.counted_from_usage for r in ok),
+        max_token_gap_s=max(r.max_gap for r in ok),
     )
     if specs is not None:
         exact = sum(r.ok and r.output_tokens == s.output_len for r, s in zip(records, specs))

@@ -246,7 +246,7 @@ def test_bench_serving_against_fake_server(fake_server, tmp_path, capsys):
                                                                         zip(tokens, lengths)]))
             # The server's sleeps are lower bounds on what the client can measure.
             assert point["ttft_s"]["p50"] >= FIRST_DELAY
-            assert point["tpot_s"]["p50"] >= TOKEN_GAP
+            assert point["tpot_s"]["p50"] >= TOKEN_GAP and point["max_token_gap_s"] >= TOKEN_GAP
             floor = np.mean([(FIRST_DELAY + (t - 1) * TOKEN_GAP) / t for t in tokens])
             assert floor <= point["normalised_latency_s"] < floor + 1.0
         assert data["capacity"][mode]["paxpage"] == {"highest_rate": 80, "interpolated_rate": 80,
