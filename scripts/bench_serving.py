@@ -286,7 +286,8 @@ def start_servers(args, stack: contextlib.ExitStack, hf_dir: str) -> dict:
     return out
 
 
-def run(args, specs_for, servers: dict) -> tuple[dict, dict]:
+def run(args, specs_for, servers: dict) -> tuple[dict, dict, dict]:
+    """Warm-ups, then every (mode, rate) with the systems taking turns: results, capacities, limits."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
 
     def one(system, mode, rate, specs, seed):  # one rate run: a summary
@@ -372,7 +373,7 @@ def main(argv=None) -> int:
     print()
     print_table(results, systems)
     ratios = {}
-    print(f"\nhighest rate sustained at normalised latency <= the limit (interpolated crossing in brackets):")
+    print("\nhighest rate sustained at normalised latency <= the limit (interpolated crossing in brackets):")
     for mode in args.modes:
         caps = capacities[mode]
         line = ", ".join(f"{s} {_rate(caps[s]['highest_rate'])} ({_rate(caps[s]['interpolated_rate'])}"
@@ -394,9 +395,10 @@ def main(argv=None) -> int:
                              f"compare the natural mode only")
     for note in notes:
         print(f"NOTE: {note}")
-    title = (f"Serving: SmolLM2-135M, {args.num_requests} requests per rate, "
-             f"prompts {args.prompt_range[0]}-{args.prompt_range[1]}, outputs {args.output_range[0]}-"
-             f"{args.output_range[1]} tokens")
+    name = os.path.basename(os.path.normpath(args.model)) if args.model else "SmolLM2-135M-Instruct"
+    (p_lo, o_lo), (p_hi, o_hi) = np.min(lengths, axis=0), np.max(lengths, axis=0)
+    title = (f"Online serving, {name}: {args.num_requests} requests per rate, "
+             f"prompts {p_lo}-{p_hi}, outputs {o_lo}-{o_hi} tokens")
     if args.plot:
         plot(results, capacities, limits, args.plot, title)
         print(f"plot: {args.plot}")
