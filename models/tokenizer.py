@@ -5,7 +5,9 @@ transformers is imported lazily: it costs seconds, and a checkpoint without a to
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from typing import Any
 
 # Any of these marks a directory as holding a tokenizer.
@@ -14,6 +16,29 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def has_tokenizer(directory: str | os.PathLike) -> bool:
     return any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES)
+
+
+class _DropNoTorchNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+def import_transformers_quietly() -> None:
+    """Imports transformers without the "PyTorch was not found" notice it logs when torch is absent.
+
+    Tokenizers and configs need no torch, and torch is only a test dependency here, so on a plain
+    install the notice reads like an error. transformers logs it once, while its package is first
+    imported, on its "transformers" logger: a filter dropping that one message is attached for the
+    import only, so every other transformers message, and any later configuration, is untouched.
+    """
+    if "transformers" in sys.modules:
+        return
+    logger, notice_filter = logging.getLogger("transformers"), _DropNoTorchNotice()
+    logger.addFilter(notice_filter)
+    try:
+        import transformers  # noqa: F401
+    finally:
+        logger.removeFilter(notice_filter)
 
 
 # Classes that are exactly "a tokenizer.json plus config": loadable without AutoTokenizer.
@@ -36,6 +61,7 @@ def load_tokenizer(
         return None
     where = os.path.join(directory, gguf_file) if gguf_file else directory
     try:
+        import_transformers_quietly()
         if fast_class:
             from transformers import PreTrainedTokenizerFast
 
@@ -61,6 +87,8 @@ def gguf_tokenizer(path: str) -> Any:
     as that path does; tests check it against AutoTokenizer token for token.
     """
     import gguf
+
+    import_transformers_quietly()
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         _SPECIAL_TOKENS, GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)

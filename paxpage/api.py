@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
+import queue
+import threading
 from typing import Any, Iterator, Sequence
 
 from models.config import ModelConfig
 from paxpage.config import EngineConfig
 from paxpage.engine import LLMEngine
+from paxpage.engine_loop import EngineLoop, Submission
 from paxpage.outputs import RequestOutput, StreamDelta
 from paxpage.sampling_params import SamplingParams
 
@@ -20,21 +24,76 @@ _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 class Model:
     """What `paxpage.load` returns: config, weights and tokenizer of one model.
 
-    Engines built for it (one per EngineConfig) are kept on the object, so repeated
-    `generate` calls reuse compiled steps instead of compiling again."""
+    Engines built for it (one per EngineConfig) are kept on the object, so repeated `generate`
+    calls reuse compiled steps instead of compiling again. Each engine holds a KV page pool, so
+    at most `max_engines` (2) are kept: building another drops the least recently used idle one.
+    `close()` frees them all."""
 
     config: ModelConfig
     params: Any  # nested dict of arrays, see models/llama.py
     tokenizer: Any  # a transformers tokenizer, or None for token-id-only models
     source: str | None = None
-    _engines: dict = dataclasses.field(default_factory=dict, repr=False)
+    max_engines: int = 2
+    _slots: "collections.OrderedDict[EngineConfig, _EngineSlot]" = dataclasses.field(
+        default_factory=collections.OrderedDict, repr=False)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def engine(self, config: EngineConfig) -> LLMEngine:
-        engine = self._engines.get(config)
-        if engine is None:
-            engine = LLMEngine(self.config, self.params, self.tokenizer, config)
-            self._engines[config] = engine
-        return engine
+        """The engine for `config`, to step directly (single-threaded use; the `generate` /
+        `stream` calls on this model drive the same engine through its loop)."""
+        return self._slot(config).engine
+
+    def loop(self, config: EngineConfig) -> EngineLoop:
+        """The engine loop (background thread) that owns the engine for `config`."""
+        slot = self._slot(config)
+        with self._lock:
+            if slot.loop is None or not slot.loop.alive:
+                if slot.loop is not None:  # it died: its engine's state cannot be trusted
+                    slot.engine = LLMEngine(self.config, self.params, self.tokenizer, config)
+                slot.loop = EngineLoop(slot.engine)
+            return slot.loop
+
+    def close(self) -> None:
+        """Stops every engine loop of this model (live requests end with an error) and frees
+        the engines' KV pools."""
+        with self._lock:
+            slots, self._slots = list(self._slots.values()), collections.OrderedDict()
+        for slot in slots:
+            slot.close()
+
+    def _slot(self, config: EngineConfig) -> "_EngineSlot":
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"expected an EngineConfig, got {type(config).__name__}")
+        with self._lock:
+            slot = self._slots.get(config)
+            if slot is not None:
+                self._slots.move_to_end(config)
+                return slot
+            evicted = []
+            for key in list(self._slots):
+                if len(self._slots) < self.max_engines:
+                    break
+                if self._slots[key].idle:
+                    evicted.append(self._slots.pop(key))
+            slot = _EngineSlot(LLMEngine(self.config, self.params, self.tokenizer, config))
+            self._slots[config] = slot
+        for old in evicted:
+            old.close()
+        return slot
+
+
+@dataclasses.dataclass(eq=False)
+class _EngineSlot:
+    engine: LLMEngine
+    loop: EngineLoop | None = None  # started on first use by generate / stream
+
+    @property
+    def idle(self) -> bool:
+        return self.loop is None or self.loop.idle
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.loop.shutdown()
 
 
 def load(source: str | os.PathLike | None = None, *, dtype: str = "float32") -> Model:
@@ -98,7 +157,8 @@ def _encode(model: Model, prompt, position: int) -> tuple[list[int], str | None]
                     f"messages, got {type(prompt).__name__}")
 
 
-def _make_engine_and_requests(model, prompts, sampling_params, engine_config, kwargs):
+def _submissions(model, prompts, sampling_params, engine_config, kwargs, *, stream: bool):
+    """Validates the call and returns (engine loop, submissions, the channel they share)."""
     if not isinstance(model, Model):
         raise TypeError(f"expected what paxpage.load returns, got {type(model).__name__}")
     engine_kw, sampling_kw = _split_kwargs(kwargs)
@@ -115,20 +175,35 @@ def _make_engine_and_requests(model, prompts, sampling_params, engine_config, kw
     else:
         base = sampling_params or SamplingParams()
         per_prompt = [base.replace(**sampling_kw) if sampling_kw else base] * len(prompts)
-    engine = model.engine(config)
     encoded = [_encode(model, p, i) for i, p in enumerate(prompts)]
-    requests = []
+    for i, (ids, _) in enumerate(encoded):
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+    loop = model.loop(config)
+    channel: queue.SimpleQueue = queue.SimpleQueue()
+    subs = [Submission(loop.new_request_id(), ids, params, channel.put, text, i, stream)
+            for i, ((ids, text), params) in enumerate(zip(encoded, per_prompt))]
+    return loop, subs, channel
+
+
+def _outputs(loop: EngineLoop, subs: list[Submission], channel: queue.SimpleQueue) -> Iterator[Any]:
+    """Submits, then yields what the loop sends this call's requests until each has its final
+    output. Leaving early (break, close, an exception) aborts the requests still running."""
+    pending = {s.request_id for s in subs}
     try:
-        for i, ((ids, text), params) in enumerate(zip(encoded, per_prompt)):
-            if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            request_id = engine.add_request(ids, params, index=i, prompt=text)
-            requests.append(engine.request(request_id))
-    except Exception:
-        for r in requests:
-            engine.abort(r.request_id)
-        raise
-    return engine, requests
+        loop.submit(subs).result()  # raises the first request's ValueError, none run
+        left = len(subs)
+        while left:
+            item = channel.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, RequestOutput):
+                left -= 1
+                pending.discard(subs[item.index].request_id)
+            yield item
+    finally:
+        if pending:
+            loop.abort(pending)
 
 
 def generate(model: Model, prompts, *, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -136,39 +211,76 @@ def generate(model: Model, prompts, *, sampling_params: SamplingParams | Sequenc
              **kwargs) -> list[RequestOutput]:
     """Generates a completion for each prompt; results come back in input order.
 
-    Keyword arguments are SamplingParams fields (max_tokens, temperature, top_p, top_k,
-    seed, stop, n, ...) or EngineConfig fields (page_size, num_pages, max_num_seqs, ...)."""
-    engine, requests = _make_engine_and_requests(model, prompts, sampling_params, engine_config, kwargs)
+    A str prompt is raw text, sent to the model as it is (use `chat` for an instruct model's
+    chat template); a list of token ids goes in unchanged. Keyword arguments are SamplingParams
+    fields (max_tokens, temperature, top_p, top_k, seed, stop, n, ...) or EngineConfig fields
+    (page_size, num_pages, max_num_seqs, ...). Safe to call from several threads at once."""
+    loop, subs, channel = _submissions(model, prompts, sampling_params, engine_config, kwargs, stream=False)
     progress = None
     if use_tqdm:
         from tqdm.auto import tqdm
 
-        progress = tqdm(total=len(requests), desc="paxpage", unit="req", leave=False)
+        progress = tqdm(total=len(subs), desc="paxpage", unit="req", leave=False)
+    results: list[RequestOutput | None] = [None] * len(subs)
+    outputs = _outputs(loop, subs, channel)
     try:
-        while any(engine.request(r.request_id) is not None for r in requests):
-            before = sum(engine.request(r.request_id) is None for r in requests)
-            engine.step()
+        for out in outputs:
+            results[out.index] = out
             if progress is not None:
-                progress.update(sum(engine.request(r.request_id) is None for r in requests) - before)
-    except BaseException:
-        for r in requests:
-            engine.abort(r.request_id)
-        raise
+                progress.update(1)
     finally:
+        outputs.close()
         if progress is not None:
             progress.close()
-    return [engine.output(r) for r in requests]
+    return results
+
+
+def chat(model: Model, messages, *, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+         engine_config: EngineConfig | None = None, use_tqdm: bool = True,
+         **kwargs) -> list[RequestOutput]:
+    """Answers chats with the model's chat template applied, as instruct models expect.
+
+    messages: one conversation (a list of {"role": str, "content": str} dicts) or a list of them.
+    Options and outputs are `generate`'s, one output per conversation; `generate` sends a str as
+    raw text, with no template."""
+    if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
+        conversations = [messages]
+    elif isinstance(messages, (list, tuple)):
+        conversations = list(messages)
+    else:
+        raise TypeError(f"chat expects a conversation (a list of message dicts) or a list of them, "
+                        f"got {type(messages).__name__}")
+    if not conversations:
+        raise ValueError("chat got no conversations")
+    for i, conversation in enumerate(conversations):
+        if not isinstance(conversation, (list, tuple)):
+            raise TypeError(f"conversation {i} must be a list of message dicts, got {type(conversation).__name__}")
+        if not conversation:
+            raise ValueError(f"conversation {i} has no messages")
+        for j, message in enumerate(conversation):
+            if not isinstance(message, dict):
+                raise TypeError(f"conversation {i} message {j} must be a dict with 'role' and 'content', "
+                                f"got {type(message).__name__}")
+            missing = [k for k in ("role", "content") if k not in message]
+            if missing:
+                raise ValueError(f"conversation {i} message {j} lacks {missing}; it has keys {sorted(message)}")
+            if not isinstance(message["role"], str):
+                raise TypeError(f"conversation {i} message {j} role must be a str, "
+                                f"got {type(message['role']).__name__}")
+    return generate(model, [list(c) for c in conversations], sampling_params=sampling_params,
+                    engine_config=engine_config, use_tqdm=use_tqdm, **kwargs)
 
 
 def stream(model: Model, prompts, *, sampling_params=None, engine_config: EngineConfig | None = None,
            **kwargs) -> Iterator[StreamDelta]:
     """Yields text deltas as tokens are produced; each sample's last delta carries its
-    finish_reason. Deltas of one (index, sample) concatenate to the generated text."""
-    engine, requests = _make_engine_and_requests(model, prompts, sampling_params, engine_config, kwargs)
+    finish_reason. Deltas of one (index, sample) concatenate to the generated text.
+    Abandoning the generator (break, close(), garbage collection) aborts its requests."""
+    loop, subs, channel = _submissions(model, prompts, sampling_params, engine_config, kwargs, stream=True)
+    outputs = _outputs(loop, subs, channel)
     try:
-        while any(engine.request(r.request_id) is not None for r in requests):
-            for _, deltas in engine.step():
-                yield from deltas
+        for item in outputs:
+            if isinstance(item, StreamDelta):
+                yield item
     finally:
-        for r in requests:
-            engine.abort(r.request_id)
+        outputs.close()

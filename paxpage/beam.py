@@ -34,17 +34,15 @@ SamplingParams). Pure Python / numpy: no jax.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import numpy as np
 
 from paxpage.outputs import Completion, RequestOutput, StreamDelta
 from paxpage.page_manager import cdiv
 from paxpage.sequence import Sequence
-
-if TYPE_CHECKING:  # the engine imports this module
-    from paxpage.engine import LLMEngine
 
 _NEG = np.float32(-1.0e9)  # HF's "impossible" score
 
@@ -209,16 +207,22 @@ def _check_fits(width: int, num_tokens: int, config) -> None:
 class BeamCoordinator:
     """The engine's beam-search hooks, called from `LLMEngine.step`:
     hold_back(sched) after scheduling, select(rows, result, sampled) before `Scheduler.update`,
-    apply() after it (forks, dropped beams, finished requests)."""
+    apply() after it (forks, dropped beams, finished requests).
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    It sees the engine through three narrow handles: the scheduler (fork, finish, counts), the
+    output processor (live requests, registering and dropping samples) and a factory of new
+    sequences."""
+
+    def __init__(self, scheduler, outputs, new_sequence: Callable[[list[int], int, int], Sequence]):
+        self.scheduler = scheduler
+        self.outputs = outputs  # output_processor.OutputProcessor
+        self.new_sequence = new_sequence  # (prompt ids, max_tokens, request id) -> Sequence
         self._pending: list[tuple[Any, list[Candidate], list[Any]]] = []
         self._stalled_at: tuple | None = None
         self.num_held_back = 0  # beam rows dropped from a step because a sibling did not sample
 
     def _beam_requests(self):
-        return [r for r in self.engine._requests.values() if r.beam is not None]
+        return [r for r in self.outputs.live_requests() if r.beam is not None]
 
     def hold_back(self, sched) -> bool:
         """Drops the sampling rows of beam requests whose live beams do not all sample this step.
@@ -238,7 +242,7 @@ class BeamCoordinator:
         if sched.scheduled or sched.preempted:
             self._stalled_at = None
             return not sched.scheduled
-        s = self.engine.scheduler
+        s = self.scheduler
         state = (s.num_running, s.num_waiting, s.page_manager.num_free_pages)
         if state == self._stalled_at:
             raise RuntimeError(f"beam search stalled: no request can run all its beams in one step "
@@ -258,6 +262,8 @@ class BeamCoordinator:
         for request_id, members in by_request.items():
             request = requests[request_id]
             beam = request.beam
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
             live = request.samples  # the live beams
             rows_of = dict((id(s), r) for s, r in members)
             assert len(members) == len(live) and all(id(s) in rows_of for s in live), \
@@ -280,10 +286,9 @@ class BeamCoordinator:
                     sampled[s.seq.seq_id] = int(ids[i, 0])
             self._pending.append((request, running, list(live)))
 
-    def apply(self) -> list[tuple[Any, list[StreamDelta]]]:
+    def apply(self, tokenizer) -> list[tuple[Any, list[StreamDelta]]]:
         """After Scheduler.update: fork, drop and finish beams; returns the final deltas of
         requests that finished."""
-        engine = self.engine
         deltas = []
         for request, running, parents in self._pending:
             beam = request.beam
@@ -301,33 +306,30 @@ class BeamCoordinator:
                 histories.append(history + [beam._entry(cand)] if history is not None else [])
             for i, parent in enumerate(parents):
                 if i not in continued:
-                    engine.scheduler.finish(parent.seq, "beam_dropped" if not beam.done else "beam_done")
-                    engine._by_seq.pop(parent.seq.seq_id, None)
+                    self.scheduler.finish(parent.seq, "beam_dropped" if not beam.done else "beam_done")
+                    self.outputs.drop_sample(parent.seq.seq_id)
             beam.scores, beam.beam_logprobs = scores, histories
             beam._row_top = None
             request.samples = live
             if beam.done:
-                engine._requests.pop(request.request_id, None)
+                self.outputs.remove(request.request_id)
                 deltas.append((request, [StreamDelta(request.index, c.text, tuple(c.token_ids),
-                                                     c.finish_reason, c.index)
-                                         for c in beam.completions(engine.tokenizer)]))
+                                                     c.finish_reason, c.index,
+                                                     None if c.logprobs is None else tuple(c.logprobs),
+                                                     c.stop_reason)
+                                         for c in beam.completions(tokenizer)]))
         self._pending = []
         return deltas
 
     def _fork(self, request, parent, token: int):
         """A new beam: parent's tokens before this step plus `token`, sharing parent's pages."""
-        engine = self.engine
-        seq = Sequence(parent.seq.prompt_token_ids, parent.seq.max_tokens, seq_id=engine._next_seq,
-                       group_id=parent.seq.group_id)
-        engine._next_seq += 1
+        seq = self.new_sequence(parent.seq.prompt_token_ids, parent.seq.max_tokens, parent.seq.group_id)
         seq.output_token_ids = parent.seq.output_token_ids[:-1] + [int(token)]
-        engine.scheduler.fork(parent.seq, seq)
-        sample = type(parent)(seq, parent.seed, None, None)  # engine._Sample: no detok, logprobs
-        engine._by_seq[seq.seq_id] = (request, sample)
-        return sample
+        self.scheduler.fork(parent.seq, seq)
+        return self.outputs.new_sample(request, seq, parent.seed, with_text=False)
 
-    def output(self, request) -> RequestOutput:
+    def output(self, request, tokenizer) -> RequestOutput:
         beam = request.beam
         return RequestOutput(request.index, request.prompt, request.prompt_ids,
-                             beam.completions(self.engine.tokenizer),
-                             num_cached_tokens=beam.num_cached_tokens)
+                             beam.completions(tokenizer),
+                             num_cached_tokens=beam.num_cached_tokens, metrics=request.metrics())

@@ -1,15 +1,29 @@
-"""Command line: `paxpage generate "What is the capital of France?"`."""
+"""Command line: `paxpage generate "What is the capital of France?"`, `paxpage cache info`.
+
+A user's mistake (a bad value, a missing file) prints one line, `paxpage: error: <message>`, and
+exits with status 2; `paxpage --debug ...` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+# Packages whose own exception classes are messages for users, whatever their base class.
+_OWN_PACKAGES = ("paxpage", "models", "pallas_kernels")
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
 
 def _generate(args: argparse.Namespace) -> int:
     import paxpage
     from paxpage import xla_cache
 
+    # Checked before the model loads, so a bad value fails in a second, not after the load.
+    params = paxpage.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                    top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     xla_cache.enable()
     model = paxpage.load(args.model)
     prompts = args.prompts or [
@@ -19,28 +33,60 @@ def _generate(args: argparse.Namespace) -> int:
     ]
     # Instruct models answer chats; --raw sends the text as it is.
     inputs = prompts if args.raw else [[{"role": "user", "content": p}] for p in prompts]
-    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, seed=args.seed)
     if args.stream:
-        current = None
-        for delta in paxpage.stream(model, inputs, **kwargs):
+        current, counts = None, [0] * len(prompts)
+        for delta in paxpage.stream(model, inputs, sampling_params=params):
             if delta.index != current:
                 current = delta.index
                 print(f"\n>>> {prompts[delta.index]}\n", end="", flush=True)
             print(delta.text, end="", flush=True)
+            counts[delta.index] += len(delta.token_ids)
+            if delta.finish_reason is not None:
+                print(f"\n[{delta.finish_reason}, {_tokens(counts[delta.index])}]", flush=True)
+                current = None
         print()
         return 0
-    for prompt, out in zip(prompts, paxpage.generate(model, inputs, **kwargs)):
-        print(f">>> {prompt}\n{out.text.strip()}\n[{out.finish_reason}, {len(out.token_ids)} tokens]\n")
+    for prompt, out in zip(prompts, paxpage.generate(model, inputs, sampling_params=params)):
+        print(f">>> {prompt}\n{out.text.strip()}\n[{out.finish_reason}, {_tokens(len(out.token_ids))}]\n")
     return 0
 
 
+def _megabytes(num_bytes: int) -> str:
+    return f"{num_bytes / 1e6:.1f} MB"
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from models import cache
+
+    root = cache.cache_dir()
+    if args.action == "clear":
+        count, freed = cache.clear_cache()
+        print(f"removed {count} item{'' if count == 1 else 's'} ({_megabytes(freed)}) from {root}")
+        return 0
+    items = cache.list_cache()
+    print(f"cache directory: {root} (set PAXPAGE_CACHE_DIR to move it; `paxpage cache clear` empties it)")
+    models = [i for i in items if i.kind == "model"]
+    print(f"converted models: {len(models)}")
+    for item in models:
+        print(f"  {_megabytes(item.num_bytes):>10}  {item.state:<22}  {item.source or item.path}")
+    partial = [i for i in items if i.kind == "partial"]
+    if partial:
+        print(f"unfinished writes: {len(partial)} ({_megabytes(sum(i.num_bytes for i in partial))})")
+    xla = sum(i.num_bytes for i in items if i.kind == "xla")
+    print(f"XLA compilation cache: {_megabytes(xla)}")
+    print(f"total: {_megabytes(sum(i.num_bytes for i in items))}")
+    return 0
+
+
+BENCH_SCRIPTS = {"throughput": "bench_throughput.py", "memory": "bench_memory.py", "step": "bench_step.py",
+                 "serving": "bench_serving.py"}
+
+
 def _bench(args: argparse.Namespace) -> int:
+    import pathlib
     import runpy
 
-    script = {"throughput": "bench_throughput.py", "memory": "bench_memory.py",
-              "serving": "bench_serving.py"}[args.which]
-    import pathlib
+    script = BENCH_SCRIPTS[args.which]
 
     path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / script
     if not path.exists():
@@ -53,6 +99,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="paxpage", description="paged-KV LLM inference in JAX")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate answers to prompts")
     g.add_argument("prompts", nargs="*", help="prompts (default: three examples)")
@@ -65,12 +112,44 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--raw", action="store_true", help="send prompts as plain text, not as a chat")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
     g.set_defaults(func=_generate)
-    b = sub.add_parser("bench", help="run a benchmark script (throughput | memory | serving)")
-    b.add_argument("which", choices=["throughput", "memory", "serving"])
-    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b = sub.add_parser("bench", help=f"run a benchmark script ({' | '.join(BENCH_SCRIPTS)})")
+    b.add_argument("which", choices=list(BENCH_SCRIPTS))
+    rest = b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the script")
+    rest.required = False  # else a bare `paxpage bench` claims `rest` is required too
     b.set_defaults(func=_bench)
+    c = sub.add_parser("cache", help="show or empty the cache of converted models and compiled steps")
+    c.add_argument("action", choices=["info", "clear"])
+    c.set_defaults(func=_cache)
+    from paxpage.server.cli import add_serve_parser
+    add_serve_parser(sub)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("paxpage: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.debug or not _is_user_error(e):
+            raise
+        print(f"paxpage: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+
+
+def _is_user_error(e: Exception) -> bool:
+    """Bad values and missing files, and the exception classes paxpage defines itself."""
+    if isinstance(e, (ValueError, TypeError, FileNotFoundError)):
+        return True
+    return type(e).__module__.split(".")[0] in _OWN_PACKAGES
+
+
+def _one_line(e: Exception) -> str:
+    if isinstance(e, FileNotFoundError) and e.filename is not None:
+        message = f"{e.strerror}: {e.filename}"
+    else:
+        message = str(e) or type(e).__name__
+    return " ".join(message.split())
 
 
 if __name__ == "__main__":

@@ -29,6 +29,9 @@ class EngineConfig:
     # "paged": pages on demand. "contiguous": the pre-paging scheme, reserving max_model_len
     # tokens per sequence at admission; kept as a baseline for the memory benchmark.
     kv_allocation: str = "paged"
+    # Dispatch step t+1 while step t runs (its tokens are read one step late); False: every
+    # step waits for its tokens before the next is scheduled. Outputs are the same.
+    async_scheduling: bool = True
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_row_len"):
@@ -43,6 +46,9 @@ class EngineConfig:
             raise ValueError(
                 f"give num_pages ({self.num_pages}) or kv_cache_bytes ({self.kv_cache_bytes}), not both"
             )
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.kv_allocation not in ("paged", "contiguous"):
             raise ValueError(f"kv_allocation must be 'paged' or 'contiguous', got {self.kv_allocation!r}")
         if self.dtype is not None and self.dtype not in DTYPES:

@@ -19,6 +19,19 @@ class Completion:
     score: float | None = None  # beam search: cumulative_logprob / num_tokens ** length_penalty
 
 
+@dataclasses.dataclass(frozen=True)
+class RequestMetrics:
+    """When a request arrived, produced its first token and finished (`time.monotonic()` seconds)."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
 @dataclasses.dataclass
 class RequestOutput:
     """The result for one prompt. `.text`, `.token_ids`, `.finish_reason` are the first
@@ -30,6 +43,7 @@ class RequestOutput:
     outputs: list[Completion]
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
 
     @property
     def text(self) -> str:
@@ -61,3 +75,7 @@ class StreamDelta:
     token_ids: tuple[int, ...]  # new tokens
     finish_reason: str | None  # None until the request's last delta for this sample
     sample: int = 0  # which of the n samples
+    # one {token_id: logprob} per new token (chosen token first, then the top alternatives);
+    # None unless the request asked for logprobs
+    logprobs: tuple[dict[int, float], ...] | None = None
+    stop_reason: str | int | None = None  # with the last delta: the stop string or token that matched

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,7 @@ from pallas_kernels.xla_attention import paged_attention_xla
 from paxpage import sampler as sampler_lib
 from paxpage.batch import StepBatch
 from paxpage.config import ResolvedConfig
+from paxpage.page_tables import PageTables
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -45,12 +46,19 @@ def bucket(n: int, minimum: int = 1) -> int:
 class RowPlan:
     """Host-side description of one scheduled sequence's tokens in the step."""
 
-    token_ids: Sequence[int]  # the sequence's tokens (prompt + output)
+    token_ids: Sequence[int]  # the sequence's tokens (prompt + output); read by index and slice
     page_table: Sequence[int]
     start: int  # first new token's position
     num_new: int  # q_len this step
     num_samples: int  # logits rows wanted for its last token (0 = mid-prefill chunk)
     num_prompt_tokens: int = 0  # > 0: also score each prompt token computed this step
+    # Identity of the sequence in the persistent page tables (None: copy the table whole this
+    # step), and a version that changes whenever entries before `start` may have changed.
+    table_key: Hashable | None = None
+    table_version: int = 0
+    # Async scheduling: the token at `start` is not on the host yet; it is row `prev_row` of
+    # the previous (still running) step's sampled tokens. -1: the host has it.
+    prev_row: int = -1
 
 
 def _attention_fns(impl: str):
@@ -77,6 +85,7 @@ class ModelRunner:
         # The model step and the sampler compile separately: sampler options (logprob widths,
         # penalty lists) then never recompile the model, and a new batch shape reuses the
         # sampler. Logits stay on device between the two calls.
+        self.tables = PageTables(cfg.pages_per_seq, cfg.page_size)
         self._step = jax.jit(self._forward, donate_argnums=(1,))
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
 
@@ -86,11 +95,26 @@ class ModelRunner:
         return kv_cache, logits[:num_rows], logits[num_rows:]
 
     # ------------------------------------------------------------------ packing
-    def pack(self, rows: Sequence[RowPlan]) -> tuple[StepBatch, list[int], list[tuple[int, int]]]:
+    def pack(self, rows: Sequence[RowPlan]
+             ) -> tuple[StepBatch, list[int], list[tuple[int, int]], np.ndarray | None]:
         """Lays out the rows' tokens. Returns the batch, the plan index of each sampling row,
-        and (plan index, position) of each prompt-logprob row."""
+        (plan index, position) of each prompt-logprob row, and i32[T] `prev_rows` (the previous
+        step's sampled-token row for each flat token whose id the host does not have yet, else
+        -1; None when there is none).
+
+        Decode rows (one token) are laid out with array operations over the persistent page
+        tables, so their host cost does not grow with context length."""
         page_size, row_len = self.cfg.page_size, self.cfg.prefill_row_len
         pages_per_seq = self.cfg.pages_per_seq
+        transient = []
+        slot_of = []
+        for i, r in enumerate(rows):
+            key = r.table_key
+            if key is None:  # a row with no identity: its table is copied whole, then dropped
+                key = ("transient", i)
+                transient.append(key)
+            slot_of.append(self.tables.sync(key, r.table_version, r.page_table, r.start))
+        table = self.tables.table
         decode = [i for i, r in enumerate(rows) if r.num_new == 1]
         prefill = [i for i, r in enumerate(rows) if r.num_new > 1]
         num_dec = bucket(len(decode))
@@ -110,31 +134,39 @@ class ModelRunner:
         last_token_index = {}
         prompt_rows: list[tuple[int, int, int, int]] = []  # (plan, position, flat index, target)
 
-        def place(flat: int, plan_index: int, pos_lo: int, pos_hi: int) -> None:
-            plan = rows[plan_index]
-            n = pos_hi - pos_lo
-            pos = np.arange(pos_lo, pos_hi)
-            table = np.asarray(plan.page_table, np.int32)
-            token_ids[flat:flat + n] = plan.token_ids[pos_lo:pos_hi]
-            positions[flat:flat + n] = pos
-            slots[flat:flat + n] = table[pos // page_size] * page_size + pos % page_size
-            for p in range(pos_lo, min(pos_hi, plan.num_prompt_tokens - 1)):
-                prompt_rows.append((plan_index, p, flat + p - pos_lo, plan.token_ids[p + 1]))
-
-        for row, i in enumerate(decode):
-            plan = rows[i]
-            place(row, i, plan.start, plan.start + 1)
-            dec_pages[row, :len(plan.page_table)] = plan.page_table
-            dec_lens[row] = plan.start + 1
-            last_token_index[i] = row
+        prev_rows = None
+        n = len(decode)
+        if n:
+            pos = np.fromiter((rows[i].start for i in decode), np.int32, n)
+            dec_pages[:n] = table[[slot_of[i] for i in decode]]
+            token_ids[:n] = [rows[i].token_ids[rows[i].start] for i in decode]
+            positions[:n] = pos
+            slots[:n] = dec_pages[np.arange(n), pos // page_size] * page_size + pos % page_size
+            dec_lens[:n] = pos + 1
+            prev = [rows[i].prev_row for i in decode]
+            if max(prev) >= 0:
+                prev_rows = np.full(total, -1, np.int32)
+                prev_rows[:n] = prev
+            for row, i in enumerate(decode):
+                last_token_index[i] = row
+                if rows[i].num_prompt_tokens - 1 > rows[i].start:  # a 1-token prompt chunk
+                    prompt_rows.append((i, rows[i].start, row, rows[i].token_ids[rows[i].start + 1]))
         for row, (i, lo, hi) in enumerate(pre_rows):
             plan = rows[i]
             flat = num_dec + row * row_len
-            place(flat, i, lo, hi)
-            pre_pages[row, :len(plan.page_table)] = plan.page_table
+            k = hi - lo
+            pos = np.arange(lo, hi, dtype=np.int32)
+            pages = table[slot_of[i]]
+            token_ids[flat:flat + k] = plan.token_ids[lo:hi]
+            positions[flat:flat + k] = pos
+            slots[flat:flat + k] = pages[pos // page_size] * page_size + pos % page_size
+            for p in range(lo, min(hi, plan.num_prompt_tokens - 1)):
+                prompt_rows.append((i, p, flat + p - lo, plan.token_ids[p + 1]))
+            pre_pages[row] = pages
             pre_lens[row] = hi
-            pre_q[row] = hi - lo
-            last_token_index[i] = flat + (hi - lo) - 1
+            pre_q[row] = k
+            last_token_index[i] = flat + k - 1
+        self.tables.release(transient)
 
         logits_plan = [i for i, r in enumerate(rows) for _ in range(r.num_samples)]
         # R follows from (Bd, Bp) rather than being a third bucket (only n > 1 parallel
@@ -149,7 +181,7 @@ class ModelRunner:
             prompt_indices[j], prompt_targets[j] = flat, target
         batch = StepBatch(token_ids, positions, slots, dec_pages, dec_lens, pre_pages, pre_lens,
                           pre_q, logits_indices, prompt_indices, prompt_targets)
-        return batch, logits_plan, [(plan, pos) for plan, pos, _, _ in prompt_rows]
+        return batch, logits_plan, [(plan, pos) for plan, pos, _, _ in prompt_rows], prev_rows
 
     # ------------------------------------------------------------------ device calls
     def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
@@ -163,15 +195,29 @@ class ModelRunner:
         src[:len(copies)], dst[:len(copies)] = zip(*copies)
         self.kv_cache = self._copy(self.kv_cache, src, dst)
 
-    def run(self, batch: StepBatch, sampling, num_logprobs: int = 0, num_prompt_logprobs: int = 0):
-        """Returns (SamplerOutput, PromptLogprobs) as numpy."""
+    def launch(self, batch: StepBatch, sampling, num_logprobs: int = 0, num_prompt_logprobs: int = 0,
+               prev_rows: np.ndarray | None = None, prev_tokens: jax.Array | None = None):
+        """Dispatches the step and returns (SamplerOutput, PromptLogprobs | None) as device
+        arrays, without waiting for them. prev_rows i32[T] / prev_tokens i32[R']: tokens the
+        host does not have yet are taken from the previous step's sampled tokens on device."""
+        if prev_rows is not None:
+            batch = dataclasses.replace(batch, token_ids=_merge_tokens(batch.token_ids, prev_rows, prev_tokens))
         self.kv_cache, logits, prompt_logits = self._step(self.params, self.kv_cache, batch)
         out = sampler_lib.sample(logits, sampling, num_logprobs)
         prompt = None
         if batch.prompt_targets.shape[0]:
             prompt = sampler_lib.score_prompt(prompt_logits, batch.prompt_targets, num_prompt_logprobs)
-        return jax.device_get((out, prompt))
+        return out, prompt
+
+    def run(self, batch: StepBatch, sampling, num_logprobs: int = 0, num_prompt_logprobs: int = 0):
+        """Returns (SamplerOutput, PromptLogprobs) as numpy."""
+        return jax.device_get(self.launch(batch, sampling, num_logprobs, num_prompt_logprobs))
 
 
 def _copy_pages(kv_cache, src, dst):  # src, dst: i32[C]
     return [pages.at[:, dst].set(pages[:, src], mode="drop") for pages in kv_cache]
+
+
+@jax.jit
+def _merge_tokens(token_ids, prev_rows, prev_tokens):  # i32[T], i32[T], i32[R'] -> i32[T]
+    return jnp.where(prev_rows >= 0, prev_tokens[jnp.maximum(prev_rows, 0)], token_ids)

@@ -92,6 +92,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def tokens(self) -> "TokenView":
+        """Prompt + output tokens, read by index or slice without concatenating the lists."""
+        return TokenView(self)
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(int(token_id))
 
@@ -124,3 +129,32 @@ class Sequence:
             f"tokens={self.num_prompt_tokens}+{self.num_output_tokens}, computed={self.num_computed_tokens}, "
             f"pages={self.page_table})"
         )
+
+
+class TokenView:
+    """A read-only view of a sequence's prompt + output tokens: `view[i]` and `view[lo:hi]` cost
+    O(1) and O(hi - lo), where `seq.token_ids` copies every token."""
+
+    __slots__ = ("_seq",)
+
+    def __init__(self, seq: Sequence):
+        self._seq = seq
+
+    def __len__(self) -> int:
+        return self._seq.num_tokens
+
+    def __getitem__(self, key):
+        prompt, output = self._seq.prompt_token_ids, self._seq.output_token_ids
+        n = len(prompt)
+        if isinstance(key, slice):
+            lo, hi, step = key.indices(n + len(output))
+            if step != 1:
+                return self._seq.token_ids[key]
+            if hi <= n:
+                return prompt[lo:hi]
+            if lo >= n:
+                return output[lo - n:hi - n]
+            return prompt[lo:] + output[:hi - n]
+        if key < 0:
+            key += n + len(output)
+        return prompt[key] if key < n else output[key - n]

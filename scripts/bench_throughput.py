@@ -115,7 +115,8 @@ def run_paxpage(model: paxpage.Model, work: wl.Workload, cfg: paxpage.EngineConf
         "host_s": st.host_seconds - stats0.host_seconds,
         "device_s": st.device_seconds - stats0.device_seconds,
         "host_share": (st.host_seconds - stats0.host_seconds) / wall,
-        "mean_kv_utilisation": (st.kv_utilisation_sum - stats0.kv_utilisation_sum) / max(1, steps),
+        "mean_kv_utilisation": (st.kv_utilisation_sum - stats0.kv_utilisation_sum)
+        / max(1, st.kv_utilisation_samples - stats0.kv_utilisation_samples),
         "preemptions": engine.scheduler.num_preemptions - preempt0,
         "max_running": max_running,
         "padding": pad,

@@ -19,6 +19,13 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def default_model_cache(tmp_path_factory):
+    """A private PAXPAGE_CACHE_DIR for tests that load the default model through a cold cache; shared
+    by them so the ~10 s conversion happens once a session, never in the user's own cache."""
+    return tmp_path_factory.mktemp("paxpage_cache")
+
+
+@pytest.fixture(scope="session")
 def hf_smollm2():
     """The same GGUF loaded by transformers: the independent reference."""
     import torch

@@ -96,6 +96,26 @@ def test_bench_sharing_smoke(tiny_model_dir, tmp_path):
     assert forks["pages_n4"] < forks["pages_unshared_x4"] and forks["pages_beam4"] < forks["pages_unshared_x4"]
 
 
+def test_bench_step_quick(tmp_path):
+    # Through the CLI (`paxpage bench step`), in a subprocess bounded in time.
+    import subprocess
+
+    out = tmp_path / "step.json"
+    root = os.path.dirname(SCRIPTS)
+    command = [sys.executable, "-m", "paxpage.cli", "bench", "step", "--quick", "--json", str(out)]
+    proc = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["read_bandwidth_gb_per_s"] > 0
+    assert [c["case"] for c in data["cases"]] == ["tiny-8x32", "tiny-8x32-t0.7-p0.9"]
+    for case in data["cases"]:
+        for key in ("host_s", "device_s", "wall_s", "attention_s", "attention_gb_per_s"):
+            assert case[key] > 0, key
+        # 2 layers x 8 rows x 32 keys x 4 kv heads x 16 dims x K and V x 4 bytes
+        assert case["attention_kv_bytes"] == 2 * 2 * 8 * 32 * 4 * 16 * 4
+    assert "| tiny-8x32 |" in proc.stdout
+
+
 # ---------------------------------------------------------------------------------------- serving
 def test_serving_metrics_hand_computed():
     load = _load_script("serving_load")

@@ -44,4 +44,24 @@ def test_cli_prints_answer(smollm2, capsys):
     from paxpage.cli import main
 
     assert main(["generate", "What is the capital of France?", "--max-tokens", "12"]) == 0
-    assert "Paris" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Paris" in out
+    (finish,) = [line for line in out.splitlines() if line.startswith("[")]
+    want = smollm2.tokenizer.encode(" The capital of France is Paris.", add_special_tokens=False)
+    assert finish == f"[stop, {len(want) + 1} tokens]"  # the answer, then <|im_end|>
+    assert main(["generate", "What is the capital of France?", "--max-tokens", "12", "--stream"]) == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out and finish in out.splitlines()  # streaming ends with the same line
+
+
+def test_chat_answers_with_the_chat_template(smollm2):
+    """chat == generate on the token ids of transformers' own apply_chat_template, one output per
+    conversation; the raw-text generate of the same question is what the README used to show."""
+    ids = list(smollm2.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)["input_ids"])
+    kw = dict(max_tokens=12, temperature=0, use_tqdm=False)
+    (want,) = paxpage.generate(smollm2, [ids], **kw)
+    (one,) = paxpage.chat(smollm2, CHAT, **kw)
+    both = paxpage.chat(smollm2, [CHAT, [{"role": "user", "content": "Say hello in French."}]], **kw)
+    assert one.token_ids == want.token_ids == both[0].token_ids
+    assert one.text.startswith("The capital of France is Paris")
+    assert len(both) == 2 and both[1].text

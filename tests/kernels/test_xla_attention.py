@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import CONFIGS, assert_close, config_id, make_case
+from kernel_cases import CONFIGS, assert_close, config_id, make_case, reference_pool
 from pallas_kernels.reference import paged_attention_ref
-from pallas_kernels.xla_attention import paged_attention_xla
+from pallas_kernels.xla_attention import paged_attention_xla, pages_per_chunk
 
 
 def _finite_garbage(pool: np.ndarray) -> np.ndarray:
@@ -39,3 +39,69 @@ def test_xla_matches_reference(cfg, chunk_tokens, kv_lens, q_lens):
     want = paged_attention_ref(jnp.asarray(case.q), jnp.asarray(clean, dtype), case.page_indices,
                                case.kv_lens, case.q_lens, sm_scale=head_dim ** -0.5)
     assert_close(got, want, dtype)
+
+
+# The decode (Tq == 1, expanded q) and prefill (Tq > 1) forms, each with lengths 0 / 1 /
+# page-aligned / unaligned, permuted page tables, NaN in unused pages and slots (fed to the
+# XLA path as NaN, to the reference as zeros), and chunk sizes of one page and several.
+LENGTH_CASES = {
+    "decode": ([0, 1, 8, 16, 24, 31, 32, 5], [0, 1, 1, 1, 1, 1, 1, 1]),
+    "prefill": ([0, 1, 16, 23, 32, 9], [0, 1, 16, 7, 3, 9]),
+}
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[1], CONFIGS[3]], ids=config_id)
+@pytest.mark.parametrize("chunk_tokens", [1, 32, 1024])
+@pytest.mark.parametrize("kind", sorted(LENGTH_CASES))
+def test_nan_in_unused_pages_never_leaks(cfg, chunk_tokens, kind):
+    dtype, page_size, ratio, head_dim, num_kv_heads = cfg
+    kv_lens, q_lens = LENGTH_CASES[kind]
+    rng = np.random.default_rng(11)
+    case = make_case(rng, dtype=dtype, page_size=page_size, ratio=ratio, head_dim=head_dim,
+                     num_kv_heads=num_kv_heads, kv_lens=kv_lens, q_lens=q_lens,
+                     pages_per_seq=-(-32 // page_size) + 2)
+    got = paged_attention_xla(jnp.asarray(case.q), jnp.asarray(case.kv_pages), case.page_indices,
+                              case.kv_lens, case.q_lens, sm_scale=head_dim ** -0.5,
+                              chunk_tokens=chunk_tokens)
+    want = paged_attention_ref(jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)),
+                               case.page_indices, case.kv_lens, case.q_lens, sm_scale=head_dim ** -0.5)
+    assert_close(got, want, dtype)
+    # Padding rows and padding query tokens are exact zeros.
+    pad = np.arange(case.q.shape[1])[None, :] >= case.q_lens[:, None]
+    assert not np.asarray(jnp.asarray(got, jnp.float32))[pad].any()
+
+
+def test_all_padding_rows_give_zeros():
+    # max(kv_lens) == 0: the chunk loop runs no step at all.
+    rng = np.random.default_rng(5)
+    case = make_case(rng, dtype=jnp.float32, page_size=8, ratio=2, head_dim=16, num_kv_heads=2,
+                     kv_lens=[0, 0, 0], q_lens=[0, 0, 0], pages_per_seq=4)
+    got = paged_attention_xla(jnp.asarray(case.q), jnp.asarray(case.kv_pages), case.page_indices,
+                              case.kv_lens, case.q_lens, sm_scale=0.25)
+    assert got.shape == case.q.shape and not np.asarray(got).any()
+
+
+def test_table_entries_out_of_the_pool_are_harmless():
+    # Entries past a row's pages may hold anything; they are clamped into the pool and masked.
+    rng = np.random.default_rng(8)
+    case = make_case(rng, dtype=jnp.float32, page_size=8, ratio=3, head_dim=16, num_kv_heads=1,
+                     kv_lens=[13, 4], q_lens=[1, 1], pages_per_seq=6)
+    table = case.page_indices.copy()
+    table[0, 2:] = [10**6, -7, 2**31 - 1, -(2**31)]
+    table[1, 1:] = 999
+    got = paged_attention_xla(jnp.asarray(case.q), jnp.asarray(case.kv_pages), table,
+                              case.kv_lens, case.q_lens, sm_scale=0.25, chunk_tokens=64)
+    want = paged_attention_ref(jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)),
+                               case.page_indices, case.kv_lens, case.q_lens, sm_scale=0.25)
+    assert_close(got, want, jnp.float32)
+
+
+@pytest.mark.parametrize("batch,page_bytes,page_size,pages_per_seq,chunk_tokens,want", [
+    (1, 4096, 16, 128, 64, 4),  # small batch: the token cap
+    (256, 4096, 16, 128, 64, 1),  # 256 rows x 4 KiB pages: one page per chunk fits 1 MiB
+    (64, 4096, 16, 128, 64, 4),  # 64 x 4 pages x 4 KiB = 1 MiB
+    (2, 4096, 16, 3, 1024, 3),  # never past the table
+    (4, 1 << 21, 8, 16, 64, 1),  # pages over the budget: still one page
+])
+def test_pages_per_chunk(batch, page_bytes, page_size, pages_per_seq, chunk_tokens, want):
+    assert pages_per_chunk(batch, page_bytes, page_size, pages_per_seq, chunk_tokens) == want

@@ -1,0 +1,228 @@
+"""Output processor: what happens to a request's tokens after the device picked them.
+
+It owns the per-request host state (samples, incremental detokenizers, logprob dicts, timings),
+checks stop conditions, and turns each step's tokens into per-request `StreamDelta`s and, at the
+end, one `RequestOutput`. It knows nothing of the device or of scheduling: the engine hands it
+the step's (request, sample, token, row) tuples and the sampler's result, and it answers with the
+deltas and with the sequences that must finish. Pure Python (no jax), like vLLM v1's
+OutputProcessor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable, Sequence as Seq
+from typing import Any
+
+from paxpage.detokenizer import IncrementalDetokenizer
+from paxpage.outputs import Completion, RequestMetrics, RequestOutput, StreamDelta
+from paxpage.sampling_params import SamplingParams
+from paxpage.sequence import Sequence
+
+
+@dataclasses.dataclass
+class Sample:
+    """Host state of one generated sequence of a request."""
+
+    seq: Sequence
+    seed: int
+    detok: IncrementalDetokenizer | None
+    logprobs: list[dict[int, float]] | None  # one dict per output token, when asked
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    emitted_text: int = 0  # characters already streamed
+    emitted_tokens: int = 0
+    # prompt position p -> {prompt[p + 1]: logprob, top alternatives...}; only when asked
+    prompt_logprobs: dict[int, dict[int, float]] | None = None
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: int
+    index: int  # the caller's position for it (prompt index in a generate call)
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams  # the rows' params (beam search replaces the user's)
+    samples: list[Sample]
+    forked: bool = False  # True once the n samples exist
+    beam: Any = None  # beam.BeamSearch; samples are then the live beams
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
+        return len(self.samples) == self.params.n and all(s.finish_reason for s in self.samples)
+
+    def metrics(self) -> RequestMetrics:
+        return RequestMetrics(self.arrival_time, self.first_token_time, self.finished_time)
+
+
+@dataclasses.dataclass(frozen=True)
+class NewToken:
+    """One token sampled this step for one (non-beam) sample, at logits row `row`."""
+
+    request: Request
+    sample: Sample
+    token: int
+    row: int
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: Seq[int], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_model_len = max_model_len
+        self._requests: dict[int, Request] = {}
+        self._by_seq: dict[int, tuple[Request, Sample]] = {}
+
+    # ---- registry -------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+
+    def get(self, request_id: int) -> Request | None:
+        return self._requests.get(request_id)
+
+    def live_requests(self) -> Iterable[Request]:
+        return self._requests.values()
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def lookup(self, seq_id: int) -> tuple[Request, Sample]:
+        return self._by_seq[seq_id]
+
+    def new_sample(self, request: Request, seq: Sequence, seed: int, *, with_text: bool = True) -> Sample:
+        """Registers a sample of `request` running as `seq`. Beam forks pass with_text=False: the
+        beam module decodes finished hypotheses itself."""
+        p = request.params
+        detok = None
+        if with_text and self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, p.skip_special_tokens, p.stop,
+                                           p.include_stop_str_in_output, p.min_tokens)
+        sample = Sample(seq, seed, detok, [] if with_text and p.logprobs is not None else None)
+        if with_text and p.prompt_logprobs is not None and not request.samples:
+            sample.prompt_logprobs = {}
+            seq.use_prefix_cache = False  # cached prompt pages would skip their logprobs
+        self._by_seq[seq.seq_id] = (request, sample)
+        return sample
+
+    def drop_sample(self, seq_id: int) -> None:
+        self._by_seq.pop(seq_id, None)
+
+    def remove(self, request_id: int) -> Request | None:
+        """Forgets a request (finished or aborted) and its samples."""
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            if request.finished_time is None:
+                request.finished_time = time.monotonic()
+            for s in request.samples:
+                self._by_seq.pop(s.seq.seq_id, None)
+        return request
+
+    # ---- one step's results ----------------------------------------------------------------------
+    def record_prompt_logprobs(self, seq: Sequence, position: int, target_logprob: float,
+                               top_ids: Seq[int], top_logprobs: Seq[float]) -> None:
+        request, sample = self._by_seq[seq.seq_id]
+        # a recompute after preemption overwrites
+        sample.prompt_logprobs[position] = _entry(seq.prompt_token_ids[position + 1], target_logprob,
+                                                  top_ids, top_logprobs, request.params.prompt_logprobs)
+
+    def process(self, new_tokens: Seq[NewToken], result
+                ) -> tuple[list[tuple[Request, list[StreamDelta]]], list[tuple[Sequence, str]]]:
+        """Logprobs, text and stop checks for the step's tokens (already appended to their
+        sequences). Returns each request's deltas and the (sequence, reason) pairs to finish."""
+        now = time.monotonic()
+        by_request: dict[int, tuple[Request, list[StreamDelta]]] = {}
+        to_finish: list[tuple[Sequence, str]] = []
+        for new in new_tokens:
+            request, sample, token, row = new.request, new.sample, new.token, new.row
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if sample.logprobs is not None:
+                sample.logprobs.append(_entry(token, result.logprobs[row], result.top_ids[row],
+                                              result.top_logprobs[row], request.params.logprobs))
+            sample.cumulative_logprob += float(result.logprobs[row])
+            if sample.detok is not None:
+                sample.detok.add(token)
+            reason, stop = self._stop(request.params, sample, token)
+            if reason is not None:
+                sample.finish_reason, sample.stop_reason = reason, stop
+                to_finish.append((sample.seq, reason))
+                if sample.detok is not None:
+                    sample.detok.finish()  # flush text held back as a possible stop-string start
+            by_request.setdefault(request.request_id, (request, []))[1].append(
+                self._delta(request, sample))
+        for request, _ in by_request.values():
+            if request.finished:
+                self.remove(request.request_id)
+        return list(by_request.values()), to_finish
+
+    def _stop(self, p: SamplingParams, sample: Sample, token: int) -> tuple[str | None, Any]:
+        seq = sample.seq
+        num_out = seq.num_output_tokens
+        if num_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop", token
+            if token in p.stop_token_ids:
+                return "stop", token
+            if sample.detok is not None and sample.detok.stopped_by is not None:
+                return "stop", sample.detok.stopped_by
+        if num_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _delta(self, request: Request, sample: Sample) -> StreamDelta:
+        """What `sample` produced since its last delta."""
+        seq = sample.seq
+        text = sample.detok.text if sample.detok is not None else ""
+        logprobs = None
+        if sample.logprobs is not None:
+            logprobs = tuple(sample.logprobs[sample.emitted_tokens:])
+        delta = StreamDelta(request.index, text[sample.emitted_text:],
+                            tuple(seq.output_token_ids[sample.emitted_tokens:]), sample.finish_reason,
+                            request.samples.index(sample), logprobs,
+                            sample.stop_reason if sample.finish_reason else None)
+        sample.emitted_text, sample.emitted_tokens = len(text), seq.num_output_tokens
+        return delta
+
+    def abort(self, request_id: int) -> tuple[Request | None, list[Sequence]]:
+        """Marks a request's running samples aborted and forgets it; returns the request and the
+        sequences the scheduler must drop."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None, []
+        running = [s for s in request.samples if s.finish_reason is None]
+        for s in running:
+            s.finish_reason = "abort"
+        self.remove(request_id)
+        return request, [s.seq for s in running]
+
+    # ---- results ---------------------------------------------------------------------------------
+    def output(self, request: Request) -> RequestOutput:
+        completions = [
+            Completion(i, s.detok.text if s.detok is not None else "", list(s.seq.output_token_ids),
+                       s.finish_reason, s.stop_reason, s.logprobs, s.cumulative_logprob)
+            for i, s in enumerate(request.samples)
+        ]
+        first = request.samples[0]
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None:
+            # vLLM layout: None for the first prompt token, then one entry per later token.
+            prompt_logprobs = [None] + [first.prompt_logprobs.get(p)
+                                        for p in range(len(request.prompt_ids) - 1)]
+        return RequestOutput(request.index, request.prompt, request.prompt_ids, completions,
+                             prompt_logprobs=prompt_logprobs,
+                             num_cached_tokens=first.seq.num_cached_tokens, metrics=request.metrics())
+
+
+def _entry(token: int, logprob: float, top_ids, top_logprobs, k: int | None) -> dict[int, float]:
+    """{token: logprob} with the chosen token first, then up to k alternatives."""
+    entry = {token: float(logprob)}
+    for tid, lp in zip(top_ids[:k], top_logprobs[:k]):
+        entry.setdefault(int(tid), float(lp))
+    return entry

@@ -1,0 +1,133 @@
+"""`paxpage serve`: load a model, start the engine loop, serve HTTP with uvicorn until SIGINT /
+SIGTERM. On a signal the engine is shut down at once (live requests end), then uvicorn closes
+connections, waiting at most --graceful-timeout seconds for them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import threading
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    s = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API (loopback by default)")
+    s.add_argument("--model", default=None, help="GGUF file, HF dir or paxpage.save dir (default: SmolLM2)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    s.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model's name)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $PAXPAGE_API_KEY, if set)")
+    s.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="past this many waiting requests new ones get 503 + Retry-After (default: no limit)")
+    s.add_argument("--stall-timeout", type=float, default=None,
+                   help="/health answers 503 when live requests make no progress this many seconds")
+    s.add_argument("--graceful-timeout", type=float, default=5.0,
+                   help="on SIGINT/SIGTERM, seconds to let open connections finish")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    e = s.add_argument_group("engine options (see paxpage.EngineConfig)")
+    e.add_argument("--page-size", type=int, default=None)
+    e.add_argument("--num-pages", type=int, default=None)
+    e.add_argument("--kv-cache-bytes", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    e.add_argument("--attention-impl", default=None, choices=["xla", "pallas", "pallas-interpret"])
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--no-chunked-prefill", action="store_true")
+    s.set_defaults(func=run_serve)
+    return s
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """EngineConfig from the flags that were given (ValueError names a bad one)."""
+    from paxpage.config import EngineConfig
+
+    kw = {name: getattr(args, name) for name in ("page_size", "num_pages", "kv_cache_bytes", "max_num_seqs",
+                                                 "max_num_batched_tokens", "max_model_len", "dtype",
+                                                 "attention_impl") if getattr(args, name) is not None}
+    if args.no_prefix_caching:
+        kw["enable_prefix_caching"] = False
+    if args.no_chunked_prefill:
+        kw["enable_chunked_prefill"] = False
+    return EngineConfig(**kw)
+
+
+def default_model_name(source: str | None) -> str:
+    """SmolLM2-135M-Instruct for the default GGUF; otherwise the file or directory name."""
+    if source is None:
+        from models.loading import default_model_path
+
+        source = default_model_path()
+    name = os.path.basename(os.path.normpath(os.fspath(source)))
+    if name.endswith(".gguf"):
+        name = name[: -len(".gguf")].split(".")[0]  # drop the quantisation suffix (.Q4_1)
+    return name
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Bad options raise ValueError before the model loads (paxpage.cli prints it on one line)."""
+    config = engine_config_from_args(args)
+    api_key = args.api_key if args.api_key is not None else (os.environ.get("PAXPAGE_API_KEY") or None)
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+
+    import uvicorn
+
+    import paxpage
+    from paxpage import xla_cache
+    from paxpage.async_engine import AsyncEngine
+    from paxpage.server.app import DEFAULT_STALL_TIMEOUT_S, build_app
+
+    xla_cache.enable()
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))  # before loading: a taken port fails fast
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    sock.listen(2048)  # clients that connect before uvicorn runs wait in the backlog
+    model = paxpage.load(args.model, dtype=config.dtype or "float32")
+    engine = AsyncEngine(model, config, max_waiting_requests=args.max_waiting_requests)
+    try:
+        app = build_app(engine, served_model_name=args.served_model_name or default_model_name(args.model),
+                        api_key=api_key,
+                        stall_timeout_s=args.stall_timeout if args.stall_timeout is not None
+                        else DEFAULT_STALL_TIMEOUT_S)
+        server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_timeout,
+                                        access_log=args.log_level == "debug"), engine)
+        host, port = sock.getsockname()[:2]
+        print(f"paxpage serve: {app.state.paxpage.served_model_name} on http://{host}:{port}"
+              f"{' (API key required)' if api_key else ''}", flush=True)
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()
+        sock.close()
+    return 0
+
+
+def _uvicorn_server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """Stops the engine as soon as a signal arrives, so streams end instead of holding
+        the graceful shutdown open."""
+
+        def __init__(self, config, engine):
+            super().__init__(config)
+            self._engine = engine
+
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                threading.Thread(target=self._engine.shutdown, name="paxpage-engine-shutdown",
+                                 daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    return Server
+
+
+def _Server(config, engine):  # noqa: N802 - a factory that keeps uvicorn's import lazy
+    return _uvicorn_server_class()(config, engine)

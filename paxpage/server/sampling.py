@@ -1,0 +1,94 @@
+"""Maps an OpenAI / vLLM request body onto `paxpage.SamplingParams`.
+
+SamplingParams validates every value itself; its ValueError / TypeError messages start with the
+field's name, which is translated back to the name the client used (`max_completion_tokens`,
+`top_logprobs`, ...) so the 400 names the field the client can fix."""
+
+from __future__ import annotations
+
+from paxpage.sampling_params import SamplingParams
+from paxpage.server.errors import APIError, bad_request
+from paxpage.server.protocol import ChatCompletionRequest, CompletionRequest
+
+_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens",
+                    "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
+                    "logprobs", "prompt_logprobs", "skip_special_tokens")
+
+
+def _common(req) -> dict:
+    kw = dict(n=req.n, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+              skip_special_tokens=req.skip_special_tokens,
+              include_stop_str_in_output=req.include_stop_str_in_output)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "seed", "stop", "stop_token_ids"):
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
+    return kw
+
+
+def _build(kwargs: dict, api_names: dict[str, str]) -> SamplingParams:
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        message = str(e)
+        field = message.split(" ", 1)[0]
+        param = api_names.get(field, field) if field in _SAMPLING_FIELDS else None
+        if param is not None and param != field:
+            message = f"{param} (sampling field {field}): {message}"
+        raise bad_request(message, param) from None
+
+
+def check_stream_options(req) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def chat_sampling_params(req: ChatCompletionRequest, *, prompt_len: int, token_budget: int) -> SamplingParams:
+    """token_budget: the most tokens one sequence can hold (min of max_model_len and the KV pool).
+    Without max_(completion_)tokens the answer may fill what the budget leaves after the prompt."""
+    check_stream_options(req)
+    kw = _common(req)
+    names = {}
+    if req.max_completion_tokens is not None:
+        kw["max_tokens"], names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
+    elif req.max_tokens is not None:
+        kw["max_tokens"] = req.max_tokens
+    else:
+        room = token_budget - prompt_len
+        if room < 1:
+            raise bad_request(f"prompt has {prompt_len} tokens; the server holds at most {token_budget} "
+                              "tokens per sequence (max_model_len and KV cache)", "messages")
+        kw["max_tokens"] = room
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+    if req.logprobs:
+        kw["logprobs"] = req.top_logprobs or 0
+        names["logprobs"] = "top_logprobs"
+    return _build(kw, names)
+
+
+def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
+    check_stream_options(req)
+    kw = _common(req)
+    if req.max_tokens is not None:
+        kw["max_tokens"] = req.max_tokens
+    if req.logprobs is not None:
+        kw["logprobs"] = req.logprobs
+        if req.echo:
+            if req.stream:
+                raise bad_request("echo with logprobs is not supported when streaming", "echo")
+            kw["prompt_logprobs"] = req.logprobs
+    return _build(kw, {"prompt_logprobs": "logprobs"})
+
+
+def engine_error(e: Exception, prompt_param: str) -> APIError:
+    """A ValueError from the engine at submission (prompt too long, can never fit, bad ids)."""
+    message = str(e)
+    field = message.split(" ", 1)[0]
+    if field in ("max_tokens", "stop_token_ids", "logprobs", "prompt_logprobs"):
+        return bad_request(message, field)
+    if prompt_param not in message:
+        message = f"{prompt_param} cannot be served: {message}"
+    return bad_request(message, prompt_param)

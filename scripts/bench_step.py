@@ -1,0 +1,261 @@
+"""One steady decode step, measured: host / device / wall ms per step, attention share and GB/s.
+
+Each case fills an `LLMEngine` with `rows` requests of `context` random prompt tokens (EOS
+ignored), steps it until every request is decoding, runs --warmup decode steps (compiles),
+then --steps measured ones. From `engine.stats` (deltas over the measured steps):
+    host    scheduling + packing + stop checks + detokenisation, ms per step
+    device  the jitted step incl. fetching the sampled tokens, ms per step
+    wall    perf_counter around the measured `step()` calls, ms per step
+    overlap (host + device - wall) / min(host, device): 0 = serial, 1 = fully hidden
+
+Attention is timed alone, not inside the engine: one jitted call that does, for every layer,
+the engine's KV write of `rows` tokens and its paged attention over `rows` x `context` keys,
+on a pool of the engine's shape with a permuted page table (pages scattered as after many
+allocations). Its share is that time over the engine's device ms per step, and its GB/s is
+the K/V bytes it must read (2 x layers x rows x context x kv_heads x head_dim x itemsize)
+over that time, set against this machine's read bandwidth (a jitted sum over 512 MiB).
+
+Models: "tiny" is a random 2-layer Llama (hidden 64, 4 heads, 4 kv heads of 16, vocab
+49152) written with transformers' LlamaConfig + save_pretrained to a temp dir, so the model's
+matmuls are negligible next to attention, sampling and host work; "smollm2" is
+`paxpage.load()`'s SmolLM2-135M-Instruct.
+
+Usage:
+    python scripts/bench_step.py --json /tmp/step.json           # the whole table (minutes)
+    python scripts/bench_step.py --cases tiny-256x1536 smollm2-64x65
+    python scripts/bench_step.py --quick                          # CI smoke: tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import paxpage  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    key: str
+    model: str  # "tiny" | "smollm2"
+    rows: int  # running sequences
+    context: int  # prompt tokens per sequence (the decode context at measurement)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    # Prefill tokens per step while filling the engine (the decode step does not depend on it).
+    prefill_tokens: int = 8192
+
+
+CASES = [
+    Case("tiny-32x128", "tiny", 32, 128),
+    Case("tiny-256x128", "tiny", 256, 128),
+    Case("tiny-256x1536", "tiny", 256, 1536),
+    Case("tiny-256x1536-t0.7", "tiny", 256, 1536, temperature=0.7),
+    Case("tiny-256x1536-t0.7-p0.9", "tiny", 256, 1536, temperature=0.7, top_p=0.9),
+    Case("smollm2-64x65", "smollm2", 64, 65, prefill_tokens=2048),
+    Case("smollm2-256x65", "smollm2", 256, 65, prefill_tokens=2048),
+]
+QUICK_CASES = [
+    Case("tiny-8x32", "tiny", 8, 32, prefill_tokens=256),
+    Case("tiny-8x32-t0.7-p0.9", "tiny", 8, 32, temperature=0.7, top_p=0.9, prefill_tokens=256),
+]
+TINY_CONFIG = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4, intermediate_size=128, max_position_embeddings=2048,
+                   tie_word_embeddings=False)
+
+
+def tiny_model(tmp: str) -> paxpage.Model:
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tf.LlamaConfig(**TINY_CONFIG)).save_pretrained(tmp)
+    return paxpage.load(tmp)
+
+
+def _median_seconds(fn, iters: int) -> float:
+    fn()  # compile / warm
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def read_bandwidth(num_bytes: int = 512 << 20, iters: int = 5) -> float:
+    """GB/s of a jitted sum over a large f32 array (well past any cache)."""
+    x = jnp.ones((num_bytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    seconds = _median_seconds(lambda: jax.block_until_ready(total(x)), iters)
+    return num_bytes / seconds / 1e9
+
+
+def _attention_fns(impl: str):
+    """The engine's attention and KV write for `impl` (see paxpage.runner)."""
+    import functools
+
+    if impl == "xla":
+        from pallas_kernels.reference import write_kv
+        from pallas_kernels.xla_attention import paged_attention_xla
+
+        return paged_attention_xla, write_kv
+    from pallas_kernels import dispatch
+
+    return (functools.partial(dispatch.paged_attention, impl=impl),
+            functools.partial(dispatch.write_kv, impl=impl))
+
+
+def time_attention(model: paxpage.Model, cfg: paxpage.EngineConfig, rows: int, context: int,
+                   iters: int) -> dict:
+    """Seconds of every layer's KV write + decode attention for rows x context, and GB/s."""
+    resolved = cfg.resolve(model.config)
+    mc = model.config
+    attention, write_kv = _attention_fns(resolved.attention_impl)
+    dtype = jnp.dtype(resolved.dtype)
+    page_size, pages_per_seq = resolved.page_size, resolved.pages_per_seq
+    pages_per_row = -(-context // page_size)
+    num_pages = max(resolved.num_pages, rows * pages_per_row + 1)
+    rng = np.random.default_rng(0)
+    table = np.zeros((rows, pages_per_seq), np.int32)
+    table[:, :pages_per_row] = rng.permutation(num_pages)[:rows * pages_per_row].reshape(rows, -1)
+    kv_lens = np.full(rows, context, np.int32)
+    last = context - 1
+    slots = table[:, last // page_size] * page_size + last % page_size
+    shape = (2, num_pages, page_size, mc.num_kv_heads, mc.head_dim)
+    pools = [jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for _ in range(mc.num_layers)]
+    q = jnp.asarray(rng.standard_normal((rows, 1, mc.num_heads, mc.head_dim), np.float32), dtype)
+    k = jnp.asarray(rng.standard_normal((rows, mc.num_kv_heads, mc.head_dim), np.float32), dtype)
+    args = [jnp.asarray(a) for a in (table, kv_lens, np.ones(rows, np.int32), slots)]
+
+    def layers(pools, q, k, table, kv_lens, q_lens, slots):
+        out = []
+        for pool in pools:  # the model's order: write this step's K/V, then attend
+            pool = write_kv(pool, k, k, slots)
+            q = attention(q, pool, table, kv_lens, q_lens, sm_scale=mc.head_dim ** -0.5)
+            out.append(pool)
+        return out, q
+
+    step = jax.jit(layers, donate_argnums=(0,))
+    state = {"pools": pools}
+
+    def call():
+        state["pools"], out = step(state["pools"], q, k, *args)
+        jax.block_until_ready(out)
+
+    seconds = _median_seconds(call, iters)
+    kv_bytes = 2 * mc.num_layers * rows * context * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+    return {"seconds": seconds, "kv_bytes": kv_bytes, "gb_per_s": kv_bytes / seconds / 1e9}
+
+
+def run_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: int) -> dict:
+    """Fills an engine with case.rows decoding sequences and measures `steps` decode steps."""
+    page_size = 16
+    tokens_per_row = case.context + warmup + steps + 4
+    # Prefill finishes for different requests in different steps: room for that spread too.
+    spread = -(-case.rows * case.context // case.prefill_tokens) + 2
+    pages_per_row = -(-(tokens_per_row + spread) // page_size)
+    cfg = paxpage.EngineConfig(page_size=page_size, num_pages=case.rows * pages_per_row + 8,
+                               max_num_seqs=case.rows,
+                               max_num_batched_tokens=max(case.prefill_tokens, case.rows))
+    engine = model.engine(cfg)
+    rng = np.random.default_rng(seed)
+    params = paxpage.SamplingParams(max_tokens=warmup + steps + spread + 2, temperature=case.temperature,
+                                    top_p=case.top_p, ignore_eos=True, seed=seed)
+    for _ in range(case.rows):
+        engine.add_request(rng.integers(0, model.config.vocab_size, case.context).tolist(), params)
+    started: set[int] = set()
+    t = time.perf_counter()
+    fill_steps = 0
+    while len(started) < case.rows:  # prefill, until every request has its first token
+        for request, _ in engine.step():
+            started.add(request.request_id)
+        fill_steps += 1
+    fill_s = time.perf_counter() - t
+    for _ in range(warmup):
+        engine.step()
+    before = dataclasses.replace(engine.stats)
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = (time.perf_counter() - t) / steps
+    after = engine.stats
+    n = after.steps - before.steps
+    assert n == steps, (n, steps)
+    host = (after.host_seconds - before.host_seconds) / n
+    device = (after.device_seconds - before.device_seconds) / n
+    return {"cfg": cfg, "host_s": host, "device_s": device, "wall_s": wall,
+            "overlap": max(0.0, host + device - wall) / max(1e-9, min(host, device)),
+            "fill_steps": fill_steps, "fill_s": fill_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", metavar="KEY",
+                        help="subset of: " + ", ".join(c.key for c in CASES))
+    parser.add_argument("--quick", action="store_true", help="tiny shapes only (CI smoke test)")
+    parser.add_argument("--steps", type=int, default=None, help="measured decode steps (default 5, quick 2)")
+    parser.add_argument("--warmup", type=int, default=2, help="decode steps before measuring")
+    parser.add_argument("--attention-iters", type=int, default=None, help="timed attention calls")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    cases = QUICK_CASES if args.quick else CASES
+    if args.cases:
+        known = {c.key: c for c in CASES + QUICK_CASES}
+        unknown = [k for k in args.cases if k not in known]
+        if unknown:
+            parser.error(f"unknown case(s) {unknown}; expected some of {sorted(known)}")
+        cases = [known[k] for k in args.cases]
+    steps = args.steps or (2 if args.quick else 5)
+    iters = args.attention_iters or (2 if args.quick else 5)
+
+    bandwidth = read_bandwidth(64 << 20 if args.quick else 512 << 20)
+    print(f"jax {jax.__version__} on {jax.default_backend()}: read bandwidth {bandwidth:.1f} GB/s "
+          "(jitted sum)", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        models = {}
+        for case in cases:
+            if case.model not in models:
+                models[case.model] = tiny_model(tmp) if case.model == "tiny" else paxpage.load()
+            model = models[case.model]
+            r = run_case(model, case, steps, args.warmup, args.seed)
+            att = time_attention(model, r.pop("cfg"), case.rows, case.context, iters)
+            row = {"case": case.key, **dataclasses.asdict(case), **r,
+                   "attention_s": att["seconds"], "attention_share": att["seconds"] / r["device_s"],
+                   "attention_kv_bytes": att["kv_bytes"], "attention_gb_per_s": att["gb_per_s"],
+                   "attention_vs_bandwidth": att["gb_per_s"] / bandwidth}
+            results.append(row)
+            print(f"{case.key:26s} host {r['host_s'] * 1e3:7.1f}  device {r['device_s'] * 1e3:8.1f}  "
+                  f"wall {r['wall_s'] * 1e3:8.1f} ms/step  overlap {r['overlap']:4.0%}  attention "
+                  f"{att['seconds'] * 1e3:6.1f} ms ({row['attention_share']:4.0%} of device), "
+                  f"{att['gb_per_s']:5.1f} GB/s ({row['attention_vs_bandwidth']:.2f}x read bandwidth)  "
+                  f"[fill {r['fill_steps']} steps, {r['fill_s']:.0f} s]", flush=True)
+
+    print("\n| case | host ms/step | device ms/step | wall ms/step | overlap | attention share | attention GB/s |")
+    print("|---|---|---|---|---|---|---|")
+    for row in results:
+        print(f"| {row['case']} | {row['host_s'] * 1e3:.1f} | {row['device_s'] * 1e3:.1f} | "
+              f"{row['wall_s'] * 1e3:.1f} | {row['overlap']:.0%} | {row['attention_share']:.0%} | "
+              f"{row['attention_gb_per_s']:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"backend": jax.default_backend(), "read_bandwidth_gb_per_s": bandwidth,
+                       "steps": steps, "cases": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The command line's error paths: a user's mistake is one line `paxpage: error: <message>` on stderr
+and exit status 2; `--debug` shows the traceback; programming errors are not hidden."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import paxpage
+from paxpage.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    """No jax compilation cache switched on for the rest of the session, no user cache touched."""
+    from paxpage import xla_cache
+
+    monkeypatch.setenv("PAXPAGE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(xla_cache, "enable", lambda directory=None: None)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Bad sampling values must fail before the model loads (seconds on a cold cache)."""
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(paxpage, "load", load)
+
+
+def one_error_line(capsys) -> str:
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("paxpage: error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max-tokens", "-1"], "paxpage: error: max_tokens must be >= 1, got -1"),
+    (["--max-tokens", "0"], "paxpage: error: max_tokens must be >= 1, got 0"),
+    (["--temperature", "-1"], "paxpage: error: temperature must be in [0, inf), got -1.0"),
+    (["--top-p", "2"], "paxpage: error: top_p must be in (0, 1], got 2.0"),
+    (["--top-k", "-5"], "paxpage: error: top_k must be -1 or 0 (disabled) or >= 1, got -5"),
+    (["--seed", "-3"], "paxpage: error: seed must be >= 0, got -3"),
+])
+def test_bad_sampling_values(capsys, no_model_load, argv, message):
+    assert main(["generate", "hi", *argv]) == 2
+    assert one_error_line(capsys) == message
+
+
+def test_bad_model_paths(capsys, tmp_path):
+    assert main(["generate", "hi", "--model", "/nonexistent.gguf"]) == 2
+    assert one_error_line(capsys) == "paxpage: error: model path '/nonexistent.gguf' does not exist"
+    readme = os.path.join(ROOT, "README.md")
+    assert main(["generate", "hi", "--model", readme]) == 2
+    assert one_error_line(capsys) == (f"paxpage: error: model file {readme!r} is not a .gguf file; "
+                                      "pass a .gguf file or a model directory")
+    assert main(["generate", "hi", "--model", str(tmp_path)]) == 2
+    assert "is not a model" in one_error_line(capsys)
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF but not really")
+    assert main(["generate", "hi", "--model", str(tmp_path / "bad.gguf")]) == 2
+    assert "bad.gguf" in one_error_line(capsys)
+
+
+def test_file_not_found_and_own_errors(capsys, monkeypatch):
+    def missing(*args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory", "/gone/tokenizer.json")
+
+    monkeypatch.setattr(paxpage, "load", missing)
+    assert main(["generate", "hi"]) == 2
+    assert one_error_line(capsys) == "paxpage: error: No such file or directory: /gone/tokenizer.json"
+
+    class EngineDeadError(RuntimeError):  # as paxpage's engine loop defines its own errors
+        pass
+
+    EngineDeadError.__module__ = "paxpage.async_engine"
+
+    def dead(*args, **kwargs):
+        raise EngineDeadError("the engine loop died:\n  step 3 failed")
+
+    monkeypatch.setattr(paxpage, "load", dead)
+    assert main(["generate", "hi"]) == 2
+    assert one_error_line(capsys) == "paxpage: error: the engine loop died: step 3 failed"
+
+
+def test_bugs_and_debug_keep_the_traceback(capsys, monkeypatch):
+    def bug(*args, **kwargs):
+        raise KeyError("not a user error")
+
+    monkeypatch.setattr(paxpage, "load", bug)
+    with pytest.raises(KeyError):
+        main(["generate", "hi"])
+    with pytest.raises(ValueError, match="top_p"):
+        main(["--debug", "generate", "hi", "--top-p", "2"])
+
+
+def test_exit_status_and_debug_in_a_process():
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", "paxpage.cli", *argv], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+
+    proc = run("generate", "hi", "--top-p", "2")
+    assert proc.returncode == 2
+    assert proc.stderr == "paxpage: error: top_p must be in (0, 1], got 2.0\n" and proc.stdout == ""
+    proc = run("--debug", "generate", "hi", "--top-p", "2")
+    assert proc.returncode == 1
+    assert "Traceback (most recent call last)" in proc.stderr and "sampling_params.py" in proc.stderr
+
+
+def test_bench_without_a_name(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "the following arguments are required: which" in err and "rest" not in err.splitlines()[-1]
