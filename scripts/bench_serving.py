@@ -30,8 +30,8 @@ Per rate and system: achieved requests/s and output tokens/s, TTFT and TPOT p50/
 normalised latency (scripts/serving_load.py defines them), and the longest stall between two
 tokens of any request (a paxpage compile of a new step shape shows up there). Per mode: the highest measured
 rate each system sustains with normalised latency <= --latency-limit (every lower rate too,
-every request finished; the default limit is twice the slower system's latency at the
-lowest rate), the crossing interpolated on a log-rate axis, and their ratio.
+every request finished; the default limit is twice the slower system's lowest normalised
+latency), the crossing interpolated on a log-rate axis, and their ratio.
 Every request (--request-timeout) and every rate run (--rate-timeout) is bounded in time.
 """
 
@@ -167,8 +167,13 @@ def plot(results: dict, capacities: dict, limits: dict, path: str, title: str) -
             xs = [p["rate"] for p in points if p["normalised_latency_s"] is not None]
             ys = [p["normalised_latency_s"] for p in points if p["normalised_latency_s"] is not None]
             rates.update(xs)
-            cap = capacities[mode].get(system, {}).get("interpolated_rate")
-            extra = "" if cap is None else f", sustains {cap:.2f} req/s"
+            cap = capacities[mode].get(system, {})
+            if cap.get("interpolated_rate") is None:
+                extra = ", sustains no rate"
+            elif cap["limit_reached"]:
+                extra = f", sustains {cap['interpolated_rate']:.2f} req/s"
+            else:
+                extra = f", sustains >= {cap['interpolated_rate']:.2f} req/s (limit not reached)"
             ax.plot(xs, ys, marker="o", label=f"{system}{extra}")
         ax.axhline(limits[mode], color="grey", linestyle="--", linewidth=1,
                    label=f"latency limit {limits[mode]:.3g} s/token")
@@ -212,9 +217,9 @@ def parse_args(argv):
                              "loaded 2-core machine 1 thread decoded ~5x faster than 2 (OpenMP spin barriers)")
     parser.add_argument("--latency-limit", default="auto",
                         help="normalised latency (s/token) a sustained rate stays under. 'auto' (per mode): "
-                             "twice the slowest system's normalised latency at the lowest rate, so every "
-                             "system qualifies at light load and the limit marks where queueing has doubled "
-                             "the per-token time of the slower one")
+                             "twice the slower system's light-load value (its lowest over the rates), so "
+                             "both can qualify and the limit marks where queueing has doubled the "
+                             "per-token time of the slower one")
     parser.add_argument("--warmup-requests", type=int, default=16,
                         help="requests sent at once to each server before measuring (compiles, CB start)")
     parser.add_argument("--warmup-rates", default=None,
@@ -224,6 +229,8 @@ def parse_args(argv):
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--rate-timeout", type=float, default=900.0)
     parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument("--from-json", metavar="PATH",
+                        help="measure nothing: report (limit, table, plot) from an earlier --json")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--plot", metavar="PATH.png")
     args = parser.parse_args(argv)
@@ -286,8 +293,8 @@ def start_servers(args, stack: contextlib.ExitStack, hf_dir: str) -> dict:
     return out
 
 
-def run(args, specs_for, servers: dict) -> tuple[dict, dict, dict]:
-    """Warm-ups, then every (mode, rate) with the systems taking turns: results, capacities, limits."""
+def run(args, specs_for, servers: dict) -> dict:
+    """Warm-ups, then every (mode, rate) with the systems taking turns: {mode: {system: [points]}}."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
 
     def one(system, mode, rate, specs, seed):  # one rate run: a summary
@@ -316,22 +323,32 @@ def run(args, specs_for, servers: dict) -> tuple[dict, dict, dict]:
                       f"finished, {point['requests_per_s']:.2f} req/s, normalised latency "
                       f"{point['normalised_latency_s'] or float('nan'):.4f} s/token "
                       f"{point['errors'] or ''}", flush=True)
-    limits = {mode: latency_limit(args.latency_limit, results[mode]) for mode in args.modes}
-    capacities = {mode: {s: capacity(results[mode][s], limits[mode]) for s in servers} for mode in args.modes}
-    return results, capacities, limits
+    return results
 
 
 def latency_limit(spec: str, per_system: dict) -> float:
-    """--latency-limit as a number, or 'auto': 2x the slowest system's value at the lowest rate."""
+    """--latency-limit as a number, or 'auto': twice the slower system's light-load latency,
+    each system's lowest normalised latency over the rates (a stall, such as a compile, can
+    spoil any one point, the lowest rate's included)."""
     if spec != "auto":
         return float(spec)
-    lowest = [min(points, key=lambda p: p["rate"])["normalised_latency_s"] for points in per_system.values()]
-    lowest = [x for x in lowest if x is not None]
-    return 2 * max(lowest) if lowest else float("nan")
+    best = [min((p["normalised_latency_s"] for p in points if p["normalised_latency_s"] is not None),
+                default=None) for points in per_system.values()]
+    best = [x for x in best if x is not None]
+    return 2 * max(best) if best else float("nan")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            old = json.load(f)
+        args.modes = [m for m in MODES if m in old["results"]]
+        args.request_rates = old["request_rates"]
+        args.num_requests = old["workload"]["num_requests"]
+        servers = {s: (v["base_url"], v["model"]) for s, v in old["servers"].items()}
+        return report(args, old["results"], servers, old["workload"]["lengths"],
+                      old["workload"]["prompt_tokens_by_tokenizer"])
     if args.lengths:
         lengths = wl.read_lengths(args.lengths)
     else:
@@ -367,9 +384,15 @@ def main(argv=None) -> int:
             return [load.RequestSpec(request_body(system, mode, model_id, t, o), o) for t, o in zip(texts, outs)]
 
         servers = start_servers(args, stack, hf_dir)
-        results, capacities, limits = run(args, specs_for, servers)
+        results = run(args, specs_for, servers)
+    return report(args, results, servers, lengths, {f"{m}/{i}": v for (m, i), v in real_lens.items()})
 
+
+def report(args, results: dict, servers: dict, lengths: list, prompt_lens: dict) -> int:
+    """Capacities under the latency limit, the table, the notes, the plot and the JSON."""
     systems = list(servers)
+    limits = {mode: latency_limit(args.latency_limit, results[mode]) for mode in args.modes}
+    capacities = {mode: {s: capacity(results[mode][s], limits[mode]) for s in systems} for mode in args.modes}
     print()
     print_table(results, systems)
     ratios = {}
@@ -408,7 +431,7 @@ def main(argv=None) -> int:
             "request_rates": args.request_rates, "latency_limit": args.latency_limit,
             "latency_limit_s_per_token": limits,
             "workload": {"num_requests": args.num_requests, "lengths": lengths,
-                         "prompt_tokens_by_tokenizer": {f"{m}/{i}": v for (m, i), v in real_lens.items()}},
+                         "prompt_tokens_by_tokenizer": prompt_lens},
             "results": results, "capacity": capacities, "ratio_paxpage_over_hf": ratios, "notes": notes,
         })
     return 0

@@ -151,9 +151,9 @@ def test_serving_metrics_hand_computed():
     points[1]["num_finished"] = 3  # an unfinished request: that rate is not sustained
     assert bench.capacity(points, 0.1)["highest_rate"] == 1
     assert bench.capacity(points[:1], 0.1) == {"highest_rate": 1, "interpolated_rate": 1, "limit_reached": False}
-    auto = {"a": [dict(rate=2, normalised_latency_s=0.5), dict(rate=1, normalised_latency_s=0.05)],
+    auto = {"a": [dict(rate=2, normalised_latency_s=0.05), dict(rate=1, normalised_latency_s=0.5)],
             "b": [dict(rate=1, normalised_latency_s=0.08), dict(rate=2, normalised_latency_s=None)]}
-    assert bench.latency_limit("auto", auto) == pytest.approx(0.16)  # 2x the slower one at the lowest rate
+    assert bench.latency_limit("auto", auto) == pytest.approx(0.16)  # 2x the slower one's best
     assert bench.latency_limit("0.3", auto) == 0.3
     hf = bench.request_body("hf", "forced", "m", "x", 7)
     assert "ignore_eos" not in hf and json.loads(hf["generation_config"])["eos_token_id"] == -1
@@ -274,3 +274,10 @@ def test_bench_serving_against_fake_server(fake_server, tmp_path, capsys):
     assert os.path.getsize(png) > 1000
     assert data["latency_limit_s_per_token"] == {"natural": 1.0, "forced": 1.0}
     assert "natural, limit 1 s/token: paxpage 80.00 req/s" in capsys.readouterr().out
+    # Re-reported from the JSON under another limit: nothing is measured again.
+    again = tmp_path / "again.json"
+    assert bench.main(["--from-json", str(out), "--latency-limit", "1e-9", "--json", str(again)]) == 0
+    redo = json.loads(again.read_text())
+    assert redo["results"] == data["results"] and len(seen) == 2 + len(lengths) + 2 * 2 * len(lengths)
+    assert redo["capacity"]["forced"]["paxpage"] == {"highest_rate": None, "interpolated_rate": None,
+                                                     "limit_reached": True}
