@@ -6,6 +6,7 @@ its normalised latency (mean over requests of end-to-end latency / output tokens
 
     python scripts/bench_serving.py --json /tmp/serving.json --plot /tmp/serving.png
     python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --api vllm   # a running server
+    python scripts/bench_serving.py --from-json /tmp/serving.json --latency-limit 0.2  # re-report
 
 By default the script writes an HF-format copy of the model (`--model`, the SmolLM2 GGUF
 unless given) and starts, on 127.0.0.1 at ephemeral ports, both
@@ -13,8 +14,12 @@ unless given) and starts, on 127.0.0.1 at ephemeral ports, both
     hf       transformers serve HF_COPY --continuous-batching ...
 on that same directory (same weights, same tokenizer, float32), and stops them at the end,
 on errors and on Ctrl-C. The KV budget is the same (1 GiB, paxpage's default; HF gets as
-many 256-token blocks) and so is the per-step token budget (512). The systems take turns at
-each rate (same prompts, same lengths, same arrival times), so machine noise hits both alike.
+many 256-token blocks) and so is the per-step token budget (512); HF's torch runs on one
+thread (--hf-threads: on a busy 2-core machine OpenMP's spinning made 2 threads ~5x slower).
+Before measuring, each server gets a burst and an unmeasured pass over the rates (paxpage
+compiles each new step shape once; Poisson traffic meets shapes a burst does not). The
+systems take turns at each rate (same prompts, same lengths, same arrival times), so machine
+noise hits both alike.
 
 Workload: ShareGPT-like prompt / output lengths from scripts/workload.py. Prompts are text
 made of random single-token words, so each server's tokenizer gives exactly the drawn prompt
