@@ -69,6 +69,7 @@ MAX_BATCH_TOKENS = 512  # paxpage's default max_num_batched_tokens
 # Extras each API accepts for forcing the output length (None: it cannot).
 APIS = ("paxpage", "vllm", "hf", "openai")
 MODES = ("natural", "forced")
+COLORS = {"paxpage": "tab:blue", "hf": "tab:orange"}  # the same in every plot
 
 
 # ---------------------------------------------------------------------------------------- requests
@@ -179,7 +180,7 @@ def plot(results: dict, capacities: dict, limits: dict, path: str, title: str) -
                 extra = f", sustains {cap['interpolated_rate']:.2f} req/s"
             else:
                 extra = f", sustains >= {cap['interpolated_rate']:.2f} req/s (limit not reached)"
-            ax.plot(xs, ys, marker="o", label=f"{system}{extra}")
+            ax.plot(xs, ys, marker="o", label=f"{system}{extra}", color=COLORS.get(system))
         ax.axhline(limits[mode], color="grey", linestyle="--", linewidth=1,
                    label=f"latency limit {limits[mode]:.3g} s/token")
         if rates:
@@ -351,8 +352,10 @@ def main(argv=None) -> int:
         args.modes = [m for m in MODES if m in old["results"]]
         args.request_rates = old["request_rates"]
         args.num_requests = old["workload"]["num_requests"]
-        servers = {s: (v["base_url"], v["model"]) for s, v in old["servers"].items()}
-        return report(args, old["results"], servers, old["workload"]["lengths"],
+        order = sorted(old["servers"], key=lambda s: (s != "paxpage", s))  # json sorted them
+        servers = {s: (old["servers"][s]["base_url"], old["servers"][s]["model"]) for s in order}
+        results = {m: {s: old["results"][m][s] for s in order} for m in args.modes}
+        return report(args, results, servers, old["workload"]["lengths"],
                       old["workload"]["prompt_tokens_by_tokenizer"])
     if args.lengths:
         lengths = wl.read_lengths(args.lengths)
