@@ -78,7 +78,8 @@ def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCH_SCRIPTS = {"throughput": "bench_throughput.py", "memory": "bench_memory.py", "step": "bench_step.py"}
+BENCH_SCRIPTS = {"throughput": "bench_throughput.py", "memory": "bench_memory.py", "step": "bench_step.py",
+                 "serving": "bench_serving.py"}
 
 
 def _bench(args: argparse.Namespace) -> int:
