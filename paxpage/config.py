@@ -32,6 +32,8 @@ class EngineConfig:
     # Dispatch step t+1 while step t runs (its tokens are read one step late); False: every
     # step waits for its tokens before the next is scheduled. Outputs are the same.
     async_scheduling: bool = True
+    # Compile every step shape when the engine is built (LLMEngine.precompile), not on first use.
+    precompile: bool = False
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_row_len"):
@@ -46,7 +48,7 @@ class EngineConfig:
             raise ValueError(
                 f"give num_pages ({self.num_pages}) or kv_cache_bytes ({self.kv_cache_bytes}), not both"
             )
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "precompile"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.kv_allocation not in ("paged", "contiguous"):

@@ -78,6 +78,25 @@ class LLMEngine:
         self._beams = beam_lib.BeamCoordinator(self.scheduler, self.outputs, self.new_sequence)
         self._inflight: _Launched | None = None  # async scheduling: the step still on the device
 
+        self.precompiled: tuple[int, float] | None = None  # (shapes, seconds) once precompile() ran
+        if self.config.precompile:
+            self.precompile()
+
+    def precompile(self) -> tuple[int, float]:
+        """Compiles every step shape this config can produce now, so no request waits for a
+        compile later (with jax's persistent compilation cache, e.g. as the CLI and `paxpage
+        serve` enable it, a later process loads them instead). Returns (shapes, seconds)."""
+        t = time.perf_counter()
+        vocab = self.model_cfg.vocab_size
+
+        def padding_rows(num_rows: int) -> SamplingTensors:
+            return SamplingTensors.build([], vocab, pad_rows_to=num_rows, eos_token_ids=self.eos_token_ids,
+                                         token_width=self.config.max_model_len)
+
+        count = self.runner.precompile(padding_rows)
+        self.precompiled = (count, time.perf_counter() - t)
+        return self.precompiled
+
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, index: int = 0,
                     prompt: str | None = None) -> int:

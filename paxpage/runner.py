@@ -183,6 +183,38 @@ class ModelRunner:
                           pre_q, logits_indices, prompt_indices, prompt_targets)
         return batch, logits_plan, [(plan, pos) for plan, pos, _, _ in prompt_rows], prev_rows
 
+    def step_shapes(self) -> list[tuple[int, int]]:
+        """Every (decode rows, prefill rows) bucket pair a step of this config can have: the
+        step's shape depends on nothing else (the logits rows follow from the two)."""
+        cfg = self.cfg
+        seqs, tokens = cfg.max_num_seqs, cfg.max_num_batched_tokens
+        # each prefill row holds >= 1 token; a sequence's chunk adds at most one partial row
+        max_pre = min(tokens, seqs + tokens // cfg.prefill_row_len)
+        shapes = set()
+        for dec in range(seqs + 1):
+            for pre in range(max_pre + 1):
+                if (dec or pre) and dec + pre <= tokens and dec + (1 if pre else 0) <= seqs:
+                    shapes.add((bucket(dec), bucket(pre)))
+        return sorted(shapes)
+
+    def precompile(self, sampling_for_rows) -> int:
+        """Compiles (by running it on an all-padding batch, whose K/V writes are dropped) the
+        step and the plain sampler for every shape in `step_shapes()`. `sampling_for_rows(R)`
+        gives padding SamplingTensors of R rows. Returns the number of shapes."""
+        shapes = self.step_shapes()
+        row_len, pages_per_seq = self.cfg.prefill_row_len, self.cfg.pages_per_seq
+        for dec, pre in shapes:
+            total = dec + pre * row_len
+            num_logits = bucket(dec + pre)
+            batch = StepBatch(
+                np.zeros(total, np.int32), np.zeros(total, np.int32), np.full(total, -1, np.int32),
+                np.zeros((dec, pages_per_seq), np.int32), np.zeros(dec, np.int32),
+                np.zeros((pre, pages_per_seq), np.int32), np.zeros(pre, np.int32), np.zeros(pre, np.int32),
+                np.zeros(num_logits, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
+            out, _ = self.launch(batch, sampling_for_rows(num_logits))
+            jax.block_until_ready(out.token_ids)
+        return len(shapes)
+
     # ------------------------------------------------------------------ device calls
     def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: duplicates pages src -> dst in every layer, batched in one call."""

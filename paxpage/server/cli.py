@@ -37,6 +37,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--attention-impl", default=None, choices=["xla", "pallas", "pallas-interpret"])
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--no-chunked-prefill", action="store_true")
+    e.add_argument("--no-precompile", action="store_true",
+                   help="compile step shapes on first use instead of at start (first requests then wait)")
     s.set_defaults(func=run_serve)
     return s
 
@@ -52,6 +54,9 @@ def engine_config_from_args(args: argparse.Namespace):
         kw["enable_prefix_caching"] = False
     if args.no_chunked_prefill:
         kw["enable_chunked_prefill"] = False
+    # A server compiles every step shape before it listens: a compile met under load stalls
+    # every running stream for seconds. jax's persistent cache makes later starts quick.
+    kw["precompile"] = not getattr(args, "no_precompile", False)
     return EngineConfig(**kw)
 
 
@@ -100,6 +105,9 @@ def run_serve(args: argparse.Namespace) -> int:
         server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_timeout,
                                         access_log=args.log_level == "debug"), engine)
         host, port = sock.getsockname()[:2]
+        if engine.engine.precompiled is not None:
+            shapes, seconds = engine.engine.precompiled
+            print(f"paxpage serve: compiled {shapes} step shapes in {seconds:.0f} s", flush=True)
         print(f"paxpage serve: {app.state.paxpage.served_model_name} on http://{host}:{port}"
               f"{' (API key required)' if api_key else ''}", flush=True)
         server.run(sockets=[sock])

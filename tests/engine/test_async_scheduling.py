@@ -105,3 +105,19 @@ def test_stop_strings_cut_exactly_with_async(smollm2):
     assert [o.text for o in fast] == [o.text for o in sync]
     assert fast[0].text == "The capital of France " and fast[0].stop_reason == "is Par"
     assert [o.token_ids for o in fast] == [o.token_ids for o in sync]
+
+
+def test_precompile_leaves_nothing_to_compile(tiny):
+    from paxpage import compile_counter
+
+    config = EngineConfig(page_size=8, num_pages=64, max_model_len=256, max_num_seqs=4,
+                          max_num_batched_tokens=64, precompile=True, async_scheduling=False)
+    engine = tiny.engine(config)
+    shapes, _ = engine.precompiled
+    assert shapes == len(engine.runner.step_shapes()) > 4
+    before = compile_counter.compiles()
+    prompts = random_prompts(7, 128, [3, 40, 9, 60, 17, 5, 33], seed=12)
+    params = [SP(temperature=0, max_tokens=9, ignore_eos=True), SP(temperature=0.8, top_p=0.9, seed=1, max_tokens=5)]
+    paxpage.generate(tiny, prompts, sampling_params=[params[i % 2] for i in range(7)], engine_config=config,
+                     use_tqdm=False)
+    assert compile_counter.compiles() == before
