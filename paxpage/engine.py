@@ -216,11 +216,11 @@ class LLMEngine:
         num_prompt_logprobs = _logprob_bucket(max(
             (self.outputs.lookup(sched.scheduled[i].seq.seq_id)[0].params.prompt_logprobs or 0
              for i, _ in prompt_plan), default=0))
-        prev_tokens = self._inflight.result.token_ids if prev_rows is not None else None
-        result, prompt_result = self.runner.launch(batch, tensors, num_logprobs, num_prompt_logprobs,
-                                                   prev_rows, prev_tokens)
+        prev_tokens = self._inflight.next_tokens if self._inflight is not None else None
+        result, prompt_result, next_tokens = self.runner.launch(
+            batch, tensors, num_logprobs, num_prompt_logprobs, prev_rows, prev_tokens)
         counts = [row_counter[logits_plan[row]] for _, _, row in rows]
-        return _Launched(sched, rows, counts, prompt_plan, result, prompt_result)
+        return _Launched(sched, rows, counts, prompt_plan, result, prompt_result, next_tokens)
 
     def _can_overlap(self, step: "_Launched") -> bool:
         """A step may stay in flight when the next step can be scheduled without its tokens: plain
@@ -338,6 +338,7 @@ class _Launched:
     prompt_plan: list[tuple[int, int]]
     result: object  # SamplerOutput, device arrays
     prompt_result: object
+    next_tokens: object  # i32[R_max] device: the sampled tokens, as the next step reads them
     row_of_seq: dict[int, int] = dataclasses.field(default_factory=dict)  # in flight: seq -> row
 
 

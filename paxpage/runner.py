@@ -86,21 +86,27 @@ class ModelRunner:
         # penalty lists) then never recompile the model, and a new batch shape reuses the
         # sampler. Logits stay on device between the two calls.
         self.tables = PageTables(cfg.pages_per_seq, cfg.page_size)
+        # The most sampling rows a step that can stay in flight has (one per sequence row).
+        self.max_logits_rows = max(bucket(dec + pre) for dec, pre in self.step_shapes())
+        self._no_prev_tokens = jnp.zeros(self.max_logits_rows, jnp.int32)
         self._step = jax.jit(self._forward, donate_argnums=(1,))
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
 
-    def _forward(self, params, kv_cache, batch: StepBatch):
+    def _forward(self, params, kv_cache, batch: StepBatch, prev_rows, prev_tokens):
+        # prev_rows i32[T], prev_tokens i32[R_max]: async scheduling's tokens that are still on
+        # device (the previous step's samples), merged here so they add no compiled shape.
+        token_ids = jnp.where(prev_rows >= 0, prev_tokens[jnp.maximum(prev_rows, 0)], batch.token_ids)
+        batch = dataclasses.replace(batch, token_ids=token_ids)
         logits, kv_cache = self.model.apply({"params": params}, batch, kv_cache)
         num_rows = batch.logits_indices.shape[0]
         return kv_cache, logits[:num_rows], logits[num_rows:]
 
     # ------------------------------------------------------------------ packing
     def pack(self, rows: Sequence[RowPlan]
-             ) -> tuple[StepBatch, list[int], list[tuple[int, int]], np.ndarray | None]:
+             ) -> tuple[StepBatch, list[int], list[tuple[int, int]], np.ndarray]:
         """Lays out the rows' tokens. Returns the batch, the plan index of each sampling row,
         (plan index, position) of each prompt-logprob row, and i32[T] `prev_rows` (the previous
-        step's sampled-token row for each flat token whose id the host does not have yet, else
-        -1; None when there is none).
+        step's sampled-token row for each flat token whose id the host does not have yet, else -1).
 
         Decode rows (one token) are laid out with array operations over the persistent page
         tables, so their host cost does not grow with context length."""
@@ -134,7 +140,7 @@ class ModelRunner:
         last_token_index = {}
         prompt_rows: list[tuple[int, int, int, int]] = []  # (plan, position, flat index, target)
 
-        prev_rows = None
+        prev_rows = np.full(total, -1, np.int32)
         n = len(decode)
         if n:
             pos = np.fromiter((rows[i].start for i in decode), np.int32, n)
@@ -143,10 +149,7 @@ class ModelRunner:
             positions[:n] = pos
             slots[:n] = dec_pages[np.arange(n), pos // page_size] * page_size + pos % page_size
             dec_lens[:n] = pos + 1
-            prev = [rows[i].prev_row for i in decode]
-            if max(prev) >= 0:
-                prev_rows = np.full(total, -1, np.int32)
-                prev_rows[:n] = prev
+            prev_rows[:n] = [rows[i].prev_row for i in decode]
             for row, i in enumerate(decode):
                 last_token_index[i] = row
                 if rows[i].num_prompt_tokens - 1 > rows[i].start:  # a 1-token prompt chunk
@@ -211,8 +214,7 @@ class ModelRunner:
                 np.zeros((dec, pages_per_seq), np.int32), np.zeros(dec, np.int32),
                 np.zeros((pre, pages_per_seq), np.int32), np.zeros(pre, np.int32), np.zeros(pre, np.int32),
                 np.zeros(num_logits, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
-            out, _ = self.launch(batch, sampling_for_rows(num_logits))
-            jax.block_until_ready(out.token_ids)
+            jax.block_until_ready(self.launch(batch, sampling_for_rows(num_logits))[2])
         return len(shapes)
 
     # ------------------------------------------------------------------ device calls
@@ -229,27 +231,31 @@ class ModelRunner:
 
     def launch(self, batch: StepBatch, sampling, num_logprobs: int = 0, num_prompt_logprobs: int = 0,
                prev_rows: np.ndarray | None = None, prev_tokens: jax.Array | None = None):
-        """Dispatches the step and returns (SamplerOutput, PromptLogprobs | None) as device
-        arrays, without waiting for them. prev_rows i32[T] / prev_tokens i32[R']: tokens the
-        host does not have yet are taken from the previous step's sampled tokens on device."""
-        if prev_rows is not None:
-            batch = dataclasses.replace(batch, token_ids=_merge_tokens(batch.token_ids, prev_rows, prev_tokens))
-        self.kv_cache, logits, prompt_logits = self._step(self.params, self.kv_cache, batch)
+        """Dispatches the step and returns (SamplerOutput, PromptLogprobs | None, next_tokens) as
+        device arrays, without waiting for them. prev_rows i32[T] / prev_tokens i32[R_max]: the
+        tokens the host does not have yet are the previous step's `next_tokens` rows. next_tokens
+        i32[R_max] are this step's sampled tokens in that form."""
+        if prev_rows is None:
+            prev_rows = np.full(batch.token_ids.shape[0], -1, np.int32)
+        if prev_tokens is None:
+            prev_tokens = self._no_prev_tokens
+        self.kv_cache, logits, prompt_logits = self._step(self.params, self.kv_cache, batch, prev_rows,
+                                                          prev_tokens)
         out = sampler_lib.sample(logits, sampling, num_logprobs)
         prompt = None
         if batch.prompt_targets.shape[0]:
             prompt = sampler_lib.score_prompt(prompt_logits, batch.prompt_targets, num_prompt_logprobs)
-        return out, prompt
+        return out, prompt, _fixed_rows(out.token_ids, self.max_logits_rows)
 
     def run(self, batch: StepBatch, sampling, num_logprobs: int = 0, num_prompt_logprobs: int = 0):
         """Returns (SamplerOutput, PromptLogprobs) as numpy."""
-        return jax.device_get(self.launch(batch, sampling, num_logprobs, num_prompt_logprobs))
+        return jax.device_get(self.launch(batch, sampling, num_logprobs, num_prompt_logprobs)[:2])
 
 
 def _copy_pages(kv_cache, src, dst):  # src, dst: i32[C]
     return [pages.at[:, dst].set(pages[:, src], mode="drop") for pages in kv_cache]
 
 
-@jax.jit
-def _merge_tokens(token_ids, prev_rows, prev_tokens):  # i32[T], i32[T], i32[R'] -> i32[T]
-    return jnp.where(prev_rows >= 0, prev_tokens[jnp.maximum(prev_rows, 0)], token_ids)
+@functools.partial(jax.jit, static_argnums=(1,))
+def _fixed_rows(token_ids, num_rows: int):  # i32[R] -> i32[num_rows], cut or zero-padded
+    return jnp.zeros(num_rows, jnp.int32).at[:token_ids.shape[0]].set(token_ids[:num_rows])
