@@ -187,9 +187,11 @@ class EngineLoop:
                     commands, self._inbox = self._inbox, []
                 for kind, payload in commands:
                     self._add(*payload) if kind == "add" else self._abort(payload)
+                if commands:
+                    self._publish()
                 if self._live:
                     self._step()
-                self._publish()
+                    self._publish()
         except BaseException as exc:  # noqa: BLE001 - every live caller must hear of it
             self._error = exc
         finally:
