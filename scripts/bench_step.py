@@ -37,12 +37,14 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import paxpage  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,21 +86,12 @@ def tiny_model(tmp: str) -> paxpage.Model:
     return paxpage.load(tmp)
 
 
-def _median_seconds(fn, iters: int) -> float:
-    fn()  # compile / warm
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
-
 
 def read_bandwidth(num_bytes: int = 512 << 20, iters: int = 5) -> float:
     """GB/s of a jitted sum over a large f32 array (well past any cache)."""
     x = jnp.ones((num_bytes // 4,), jnp.float32)
     total = jax.jit(jnp.sum)
-    seconds = _median_seconds(lambda: jax.block_until_ready(total(x)), iters)
+    seconds = median_seconds(lambda: jax.block_until_ready(total(x)), iters)
     return num_bytes / seconds / 1e9
 
 
@@ -154,7 +147,7 @@ def time_attention(model: paxpage.Model, cfg: paxpage.EngineConfig, rows: int, c
         state["pools"], out = step(state["pools"], q, k, *args)
         jax.block_until_ready(out)
 
-    seconds = _median_seconds(call, iters)
+    seconds = median_seconds(call, iters)
     kv_bytes = 2 * mc.num_layers * rows * context * mc.num_kv_heads * mc.head_dim * dtype.itemsize
     return {"seconds": seconds, "kv_bytes": kv_bytes, "gb_per_s": kv_bytes / seconds / 1e9}
 

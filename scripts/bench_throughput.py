@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import paxpage  # noqa: E402
 import workload as wl  # noqa: E402
+from timing import median_seconds  # noqa: E402
 from paxpage import compile_counter  # noqa: E402
 
 
@@ -192,7 +193,7 @@ def pick_threads(model, vocab_size: int, candidates) -> int:
         torch.set_num_threads(threads)
         with torch.no_grad():
             model(x)
-            seconds = _timeit(lambda: model(x), 3)
+            seconds = median_seconds(lambda: model(x), 3)
         if seconds < best_s:
             best, best_s = threads, seconds
     torch.set_num_threads(best)
@@ -223,17 +224,6 @@ def run_hf(source: str | None, work: wl.Workload, batch_sizes, threads: int | No
 
 
 # ---------------------------------------------------------------------------------------- profile
-def _timeit(fn, iters: int) -> float:
-    """Median seconds of fn() (which must block) after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
-
-
 def _interleaved(fns: dict, iters: int) -> dict:
     """Median seconds of each blocking callable, timed round-robin after one warm-up call
     each, so slow drifts in machine load hit every variant alike."""
