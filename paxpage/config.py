@@ -101,7 +101,12 @@ class ResolvedConfig:
     page_bytes: int
 
     def __getattr__(self, name):
-        return getattr(self.engine, name)
+        # Only reached for names ResolvedConfig lacks. `copy` and `pickle` probe dunders on an
+        # instance whose fields are not set yet; reading self.engine then would recurse forever.
+        engine = self.__dict__.get("engine")
+        if engine is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(engine, name)
 
     @property
     def pages_per_seq(self) -> int:
