@@ -93,6 +93,11 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._requests)
 
+    @property
+    def num_samples(self) -> int:
+        """Samples registered under their sequence id (live ones, of live requests)."""
+        return len(self._by_seq)
+
     def lookup(self, seq_id: int) -> tuple[Request, Sample]:
         return self._by_seq[seq_id]
 

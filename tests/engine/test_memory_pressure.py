@@ -44,6 +44,12 @@ def test_oversized_request_fails_fast_while_others_finish(tiny):
         engine.add_request(list(range(100)) * 2, SamplingParams(max_tokens=8))
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request([1] * 250, SamplingParams(max_tokens=16))
+    for params in (SamplingParams(max_tokens=8, n=2, prompt_logprobs=1), SamplingParams(max_tokens=8)):
+        with pytest.raises(ValueError, match="pages"):  # rejected by Scheduler.add
+            engine.add_request(list(range(100)) * 2, params)
+    # a rejected request leaves nothing behind in the engine's per-sequence map
+    assert engine.outputs.num_samples == len(ok) and len(engine.outputs) == len(ok)
+    assert engine.scheduler.num_waiting + engine.scheduler.num_running == len(ok)
     requests = [engine.request(r) for r in ok]
     for _ in range(200):
         if not engine.has_unfinished():
@@ -51,6 +57,7 @@ def test_oversized_request_fails_fast_while_others_finish(tiny):
         engine.step()
     assert not engine.has_unfinished()
     assert [len(engine.output(r).token_ids) for r in requests] == [8, 8, 8]
+    assert engine.outputs.num_samples == 0 and len(engine.outputs) == 0
     with pytest.raises(ValueError, match="max_model_len"):
         paxpage.generate(tiny, [[1] * 250], max_tokens=16, max_model_len=256, use_tqdm=False)
 
