@@ -68,9 +68,12 @@ class LLMEngine:
             enable_chunked_prefill=cfg.enable_chunked_prefill,
             allocation=cfg.kv_allocation,
         ))
-        self.eos_token_ids = tuple(model_cfg.eos_token_ids) or (
+        # config.json's eos ids and generation_config.json's / the GGUF's end-of-turn ids
+        self.eos_token_ids = model_cfg.end_token_ids or (
             (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()
         )
+        # the model's recommended sampling fields, for requests that leave them unset (as vLLM)
+        self.sampling_defaults = model_cfg.generation.sampling_defaults()
         self.stats = EngineStats()
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, cfg.max_model_len)
         self._request_ids = itertools.count()
@@ -100,7 +103,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, index: int = 0,
                     prompt: str | None = None) -> int:
-        """Queues a prompt; raises ValueError at once if it can never be served."""
+        """Queues a prompt; raises ValueError at once if it can never be served. Sampling fields
+        that `params` leaves unset take the model's defaults (`self.sampling_defaults`)."""
+        params = params.with_defaults(self.sampling_defaults)
         params.validate_for(self.model_cfg.vocab_size, self.config.max_model_len, len(prompt_ids),
                             prompt_token_ids=prompt_ids)
         request_id = next(self._request_ids)
