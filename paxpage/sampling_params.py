@@ -61,6 +61,7 @@ class SamplingParams:
     # beam_width best finished beams, best first. Deterministic: temperature, top_p, top_k,
     # min_p and seed are ignored; n must be 1; penalties, min_tokens and stop strings are not
     # supported (HF applies them to log-probs, not logits). EOS and stop_token_ids end a beam.
+    # logprobs and prompt_logprobs are reported as for sampling.
     beam_width: int = 1
     length_penalty: float = 1.0  # finished score = sum_logprobs / num_generated ** length_penalty
     early_stopping: bool | str = False  # True | False | "never", as in HF generate
