@@ -84,3 +84,13 @@ def test_explicit_fields_override_the_defaults(model):
     sampled = [paxpage.generate(model, PROMPTS[:1], max_tokens=10, top_k=-1, temperature=3.0, seed=s,
                                 engine_config=CONFIG, use_tqdm=False)[0].token_ids for s in range(3)]
     assert any(s != greedy[0].token_ids for s in sampled)
+
+
+def test_load_says_which_defaults_it_took(model, caplog):
+    from paxpage.api import _announce_generation_config
+
+    model, _, _ = model
+    with caplog.at_level("INFO", logger="paxpage"):
+        _announce_generation_config(model.config)
+    assert "temperature=0.8, top_k=1, repetition_penalty=1.5" in caplog.text
+    assert f"sequences end at token ids {list(model.config.end_token_ids)}" in caplog.text
