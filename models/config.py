@@ -11,6 +11,8 @@ import json
 import os
 from typing import Any, Collection, Mapping
 
+from models.generation_config import GenerationConfig
+
 # HF `model_type` values this model family covers.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # GGUF `general.architecture` -> model_type. llama.cpp writes Mistral as "llama".
@@ -61,6 +63,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
+    # generation_config.json / GGUF end-of-turn ids and sampling defaults (models/generation_config.py)
+    generation: GenerationConfig = GenerationConfig()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -183,6 +187,7 @@ class ModelConfig:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=() if eos is None else (int(eos),),
             model_type=GGUF_ARCH_TO_MODEL_TYPE[arch],
+            generation=GenerationConfig.from_gguf_metadata(metadata),
         )
 
     @classmethod
@@ -191,7 +196,8 @@ class ModelConfig:
         if not os.path.isfile(config_path):
             raise ValueError(f"no config.json in model directory {os.fspath(path)!r}")
         with open(config_path) as f:
-            return cls.from_hf_dict(json.load(f))
+            cfg = cls.from_hf_dict(json.load(f))
+        return dataclasses.replace(cfg, generation=GenerationConfig.from_hf_dir(path))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -201,7 +207,13 @@ class ModelConfig:
         d = dict(d)
         d["rope_scaling"] = RopeScaling(**d.get("rope_scaling", {}))
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["generation"] = GenerationConfig.from_dict(d.get("generation", {}))
         return cls(**d)
+
+    @property
+    def end_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a sequence: config.json's eos ids, then the generation config's."""
+        return tuple(dict.fromkeys(self.eos_token_ids + self.generation.eos_token_ids))
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -78,6 +78,11 @@ def load_tokenizer(
         raise ValueError(f"cannot load tokenizer from {where!r}: {type(e).__name__}: {e}") from e
 
 
+# Tokenizer special-token arguments and the GGUF keys ("tokenizer.ggml.<key>") holding their ids.
+GGUF_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
+                       "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+
+
 def gguf_tokenizer(path: str) -> Any:
     """The tokenizer embedded in a GGUF file, without torch.
 
@@ -91,7 +96,7 @@ def gguf_tokenizer(path: str) -> Any:
     import_transformers_quietly()
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        _SPECIAL_TOKENS, GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+        GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
 
     reader = gguf.GGUFReader(path)
     metadata = {key: field.contents() for key, field in reader.fields.items()
@@ -102,7 +107,7 @@ def gguf_tokenizer(path: str) -> Any:
     tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
     if tokenizer.get("tokenizer_type") == "llama":
         config.setdefault("add_bos_token", True)  # llama.cpp's default for sentencepiece vocabularies
-    for name, key in _SPECIAL_TOKENS.items():
+    for name, key in GGUF_SPECIAL_TOKENS.items():
         token_id = metadata.get(f"tokenizer.ggml.{key}")
         config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
     backend, extra = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer)

@@ -1,8 +1,8 @@
 """Engine-facing entry points: row-layout paged attention and KV write on the Pallas kernels.
 
 Axis legend: B rows, Tq query tokens per row, T flat tokens, N query heads, K kv heads, D head dim,
-P pages. Semantics are exactly `reference.paged_attention_ref` / `reference.write_kv` (see
-/work/spec/SPEC.md). Rows with Tq == 1 go to the decode kernel; Tq > 1 packs the real tokens of
+P pages. Semantics are exactly `reference.paged_attention_ref` / `reference.write_kv` (their
+docstrings define the row layout). Rows with Tq == 1 go to the decode kernel; Tq > 1 packs the real tokens of
 all rows back to back and runs the ragged kernel.
 
 impl: "pallas" compiles for the current accelerator (jax.default_backend() "gpu" or "tpu");

@@ -38,7 +38,8 @@ def paged_attention_ref(
     *,
     sm_scale: float,
 ) -> jax.Array:  # [B, Tq, N, D]
-    """Causal paged attention in the row layout (see /work/spec/SPEC.md).
+    """Causal paged attention in the row layout: row b holds the q_lens[b] new query tokens of
+    one sequence (a decode row 1, a prefill row up to Tq; README.md, "How a step flows").
 
     Query token i of row b is at position kv_lens[b] - q_lens[b] + i and sees keys
     0..that position. Padding query tokens (i >= q_lens[b]) return zeros.

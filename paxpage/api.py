@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import os
 import queue
 import threading
@@ -15,6 +16,8 @@ from paxpage.engine import LLMEngine
 from paxpage.engine_loop import EngineLoop, Submission
 from paxpage.outputs import RequestOutput, StreamDelta
 from paxpage.sampling_params import SamplingParams
+
+log = logging.getLogger("paxpage")
 
 _ENGINE_FIELDS = frozenset(EngineConfig.field_names())
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -103,7 +106,19 @@ def load(source: str | os.PathLike | None = None, *, dtype: str = "float32") -> 
     from models.loading import load_model
 
     config, params, tokenizer = load_model(source, dtype=dtype)
+    _announce_generation_config(config)
     return Model(config, params, tokenizer, None if source is None else os.fspath(source))
+
+
+def _announce_generation_config(config: ModelConfig) -> None:
+    """Says which sampling defaults the model brought (a warning, as vLLM does: they change what
+    a request without e.g. a temperature gets) and, at INFO, its extra end ids."""
+    defaults = config.generation.sampling_defaults()
+    if defaults:
+        log.warning("paxpage: the model's generation config sets %s; requests that do not set these "
+                    "fields use them", ", ".join(f"{k}={v:g}" for k, v in defaults.items()))
+    if config.generation.eos_token_ids:
+        log.info("paxpage: sequences end at token ids %s", list(config.end_token_ids))
 
 
 def save(model: Model, path: str | os.PathLike) -> None:

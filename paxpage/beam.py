@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from paxpage.output_processor import prompt_logprobs_list
 from paxpage.outputs import Completion, RequestOutput, StreamDelta
 from paxpage.page_manager import cdiv
 from paxpage.sequence import Sequence
@@ -108,6 +109,9 @@ class BeamSearch:
         self.scores: list[np.float32] = [np.float32(0.0)]  # per live beam, in `live` order
         self.beam_logprobs: list[list[dict[int, float]]] = [[]]  # per live beam, if params.logprobs
         self.num_cached_tokens = 0  # prefix-cache hit tokens of the prompt
+        # the first beam's prompt logprobs (position -> entry), when asked; kept here because
+        # that beam may be dropped before the request ends
+        self.prompt_logprobs: dict[int, dict[int, float]] | None = None
         # this step's top ids / log-probs [m, L] of the live beams, for per-token logprobs
         self._row_top: tuple[np.ndarray, np.ndarray] | None = None
         self.finished: list[Hypothesis] = []  # best first, at most W
@@ -173,14 +177,16 @@ class BeamSearch:
         return entry
 
     # ---- results -----------------------------------------------------------------------------------
-    def completions(self, tokenizer) -> list[Completion]:
+    def completions(self, tokenizer, prompt_token_ids: Seq[int] = ()) -> list[Completion]:
+        """The finished hypotheses, best first. Text is decoded with the prompt's last tokens as
+        context, as the sampling path does (a first word's leading space depends on it)."""
         out = []
         for i, h in enumerate(self.finished):
             text = ""
             if tokenizer is not None:
                 from paxpage.detokenizer import IncrementalDetokenizer
 
-                detok = IncrementalDetokenizer(tokenizer, (), self.params.skip_special_tokens)
+                detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, self.params.skip_special_tokens)
                 for t in h.token_ids:
                     detok.add(t)
                 detok.finish()
@@ -270,6 +276,7 @@ class BeamCoordinator:
                 "hold_back lets a beam request sample all its live beams or none"
             if len(live) == 1 and not live[0].seq.num_output_tokens:
                 beam.num_cached_tokens = live[0].seq.num_cached_tokens
+                beam.prompt_logprobs = live[0].prompt_logprobs
             idx = [rows_of[id(s)] for s in live]
             ids, lps = result.top_ids[idx], result.top_logprobs[idx]
             beam._row_top = (ids, lps)
@@ -317,7 +324,7 @@ class BeamCoordinator:
                                                      c.finish_reason, c.index,
                                                      None if c.logprobs is None else tuple(c.logprobs),
                                                      c.stop_reason)
-                                         for c in beam.completions(tokenizer)]))
+                                         for c in beam.completions(tokenizer, request.prompt_ids)]))
         self._pending = []
         return deltas
 
@@ -331,5 +338,6 @@ class BeamCoordinator:
     def output(self, request, tokenizer) -> RequestOutput:
         beam = request.beam
         return RequestOutput(request.index, request.prompt, request.prompt_ids,
-                             beam.completions(tokenizer),
+                             beam.completions(tokenizer, request.prompt_ids),
+                             prompt_logprobs=prompt_logprobs_list(beam.prompt_logprobs, len(request.prompt_ids)),
                              num_cached_tokens=beam.num_cached_tokens, metrics=request.metrics())

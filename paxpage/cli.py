@@ -21,11 +21,15 @@ def _generate(args: argparse.Namespace) -> int:
     import paxpage
     from paxpage import xla_cache
 
+    # Only the options given: the model's own sampling defaults fill the others.
+    given = {name: getattr(args, name) for name in ("temperature", "top_p", "top_k", "seed")
+             if getattr(args, name) is not None}
     # Checked before the model loads, so a bad value fails in a second, not after the load.
-    params = paxpage.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                    top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    params = paxpage.SamplingParams(max_tokens=args.max_tokens, **given)
     xla_cache.enable()
     model = paxpage.load(args.model)
+    if "temperature" not in given and model.config.generation.temperature is None:
+        params = params.replace(temperature=0.0)  # greedy unless the model recommends otherwise
     prompts = args.prompts or [
         "What is the capital of France?",
         "Give me three tips for staying healthy.",
@@ -105,9 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("prompts", nargs="*", help="prompts (default: three examples)")
     g.add_argument("--model", default=None, help="GGUF file, HF dir or paxpage.save dir (default: SmolLM2)")
     g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--temperature", type=float, default=None,
+                   help="default: the model's generation config, else 0 (greedy)")
+    g.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1")
+    g.add_argument("--top-k", type=int, default=None, help="default: the model's, else -1 (off)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="send prompts as plain text, not as a chat")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")

@@ -8,16 +8,20 @@ import jax
 
 from models.config import ModelConfig
 
+from paxpage.kv_sizing import DEFAULT_KV_CACHE_BYTES
+
 ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret")
 DTYPES = ("float32", "bfloat16")
-DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB when neither num_pages nor kv_cache_bytes is given
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16  # tokens per KV page
     num_pages: int | None = None  # pool size; derived from kv_cache_bytes when None
-    kv_cache_bytes: int | None = None  # KV memory budget; 1 GiB when both are None
+    # KV memory budget. When both are None: a fixed 1 GiB on CPU; on GPU / TPU what
+    # gpu_memory_utilization of the device leaves after the weights and a compiled step.
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9  # fraction of device memory the process may fill (GPU / TPU)
     max_num_seqs: int = 64  # sequences per step
     max_num_batched_tokens: int = 512  # new tokens per step (prefill chunks + decodes)
     max_model_len: int | None = None  # prompt + output tokens; model's limit when None
@@ -48,6 +52,9 @@ class EngineConfig:
             raise ValueError(
                 f"give num_pages ({self.num_pages}) or kv_cache_bytes ({self.kv_cache_bytes}), not both"
             )
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "precompile"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -64,9 +71,11 @@ class EngineConfig:
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
 
-    def resolve(self, model: ModelConfig) -> "ResolvedConfig":
-        """Fills the defaults that depend on the model and the backend."""
-        on_cpu = jax.default_backend() == "cpu"
+    def resolve(self, model: ModelConfig, backend: str | None = None) -> "ResolvedConfig":
+        """Fills the defaults that depend on the model and the backend (jax's default one unless
+        given). On GPU / TPU without num_pages or kv_cache_bytes, num_pages stays None: the
+        runner sizes the pool from the device's free memory once the weights are placed."""
+        on_cpu = (backend or jax.default_backend()) == "cpu"
         dtype = self.dtype or ("float32" if on_cpu else "bfloat16")
         impl = self.attention_impl or ("xla" if on_cpu else "pallas")
         max_model_len = self.max_model_len or model.max_position_embeddings
@@ -78,15 +87,18 @@ class EngineConfig:
         itemsize = 4 if dtype == "float32" else 2
         page_bytes = 2 * model.num_layers * self.page_size * model.num_kv_heads * model.head_dim * itemsize
         if self.num_pages is not None:
-            num_pages = self.num_pages
+            num_pages, source = self.num_pages, "num_pages"
+        elif self.kv_cache_bytes is None and not on_cpu:
+            num_pages, source = None, "device memory"
         else:
             budget = self.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+            source = "kv_cache_bytes" if self.kv_cache_bytes else "fixed default on CPU"
             num_pages = budget // page_bytes
             if num_pages < 1:
                 raise ValueError(
                     f"kv_cache_bytes {budget} is smaller than one page ({page_bytes} bytes)"
                 )
-        return ResolvedConfig(self, dtype, impl, max_model_len, num_pages, page_bytes)
+        return ResolvedConfig(self, dtype, impl, max_model_len, num_pages, page_bytes, source)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +109,17 @@ class ResolvedConfig:
     dtype: str
     attention_impl: str
     max_model_len: int
-    num_pages: int
+    num_pages: int | None  # None only until ModelRunner sizes the pool from device memory
     page_bytes: int
+    kv_source: str = "num_pages"  # where num_pages came from, for the start-up line
 
     def __getattr__(self, name):
-        return getattr(self.engine, name)
+        # Only reached for names ResolvedConfig lacks. `copy` and `pickle` probe dunders on an
+        # instance whose fields are not set yet; reading self.engine then would recurse forever.
+        engine = self.__dict__.get("engine")
+        if engine is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(engine, name)
 
     @property
     def pages_per_seq(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import time
 
@@ -19,7 +20,7 @@ import jax
 
 from models.config import ModelConfig
 from paxpage import beam as beam_lib
-from paxpage import compile_counter
+from paxpage import compile_counter, kv_sizing
 from paxpage.config import EngineConfig
 from paxpage.output_processor import NewToken, OutputProcessor, Request
 from paxpage.outputs import RequestOutput, StreamDelta
@@ -28,6 +29,9 @@ from paxpage.sampler import RowInfo, SamplingTensors
 from paxpage.sampling_params import SamplingParams
 from paxpage.scheduler import Scheduler, SchedulerConfig
 from paxpage.sequence import Sequence
+
+
+log = logging.getLogger("paxpage")
 
 
 @dataclasses.dataclass
@@ -55,9 +59,9 @@ class LLMEngine:
         compile_counter.install()
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
-        self.config = (config or EngineConfig()).resolve(model_cfg)
-        cfg = self.config
-        self.runner = ModelRunner(model_cfg, params, cfg)
+        self.runner = ModelRunner(model_cfg, params, (config or EngineConfig()).resolve(model_cfg))
+        self.config = cfg = self.runner.cfg  # num_pages set (on GPU / TPU maybe from free memory)
+        log.info("paxpage: %s", self.describe_kv_cache())
         self.scheduler = Scheduler(SchedulerConfig(
             num_pages=cfg.num_pages,
             page_size=cfg.page_size,
@@ -68,9 +72,12 @@ class LLMEngine:
             enable_chunked_prefill=cfg.enable_chunked_prefill,
             allocation=cfg.kv_allocation,
         ))
-        self.eos_token_ids = tuple(model_cfg.eos_token_ids) or (
+        # config.json's eos ids and generation_config.json's / the GGUF's end-of-turn ids
+        self.eos_token_ids = model_cfg.end_token_ids or (
             (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()
         )
+        # the model's recommended sampling fields, for requests that leave them unset (as vLLM)
+        self.sampling_defaults = model_cfg.generation.sampling_defaults()
         self.stats = EngineStats()
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, cfg.max_model_len)
         self._request_ids = itertools.count()
@@ -81,6 +88,16 @@ class LLMEngine:
         self.precompiled: tuple[int, float] | None = None  # (shapes, seconds) once precompile() ran
         if self.config.precompile:
             self.precompile()
+
+    def describe_kv_cache(self) -> str:
+        """One line: pages, tokens, GiB, and where the size came from."""
+        cfg, budget = self.config, self.runner.memory_budget
+        source = cfg.kv_source
+        if budget is not None:
+            source = (f"gpu_memory_utilization {budget.utilization:g} of {budget.bytes_limit / kv_sizing.GIB:.1f} "
+                      f"GiB, after {budget.bytes_in_use / kv_sizing.GIB:.2f} GiB in use and a "
+                      f"{budget.step_bytes / kv_sizing.GIB:.2f} GiB step")
+        return kv_sizing.describe_pool(cfg.num_pages, cfg.page_size, cfg.page_bytes, source)
 
     def precompile(self) -> tuple[int, float]:
         """Compiles every step shape this config can produce now, so no request waits for a
@@ -100,7 +117,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, index: int = 0,
                     prompt: str | None = None) -> int:
-        """Queues a prompt; raises ValueError at once if it can never be served."""
+        """Queues a prompt; raises ValueError at once if it can never be served. Sampling fields
+        that `params` leaves unset take the model's defaults (`self.sampling_defaults`)."""
+        params = params.with_defaults(self.sampling_defaults)
         params.validate_for(self.model_cfg.vocab_size, self.config.max_model_len, len(prompt_ids),
                             prompt_token_ids=prompt_ids)
         request_id = next(self._request_ids)

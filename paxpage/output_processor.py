@@ -93,6 +93,11 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._requests)
 
+    @property
+    def num_samples(self) -> int:
+        """Samples registered under their sequence id (live ones, of live requests)."""
+        return len(self._by_seq)
+
     def lookup(self, seq_id: int) -> tuple[Request, Sample]:
         return self._by_seq[seq_id]
 
@@ -210,14 +215,18 @@ class OutputProcessor:
             for i, s in enumerate(request.samples)
         ]
         first = request.samples[0]
-        prompt_logprobs = None
-        if first.prompt_logprobs is not None:
-            # vLLM layout: None for the first prompt token, then one entry per later token.
-            prompt_logprobs = [None] + [first.prompt_logprobs.get(p)
-                                        for p in range(len(request.prompt_ids) - 1)]
         return RequestOutput(request.index, request.prompt, request.prompt_ids, completions,
-                             prompt_logprobs=prompt_logprobs,
+                             prompt_logprobs=prompt_logprobs_list(first.prompt_logprobs, len(request.prompt_ids)),
                              num_cached_tokens=first.seq.num_cached_tokens, metrics=request.metrics())
+
+
+def prompt_logprobs_list(by_position: dict[int, dict[int, float]] | None, num_prompt_tokens: int
+                         ) -> list[dict[int, float] | None] | None:
+    """vLLM's layout of a sample's prompt logprobs: None for the first prompt token, then one
+    entry per later token. None when they were not asked for."""
+    if by_position is None:
+        return None
+    return [None] + [by_position.get(p) for p in range(num_prompt_tokens - 1)]
 
 
 def _entry(token: int, logprob: float, top_ids, top_logprobs, k: int | None) -> dict[int, float]:

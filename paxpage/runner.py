@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Hashable, Sequence
 
 import jax
@@ -21,10 +22,14 @@ from models.config import ModelConfig
 from models.llama import LlamaModel
 from pallas_kernels import reference
 from pallas_kernels.xla_attention import paged_attention_xla
+from paxpage import kv_sizing
 from paxpage import sampler as sampler_lib
 from paxpage.batch import StepBatch
 from paxpage.config import ResolvedConfig
 from paxpage.page_tables import PageTables
+
+
+log = logging.getLogger("paxpage")
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -80,8 +85,6 @@ class ModelRunner:
         attention, write_kv = _attention_fns(cfg.attention_impl)
         self.model = LlamaModel(model_cfg, attention, write_kv, dtype)
         self.params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-        shape = (2, cfg.num_pages, cfg.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-        self.kv_cache = [jnp.zeros(shape, dtype) for _ in range(model_cfg.num_layers)]
         # The model step and the sampler compile separately: sampler options (logprob widths,
         # penalty lists) then never recompile the model, and a new batch shape reuses the
         # sampler. Logits stay on device between the two calls.
@@ -91,6 +94,52 @@ class ModelRunner:
         self._no_prev_tokens = jnp.zeros(self.max_logits_rows, jnp.int32)
         self._step = jax.jit(self._forward, donate_argnums=(1,))
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
+        self.memory_budget: kv_sizing.MemoryBudget | None = None  # when sized from device memory
+        if cfg.num_pages is None:
+            num_pages = self._pages_from_memory()
+            self.cfg = cfg = dataclasses.replace(self.cfg, num_pages=num_pages)
+        shape = (2, cfg.num_pages, cfg.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        self.kv_cache = [jnp.zeros(shape, dtype) for _ in range(model_cfg.num_layers)]
+
+    def _pages_from_memory(self) -> int:
+        """Pool size from the device's memory statistics, now that the weights are placed (see
+        kv_sizing.py). A backend without statistics gets the fixed default size."""
+        stats = kv_sizing.device_memory_stats()
+        if not stats or not stats.get("bytes_limit"):
+            log.warning("paxpage: the device reports no memory statistics; the KV cache gets %d bytes",
+                        kv_sizing.DEFAULT_KV_CACHE_BYTES)
+            self.cfg = dataclasses.replace(self.cfg, kv_source="fixed default: no device memory statistics")
+            return max(1, kv_sizing.DEFAULT_KV_CACHE_BYTES // self.cfg.page_bytes)
+        self.memory_budget = kv_sizing.MemoryBudget(int(stats["bytes_limit"]), int(stats["bytes_in_use"]),
+                                                    self.step_memory_bytes(), self.cfg.gpu_memory_utilization)
+        return kv_sizing.num_pages_from_memory(self.memory_budget, self.cfg.page_bytes)
+
+    def step_memory_bytes(self) -> int:
+        """Working memory (temporaries and outputs beside the donated pool) of the step with the
+        most tokens, from its compiled executable. It is compiled against a small abstract pool
+        (nothing is allocated): what the step allocates besides the pool does not depend on the
+        pool's size. Where the backend gives no figures, a rough upper estimate: f32 logits and
+        four MLP-wide activations per token."""
+        row_len = self.cfg.prefill_row_len
+        dec, pre = max(self.step_shapes(), key=lambda s: (s[0] + s[1] * row_len, s[0] + s[1]))
+        batch = self._padding_batch(dec, pre)
+        m = self.model_cfg
+        num_tokens = batch.token_ids.shape[0]
+        estimate = num_tokens * (m.vocab_size + 4 * m.intermediate_size) * 4
+        pool = jax.ShapeDtypeStruct((2, self.cfg.pages_per_seq + 1, self.cfg.page_size, m.num_kv_heads,
+                                     m.head_dim), jnp.dtype(self.cfg.dtype))
+        try:
+            compiled = self._step.lower(self.params, [pool] * m.num_layers, batch,
+                                        np.full(num_tokens, -1, np.int32), self._no_prev_tokens).compile()
+            stats = compiled.memory_analysis()
+        except Exception as e:  # a backend that cannot compile or analyse it: estimate
+            log.warning("paxpage: cannot measure the step's memory (%s: %s); assuming %d bytes",
+                        type(e).__name__, e, estimate)
+            return estimate
+        if stats is None:
+            return estimate
+        return max(0, int(stats.temp_size_in_bytes) + int(stats.output_size_in_bytes)
+                   - int(stats.alias_size_in_bytes))
 
     def _forward(self, params, kv_cache, batch: StepBatch, prev_rows, prev_tokens):
         # prev_rows i32[T], prev_tokens i32[R_max]: async scheduling's tokens that are still on
@@ -205,17 +254,21 @@ class ModelRunner:
         step and the plain sampler for every shape in `step_shapes()`. `sampling_for_rows(R)`
         gives padding SamplingTensors of R rows. Returns the number of shapes."""
         shapes = self.step_shapes()
-        row_len, pages_per_seq = self.cfg.prefill_row_len, self.cfg.pages_per_seq
         for dec, pre in shapes:
-            total = dec + pre * row_len
-            num_logits = bucket(dec + pre)
-            batch = StepBatch(
-                np.zeros(total, np.int32), np.zeros(total, np.int32), np.full(total, -1, np.int32),
-                np.zeros((dec, pages_per_seq), np.int32), np.zeros(dec, np.int32),
-                np.zeros((pre, pages_per_seq), np.int32), np.zeros(pre, np.int32), np.zeros(pre, np.int32),
-                np.zeros(num_logits, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
-            jax.block_until_ready(self.launch(batch, sampling_for_rows(num_logits))[2])
+            batch = self._padding_batch(dec, pre)
+            jax.block_until_ready(self.launch(batch, sampling_for_rows(batch.logits_indices.shape[0]))[2])
         return len(shapes)
+
+    def _padding_batch(self, dec: int, pre: int) -> StepBatch:
+        """An all-padding batch of `dec` decode rows and `pre` prefill rows (its K/V writes are dropped)."""
+        row_len, pages_per_seq = self.cfg.prefill_row_len, self.cfg.pages_per_seq
+        total = dec + pre * row_len
+        num_logits = bucket(dec + pre)
+        return StepBatch(
+            np.zeros(total, np.int32), np.zeros(total, np.int32), np.full(total, -1, np.int32),
+            np.zeros((dec, pages_per_seq), np.int32), np.zeros(dec, np.int32),
+            np.zeros((pre, pages_per_seq), np.int32), np.zeros(pre, np.int32), np.zeros(pre, np.int32),
+            np.zeros(num_logits, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
 
     # ------------------------------------------------------------------ device calls
     def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:

@@ -1,13 +1,15 @@
 """Per-request sampling parameters (vLLM / OpenAI semantics), validated at construction.
 
 `SamplingParams` is frozen and hashable: list-valued arguments (`stop`, `stop_token_ids`) are
-normalised to tuples. Checks that need the model (vocabulary size, context length, prompt) live
+normalised to tuples. It remembers which fields its caller gave (`explicit_fields`), so the
+model's own defaults (generation_config.json) fill only the others (`with_defaults`). Checks that need the model (vocabulary size, context length, prompt) live
 in `validate_for`, which the engine calls when a request is added.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -59,6 +61,7 @@ class SamplingParams:
     # beam_width best finished beams, best first. Deterministic: temperature, top_p, top_k,
     # min_p and seed are ignored; n must be 1; penalties, min_tokens and stop strings are not
     # supported (HF applies them to log-probs, not logits). EOS and stop_token_ids end a beam.
+    # logprobs and prompt_logprobs are reported as for sampling.
     beam_width: int = 1
     length_penalty: float = 1.0  # finished score = sum_logprobs / num_generated ** length_penalty
     early_stopping: bool | str = False  # True | False | "never", as in HF generate
@@ -178,9 +181,28 @@ class SamplingParams:
         return cls(**kwargs)
 
     def replace(self, **kwargs: Any) -> SamplingParams:
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again); those count as given by the caller."""
         _check_names(kwargs)
-        return dataclasses.replace(self, **kwargs)
+        new = dataclasses.replace(self, **kwargs)
+        object.__setattr__(new, "_explicit", self.explicit_fields | frozenset(kwargs))
+        return new
+
+    @property
+    def explicit_fields(self) -> frozenset[str]:
+        """Names of the fields the caller set (constructor arguments, `replace` keywords)."""
+        return self.__dict__.get("_explicit", _FIELD_NAMES)
+
+    def with_defaults(self, defaults: dict[str, Any]) -> SamplingParams:
+        """These params with `defaults` (a model's recommended sampling fields) in the fields the
+        caller did not set. Beam search ignores sampling knobs and rejects penalties, so a beam
+        request takes none."""
+        todo = {k: v for k, v in defaults.items() if k not in self.explicit_fields}
+        if not todo or self.beam_width > 1:
+            return self
+        _check_names(todo)
+        new = dataclasses.replace(self, **todo)
+        object.__setattr__(new, "_explicit", self.explicit_fields)
+        return new
 
     # ---- derived properties ----
 
@@ -229,6 +251,19 @@ class SamplingParams:
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_FIELD_ORDER = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_dataclass_init = SamplingParams.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_recording_explicit(self, *args, **kwargs):
+    # The generated __init__ cannot tell a default from the same value passed on purpose
+    # (temperature=1.0 must stay 1.0 when the model recommends 0.6), so record what was passed.
+    _dataclass_init(self, *args, **kwargs)
+    object.__setattr__(self, "_explicit", frozenset(_FIELD_ORDER[:len(args)]) | frozenset(kwargs))
+
+
+SamplingParams.__init__ = _init_recording_explicit
 
 
 def _check_names(kwargs: dict[str, Any]) -> None:

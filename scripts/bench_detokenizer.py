@@ -9,7 +9,8 @@ strings and with two. A cost that does not grow with the text gives equal column
   baseline  another detokenizer.py (--baseline PATH), e.g. the main checkout's
 
 Usage:
-    python scripts/bench_detokenizer.py --baseline /work/main/paxpage/detokenizer.py
+    git show main:paxpage/detokenizer.py > /tmp/detokenizer_main.py
+    python scripts/bench_detokenizer.py --baseline /tmp/detokenizer_main.py
 """
 
 from __future__ import annotations

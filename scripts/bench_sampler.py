@@ -10,7 +10,8 @@ Cases (every row alike): greedy, temperature 0.7, temperature 0.7 + top_p 0.9, t
 interleaved with this one, so before / after share the machine's load.
 
 Usage:
-    python scripts/bench_sampler.py --baseline /work/main/paxpage/sampler.py
+    git show main:paxpage/sampler.py > /tmp/sampler_main.py
+    python scripts/bench_sampler.py --baseline /tmp/sampler_main.py
     python scripts/bench_sampler.py --rows 64 --iters 5
 """
 

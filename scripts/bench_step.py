@@ -119,7 +119,7 @@ def time_attention(model: paxpage.Model, cfg: paxpage.EngineConfig, rows: int, c
     dtype = jnp.dtype(resolved.dtype)
     page_size, pages_per_seq = resolved.page_size, resolved.pages_per_seq
     pages_per_row = -(-context // page_size)
-    num_pages = max(resolved.num_pages, rows * pages_per_row + 1)
+    num_pages = max(resolved.num_pages or 0, rows * pages_per_row + 1)  # None: sized on GPU / TPU
     rng = np.random.default_rng(0)
     table = np.zeros((rows, pages_per_seq), np.int32)
     table[:, :pages_per_row] = rng.permutation(num_pages)[:rows * pages_per_row].reshape(rows, -1)

@@ -120,3 +120,28 @@ def test_bench_without_a_name(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "the following arguments are required: which" in err and "rest" not in err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv,model_temperature,want", [
+    ([], None, (0.0, -1)),  # greedy unless the model recommends a temperature
+    ([], 0.7, (0.7, 20)),  # the model's defaults
+    (["--temperature", "1.0"], 0.7, (1.0, 20)),  # a flag wins, even at SamplingParams' default value
+    (["--top-k", "-1"], 0.7, (0.7, -1)),
+])
+def test_generate_leaves_unset_options_to_the_model(monkeypatch, capsys, argv, model_temperature, want):
+    import types
+
+    from models.generation_config import GenerationConfig
+
+    generation = GenerationConfig(temperature=model_temperature, top_k=20 if model_temperature else None)
+    model = types.SimpleNamespace(config=types.SimpleNamespace(generation=generation))
+    monkeypatch.setattr(paxpage, "load", lambda source=None: model)
+    seen = []
+
+    def generate(model, inputs, sampling_params):  # what the engine does with the params
+        seen.append(sampling_params.with_defaults(generation.sampling_defaults()))
+        return []
+
+    monkeypatch.setattr(paxpage, "generate", generate)
+    assert main(["generate", "hi", *argv]) == 0
+    assert (seen[0].temperature, seen[0].top_k) == want

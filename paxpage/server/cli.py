@@ -30,6 +30,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--page-size", type=int, default=None)
     e.add_argument("--num-pages", type=int, default=None)
     e.add_argument("--kv-cache-bytes", type=int, default=None)
+    e.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="GPU / TPU: fraction of device memory to fill; the KV cache gets what the "
+                        "weights and a step leave (default 0.9; CPU: a fixed 1 GiB cache)")
     e.add_argument("--max-num-seqs", type=int, default=None)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--max-model-len", type=int, default=None)
@@ -49,7 +52,7 @@ def engine_config_from_args(args: argparse.Namespace):
     """EngineConfig from the flags that were given (ValueError names a bad one)."""
     from paxpage.config import EngineConfig
 
-    kw = {name: getattr(args, name) for name in ("page_size", "num_pages", "kv_cache_bytes", "max_num_seqs",
+    kw = {name: getattr(args, name) for name in ("page_size", "num_pages", "kv_cache_bytes", "gpu_memory_utilization", "max_num_seqs",
                                                  "max_num_batched_tokens", "max_model_len", "dtype",
                                                  "attention_impl") if getattr(args, name) is not None}
     if args.no_prefix_caching:
@@ -107,6 +110,12 @@ def run_serve(args: argparse.Namespace) -> int:
         server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_timeout,
                                         access_log=args.log_level == "debug"), engine)
         host, port = sock.getsockname()[:2]
+        print(f"paxpage serve: {engine.engine.describe_kv_cache()}", flush=True)
+        defaults = model.config.generation.sampling_defaults()
+        if defaults:
+            print("paxpage serve: the model's generation config sets "
+                  + ", ".join(f"{k}={v:g}" for k, v in defaults.items())
+                  + "; requests that do not set these fields use them", flush=True)
         if engine.engine.precompiled is not None:
             shapes, seconds = engine.engine.precompiled
             print(f"paxpage serve: compiled {shapes} step shapes in {seconds:.0f} s", flush=True)

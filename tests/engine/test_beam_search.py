@@ -202,6 +202,52 @@ def test_beam_pages_are_shared(tiny_eos):
     print(f"peak pages: 4 beams {beams}, one sequence {single}, 4 x one sequence {4 * single}")
 
 
+def test_prompt_logprobs_match_hf(tiny_eos):
+    """Beam requests return the prompt logprobs they ask for (HF's log-softmax as reference)."""
+    import torch
+
+    model, hf, _ = tiny_eos
+    prompt = PROMPTS[1]
+    out = paxpage.generate(model, [prompt], engine_config=CONFIG, beam_width=2, max_tokens=6,
+                           prompt_logprobs=2, use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1).numpy()
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+    assert out.prompt_logprobs[0] is None
+    for p in range(1, len(prompt)):
+        entry = out.prompt_logprobs[p]
+        assert prompt[p] in entry and set(np.argsort(-ref[p - 1])[:2].tolist()) <= set(entry)
+        for token, lp in entry.items():
+            np.testing.assert_allclose(lp, ref[p - 1, token], atol=1e-4)
+    assert [c.token_ids for c in out.outputs] == _hf_beams(hf, prompt, tiny_eos[2], 2, 6)[0]
+
+
+def _metaspace_tokenizer(vocab_size: int):
+    """A SentencePiece-like tokenizer: every token is "▁word", and decoding drops the space of
+    the first token, so a completion's leading space exists only with the prompt as context."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"\u2581w{i}": i for i in range(vocab_size)}, unk_token="\u2581w0"))
+    backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def test_beam_text_is_decoded_after_the_prompt(tiny_eos):
+    model, _, _ = tiny_eos
+    tok = _metaspace_tokenizer(model.config.vocab_size)
+    with_text = paxpage.Model(model.config, model.params, tok)
+    prompt = PROMPTS[0]
+    outs = paxpage.generate(with_text, [prompt, prompt], engine_config=CONFIG, use_tqdm=False,
+                            sampling_params=[SamplingParams(beam_width=2, max_tokens=6),
+                                             SamplingParams(temperature=0, max_tokens=6)])
+    prompt_text = tok.decode(prompt)
+    for c in outs[0].outputs + outs[1].outputs:  # beams, then the sampling path's answer
+        assert c.text == tok.decode(prompt + c.token_ids)[len(prompt_text):]
+        assert c.text.startswith(" w")
+    with_text.close()
+
+
 CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
          [{"role": "user", "content": "Write a haiku about the sea."}],
          [{"role": "user", "content": "Name three primary colors."}]]

@@ -1,6 +1,8 @@
 """SamplingParams: one test per validation rule; messages name the parameter and the value."""
 
+import copy
 import dataclasses
+import pickle
 
 import pytest
 
@@ -129,3 +131,22 @@ def test_validate_for_prompt_token_outside_vocab():
 def test_validate_for_logprobs_above_vocab():
     with pytest.raises(ValueError, match=r"logprobs must be <= vocab_size=100, got 101"):
         SamplingParams(logprobs=101).validate_for(100, 64, 3)
+
+
+def test_explicit_fields_and_model_defaults():
+    defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    assert SamplingParams().explicit_fields == frozenset()
+    # unset fields take the defaults; set ones keep their value, even SamplingParams' own default
+    p = SamplingParams(0 + 1, 1.0, max_tokens=5).with_defaults(defaults)  # n, temperature positional
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens) == (1, 1.0, 0.9, 20, 5)
+    p = SamplingParams(temperature=0).with_defaults(defaults)
+    assert p.greedy and (p.top_p, p.top_k) == (0.9, 20)
+    p = SamplingParams().replace(top_k=-1).with_defaults(defaults)
+    assert (p.temperature, p.top_p, p.top_k) == (0.6, 0.9, -1)
+    assert p.explicit_fields == {"top_k"}  # defaults do not count as set by the caller
+    # the record survives copying and pickling
+    q = pickle.loads(pickle.dumps(SamplingParams(seed=1)))
+    assert q.explicit_fields == {"seed"} and copy.copy(q).explicit_fields == {"seed"}
+    # beam search takes none (it would reject a default repetition penalty)
+    beam = SamplingParams(beam_width=2)
+    assert beam.with_defaults({"repetition_penalty": 1.2}) is beam

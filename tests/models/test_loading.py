@@ -221,8 +221,9 @@ def test_missing_tensor(tmp_path):
 
 # ---------------------------------------------------------------- GGUF
 
-def write_gguf(path, model, arch="llama", rope_freqs=None, qtype=None):
-    """Writes `model` like llama.cpp's convert_hf_to_gguf.py does (F32 tensors, llama q/k rows permuted)."""
+def write_gguf(path, model, arch="llama", rope_freqs=None, qtype=None, extra=None):
+    """Writes `model` like llama.cpp's convert_hf_to_gguf.py does (F32 tensors, llama q/k rows permuted).
+    extra: called with the GGUFWriter to add more key/values."""
     c = model.config
     N, K = c.num_attention_heads, c.num_key_value_heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -238,6 +239,8 @@ def write_gguf(path, model, arch="llama", rope_freqs=None, qtype=None):
     w.add_key_length(getattr(c, "head_dim", None) or c.hidden_size // N)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if extra is not None:
+        extra(w)
     names = {v: k for k, v in gguf_loader._GLOBAL_NAMES.items()}
     for hf_name, x in state(model).items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
@@ -289,6 +292,26 @@ def test_gguf_recovers_hf_weights(tmp_path, kind, arch, overrides, bias, qk_norm
     _, params2, _ = load_model(tmp_path)
     assert_tree_equal(params2, expected_tree(state(model), L=2, bias=bias, qk_norm=qk_norm,
                                              tied=c.tie_word_embeddings))
+
+
+def test_gguf_end_of_turn_ids_and_sampling_defaults(tmp_path):
+    # llama.cpp stops at eos, eot and eom; newer converters write general.sampling.* keys.
+    def extra(w):
+        w.add_eot_token_id(7)
+        w.add_uint32("tokenizer.ggml.eom_token_id", 9)
+        w.add_float32("general.sampling.temp", 0.6)
+        w.add_float32("general.sampling.top_p", 0.9)
+        w.add_int32("general.sampling.top_k", 20)
+
+    write_gguf(tmp_path / "m.gguf", hf_model("llama"), extra=extra)
+    for _ in range(2):  # converted, then from the cache entry
+        cfg, _, _ = load_model(tmp_path / "m.gguf")
+        assert cfg.eos_token_ids == (2,) and cfg.end_token_ids == (2, 7, 9)
+        assert cfg.generation.sampling_defaults() == {"temperature": pytest.approx(0.6),
+                                                      "top_p": pytest.approx(0.9), "top_k": 20}
+    write_gguf(tmp_path / "plain.gguf", hf_model("llama"))
+    cfg, _, _ = load_model(tmp_path / "plain.gguf")
+    assert cfg.end_token_ids == (2,) and cfg.generation.sampling_defaults() == {}
 
 
 def test_gguf_quantized_q8_0(tmp_path):

@@ -48,6 +48,9 @@ def _start(tiny_dir, *extra, env=None):
         seen.append(line)
         m = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
         if m:
+            # the start-up line on the KV cache: pages, tokens, GiB and where the size came from
+            assert any(re.search(r"KV cache: \d+ pages x \d+ tokens = \d+ tokens, [\d.]+ GiB \(", l)
+                       for l in seen), seen
             return proc, m.group(1), lines
     proc.kill()
     proc.wait(timeout=10)
