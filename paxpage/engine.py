@@ -196,7 +196,9 @@ class LLMEngine:
         return len(self.outputs) > 0
 
     def _launch(self, sched) -> "_Launched":
-        """Packs the scheduled rows and dispatches the step; returns without waiting."""
+        """Packs the scheduled rows and dispatches the step; returns without waiting. With
+        structured rows and a step in flight only the model is dispatched here: `step()`
+        dispatches the sampler once the in-flight tokens are read (`_dispatch_sampler`)."""
         inflight = self._inflight.row_of_seq if self._inflight is not None else {}
         plans = []
         for item in sched.scheduled:
