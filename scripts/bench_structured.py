@@ -6,8 +6,7 @@ Every request decodes exactly --output-len tokens (ignore_eos; the schema, an ar
 1000 objects, cannot complete sooner), so the runs do the same device work and differ only by
 the constraint. Each mode runs once to compile, then --repeats times interleaved; the median is
 reported. --baseline ROOT also times the unconstrained mode on another checkout (e.g. the main
-one, "today") in subprocesses interleaved with this checkout's, so the two share the machine's
-noise.
+one, "today") in a second process, right after this checkout's.
 
 Usage:
     python scripts/bench_structured.py [--num-requests 64 --output-len 64 --repeats 3] \
@@ -139,15 +138,13 @@ def main(argv=None) -> int:
         return 0
 
     runs = {m: [] for m in ("none", "quarter", "all", "baseline")}
-    masks = {}
-    # Interleave: one process per repeat and checkout, so slow phases of the machine hit all modes.
-    for _ in range(args.repeats):
-        data = _spawn(ROOT, ["none", "quarter", "all"], args, 1)
-        for m, values in data["runs"].items():
-            runs[m] += values
-        masks.update(data["masks"])
-        if args.baseline:
-            runs["baseline"] += _spawn(os.path.abspath(args.baseline), ["none"], args, 1)["runs"]["none"]
+    # One process per checkout (each compiles once), its modes interleaved repeat by repeat.
+    data = _spawn(ROOT, ["none", "quarter", "all"], args, args.repeats)
+    for m, values in data["runs"].items():
+        runs[m] += values
+    masks = data["masks"]
+    if args.baseline:
+        runs["baseline"] += _spawn(os.path.abspath(args.baseline), ["none"], args, args.repeats)["runs"]["none"]
     median = {m: statistics.median(r["tok_s"] for r in v) for m, v in runs.items() if v}
     print(f"{args.num_requests} requests x {args.output_len} output tokens, median of {args.repeats}")
     print(f"{'mode':<28}{'tok/s':>10}{'vs none':>10}")
