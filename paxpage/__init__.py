@@ -14,9 +14,11 @@ from paxpage.engine import LLMEngine
 from paxpage.engine_loop import EngineDeadError, EngineLoop, EngineOverloadedError
 from paxpage.outputs import Completion, RequestMetrics, RequestOutput, StreamDelta
 from paxpage.sampling_params import SamplingParams
+from paxpage.structured import StructuredOutputs
 
 __all__ = [
     "AsyncEngine", "Completion", "EngineConfig", "EngineDeadError", "EngineLoop", "EngineOverloadedError",
     "LLMEngine", "Model", "RequestMetrics", "RequestOutput", "SamplingParams", "StreamDelta",
+    "StructuredOutputs",
     "chat", "generate", "load", "save", "stream",
 ]

@@ -29,6 +29,7 @@ from paxpage.sampler import RowInfo, SamplingTensors
 from paxpage.sampling_params import SamplingParams
 from paxpage.scheduler import Scheduler, SchedulerConfig
 from paxpage.sequence import Sequence
+from paxpage.structured_backend import GrammarBackend, bitmask_words
 
 
 log = logging.getLogger("paxpage")
@@ -84,6 +85,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._beams = beam_lib.BeamCoordinator(self.scheduler, self.outputs, self.new_sequence)
         self._inflight: _Launched | None = None  # async scheduling: the step still on the device
+        self._grammars: GrammarBackend | None = None  # built by the first structured request
 
         self.precompiled: tuple[int, float] | None = None  # (shapes, seconds) once precompile() ran
         if self.config.precompile:
@@ -110,7 +112,9 @@ class LLMEngine:
             return SamplingTensors.build([], vocab, pad_rows_to=num_rows, eos_token_ids=self.eos_token_ids,
                                          token_width=self.config.max_model_len)
 
-        count = self.runner.precompile(padding_rows)
+        # With a tokenizer, structured outputs may come: their sampler (with a bitmask) too.
+        words = bitmask_words(max(vocab, len(self.tokenizer))) if self.tokenizer is not None else 0
+        count = self.runner.precompile(padding_rows, words)
         self.precompiled = (count, time.perf_counter() - t)
         return self.precompiled
 
@@ -122,6 +126,7 @@ class LLMEngine:
         params = params.with_defaults(self.sampling_defaults)
         params.validate_for(self.model_cfg.vocab_size, self.config.max_model_len, len(prompt_ids),
                             prompt_token_ids=prompt_ids)
+        matcher = self._matcher(params) if params.structured_outputs is not None else None
         request_id = next(self._request_ids)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         request = Request(request_id, index, prompt, list(prompt_ids), params, [])
@@ -131,6 +136,7 @@ class LLMEngine:
             request.params = request.beam.row_params
         seq = self.new_sequence(prompt_ids, request.params.max_tokens, request_id)
         sample = self.outputs.new_sample(request, seq, seed)
+        sample.matcher = matcher
         try:
             self.scheduler.add(seq)  # raises ValueError for a request that can never fit
         except ValueError:
@@ -141,6 +147,15 @@ class LLMEngine:
         self.outputs.add(request)
         self.stats.prompt_tokens += len(prompt_ids)
         return request_id
+
+    def _matcher(self, params: SamplingParams):
+        """A fresh llguidance matcher for the request's structured_outputs (ValueError when the
+        model has no usable tokenizer or the grammar does not compile against it)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer; this model has none")
+            self._grammars = GrammarBackend(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids)
+        return self._grammars.matcher(params.structured_outputs)
 
     def new_sequence(self, prompt_ids: list[int], max_tokens: int, request_id: int) -> Sequence:
         return Sequence(prompt_ids, max_tokens, seq_id=next(self._seq_ids), group_id=request_id)
@@ -182,6 +197,8 @@ class LLMEngine:
         if self._inflight is not None:  # the previous step's tokens, one step late
             previous, self._inflight = self._inflight, None
             deltas += self._resolve(previous)
+        if launched is not None and launched.result is None:
+            self._dispatch_sampler(launched)  # its bitmasks needed the tokens just resolved
         if launched is not None:
             if self._can_overlap(launched):
                 self._advance(launched)
@@ -198,7 +215,9 @@ class LLMEngine:
         return len(self.outputs) > 0
 
     def _launch(self, sched) -> "_Launched":
-        """Packs the scheduled rows and dispatches the step; returns without waiting."""
+        """Packs the scheduled rows and dispatches the step; returns without waiting. With
+        structured rows and a step in flight only the model is dispatched here: `step()`
+        dispatches the sampler once the in-flight tokens are read (`_dispatch_sampler`)."""
         inflight = self._inflight.row_of_seq if self._inflight is not None else {}
         plans = []
         for item in sched.scheduled:
@@ -236,15 +255,37 @@ class LLMEngine:
             (self.outputs.lookup(sched.scheduled[i].seq.seq_id)[0].params.prompt_logprobs or 0
              for i, _ in prompt_plan), default=0))
         prev_tokens = self._inflight.next_tokens if self._inflight is not None else None
-        result, prompt_result, next_tokens = self.runner.launch(
-            batch, tensors, num_logprobs, num_prompt_logprobs, prev_rows, prev_tokens)
+        logits = self.runner.forward(batch, prev_rows, prev_tokens)
         counts = [row_counter[logits_plan[row]] for _, _, row in rows]
-        return _Launched(sched, rows, counts, prompt_plan, result, prompt_result, next_tokens)
+        step = _Launched(sched, rows, counts, prompt_plan, None, None, None,
+                         sampler_args=(batch, logits, tensors, num_logprobs, num_prompt_logprobs))
+        # Structured rows' bitmasks follow from every earlier token: with a step in flight they
+        # are built once its tokens are read (step() does it), while the device runs this step's
+        # model, and only its sampler waits for them.
+        step.constrained = [(sample.matcher, row, count) for (_, sample, row), count in zip(rows, counts)
+                            if sample.matcher is not None]
+        if not step.constrained or self._inflight is None:
+            self._dispatch_sampler(step)
+        return step
+
+    def _dispatch_sampler(self, step: "_Launched") -> None:
+        batch, logits, tensors, num_logprobs, num_prompt_logprobs = step.sampler_args
+        allowed = None
+        if step.constrained:
+            num_rows = len(batch.logits_indices)
+            allowed = self._grammars.bitmask([(m, row) for m, row, _ in step.constrained], num_rows)
+            for _, row, count in step.constrained:  # a forking request's n rows share one state
+                allowed[row + 1:row + count] = allowed[row]
+        step.result, step.prompt_result, step.next_tokens = self.runner.sample(
+            batch, logits, tensors, num_logprobs, num_prompt_logprobs, allowed)
+        step.sampler_args = None
 
     def _can_overlap(self, step: "_Launched") -> bool:
         """A step may stay in flight when the next step can be scheduled without its tokens: plain
         sampling rows only (no beams, no forks, no penalties, which read the tokens; no prompt
-        logprobs). Rows that reach their length limit finish early (see `_advance`)."""
+        logprobs). Rows that reach their length limit finish early (see `_advance`). Structured
+        rows overlap too: the next step's bitmasks wait for these tokens, but only its sampler
+        does (see `_launch`), not its model."""
         if not self.config.async_scheduling or step.prompt_plan:
             return False
         for (request, _, _), count in zip(step.rows, step.counts):
@@ -320,6 +361,8 @@ class LLMEngine:
             for extra in range(1, request.params.n):
                 seq = self.new_sequence(request.prompt_ids, request.params.max_tokens, request.request_id)
                 child = self.outputs.new_sample(request, seq, parent.seed + extra)
+                if parent.matcher is not None:  # the parent's state before its first token
+                    child.matcher = parent.matcher.deep_copy()
                 token = int(result.token_ids[first_row + extra])
                 seq.append_token(token)
                 self.scheduler.fork(parent.seq, seq)
@@ -359,6 +402,10 @@ class _Launched:
     prompt_result: object
     next_tokens: object  # i32[R_max] device: the sampled tokens, as the next step reads them
     row_of_seq: dict[int, int] = dataclasses.field(default_factory=dict)  # in flight: seq -> row
+    # Until the sampler is dispatched (result None): its arguments, and the structured rows as
+    # (matcher, first row, rows) whose bitmasks it waits for.
+    sampler_args: tuple | None = None
+    constrained: list = dataclasses.field(default_factory=list)
 
 
 def _logprob_bucket(n: int) -> int:

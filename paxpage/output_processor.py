@@ -19,6 +19,7 @@ from paxpage.detokenizer import IncrementalDetokenizer
 from paxpage.outputs import Completion, RequestMetrics, RequestOutput, StreamDelta
 from paxpage.sampling_params import SamplingParams
 from paxpage.sequence import Sequence
+from paxpage.structured_backend import accept
 
 
 @dataclasses.dataclass
@@ -36,6 +37,9 @@ class Sample:
     emitted_tokens: int = 0
     # prompt position p -> {prompt[p + 1]: logprob, top alternatives...}; only when asked
     prompt_logprobs: dict[int, dict[int, float]] | None = None
+    # structured outputs: its llguidance matcher, advanced by each token it is given here
+    matcher: Any = None
+    grammar_refused: bool = False  # the matcher refused a token (only a masked-out one could be)
 
 
 @dataclasses.dataclass
@@ -154,6 +158,8 @@ class OutputProcessor:
             sample.cumulative_logprob += float(result.logprobs[row])
             if sample.detok is not None:
                 sample.detok.add(token)
+            if sample.matcher is not None and not sample.grammar_refused:
+                sample.grammar_refused = not accept(sample.matcher, token)
             reason, stop = self._stop(request.params, sample, token)
             if reason is not None:
                 sample.finish_reason, sample.stop_reason = reason, stop
@@ -170,6 +176,10 @@ class OutputProcessor:
     def _stop(self, p: SamplingParams, sample: Sample, token: int) -> tuple[str | None, Any]:
         seq = sample.seq
         num_out = seq.num_output_tokens
+        # A complete grammar allows nothing but EOS: stop now rather than spend a step on it.
+        # min_tokens cannot hold it back (EOS is banned below it, so no token would be left).
+        if sample.matcher is not None and (sample.grammar_refused or sample.matcher.is_stopped()):
+            return "stop", token if token in self.eos_token_ids else None
         if num_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return "stop", token

@@ -249,14 +249,21 @@ class ModelRunner:
                     shapes.add((bucket(dec), bucket(pre)))
         return sorted(shapes)
 
-    def precompile(self, sampling_for_rows) -> int:
+    def precompile(self, sampling_for_rows, num_mask_words: int = 0) -> int:
         """Compiles (by running it on an all-padding batch, whose K/V writes are dropped) the
         step and the plain sampler for every shape in `step_shapes()`. `sampling_for_rows(R)`
-        gives padding SamplingTensors of R rows. Returns the number of shapes."""
+        gives padding SamplingTensors of R rows. num_mask_words > 0: also the sampler with a
+        structured-outputs bitmask i32[R, num_mask_words]. Returns the number of shapes."""
         shapes = self.step_shapes()
+        masked: set[int] = set()  # the sampler's shape is R alone
         for dec, pre in shapes:
             batch = self._padding_batch(dec, pre)
-            jax.block_until_ready(self.launch(batch, sampling_for_rows(batch.logits_indices.shape[0]))[2])
+            num_logits = batch.logits_indices.shape[0]
+            jax.block_until_ready(self.launch(batch, sampling_for_rows(num_logits))[2])
+            if num_mask_words and num_logits not in masked:
+                masked.add(num_logits)
+                allowed = np.full((num_logits, num_mask_words), -1, np.int32)
+                jax.block_until_ready(self.launch(batch, sampling_for_rows(num_logits), allowed=allowed)[2])
         return len(shapes)
 
     def _padding_batch(self, dec: int, pre: int) -> StepBatch:
@@ -283,18 +290,34 @@ class ModelRunner:
         self.kv_cache = self._copy(self.kv_cache, src, dst)
 
     def launch(self, batch: StepBatch, sampling, num_logprobs: int = 0, num_prompt_logprobs: int = 0,
-               prev_rows: np.ndarray | None = None, prev_tokens: jax.Array | None = None):
+               prev_rows: np.ndarray | None = None, prev_tokens: jax.Array | None = None,
+               allowed: np.ndarray | None = None):
         """Dispatches the step and returns (SamplerOutput, PromptLogprobs | None, next_tokens) as
         device arrays, without waiting for them. prev_rows i32[T] / prev_tokens i32[R_max]: the
         tokens the host does not have yet are the previous step's `next_tokens` rows. next_tokens
-        i32[R_max] are this step's sampled tokens in that form."""
+        i32[R_max] are this step's sampled tokens in that form. allowed: i32[R, W] structured
+        outputs bitmask, or None."""
+        logits = self.forward(batch, prev_rows, prev_tokens)
+        return self.sample(batch, logits, sampling, num_logprobs, num_prompt_logprobs, allowed)
+
+    def forward(self, batch: StepBatch, prev_rows: np.ndarray | None = None,
+                prev_tokens: jax.Array | None = None):
+        """Dispatches the model alone: (logits f32[R, V], prompt logits f32[Rp, V]) on device.
+        The engine dispatches `sample` later when the sampler's inputs (structured outputs'
+        bitmasks) need the previous step's tokens, so the host builds them during this one."""
         if prev_rows is None:
             prev_rows = np.full(batch.token_ids.shape[0], -1, np.int32)
         if prev_tokens is None:
             prev_tokens = self._no_prev_tokens
         self.kv_cache, logits, prompt_logits = self._step(self.params, self.kv_cache, batch, prev_rows,
                                                           prev_tokens)
-        out = sampler_lib.sample(logits, sampling, num_logprobs)
+        return logits, prompt_logits
+
+    def sample(self, batch: StepBatch, logits, sampling, num_logprobs: int = 0,
+               num_prompt_logprobs: int = 0, allowed: np.ndarray | None = None):
+        """The sampler on `forward`'s logits; returns what `launch` does."""
+        logits, prompt_logits = logits
+        out = sampler_lib.sample(logits, sampling, num_logprobs, allowed)
         prompt = None
         if batch.prompt_targets.shape[0]:
             prompt = sampler_lib.score_prompt(prompt_logits, batch.prompt_targets, num_prompt_logprobs)

@@ -2,9 +2,11 @@
 
 Axis legend: R logits rows (sequences sampled this step, padded), V vocabulary,
 S distinct penalty-token slots per row, E banned-token slots per row,
-L number of top logprobs reported.
+L number of top logprobs reported, W = ceil(V / 32) words of an allowed-token bitmask.
 
 Order of operations in `sample` (vLLM semantics):
+  0. structured outputs: tokens outside a row's allowed-token bitmask -> -inf (only in the
+     variant called with a bitmask: batches without a constrained row never see it)
   1. banned ids (min_tokens: EOS / stop tokens) -> -inf
   2. repetition penalty (HF) over prompt + output tokens, then presence / frequency penalties
      (OpenAI) over output tokens
@@ -256,13 +258,29 @@ def _argmax(x: jax.Array) -> jax.Array:
     return jax.lax.top_k(x, 1)[1][:, 0].astype(jnp.int32)
 
 
+def apply_bitmask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """logits f32[R, V], allowed i32[R, W] (bit j of word w allows token 32 w + j; W * 32 >= V,
+    bits past V ignored) -> logits with disallowed tokens at -inf. All-ones rows are unchanged."""
+    num_rows, vocab_size = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    bits = (allowed.astype(jnp.uint32)[:, :, None] >> shifts) & 1  # [R, W, 32]
+    bits = bits.reshape(num_rows, -1)[:, :vocab_size]
+    return jnp.where(bits != 0, logits, -jnp.inf)
+
+
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
-def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0) -> SamplerOutput:
+def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
+           allowed: jax.Array | None = None) -> SamplerOutput:
     """logits [R, V] (any float dtype) -> SamplerOutput. Rows are independent of each other.
 
     Which rows are greedy, filtered or penalised is data, not a compile parameter: the costly
-    parts sit behind lax.cond on "does any row need this", so one executable serves any mix."""
+    parts sit behind lax.cond on "does any row need this", so one executable serves any mix.
+    allowed: None, or i32[R, W] allowed-token bitmasks (structured outputs; unconstrained rows
+    all ones). The two are separate executables, so unconstrained batches pay nothing for it;
+    which rows are constrained is data again."""
     logits = logits.astype(jnp.float32)
+    if allowed is not None:
+        logits = apply_bitmask(logits, allowed)
     # Banning or penalising writes a modified copy of the logits, which costs as much as a pass
     # over them on CPU: batches that do neither skip it (the branches return only [R]-sized
     # results, so neither copies the logits either).

@@ -14,6 +14,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from paxpage.structured import StructuredOutputs
+
 # Temperatures at or below this are treated as greedy by the sampler (as in vLLM): dividing
 # logits by a tiny temperature overflows, and the result is argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
@@ -65,6 +67,10 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0  # finished score = sum_logprobs / num_generated ** length_penalty
     early_stopping: bool | str = False  # True | False | "never", as in HF generate
+    # Constrained decoding (structured.py): the output must match a JSON schema, any JSON
+    # object, a regex, one of some strings or a grammar; a dict of StructuredOutputs' fields is
+    # accepted. The request stops ("stop") once the grammar is complete.
+    structured_outputs: StructuredOutputs | dict | None = None
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -120,6 +126,7 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
+        set_("structured_outputs", StructuredOutputs.coerce(self.structured_outputs))
         self._check_beam(set_)
 
     def _check_beam(self, set_) -> None:
@@ -140,6 +147,9 @@ class SamplingParams:
             raise ValueError("beam search does not support repetition / presence / frequency penalties")
         if self.min_tokens:
             raise ValueError(f"beam search does not support min_tokens, got {self.min_tokens}")
+        if self.structured_outputs is not None:
+            raise ValueError("beam search does not support structured_outputs (each beam would need its "
+                             "own grammar state); use n > 1 sampling or beam_width=1")
         if self.stop:
             raise ValueError(f"beam search does not support stop strings, got {list(self.stop)!r}; "
                              "use stop_token_ids")

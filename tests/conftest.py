@@ -88,3 +88,29 @@ def hf_greedy(model, prompt_ids, max_new_tokens):
 def random_prompts(n, vocab, lengths, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, size=int(length)).tolist() for length in lengths[:n]]
+
+
+def save_tiny_text_model(path, vocab_size: int = 320, seed: int = 0):
+    """A tiny random llama with a real byte-level BPE tokenizer (id 0 = `<eos>`, the model's EOS),
+    trained here on a few lines of JSON-like text: for checks that need text (structured outputs)
+    without the cost of the default model. Random weights, so any text comes out."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ['{"name": "Ada", "age": 36, "tags": ["math", "code"]}', "yes no maybe 2024-01-31",
+              "The quick brown fox jumps over the lazy dog. 0123456789 true false null"] * 4
+    tk.train_from_iterator(corpus, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>").save_pretrained(path)
+    return save_tiny_hf(path, "llama", seed=seed, vocab_size=vocab_size, eos_token_id=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_text_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_text")
+    save_tiny_text_model(path)
+    return path

@@ -282,3 +282,15 @@ def test_bench_serving_against_fake_server(fake_server, tmp_path, capsys):
     assert redo["results"] == data["results"] and len(seen) == 2 + len(lengths) + 2 * 2 * len(lengths)
     assert redo["capacity"]["forced"]["paxpage"] == {"highest_rate": None, "interpolated_rate": None,
                                                      "limit_reached": True}
+
+
+def test_bench_structured_smoke(tiny_text_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PAXPAGE_CACHE_DIR", str(tmp_path / "cache"))  # its workers' XLA cache
+    bench = _load_script("bench_structured")
+    out = tmp_path / "structured.json"
+    rc = bench.main(["--model", str(tiny_text_dir), "--num-requests", "4", "--output-len", "6",
+                     "--repeats", "1", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert set(data["tok_s"]) == {"none", "quarter", "all"}
+    assert data["masks"]["all"]["steps"] >= 6 and data["masks"]["all"]["us_per_row"] > 0

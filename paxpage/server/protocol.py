@@ -19,6 +19,18 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Body):
     """Fields shared by chat and completions; None means "the default"."""
 
@@ -41,6 +53,14 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    # structured outputs: OpenAI's response_format, vLLM's guided_* fields and structured_outputs
+    # ({"json" | "json_schema" | "json_object" | "regex" | "choice" | "grammar": ...}); one at most
+    response_format: ResponseFormat | None = None
+    guided_json: Union[dict, str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
 
 
 class TextPart(_Body):

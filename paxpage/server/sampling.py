@@ -7,6 +7,7 @@ field's name, which is translated back to the name the client used (`max_complet
 from __future__ import annotations
 
 from paxpage.sampling_params import SamplingParams
+from paxpage.structured import StructuredOutputs
 from paxpage.server.errors import APIError, bad_request
 from paxpage.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -25,7 +26,44 @@ def _common(req) -> dict:
         value = getattr(req, name)
         if value is not None:
             kw[name] = value
+    structured = _structured(req)
+    if structured is not None:
+        kw["structured_outputs"] = structured
     return kw
+
+
+_GUIDED = (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"))
+
+
+def _structured(req) -> StructuredOutputs | None:
+    """response_format, guided_* or structured_outputs -> StructuredOutputs; a bad spec is a 400
+    naming the field it came from."""
+    given: list[tuple[str, dict]] = []  # (request field, StructuredOutputs kwargs)
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise bad_request("response_format of type json_schema needs json_schema.schema", "response_format")
+        given.append(("response_format", {"json_schema": fmt.json_schema.schema_}))
+    for field, kind in _GUIDED:
+        if getattr(req, field) is not None:
+            given.append((field, {kind: getattr(req, field)}))
+    if req.structured_outputs is not None:
+        spec = dict(req.structured_outputs)
+        if "json" in spec:  # vLLM's name for the schema
+            spec["json_schema"] = spec.pop("json")
+        given.append(("structured_outputs", spec))
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(f"give one structured output constraint, got {[f for f, _ in given]}", given[1][0])
+    field, spec = given[0]
+    try:
+        return StructuredOutputs.coerce(spec)
+    except (ValueError, TypeError) as e:
+        raise bad_request(f"{field}: {e}", field) from None
 
 
 def _build(kwargs: dict, api_names: dict[str, str]) -> SamplingParams:
@@ -87,7 +125,7 @@ def engine_error(e: Exception, prompt_param: str) -> APIError:
     """A ValueError from the engine at submission (prompt too long, can never fit, bad ids)."""
     message = str(e)
     field = message.split(" ", 1)[0]
-    if field in ("max_tokens", "stop_token_ids", "logprobs", "prompt_logprobs"):
+    if field in ("max_tokens", "stop_token_ids", "logprobs", "prompt_logprobs", "structured_outputs"):
         return bad_request(message, field)
     if prompt_param not in message:
         message = f"{prompt_param} cannot be served: {message}"

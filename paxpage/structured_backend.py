@@ -1,0 +1,98 @@
+"""The host side of structured outputs: one llguidance matcher per sample, and the step's bitmask.
+
+Axis legend: R logits rows, W = ceil(V / 32) words of the allowed-token bitmask (bit j of word
+w allows token 32 w + j), V the model's vocabulary (the logits width).
+
+Why llguidance: its Rust core computes a mask for a 50k-200k vocabulary in tens of microseconds
+(an Earley parser over a token trie, with lexer-level slices for JSON), fills many rows in
+parallel outside the GIL straight into a numpy buffer, and needs neither torch nor a GPU; it
+takes JSON schemas, regexes, Lark grammars and GBNF. It is what vLLM, SGLang and llama.cpp use.
+
+Pure Python + numpy (no jax): the engine fills `GrammarBackend.bitmask` for a step's rows and
+passes it to the jitted sampler, which unpacks it on device (sampler.apply_bitmask).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from paxpage.structured import StructuredOutputs
+
+logger = logging.getLogger("paxpage.structured")
+
+_CACHED_GRAMMARS = 64  # compiled matchers kept as templates (deep copies are cheap)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class GrammarBackend:
+    """One per engine: the model's tokenizer in llguidance's form, a thread pool for masks, and
+    the compiled grammars of recent specs.
+
+    tokenizer: the engine's HF fast tokenizer (GGUF tokenizers load as one too).
+    vocab_size: the model's logits width. Token ids the tokenizer does not have are never allowed.
+    eos_token_ids: the ids that end a sequence; llguidance allows them once the grammar accepts.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+        from llguidance import LLExecutor, LLTokenizer
+
+        rust = getattr(tokenizer, "backend_tokenizer", None)
+        if rust is None:
+            raise ValueError("structured outputs need a fast (Rust `tokenizers`) tokenizer; "
+                             f"this model's is {type(tokenizer).__name__}")
+        if not eos_token_ids:
+            raise ValueError("structured outputs need an EOS token id; the model and tokenizer define none")
+        rust = copy.copy(rust)
+        rust.no_padding()
+        rust.no_truncation()
+        # n_vocab: the logits width, or the tokenizer's if it is larger (ids past the model's
+        # vocabulary are then cut off by the sampler). Ids with no token are never allowed.
+        self.num_tokens = max(vocab_size, len(tokenizer))
+        self.tokenizer = LLTokenizer(rust.to_str(), n_vocab=self.num_tokens, eos_token=list(eos_token_ids))
+        self.vocab_size = vocab_size
+        self.num_words = bitmask_words(self.num_tokens)
+        self._executor = LLExecutor()
+        self._templates: OrderedDict[StructuredOutputs, object] = OrderedDict()
+
+    def matcher(self, spec: StructuredOutputs):
+        """A fresh matcher for `spec` at the start of the output; ValueError if the grammar does
+        not compile against this tokenizer."""
+        from llguidance import LLMatcher
+
+        template = self._templates.get(spec)
+        if template is None:
+            template = LLMatcher(self.tokenizer, spec.to_grammar(), log_level=0)
+            if template.is_error():
+                raise ValueError(f"structured_outputs {spec.kind} is invalid: {template.get_error()}")
+            self._templates[spec] = template
+            if len(self._templates) > _CACHED_GRAMMARS:
+                self._templates.popitem(last=False)
+        else:
+            self._templates.move_to_end(spec)
+        return template.deep_copy()
+
+    def bitmask(self, rows: Sequence[tuple[object, int]], num_rows: int) -> np.ndarray:
+        """i32[num_rows, W]: each (matcher, row) pair's allowed tokens; other rows allow all."""
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        mask = np.full((num_rows, self.num_words), -1, np.int32)
+        if rows:
+            fill_next_token_bitmask_par(self._executor, list(rows), mask)
+        return mask
+
+
+def accept(matcher, token: int) -> bool:
+    """Advances `matcher` by the sampled token. False when it refuses the token (only a token
+    the mask did not allow can do that); the matcher is then in its error state."""
+    if matcher.consume_token(token):
+        return True
+    logger.warning("structured outputs: the grammar refused token %d (%s)", token, matcher.get_error())
+    return False

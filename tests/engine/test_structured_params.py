@@ -1,0 +1,127 @@
+"""Structured outputs, host side: spec validation, the bitmask a matcher fills, and the device
+mask compared with llguidance's own numpy reference (`apply_token_bitmask_inplace`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paxpage import SamplingParams as SP
+from paxpage.structured import StructuredOutputs
+
+
+@pytest.mark.parametrize("spec, message", [
+    (dict(regex="a(b"), "regex is invalid: .*unclosed group"),
+    (dict(json_schema="{not json"), "json_schema is not valid JSON"),
+    (dict(json_schema={"type": "frobnicate"}), "json_schema is invalid: .*frobnicate"),
+    (dict(grammar="start: undefined_rule"), "grammar is invalid: .*undefined_rule"),
+    (dict(), "exactly one of .* got none"),
+    (dict(regex="a", choice=["x"]), r"exactly one of .* got \['regex', 'choice'\]"),
+    (dict(choice=[]), "at least one"),
+    (dict(choice=["a", ""]), "empty strings"),
+])
+def test_invalid_specs_raise_value_error_naming_the_problem(spec, message):
+    with pytest.raises(ValueError, match="(?s)" + message):
+        SP(structured_outputs=spec)
+
+
+def test_spec_types_and_normalisation():
+    with pytest.raises(TypeError, match="choice must be a list of str"):
+        StructuredOutputs(choice="yes")
+    with pytest.raises(TypeError, match="unknown structured_outputs field"):
+        SP(structured_outputs={"json": {}})
+    with pytest.raises(TypeError, match="json_schema must be a dict"):
+        StructuredOutputs(json_schema=[1, 2])
+    a = SP(structured_outputs={"json_schema": {"type": "object", "properties": {"b": {}, "a": {}}}})
+    b = SP(structured_outputs=StructuredOutputs(json_schema='{"type": "object", "properties": {"b": {}, "a": {}}}'))
+    assert a == b and hash(a) == hash(b)  # a dict and its JSON text are one spec
+    assert a.structured_outputs.json_schema.index('"b"') < a.structured_outputs.json_schema.index('"a"')
+    assert SP(structured_outputs={"choice": ["x", "y"]}).structured_outputs.choice == ("x", "y")
+
+
+def test_beam_search_rejects_structured_outputs():
+    with pytest.raises(ValueError, match="beam search does not support structured_outputs"):
+        SP(beam_width=2, structured_outputs={"regex": "a+"})
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_text_dir):
+    from models.tokenizer import load_tokenizer
+    from paxpage.structured_backend import GrammarBackend
+
+    tok = load_tokenizer(tiny_text_dir)
+    # a model vocabulary wider than the tokenizer's: ids 320..399 have no token
+    return tok, GrammarBackend(tok, 400, [0])
+
+
+def _allowed(mask_row: np.ndarray) -> set[int]:
+    return set(np.flatnonzero(np.unpackbits(mask_row.view(np.uint8), bitorder="little")).tolist())
+
+
+def test_bitmask_allows_exactly_the_grammar_tokens(backend):
+    tok, grammars = backend
+    m = grammars.matcher(StructuredOutputs(choice=["yes", "no"]))
+    mask = grammars.bitmask([(m, 1)], 3)
+    assert mask.shape == (3, (400 + 31) // 32)
+    assert (mask[[0, 2]] == -1).all()  # unconstrained rows allow everything
+    allowed = _allowed(mask[1])
+    # hand check: every allowed token is a prefix of a choice; EOS and ids past the tokenizer are not
+    assert allowed and max(allowed) < len(tok) and 0 not in allowed
+    for t in allowed:
+        text = tok.decode([t])
+        assert "yes".startswith(text) or "no".startswith(text), text
+    for t in range(len(tok)):  # ...and every token that is such a prefix is allowed
+        text = tok.decode([t])
+        if text and ("yes".startswith(text) or "no".startswith(text)) and t != 0:
+            assert t in allowed, (t, text)
+    for t in tok.encode("no", add_special_tokens=False):
+        assert m.consume_token(t)
+    assert m.is_stopped()
+    assert _allowed(grammars.bitmask([(m, 0)], 1)[0]) == {0}  # a complete grammar: EOS only
+
+
+def test_device_mask_matches_llguidance_reference():
+    import jax.numpy as jnp
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    from paxpage.sampler import apply_bitmask
+
+    rng = np.random.default_rng(0)
+    for vocab in (100, 128, 49152):
+        logits = rng.normal(size=(5, vocab)).astype(np.float32)
+        words = (vocab + 31) // 32
+        mask = rng.integers(-2**31, 2**31, size=(5, words), dtype=np.int64).astype(np.int32)
+        mask[0] = -1
+        want = logits.copy()
+        apply_token_bitmask_inplace(want, mask)
+        got = np.asarray(apply_bitmask(jnp.asarray(logits), jnp.asarray(mask)))
+        np.testing.assert_array_equal(got, want)
+
+
+def test_every_sampling_mode_respects_the_mask():
+    import jax.numpy as jnp
+
+    from paxpage.sampler import SamplingTensors, sample
+
+    vocab, rows = 300, 8
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(rows, vocab)).astype(np.float32) * 3
+    allowed_sets = [rng.choice(vocab, size=k, replace=False) for k in (5, 2, 1, 17, 40, 3, 9, 60)]
+    mask = np.zeros((rows, (vocab + 31) // 32), np.int32)
+    for r, ids in enumerate(allowed_sets):
+        for t in ids:
+            mask[r, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+    modes = [SP(temperature=0), SP(temperature=1.0), SP(temperature=0.7, top_k=3),
+             SP(temperature=1.5, top_p=0.5), SP(temperature=1.0, min_p=0.2),
+             SP(temperature=1.0, top_k=200, top_p=0.9), SP(temperature=0, repetition_penalty=1.5),
+             SP(temperature=2.0, presence_penalty=1.0)]
+    for seed in range(10):
+        t = SamplingTensors.build([(p, [1, 2], [3, 4], seed) for p in modes], vocab)
+        tokens = np.asarray(sample(jnp.asarray(logits), t, 0, jnp.asarray(mask)).token_ids)
+        for r in range(rows):
+            assert tokens[r] in allowed_sets[r], (r, modes[r])
+        # greedy: the best allowed logit, by hand (row 6 after its repetition penalty on 1..4)
+        assert tokens[0] == allowed_sets[0][np.argmax(logits[0, allowed_sets[0]])]
+        penalised = logits[6].copy()
+        penalised[1:5] = np.where(penalised[1:5] < 0, penalised[1:5] * 1.5, penalised[1:5] / 1.5)
+        assert tokens[6] == allowed_sets[6][np.argmax(penalised[allowed_sets[6]])]
