@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from models.llama import LlamaModel
+from models.families import build_model
 from pallas_kernels import reference
 from pallas_kernels.xla_attention import paged_attention_xla
 from paxpage import sampler as sampler_lib
@@ -78,7 +78,7 @@ class ModelRunner:
         self.cfg = cfg
         dtype = jnp.dtype(cfg.dtype)
         attention, write_kv = _attention_fns(cfg.attention_impl)
-        self.model = LlamaModel(model_cfg, attention, write_kv, dtype)
+        self.model = build_model(model_cfg, attention, write_kv, dtype)
         self.params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
         shape = (2, cfg.num_pages, cfg.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
         self.kv_cache = [jnp.zeros(shape, dtype) for _ in range(model_cfg.num_layers)]
