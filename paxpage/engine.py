@@ -67,6 +67,8 @@ class LLMEngine:
             enable_prefix_caching=cfg.enable_prefix_caching,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
             allocation=cfg.kv_allocation,
+            # Pages outside the window are released only when no layer is global (Gemma's are).
+            sliding_window=model_cfg.max_window,
         ))
         self.eos_token_ids = tuple(model_cfg.eos_token_ids) or (
             (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()

@@ -30,12 +30,31 @@ MODELS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
-def tiny(request, tmp_path_factory):
-    kind = request.param
-    path = tmp_path_factory.mktemp(f"tiny_{kind}")
-    hf = save_tiny_hf(path, kind, **MODELS[kind])
-    return kind, hf, paxpage.load(path)
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """kind -> (kind, HF model, paxpage model), each saved and loaded once per module."""
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            path = tmp_path_factory.mktemp(f"tiny_{kind}")
+            hf = save_tiny_hf(path, kind, **MODELS[kind])
+            cache[kind] = (kind, hf, paxpage.load(path))
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(params=sorted(MODELS))
+def tiny(request, tiny_models):
+    return tiny_models(request.param)
+
+
+# The engine-path variations run on two models that between them cover a window in every layer
+# (Mistral) and mixed local / global layers with soft caps (Gemma 2); CI time stays small.
+@pytest.fixture(params=["mistral", "gemma2"])
+def tiny_engine(request, tiny_models):
+    return tiny_models(request.param)
 
 
 def _hf_logprobs(hf, ids):
@@ -70,10 +89,10 @@ def test_prompt_logprobs_and_greedy_match_hf(tiny):
     assert out.token_ids == hf_greedy(hf, prompt, 20)
 
 
-def test_chunked_prefill_and_batching_match_hf(tiny):
+def test_chunked_prefill_and_batching_match_hf(tiny_engine):
     """8-token step budget: prompts are prefilled in chunks shorter than the window, batched with
     other rows' decode steps."""
-    _, hf, model = tiny
+    _, hf, model = tiny_engine
     prompts = random_prompts(3, 128, [40, 5, 23], seed=2)
     outs = paxpage.generate(model, prompts, max_tokens=12, temperature=0, prompt_logprobs=0, ignore_eos=True,
                             page_size=4, num_pages=128, max_num_batched_tokens=8, prefill_row_len=4,
@@ -83,8 +102,8 @@ def test_chunked_prefill_and_batching_match_hf(tiny):
         assert out.token_ids == hf_greedy(hf, prompt, 12)
 
 
-def test_prefix_cache_hits_match_hf(tiny):
-    _, hf, model = tiny
+def test_prefix_cache_hits_match_hf(tiny_engine):
+    _, hf, model = tiny_engine
     shared = random_prompts(1, 128, [37], seed=3)[0]
     prompts = [shared + [5, 6, 7], shared + [9]]
     config = paxpage.EngineConfig(page_size=4, num_pages=128, enable_prefix_caching=True)
@@ -99,9 +118,9 @@ def test_prefix_cache_hits_match_hf(tiny):
     assert second.token_ids == hf_greedy(hf, prompts[1], 10)
 
 
-def test_preemption_recomputes_the_same_tokens(tiny):
+def test_preemption_recomputes_the_same_tokens(tiny_engine):
     """A pool too small for all four sequences at once: some are preempted and recomputed."""
-    _, hf, model = tiny
+    _, hf, model = tiny_engine
     prompts = random_prompts(4, 128, [30, 26, 33, 20], seed=4)
     config = paxpage.EngineConfig(page_size=4, num_pages=24, max_num_seqs=4)
     outs = paxpage.generate(model, prompts, max_tokens=24, temperature=0, ignore_eos=True,
@@ -109,3 +128,24 @@ def test_preemption_recomputes_the_same_tokens(tiny):
     assert model.engine(config).scheduler.stats().num_preemptions > 0
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf, prompt, 24)
+
+
+def test_long_mistral_generation_holds_window_pages(tiny_models):
+    """148 tokens need 37 pages of 4; with pages outside the 16-token window released, a 12-page
+    pool (which the request is only admitted to because of the window) runs it to HF's tokens."""
+    _, hf, model = tiny_models("mistral")
+    assert model.config.max_window == WINDOW
+    prompt = random_prompts(1, 128, [48], seed=6)[0]
+    config = paxpage.EngineConfig(page_size=4, num_pages=12, max_num_batched_tokens=16, prefill_row_len=8)
+    out = paxpage.generate(model, [prompt], max_tokens=100, temperature=0, ignore_eos=True,
+                           engine_config=config, use_tqdm=False)[0]
+    assert out.token_ids == hf_greedy(hf, prompt, 100)
+    assert model.engine(config).scheduler.num_preemptions == 0
+
+
+def test_models_with_global_layers_release_nothing(tiny_models):
+    _, _, model = tiny_models("gemma2")
+    assert model.config.max_window is None
+    with pytest.raises(ValueError, match="pages"):
+        paxpage.generate(model, [[1] * 48], max_tokens=100, page_size=4, num_pages=12,
+                         max_num_batched_tokens=16, prefill_row_len=8, use_tqdm=False)
