@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     plot_pages(results, plots["pages"], "Pages held: full attention vs sliding window\n" + title)
     ratio = results["full"]["max_pages_per_seq"] / results["window"]["max_pages_per_seq"]
     print(f"full / window: {ratio:.1f}x pages per sequence, "
-          f"{results['window']['max_running'] / results['full']['max_running']:.1f}x sequences running; "
+          f"{results['window']['mean_running'] / results['full']['mean_running']:.1f}x mean sequences running; "
           f"plots in {args.out_dir}", flush=True)
     if args.json:
         for r in results.values():
