@@ -1,4 +1,5 @@
-"""Model configuration: one frozen dataclass for the Llama family (Llama, Qwen2, Qwen3).
+"""Model configuration: one frozen dataclass for the Llama family (Llama, Mistral, Qwen2, Qwen3)
+and the Gemma family (Gemma 2, Gemma 3 text).
 
 Axis legend used across models/: T tokens in a step, H hidden size, N query heads,
 K kv heads, D head dim, F MLP width, V vocabulary.
@@ -14,7 +15,9 @@ from typing import Any, Collection, Mapping
 from models.generation_config import GenerationConfig
 
 # HF `model_type` values this model family covers.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 # GGUF `general.architecture` -> model_type. llama.cpp writes Mistral as "llama".
 GGUF_ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -63,6 +66,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
+    # Sliding-window attention: a query sees its last `sliding_window` keys, itself included
+    # (HF's `kv_idx > q_idx - sliding_window`), in the layers `layer_types` marks
+    # "sliding_attention"; () = every layer (Mistral). None = no window anywhere.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    # Gemma 2 / 3:
+    attn_logit_softcap: float | None = None  # attention scores -> c * tanh(scores / c)
+    final_logit_softcap: float | None = None  # LM-head logits -> c * tanh(logits / c)
+    query_pre_attn_scalar: float | None = None  # softmax scale is this ** -0.5 (default head_dim)
+    local_rope_theta: float | None = None  # Gemma 3: RoPE base of sliding layers (unscaled)
+    hidden_activation: str = "silu"  # MLP gate activation: "silu" or "gelu_tanh"
     # generation_config.json / GGUF end-of-turn ids and sampling defaults (models/generation_config.py)
     generation: GenerationConfig = GenerationConfig()
 
@@ -84,11 +98,56 @@ class ModelConfig:
             raise ValueError(
                 f"model_type {self.model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
             )
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"ModelConfig.sliding_window must be None or a positive int, got {self.sliding_window!r}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries; the model has {self.num_layers} layers")
+        for kind in self.layer_types:
+            if kind not in LAYER_TYPES:
+                raise ValueError(f"layer type {kind!r} is not supported; expected one of {LAYER_TYPES}")
+        for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be None or > 0, got {value!r}")
+        wanted = "gelu_tanh" if self.is_gemma else "silu"
+        if self.hidden_activation != wanted:
+            raise ValueError(
+                f"hidden_activation {self.hidden_activation!r} is not supported for {self.model_type}; "
+                f"expected {wanted!r}"
+            )
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.model_type in GEMMA_MODEL_TYPES
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None where it attends to every earlier key."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def max_window(self) -> int | None:
+        """The window every layer keeps within, or None when some layer is global: only then can
+        a sequence's pages before that window be released."""
+        windows = [self.layer_window(i) for i in range(self.num_layers)]
+        return None if any(w is None for w in windows) else max(windows)
+
+    @property
+    def sm_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         """Builds a config from the contents of a HF `config.json`."""
         model_type = d.get("model_type", "llama")
+        if model_type == "gemma3":
+            raise ValueError(
+                "model_type 'gemma3' is the multimodal Gemma 3 (text_config + vision tower); paxpage runs "
+                "text-only Gemma 3 checkpoints (model_type 'gemma3_text', e.g. gemma-3-1b)"
+            )
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = d.get("architectures")
             raise ValueError(
@@ -99,6 +158,14 @@ class ModelConfig:
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
         # transformers >= 5 moves rope settings into `rope_parameters`.
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        local_rope_theta = None
+        if model_type == "gemma3_text":  # one rope per layer type; global layers may be scaled
+            local = rope.get("sliding_attention") or {}
+            local_rope_theta = float(local.get("rope_theta", d.get("rope_local_base_freq", 10000.0)))
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"Gemma 3 sliding-layer rope type {local.get('rope_type')!r} is not supported")
+            rope = rope.get("full_attention") or {k: v for k, v in rope.items() if k != "sliding_attention"}
+            rope.setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
         rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
         kind = rope.get("rope_type", rope.get("type", "default")) or "default"
         scaling = RopeScaling(
@@ -110,6 +177,13 @@ class ModelConfig:
         )
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        gemma = model_type in GEMMA_MODEL_TYPES
+        if gemma and d.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention (Gemma embedding models) is not supported; "
+                             "paxpage runs causal language models")
+        activation = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        activation = {"gelu_pytorch_tanh": "gelu_tanh"}.get(activation, activation)
+        sliding_window, layer_types = _hf_sliding_window(d, model_type)
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -122,12 +196,20 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
             qkv_bias=bool(d.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             model_type=model_type,
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            # HF's Gemma 3 attention never applies attn_logit_softcapping (its configs set null).
+            attn_logit_softcap=d.get("attn_logit_softcapping") if model_type == "gemma2" else None,
+            final_logit_softcap=d.get("final_logit_softcapping") if gemma else None,
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar") if gemma else None,
+            local_rope_theta=local_rope_theta,
+            hidden_activation=activation,
         )
 
     @classmethod
@@ -208,6 +290,7 @@ class ModelConfig:
         d["rope_scaling"] = RopeScaling(**d.get("rope_scaling", {}))
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["generation"] = GenerationConfig.from_dict(d.get("generation", {}))
+        d["layer_types"] = tuple(d.get("layer_types", ()))
         return cls(**d)
 
     @property
@@ -219,3 +302,28 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """f32 bytes of K and V for one token across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+
+def _hf_sliding_window(d: dict[str, Any], model_type: str) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding_window, layer_types) as HF transformers applies them to `model_type`."""
+    window = d.get("sliding_window")
+    num_layers = d["num_hidden_layers"]
+    if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+        window = None  # Qwen configs carry a window that is off unless use_sliding_window
+    if window is None:
+        return None, ()
+    if model_type == "mistral":
+        return int(window), ()  # HF's Mistral slides in every layer, whatever layer_types says
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        if model_type in ("qwen2", "qwen3"):
+            first = d.get("max_window_layers", 28)
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        elif model_type in GEMMA_MODEL_TYPES:
+            pattern = 2 if model_type == "gemma2" else d.get("sliding_window_pattern", 6)
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        else:
+            layer_types = ["sliding_attention"] * num_layers
+    if "sliding_attention" not in layer_types:
+        return None, ()
+    return int(window), tuple(layer_types)

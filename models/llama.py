@@ -1,5 +1,8 @@
 """Functional Flax model for the Llama family (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3).
 
+Mistral and Qwen2/3 configs with a sliding window pass each layer's window to the attention
+(`ModelConfig.layer_window`); shared pieces (RMSNorm, paged attention over rows) are models/layers.py.
+
 `LlamaModel(cfg, attention).apply({"params": params}, batch, kv_cache)` is a pure function:
 it writes this step's K/V into their pages, attends over the paged cache, and returns the
 logits of the rows named by `batch.logits_indices` together with the updated cache.
@@ -18,28 +21,15 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from models.layers import RMSNorm, paged_attention_rows
+from models.layers import dense as _dense
 from models.rope import apply_rope, inverse_frequencies
 
-# attention(q [B, Tq, N, D], kv_pages, page_indices, kv_lens, q_lens, *, sm_scale) -> [B, Tq, N, D]
+# attention(q [B, Tq, N, D], kv_pages, page_indices, kv_lens, q_lens, *, sm_scale
+#           [, sliding_window, soft_cap]) -> [B, Tq, N, D]
 AttentionFn = Callable[..., jax.Array]
 # write_kv(kv_pages, k [T, K, D], v [T, K, D], slot_mapping i32[T]) -> kv_pages
 WriteKvFn = Callable[..., jax.Array]
-
-
-class RMSNorm(nn.Module):
-    eps: float
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):  # [..., H]
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * scale.astype(jnp.float32)).astype(self.dtype)
-
-
-def _dense(features: int, name: str, dtype, use_bias: bool = False) -> nn.Dense:
-    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
 
 
 class DecoderLayer(nn.Module):
@@ -47,6 +37,7 @@ class DecoderLayer(nn.Module):
     attention: AttentionFn
     write_kv: WriteKvFn
     dtype: Any = jnp.float32
+    sliding_window: int | None = None  # this layer's window (Mistral; Qwen2/3 sliding layers)
 
     @nn.compact
     def __call__(self, x, batch, kv_pages):  # x: [T, H]; kv_pages: [2, P, page_size, K, D]
@@ -66,7 +57,8 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q, batch.positions, inv_freq).astype(dtype)
         k = apply_rope(k, batch.positions, inv_freq).astype(dtype)
         kv_pages = self.write_kv(kv_pages, k, v, batch.slot_mapping)
-        out = _paged_attention_rows(self.attention, q, kv_pages, batch, cfg.head_dim**-0.5)
+        out = paged_attention_rows(self.attention, q, kv_pages, batch, cfg.head_dim**-0.5,
+                                   sliding_window=self.sliding_window)
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim).astype(dtype)
         x = x + _dense(cfg.hidden_size, "o_proj", dtype)(out)
         h = RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
@@ -74,25 +66,6 @@ class DecoderLayer(nn.Module):
         up = _dense(cfg.intermediate_size, "up_proj", dtype)(h)
         x = x + _dense(cfg.hidden_size, "down_proj", dtype)(nn.silu(gate) * up)
         return x, kv_pages
-
-
-def _paged_attention_rows(attention, q, kv_pages, batch, sm_scale):
-    """Splits the flat tokens into the decode and prefill row groups and attends each."""
-    num_decode = batch.num_decode_rows
-    num_prefill = batch.num_prefill_rows
-    outs = []
-    if num_decode:
-        q_dec = q[:num_decode][:, None]  # [Bd, 1, N, D]
-        dec_q_lens = (batch.dec_kv_lens > 0).astype(jnp.int32)
-        out = attention(q_dec, kv_pages, batch.dec_page_indices, batch.dec_kv_lens, dec_q_lens,
-                        sm_scale=sm_scale)
-        outs.append(out.reshape(num_decode, *q.shape[1:]))
-    if num_prefill:
-        q_pre = q[num_decode:].reshape(num_prefill, -1, *q.shape[1:])  # [Bp, Tq, N, D]
-        out = attention(q_pre, kv_pages, batch.pre_page_indices, batch.pre_kv_lens,
-                        batch.pre_q_lens, sm_scale=sm_scale)
-        outs.append(out.reshape(-1, *q.shape[1:]))
-    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
 
 
 class LlamaModel(nn.Module):
@@ -111,7 +84,7 @@ class LlamaModel(nn.Module):
         x = embed(batch.token_ids)  # [T, H]
         new_cache = []
         for i in range(cfg.num_layers):
-            x, pages = DecoderLayer(cfg, self.attention, self.write_kv, self.dtype,
+            x, pages = DecoderLayer(cfg, self.attention, self.write_kv, self.dtype, cfg.layer_window(i),
                                     name=f"layers_{i}")(x, batch, kv_cache[i])
             new_cache.append(pages)
         # Only the rows that will be sampled pay for the final norm and the LM head.

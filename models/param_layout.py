@@ -7,6 +7,7 @@ Tree (nested dicts of arrays; kernels are [in, out] like flax Dense):
     layers_{i}/o_proj/kernel [N*D, H]
     layers_{i}/{q,k}_norm/scale [D]                 (if cfg.qk_norm)
     layers_{i}/post_attention_layernorm/scale [H]
+    layers_{i}/{pre,post}_feedforward_layernorm/scale [H]  (Gemma; its norms hold w of (1 + w))
     layers_{i}/{gate,up}_proj/kernel [H, F], layers_{i}/down_proj/kernel [F, H]
     norm/scale [H]
     lm_head/kernel [H, V]                           (unless cfg.tie_word_embeddings)
@@ -41,6 +42,9 @@ def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, bool]
             specs[p + "q_norm/scale"] = ((D,), hf + "self_attn.q_norm.weight", False)
             specs[p + "k_norm/scale"] = ((D,), hf + "self_attn.k_norm.weight", False)
         specs[p + "post_attention_layernorm/scale"] = ((H,), hf + "post_attention_layernorm.weight", False)
+        if cfg.is_gemma:  # norms around the MLP too
+            for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                specs[p + name + "/scale"] = ((H,), hf + name + ".weight", False)
         specs[p + "gate_proj/kernel"] = ((H, F), hf + "mlp.gate_proj.weight", True)
         specs[p + "up_proj/kernel"] = ((H, F), hf + "mlp.up_proj.weight", True)
         specs[p + "down_proj/kernel"] = ((F, H), hf + "mlp.down_proj.weight", True)

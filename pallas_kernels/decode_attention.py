@@ -4,7 +4,9 @@ Axis legend: B rows, N query heads, K kv heads, G = N // K query heads per kv he
 for the GPU dot), D head dim, P pages, S key length, C splits of the key length (flash-decoding).
 
 Semantics: `reference.paged_attention_ref` with Tq == 1 and q_lens == 1: row b attends to keys
-0..lengths[b]-1 of its pages; a row with lengths[b] == 0 returns zeros.
+0..lengths[b]-1 of its pages (with a sliding window W only to keys lengths[b]-W..lengths[b]-1,
+and pages wholly before those are never read); a row with lengths[b] == 0 returns zeros. A soft
+cap c maps scaled scores s to c * tanh(s / c).
 
 Both backends split each row's keys into C parts that run as independent programs; each part keeps
 an online softmax (running max m, running sum l, unnormalised accumulator acc) and the parts are
@@ -65,6 +67,13 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"backend is {backend!r}; expected one of {BACKENDS}")
 
 
+def check_window_and_cap(sliding_window: int | None, soft_cap: float | None) -> None:
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window is {sliding_window!r}; expected None or an int >= 1")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap is {soft_cap!r}; expected None or a float > 0")
+
+
 def next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
@@ -75,6 +84,16 @@ def scores_nt(q: jax.Array, k: jax.Array) -> jax.Array:
     return lax.dot_general(
         q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
     )
+
+
+def cap_scores(s, soft_cap: float | None):
+    """Gemma's attention-logit soft cap on scaled scores; identity (no op traced) when None."""
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+
+def window_start(length, sliding_window: int | None):
+    """First key a decode query at position length - 1 sees (0 without a window)."""
+    return 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
 
 
 def online_softmax_step(s, v, m_prev, l_prev, acc_prev):
@@ -113,7 +132,7 @@ def _decode_kernel_gpu(
     acc_ref,  # f32[Gp, D]
     m_ref,  # f32[Gp, 1]
     l_ref,  # f32[Gp, 1]
-    *, sm_scale: float, pages_per_block: int,
+    *, sm_scale: float, pages_per_block: int, sliding_window: int | None, soft_cap: float | None,
 ):
     split = pl.program_id(2)
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
@@ -123,6 +142,9 @@ def _decode_kernel_gpu(
     start = split * pages_per_split * page_size
     end = jnp.minimum(length, start + pages_per_split * page_size)
     num_blocks = jnp.where(end > start, pl.cdiv(end - start, block_len), 0)
+    lo = window_start(length, sliding_window)
+    # Blocks wholly before the window are skipped: they may be released pages.
+    first_block = jnp.clip((lo - start) // block_len, 0, num_blocks) if sliding_window else 0
     q = q_ref[...]
     rows = q.shape[0]
 
@@ -132,7 +154,9 @@ def _decode_kernel_gpu(
         v = v_ref[ids].reshape(block_len, head_dim)
         pos = start + i * block_len + jnp.arange(block_len, dtype=jnp.int32)
         valid = pos < length  # [S]
-        s = jnp.where(valid[None, :], scores_nt(q, k) * sm_scale, MASK_VALUE)
+        if sliding_window is not None:
+            valid &= pos >= lo
+        s = jnp.where(valid[None, :], cap_scores(scores_nt(q, k) * sm_scale, soft_cap), MASK_VALUE)
         v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
         return online_softmax_step(s, v, *carry)
 
@@ -141,18 +165,20 @@ def _decode_kernel_gpu(
         jnp.zeros((rows, 1), jnp.float32),
         jnp.zeros((rows, head_dim), jnp.float32),
     )
-    m, l, acc = lax.fori_loop(0, num_blocks, body, init)
+    m, l, acc = lax.fori_loop(first_block, num_blocks, body, init)
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
 
 
-def _decode_gpu(q4, kv_pages, table, lengths, *, sm_scale, pages_per_block, num_splits, interpret):
+def _decode_gpu(q4, kv_pages, table, lengths, *, sm_scale, pages_per_block, num_splits, interpret,
+                sliding_window, soft_cap):
     batch, num_kv_heads, rows, head_dim = q4.shape  # [B, K, Gp, D]
     _, num_pages, page_size, _, _ = kv_pages.shape
     pages_per_split = table.shape[1] // num_splits
     table = table.reshape(batch, num_splits, pages_per_split)
-    kernel = functools.partial(_decode_kernel_gpu, sm_scale=sm_scale, pages_per_block=pages_per_block)
+    kernel = functools.partial(_decode_kernel_gpu, sm_scale=sm_scale, pages_per_block=pages_per_block,
+                               sliding_window=sliding_window, soft_cap=soft_cap)
     pool_block = (None, num_pages, page_size, None, head_dim)
     split_out = (batch, num_splits, num_kv_heads, rows)
     return pl.pallas_call(
@@ -182,11 +208,15 @@ def _decode_gpu(q4, kv_pages, table, lengths, *, sm_scale, pages_per_block, num_
 
 
 # ---------------------------------------------------------------- TPU (Mosaic TPU)
-def _page_slot(b, c, p, lens_ref, *, page_size, pages_per_split, pages_per_row):
+def _page_slot(b, c, p, lens_ref, *, page_size, pages_per_split, pages_per_row, sliding_window):
     """Flat page-table index fetched at grid step (b, c, p); past the row's end it repeats the
-    last used page, so Pallas skips the DMA (same block index) and never reads a stray page."""
+    last used page, and before its window the window's first page, so Pallas skips the DMA (same
+    block index) and never reads a stray or released page."""
     used = jnp.maximum(pl.cdiv(lens_ref[b], page_size) - 1, 0)
-    return b * pages_per_row + jnp.minimum(c * pages_per_split + p, used)
+    page = c * pages_per_split + p
+    if sliding_window is not None:
+        page = jnp.maximum(page, window_start(lens_ref[b], sliding_window) // page_size)
+    return b * pages_per_row + jnp.minimum(page, used)
 
 
 def _decode_kernel_tpu(
@@ -198,7 +228,7 @@ def _decode_kernel_tpu(
     acc_ref,  # f32[K, G, D] resident across the page axis
     m_ref,  # f32[K, G, 1]
     l_ref,  # f32[K, G, 1]
-    *, sm_scale: float, pages_per_split: int,
+    *, sm_scale: float, pages_per_split: int, sliding_window: int | None, soft_cap: float | None,
 ):
     b, c, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     page_size = k_ref.shape[0]
@@ -210,16 +240,19 @@ def _decode_kernel_tpu(
         l_ref[...] = jnp.zeros_like(l_ref)
 
     length = lens_ref[b]
+    lo = window_start(length, sliding_window)
     first_key = (c * pages_per_split + p) * page_size
 
-    @pl.when(first_key < length)
+    @pl.when((first_key < length) & (first_key + page_size > lo))
     def _compute():
-        valid_row = first_key + lax.broadcasted_iota(jnp.int32, (1, page_size), 1) < length
-        valid_col = first_key + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0) < length
+        key_row = first_key + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
+        key_col = first_key + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)
+        valid_row = (key_row < length) & (key_row >= lo)
+        valid_col = (key_col < length) & (key_col >= lo)
         for h in range(k_ref.shape[1]):  # K is small and static
             k = k_ref[:, h, :]  # [page_size, D]
             v = v_ref[:, h, :]
-            s = jnp.where(valid_row, scores_nt(q_ref[h], k) * sm_scale, MASK_VALUE)
+            s = jnp.where(valid_row, cap_scores(scores_nt(q_ref[h], k) * sm_scale, soft_cap), MASK_VALUE)
             v = jnp.where(valid_col, v, jnp.zeros_like(v))
             m, l, acc = online_softmax_step(s, v, m_ref[h], l_ref[h], acc_ref[h])
             m_ref[h] = m
@@ -227,13 +260,14 @@ def _decode_kernel_tpu(
             acc_ref[h] = acc
 
 
-def _decode_tpu(q4, kv_pages, table, lengths, *, sm_scale, num_splits, interpret):
+def _decode_tpu(q4, kv_pages, table, lengths, *, sm_scale, num_splits, interpret, sliding_window, soft_cap):
     batch, num_kv_heads, group, head_dim = q4.shape  # [B, K, G, D]
     _, _, page_size, _, _ = kv_pages.shape
     pages_per_row = table.shape[1]
     pages_per_split = pages_per_row // num_splits
     slot = functools.partial(
-        _page_slot, page_size=page_size, pages_per_split=pages_per_split, pages_per_row=pages_per_row
+        _page_slot, page_size=page_size, pages_per_split=pages_per_split, pages_per_row=pages_per_row,
+        sliding_window=sliding_window,
     )
     page_block = (None, None, page_size, num_kv_heads, head_dim)
     out_block = (None, None, num_kv_heads, group)
@@ -252,7 +286,8 @@ def _decode_tpu(q4, kv_pages, table, lengths, *, sm_scale, num_splits, interpret
             pl.BlockSpec((*out_block, 1), lambda b, c, p, lens, pt: (b, c, 0, 0, 0)),
         ],
     )
-    kernel = functools.partial(_decode_kernel_tpu, sm_scale=sm_scale, pages_per_split=pages_per_split)
+    kernel = functools.partial(_decode_kernel_tpu, sm_scale=sm_scale, pages_per_split=pages_per_split,
+                               sliding_window=sliding_window, soft_cap=soft_cap)
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -276,7 +311,8 @@ def default_num_splits(backend: str, batch: int, num_kv_heads: int, num_blocks: 
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "pages_per_block", "num_splits", "backend", "interpret")
+    jax.jit, static_argnames=("sm_scale", "pages_per_block", "num_splits", "backend", "interpret",
+                              "sliding_window", "soft_cap")
 )
 def decode_attention(
     q: jax.Array,  # [B, N, D] f32 or bf16
@@ -289,8 +325,11 @@ def decode_attention(
     num_splits: int | None = None,  # C: parts of the key range run in parallel, merged by LSE
     backend: str = "gpu",
     interpret: bool = False,
+    sliding_window: int | None = None,  # W: row b sees keys lengths[b]-W..lengths[b]-1
+    soft_cap: float | None = None,  # c: scaled scores s -> c * tanh(s / c)
 ) -> jax.Array:  # [B, N, D] dtype of q
     check_backend(backend)
+    check_window_and_cap(sliding_window, soft_cap)
     batch, num_heads, head_dim = q.shape
     two, _, page_size, num_kv_heads, kv_dim = kv_pages.shape
     if two != 2 or kv_dim != head_dim:
@@ -330,11 +369,12 @@ def decode_attention(
     if backend == "gpu":
         acc, m, l = _decode_gpu(
             q4, kv_pages, table, lengths, sm_scale=sm_scale, pages_per_block=pages_per_block,
-            num_splits=num_splits, interpret=interpret,
+            num_splits=num_splits, interpret=interpret, sliding_window=sliding_window, soft_cap=soft_cap,
         )
     else:
         acc, m, l = _decode_tpu(
-            q4, kv_pages, table, lengths, sm_scale=sm_scale, num_splits=num_splits, interpret=interpret
+            q4, kv_pages, table, lengths, sm_scale=sm_scale, num_splits=num_splits, interpret=interpret,
+            sliding_window=sliding_window, soft_cap=soft_cap,
         )
     out = combine_splits(acc, m, l)[:, :, :group]  # [B, K, G, D]
     return out.reshape(batch, num_heads, head_dim).astype(q.dtype)

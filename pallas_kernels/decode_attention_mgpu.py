@@ -5,6 +5,8 @@ P pages, S key length, C splits of the key length (flash-decoding), M = 64 padde
 
 Semantics: `reference.paged_attention_ref` with Tq == 1 (same as `decode_attention.decode_attention`
 with backend="gpu"): row b attends to keys 0..lengths[b]-1 of its pages; lengths[b] == 0 -> zeros.
+A sliding window W limits that to keys lengths[b]-W..lengths[b]-1, and key blocks wholly before
+it are neither copied nor read; a soft cap c maps scaled scores s to c * tanh(s / c).
 
 Layout of one program (grid B x K x C, one warpgroup each):
 * q's G heads of kv head h (padded to 64 rows) are TMA-copied to SMEM once.
@@ -44,7 +46,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.decode_attention import MASK_VALUE, combine_splits, default_num_splits
+from pallas_kernels.decode_attention import (
+    MASK_VALUE,
+    cap_scores,
+    check_window_and_cap,
+    combine_splits,
+    default_num_splits,
+    window_start,
+)
 
 try:  # Mosaic GPU Pallas: experimental, its API moves between jax releases.
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -108,6 +117,7 @@ def _decode_body(
     m_gmem,  # f32[B, C, K, G, D] (all D entries equal)
     l_gmem,  # f32[B, C, K, G, D]
     *, sm_scale: float, pages_per_split: int, group: int, interpret: bool,
+    sliding_window: int | None, soft_cap: float | None,
 ):
     b, h, c = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
     _, _, page_size, _, head_dim = kv_gmem.shape
@@ -118,6 +128,10 @@ def _decode_body(
     start = c * split_keys
     end = jnp.minimum(length, start + split_keys)
     num_blocks = jnp.where(end > start, lax.div(end - start + BLOCK_KEYS - 1, BLOCK_KEYS), 0)
+    lo = window_start(length, sliding_window)
+    first_block = 0
+    if sliding_window is not None:  # blocks wholly before the window: released pages, never copied
+        first_block = jnp.clip(lax.div(jnp.maximum(lo - start, 0), BLOCK_KEYS), 0, num_blocks)
     # 128-byte swizzle, tiles of (8 rows, 128 bytes): loads from SMEM then come in the WGMMA layout.
     swizzle_elems = 128 // jnp.dtype(dtype).itemsize
     transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(128))
@@ -143,9 +157,9 @@ def _decode_body(
 
         plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, q_bar)
 
-        @pl.when(num_blocks > 0)
+        @pl.when(num_blocks > first_block)
         def _():
-            fetch(0, 0)
+            fetch(first_block, lax.rem(first_block, NUM_SLOTS))
 
         plgpu.barrier_wait(q_bar)
         # Head g's query as a [D] column reduction, so it broadcasts over a block's 64 keys.
@@ -161,14 +175,17 @@ def _decode_body(
                 fetch(i + 1, lax.rem(i + 1, NUM_SLOTS))
 
             plgpu.barrier_wait(kv_bars.at[slot])
-            valid = i * BLOCK_KEYS + start + iota(0) < end  # [64, D] key row within the length
+            key = i * BLOCK_KEYS + start + iota(0)  # [64, D] key position of each row
+            valid = key < end
+            if sliding_window is not None:
+                valid &= key >= lo
             k = k_smem[slot].astype(jnp.float32)  # [64, D]
             # Keys past the end (NaN tails of pages, stray pages) must not reach p @ v: 0 * NaN.
             v = jnp.where(valid, v_smem[slot].astype(jnp.float32), 0.0)
             new_carry = []
             for g in range(group):
                 acc, m_prev, l_prev = carry[g]  # [D] each; m, l constant along D
-                s = jnp.sum(k * bcast_rows(qs[g]), axis=1)  # [64] scores of this block's keys
+                s = cap_scores(jnp.sum(k * bcast_rows(qs[g]), axis=1), soft_cap)  # [64] this block's keys
                 s = jnp.where(valid, lax.broadcast_in_dim(s, (BLOCK_KEYS, head_dim), [0]), MASK_VALUE)
                 m_next = jnp.maximum(m_prev, jnp.max(s, axis=0))  # [64, D] -> [D]
                 correction = jnp.exp(m_prev - m_next)
@@ -181,7 +198,7 @@ def _decode_body(
             return cast(jnp.full((head_dim,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
 
         init = tuple((col(0.0), col(MASK_VALUE), col(0.0)) for _ in range(group))
-        carry = lax.fori_loop(0, num_blocks, body, init)
+        carry = lax.fori_loop(first_block, num_blocks, body, init)
         for which, out_gmem in enumerate((acc_gmem, m_gmem, l_gmem)):
             for g in range(group):
                 out_smem[which, g] = carry[g][which]
@@ -201,7 +218,7 @@ def _decode_body(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "interpret", "sliding_window", "soft_cap"))
 def decode_attention_mgpu(
     q: jax.Array,  # [B, N, D] bf16 or f16
     kv_pages: jax.Array,  # [2, P, page_size, K, D] one layer's pool (0 = K, 1 = V), dtype of q
@@ -211,7 +228,10 @@ def decode_attention_mgpu(
     sm_scale: float,
     num_splits: int | None = None,  # C: parts of the key range run in parallel, merged by LSE
     interpret: bool = False,
+    sliding_window: int | None = None,  # W: row b sees keys lengths[b]-W..lengths[b]-1
+    soft_cap: float | None = None,  # c: scaled scores s -> c * tanh(s / c)
 ) -> jax.Array:  # [B, N, D] dtype of q
+    check_window_and_cap(sliding_window, soft_cap)
     batch, num_heads, head_dim = q.shape
     two, _, page_size, num_kv_heads, kv_dim = kv_pages.shape
     if two != 2 or kv_dim != head_dim:
@@ -238,7 +258,8 @@ def decode_attention_mgpu(
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))  # [B, K, M, D]
     split_out = jax.ShapeDtypeStruct((batch, num_splits, num_kv_heads, group, head_dim), jnp.float32)
     body = functools.partial(
-        _decode_body, sm_scale=sm_scale, pages_per_split=pages_per_split, group=group, interpret=interpret
+        _decode_body, sm_scale=sm_scale, pages_per_split=pages_per_split, group=group, interpret=interpret,
+        sliding_window=sliding_window, soft_cap=soft_cap,
     )
     acc, m, l = _kernel_fn(
         body,

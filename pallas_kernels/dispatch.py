@@ -93,6 +93,8 @@ def paged_attention(
     impl: str,
     backend: str | None = None,
     gpu_decode: str = "auto",  # GPU decode kernel: "auto", "mosaic" or "triton" (module docstring)
+    sliding_window: int | None = None,  # W: a query at position p sees keys p - W + 1..p
+    soft_cap: float | None = None,  # c: scaled scores s -> c * tanh(s / c)
 ) -> jax.Array:  # [B, Tq, N, D]; padding tokens are zeros
     kernel_backend, interpret = resolve_impl(impl, backend)
     batch, num_q, num_heads, head_dim = q.shape
@@ -103,18 +105,19 @@ def paged_attention(
         )
     q_lens = q_lens.astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)
+    masking = dict(sliding_window=sliding_window, soft_cap=soft_cap)
     if num_q == 1:
         mosaic = kernel_backend == "gpu" and select_gpu_decode(
             gpu_decode, q.dtype, kv_pages.shape, kv_pages.dtype, num_heads, interpret=interpret
         ) == "mosaic"
         if mosaic:
             out = decode_attention_mgpu.decode_attention_mgpu(
-                q[:, 0], kv_pages, page_indices, kv_lens, sm_scale=sm_scale, interpret=interpret,
+                q[:, 0], kv_pages, page_indices, kv_lens, sm_scale=sm_scale, interpret=interpret, **masking,
             )  # [B, N, D]
         else:
             out = decode_attention(
                 q[:, 0], kv_pages, page_indices, kv_lens,
-                sm_scale=sm_scale, backend=kernel_backend, interpret=interpret,
+                sm_scale=sm_scale, backend=kernel_backend, interpret=interpret, **masking,
             )  # [B, N, D]
         return jnp.where(q_lens[:, None, None] > 0, out, jnp.zeros_like(out))[:, None]
 
@@ -127,7 +130,7 @@ def paged_attention(
     flat_q = flat_q.at[dest].set(q.reshape(-1, num_heads, head_dim), mode="drop")
     flat_out = ragged_paged_attention(
         flat_q, kv_pages, page_indices, cu, kv_lens, jnp.full((1,), batch, jnp.int32),
-        sm_scale=sm_scale, backend=kernel_backend, interpret=interpret,
+        sm_scale=sm_scale, backend=kernel_backend, interpret=interpret, **masking,
     )  # [B * Tq, N, D]
     out = flat_out[jnp.minimum(dest, batch * num_q - 1)].reshape(q.shape)
     return jnp.where(real[:, :, None, None], out, jnp.zeros_like(out))

@@ -14,6 +14,9 @@ exactly one program (GPU) or one run of consecutive grid steps (TPU). A block ma
 several sequences: each is attended separately and merged by a row mask. Queries are laid out
 [Q, K, R, D] with row r = token * Gp + g, so the causal test needs no integer division:
 key kp is visible to row r iff (kp - base) * Gp <= r, base = position of the block's token 0.
+With a sliding window W also (kp - base + W) * Gp > r (i.e. kp > position - W), and key blocks
+wholly before the window of the sequence's first token in the query block are never read (they
+may be released pages). A soft cap c maps scaled scores s to c * tanh(s / c).
 
 GPU: Triton lowering (see decode_attention.py for why not Mosaic GPU); metadata are plain inputs
 read as scalars, the loop over sequences and key blocks runs inside the kernel.
@@ -33,7 +36,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.decode_attention import (
     MASK_VALUE,
+    cap_scores,
     check_backend,
+    check_window_and_cap,
     interpret_arg,
     next_pow2,
     online_softmax_step,
@@ -53,14 +58,26 @@ def _seq_geometry(j, q_start, q_end, kv_len, *, block_q):
     return row0, row0 + q_len, base, num_keys
 
 
-def _masked_scores(q, k, v, key0, kv_len, base, row_lo, row_hi, *, sm_scale, rows_per_tok):
-    """Scores [R, S] with causal/sequence mask applied; v [S, D] with keys >= kv_len zeroed."""
+def _first_key(base, row_lo, sliding_window):
+    """First key any token of the sequence in this query block sees (0 without a window)."""
+    if sliding_window is None:
+        return 0
+    return jnp.maximum(base + jnp.maximum(row_lo, 0) - sliding_window + 1, 0)
+
+
+def _masked_scores(q, k, v, key0, kv_len, base, row_lo, row_hi, first_key, *, sm_scale, rows_per_tok,
+                   sliding_window, soft_cap):
+    """Scores [R, S] with causal/window/sequence mask applied; v [S, D] with keys outside
+    first_key..kv_len-1 zeroed."""
     rows, block_len = q.shape[0], k.shape[0]
     r = lax.broadcasted_iota(jnp.int32, (rows, block_len), 0)
     kp = key0 + lax.broadcasted_iota(jnp.int32, (rows, block_len), 1)
     visible = ((kp - base) * rows_per_tok <= r) & (r >= row_lo * rows_per_tok) & (r < row_hi * rows_per_tok)
-    s = jnp.where(visible, scores_nt(q, k) * sm_scale, MASK_VALUE)
-    key_ok = key0 + lax.broadcasted_iota(jnp.int32, (block_len, 1), 0) < kv_len
+    if sliding_window is not None:
+        visible &= (kp - base + sliding_window) * rows_per_tok > r
+    s = jnp.where(visible, cap_scores(scores_nt(q, k) * sm_scale, soft_cap), MASK_VALUE)
+    key = key0 + lax.broadcasted_iota(jnp.int32, (block_len, 1), 0)
+    key_ok = (key < kv_len) & (key >= first_key)
     return s, jnp.where(key_ok, v, jnp.zeros_like(v))
 
 
@@ -81,6 +98,7 @@ def _ragged_kernel_gpu(
     v_ref,  # [P, page_size, D]
     o_ref,  # [R, D]
     *, sm_scale: float, block_q: int, rows_per_tok: int, pages_per_block: int,
+    sliding_window: int | None, soft_cap: float | None,
 ):
     j = pl.program_id(0)
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
@@ -91,14 +109,15 @@ def _ragged_kernel_gpu(
     def seq_body(i, out):
         kv_len = kv_lens_ref[i]
         row_lo, row_hi, base, num_keys = _seq_geometry(j, cu_ref[i], cu_ref[i + 1], kv_len, block_q=block_q)
+        first_key = _first_key(base, row_lo, sliding_window)
 
         def kv_body(kb, carry):
             ids = pt_ref[i, pl.ds(kb * pages_per_block, pages_per_block)]
             k = k_ref[ids].reshape(block_len, head_dim)
             v = v_ref[ids].reshape(block_len, head_dim)
             s, v = _masked_scores(
-                q, k, v, kb * block_len, kv_len, base, row_lo, row_hi,
-                sm_scale=sm_scale, rows_per_tok=rows_per_tok,
+                q, k, v, kb * block_len, kv_len, base, row_lo, row_hi, first_key,
+                sm_scale=sm_scale, rows_per_tok=rows_per_tok, sliding_window=sliding_window, soft_cap=soft_cap,
             )
             return online_softmax_step(s, v, *carry)
 
@@ -107,7 +126,9 @@ def _ragged_kernel_gpu(
             jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32),
         )
-        _, l, acc = lax.fori_loop(0, pl.cdiv(num_keys, block_len), kv_body, init)
+        num_blocks = pl.cdiv(num_keys, block_len)
+        first_block = jnp.minimum(first_key // block_len, num_blocks) if sliding_window else 0
+        _, l, acc = lax.fori_loop(first_block, num_blocks, kv_body, init)
         seq_out = acc / jnp.where(l == 0.0, 1.0, l)
         return jnp.where(_row_mask(rows, row_lo, row_hi, rows_per_tok), seq_out, out)
 
@@ -116,12 +137,12 @@ def _ragged_kernel_gpu(
 
 
 def _ragged_gpu(qw, kv_pages, table, cu, kv_lens, first, last, *, sm_scale, block_q, rows_per_tok,
-                pages_per_block, interpret):
+                pages_per_block, interpret, sliding_window, soft_cap):
     num_q_blocks, num_kv_heads, rows, head_dim = qw.shape
     _, num_pages, page_size, _, _ = kv_pages.shape
     kernel = functools.partial(
         _ragged_kernel_gpu, sm_scale=sm_scale, block_q=block_q, rows_per_tok=rows_per_tok,
-        pages_per_block=pages_per_block,
+        pages_per_block=pages_per_block, sliding_window=sliding_window, soft_cap=soft_cap,
     )
     full = lambda x: pl.BlockSpec(x.shape, lambda j, h: (0,) * x.ndim)
     pool_block = (None, num_pages, page_size, None, head_dim)
@@ -156,13 +177,14 @@ def _ragged_kernel_tpu(
     v_ref,  # [page_size, K, D]
     o_ref,  # [K, R, D] resident while consecutive work items share the block
     m_sc, l_sc, acc_sc,  # VMEM f32[K, R, 1], f32[K, R, 1], f32[K, R, D]
-    *, sm_scale: float, block_q: int, rows_per_tok: int,
+    *, sm_scale: float, block_q: int, rows_per_tok: int, sliding_window: int | None, soft_cap: float | None,
 ):
     w, p = pl.program_id(0), pl.program_id(1)
     page_size = k_ref.shape[0]
     rows = q_ref.shape[1]
     kv_len = kv_lens_ref[ws_ref[w]]
     row_lo, row_hi, base, num_keys = _work_geometry(w, cu_ref, kv_lens_ref, wb_ref, ws_ref, block_q=block_q)
+    first_key = _first_key(base, row_lo, sliding_window)
 
     @pl.when((p == 0) & (wi_ref[w] == 1))
     def _zero_block():
@@ -174,12 +196,13 @@ def _ragged_kernel_tpu(
         l_sc[...] = jnp.zeros_like(l_sc)
         acc_sc[...] = jnp.zeros_like(acc_sc)
 
-    @pl.when((wv_ref[w] == 1) & (p * page_size < num_keys))
+    @pl.when((wv_ref[w] == 1) & (p * page_size < num_keys) & ((p + 1) * page_size > first_key))
     def _compute():
         for h in range(k_ref.shape[1]):  # K is small and static
             s, v = _masked_scores(
                 q_ref[h], k_ref[:, h, :], v_ref[:, h, :], p * page_size, kv_len, base, row_lo, row_hi,
-                sm_scale=sm_scale, rows_per_tok=rows_per_tok,
+                first_key, sm_scale=sm_scale, rows_per_tok=rows_per_tok, sliding_window=sliding_window,
+                soft_cap=soft_cap,
             )
             m, l, acc = online_softmax_step(s, v, m_sc[h], l_sc[h], acc_sc[h])
             m_sc[h] = m
@@ -212,7 +235,7 @@ def _work_list(first, last, num_q_blocks, num_slots):
 
 
 def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, *, sm_scale, block_q, rows_per_tok,
-                interpret):
+                interpret, sliding_window, soft_cap):
     num_q_blocks, num_kv_heads, rows, head_dim = qw.shape
     _, _, page_size, _, _ = kv_pages.shape
     num_slots, pages_per_seq = table.shape
@@ -221,10 +244,13 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, *, sm_scale, bloc
 
     def page_map(half):
         def index_map(w, p, cu_r, kvl_r, pt_r, wb_r, ws_r, wi_r, wv_r):
-            num_keys = geom(w, cu_r, kvl_r, wb_r, ws_r)[3]
+            row_lo, _, base, num_keys = geom(w, cu_r, kvl_r, wb_r, ws_r)
             used = jnp.maximum(pl.cdiv(num_keys, page_size) - 1, 0)
+            page = p
+            if sliding_window is not None:  # before the window: its first page (released pages unread)
+                page = jnp.maximum(p, _first_key(base, row_lo, sliding_window) // page_size)
             # Past the keys this item needs, repeat the last page: no new DMA, no stray read.
-            return (half, pt_r[ws_r[w] * pages_per_seq + jnp.minimum(p, used)], 0, 0, 0)
+            return (half, pt_r[ws_r[w] * pages_per_seq + jnp.minimum(page, used)], 0, 0, 0)
         return index_map
 
     block_map = lambda w, p, cu_r, kvl_r, pt_r, wb_r, *_: (wb_r[w], 0, 0, 0)
@@ -244,7 +270,8 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, *, sm_scale, bloc
             pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),
         ],
     )
-    kernel = functools.partial(_ragged_kernel_tpu, sm_scale=sm_scale, block_q=block_q, rows_per_tok=rows_per_tok)
+    kernel = functools.partial(_ragged_kernel_tpu, sm_scale=sm_scale, block_q=block_q, rows_per_tok=rows_per_tok,
+                               sliding_window=sliding_window, soft_cap=soft_cap)
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -258,7 +285,8 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, *, sm_scale, bloc
 
 # ---------------------------------------------------------------- public wrapper
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "block_q", "pages_per_block", "backend", "interpret")
+    jax.jit, static_argnames=("sm_scale", "block_q", "pages_per_block", "backend", "interpret",
+                              "sliding_window", "soft_cap")
 )
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, D] f32 or bf16, flat tokens of all sequences back to back
@@ -273,8 +301,11 @@ def ragged_paged_attention(
     pages_per_block: int | None = None,  # GPU: pages per inner key block
     backend: str = "gpu",
     interpret: bool = False,
+    sliding_window: int | None = None,  # W: a token at position p sees keys p - W + 1..p
+    soft_cap: float | None = None,  # c: scaled scores s -> c * tanh(s / c)
 ) -> jax.Array:  # [T, N, D] dtype of q
     check_backend(backend)
+    check_window_and_cap(sliding_window, soft_cap)
     num_tokens, num_heads, head_dim = q.shape
     two, _, page_size, num_kv_heads, kv_dim = kv_pages.shape
     if two != 2 or kv_dim != head_dim:
@@ -324,7 +355,8 @@ def ragged_paged_attention(
     qw = qw.reshape(num_q_blocks, block_q, num_kv_heads, group, head_dim)
     qw = jnp.pad(qw, ((0, 0), (0, 0), (0, 0), (0, rows_per_tok - group), (0, 0)))
     qw = qw.transpose(0, 2, 1, 3, 4).reshape(num_q_blocks, num_kv_heads, block_q * rows_per_tok, head_dim)
-    kw = dict(sm_scale=sm_scale, block_q=block_q, rows_per_tok=rows_per_tok, interpret=interpret)
+    kw = dict(sm_scale=sm_scale, block_q=block_q, rows_per_tok=rows_per_tok, interpret=interpret,
+              sliding_window=sliding_window, soft_cap=soft_cap)
     if backend == "gpu":
         out = _ragged_gpu(qw, kv_pages, table, cu, kv_lens, first, last, pages_per_block=pages_per_block, **kw)
     else:

@@ -37,12 +37,15 @@ def paged_attention_ref(
     q_lens: jax.Array,  # i32[B] new tokens this step
     *,
     sm_scale: float,
+    sliding_window: int | None = None,  # W: a query sees only its last W keys (itself included)
+    soft_cap: float | None = None,  # c: scores become c * tanh(scores / c) before the mask
 ) -> jax.Array:  # [B, Tq, N, D]
     """Causal paged attention in the row layout: row b holds the q_lens[b] new query tokens of
     one sequence (a decode row 1, a prefill row up to Tq; README.md, "How a step flows").
 
-    Query token i of row b is at position kv_lens[b] - q_lens[b] + i and sees keys
-    0..that position. Padding query tokens (i >= q_lens[b]) return zeros.
+    Query token i of row b is at position p = kv_lens[b] - q_lens[b] + i and sees keys
+    0..p, or with a sliding window W only keys p - W + 1..p (HF transformers' convention:
+    `kv_idx > q_idx - sliding_window`). Padding query tokens (i >= q_lens[b]) return zeros.
     """
     batch, num_q, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = kv_pages.shape
@@ -53,9 +56,13 @@ def paged_attention_ref(
     v = v.reshape(batch, -1, num_kv_heads, head_dim).astype(jnp.float32)
     qg = q.astype(jnp.float32).reshape(batch, num_q, num_kv_heads, group, head_dim)
     scores = jnp.einsum("BTKGD,BSKD->BKGTS", qg, k) * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(num_q)[None, :]  # [B, Tq]
     k_pos = jnp.arange(k.shape[1])  # [S]
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_lens[:, None, None])
+    if sliding_window is not None:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     mask = mask[:, None, None, :, :]  # [B, 1, 1, Tq, S]
     scores = jnp.where(mask, scores, -jnp.inf)
     # Padding queries have no visible key: give them a harmless finite row, zero them below.

@@ -22,6 +22,12 @@ What makes it cost what it reads on XLA CPU (measured with jax 0.10.2):
 Values at keys past a row's length are zeroed before the P.V product, so stale or NaN
 contents of unused slots and pages never reach the output.
 
+Sliding window W (static): a query at position p sees keys p - W + 1..p. The loop then starts
+at the first chunk any row can see, so a long row reads O(W) keys, not O(length); values below
+a row's first visible key are zeroed like those past its end (released pages may hold anything).
+Soft cap c (static): scores become c * tanh(scores / c). With both None the traced step is the
+plain causal one, op for op.
+
 Axis legend: B rows, Tq query tokens per row, S keys in a chunk, N query heads,
 K kv heads, G = N // K, D head dim, M = Tq * N expanded query rows, J = K * D.
 """
@@ -52,6 +58,8 @@ def paged_attention_xla(
     q_lens: jax.Array,  # i32[B] new tokens this step
     *,
     sm_scale: float,
+    sliding_window: int | None = None,  # W: a query sees its last W keys (itself included)
+    soft_cap: float | None = None,  # c: scores -> c * tanh(scores / c)
     chunk_tokens: int = 64,
 ) -> jax.Array:  # [B, Tq, N, D]
     batch, num_q, num_heads, head_dim = q.shape
@@ -89,6 +97,11 @@ def paged_attention_xla(
         q_pos_s = q_pos[:, None, None, :, None]  # [B, 1, 1, Tq, 1]
     kv_lens_s = kv_lens.reshape((batch,) + (1,) * len(stat_shape))  # broadcasts like the scores
     num_chunks = (jnp.max(kv_lens) + chunk_len - 1) // chunk_len
+    first_chunk = jnp.int32(0)
+    if sliding_window is not None:
+        first_key = jnp.maximum(kv_lens - q_lens - sliding_window + 1, 0)  # [B] of its first query
+        first_chunk = jnp.min(jnp.where(kv_lens > 0, first_key, jnp.iinfo(jnp.int32).max)) // chunk_len
+        first_chunk = jnp.minimum(first_chunk, num_chunks).astype(jnp.int32)
 
     def body(carry):
         c, m, l, acc = carry
@@ -98,12 +111,19 @@ def paged_attention_xla(
         k = k.reshape(batch, chunk_len, width).astype(jnp.float32)  # [B, S, J]
         k_pos = c * chunk_len + jnp.arange(chunk_len)  # [S]
         live = k_pos[None, :] < kv_lens[:, None]  # [B, S]
+        if sliding_window is not None:
+            live &= k_pos[None, :] >= first_key[:, None]
         v = jnp.where(live[:, :, None], v.reshape(batch, chunk_len, width).astype(jnp.float32), 0.0)
         if expanded:
             s = jnp.einsum("BMJ,BSJ->BMS", qx, k)
         else:
             s = jnp.einsum("BTKGD,BSKD->BKGTS", qx, k.reshape(batch, chunk_len, num_kv_heads, head_dim))
-        s = jnp.where((k_pos <= q_pos_s) & (k_pos < kv_lens_s), s, -jnp.inf)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        visible = (k_pos <= q_pos_s) & (k_pos < kv_lens_s)
+        if sliding_window is not None:
+            visible &= k_pos > q_pos_s - sliding_window
+        s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         # Rows that have seen no key yet keep m = -inf; shift by 0 there to avoid inf - inf.
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -117,7 +137,7 @@ def paged_attention_xla(
         return c + 1, m_new, l, alpha[..., None] * acc + pv
 
     init = (
-        jnp.int32(0),
+        first_chunk,
         jnp.full(stat_shape, -jnp.inf, jnp.float32),
         jnp.zeros(stat_shape, jnp.float32),
         jnp.zeros(acc_shape, jnp.float32),

@@ -83,7 +83,7 @@ def _cache(args: argparse.Namespace) -> int:
 
 
 BENCH_SCRIPTS = {"throughput": "bench_throughput.py", "memory": "bench_memory.py", "step": "bench_step.py",
-                 "serving": "bench_serving.py"}
+                 "serving": "bench_serving.py", "window": "bench_window.py"}
 
 
 def _bench(args: argparse.Namespace) -> int:

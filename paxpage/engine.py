@@ -72,6 +72,8 @@ class LLMEngine:
             enable_prefix_caching=cfg.enable_prefix_caching,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
             allocation=cfg.kv_allocation,
+            # Pages outside the window are released only when no layer is global (Gemma's are).
+            sliding_window=model_cfg.max_window,
         ))
         # config.json's eos ids and generation_config.json's / the GGUF's end-of-turn ids
         self.eos_token_ids = model_cfg.end_token_ids or (

@@ -19,6 +19,16 @@ Copy-on-write: before a sequence writes positions [num_computed, num_computed + 
 every page the write touches. A shared page gets a fresh page; if the shared page already holds valid tokens
 of this sequence (positions before num_computed) the manager returns a (src, dst) copy that the device must
 run BEFORE the step; the sequence's table then points at dst and src is decref'ed.
+
+Sliding window: when every layer of the model attends only to its last W keys, a page all of whose
+positions lie before the window of the sequence's next token is never read again.
+`release_outside_window` frees it and leaves RELEASED (-1) in its table entry, so logical indices
+are kept and the sequence holds O(W) pages however long it grows. A released page that is in the
+prefix cache stays registered (it becomes evictable like any unreferenced cached page, its K/V
+still valid), so another sequence with the same prefix can still hit it; releasing head pages
+first means a chain may lose its head to eviction before its tail (the tail then never matches:
+a miss, never wrong K/V). Preemption frees the remaining pages and recomputes from position 0 as
+usual.
 """
 
 from __future__ import annotations
@@ -30,8 +40,16 @@ from collections.abc import Iterable
 from paxpage.sequence import Sequence
 
 
+RELEASED = -1  # page-table entry of a page released because it lies wholly outside the window
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def held(table: Iterable[int]) -> list[int]:
+    """The pages a table holds (RELEASED entries skipped)."""
+    return [page for page in table if page != RELEASED]
 
 
 class PageManager:
@@ -140,21 +158,37 @@ class PageManager:
     # ---- sequence-level operations ------------------------------------------------------------------
     def release(self, seq: Sequence) -> None:
         """Free all of seq's pages (last page first) and reset it to hold nothing (num_computed_tokens = 0)."""
-        self.free(reversed(seq.page_table))
+        self.free(reversed(held(seq.page_table)))
         seq.page_table = []
         seq.num_computed_tokens = 0
         seq.num_pages_cache_checked = 0
+        seq.num_released_pages = 0
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares all of parent's pages (incref) and its computed tokens."""
         if child.page_table:
             raise ValueError(f"fork child {child.seq_id} already holds pages {child.page_table}")
         child.page_table = list(parent.page_table)
-        self.incref(child.page_table)
+        self.incref(held(child.page_table))
         child.num_computed_tokens = parent.num_computed_tokens
+        child.num_released_pages = parent.num_released_pages
         num_full = parent.num_computed_tokens // self.page_size
         child.page_keys = parent.page_keys[:num_full]
         child.num_pages_cache_checked = min(parent.num_pages_cache_checked, num_full)
+
+    def release_outside_window(self, seq: Sequence, window: int) -> list[int]:
+        """Frees seq's pages wholly before the window of its next token (position num_computed,
+        which sees keys num_computed - window + 1 onwards) and marks them RELEASED; returns them."""
+        first_needed = max(0, seq.num_computed_tokens - window + 1) // self.page_size
+        released = []
+        for i in range(seq.num_released_pages, min(first_needed, len(seq.page_table))):
+            page = seq.page_table[i]
+            if page != RELEASED:
+                released.append(page)
+                seq.page_table[i] = RELEASED
+        seq.num_released_pages = max(seq.num_released_pages, first_needed)
+        self.free(released)
+        return released
 
     def num_pages_to_write(self, seq: Sequence, num_new_tokens: int, reserve_tokens: int = 0) -> int:
         """Pages `prepare_write(seq, num_new_tokens, reserve_tokens)` will allocate: new pages to cover
@@ -247,7 +281,7 @@ class PageManager:
         num_full = seq.num_computed_tokens // self.page_size
         for i in range(seq.num_pages_cache_checked, num_full):
             page = seq.page_table[i]
-            if page in self._page_key:
+            if page == RELEASED or page in self._page_key:
                 continue
             key = self._key(seq, i)
             if key in self._key_to_page:
@@ -270,12 +304,13 @@ class PageManager:
         prefix-cache maps are consistent and each cached page in a table holds that sequence's prefix."""
         holders: Counter[int] = Counter()
         for seq in seqs:
-            table = seq.page_table
+            table = held(seq.page_table)
             _check(len(set(table)) == len(table), f"duplicate page in {seq}")
-            _check(len(table) * self.page_size >= seq.num_computed_tokens, f"table too short for {seq}")
+            _check(RELEASED not in seq.page_table[seq.num_released_pages:], f"released page past the window in {seq}")
+            _check(len(seq.page_table) * self.page_size >= seq.num_computed_tokens, f"table too short for {seq}")
             holders.update(table)
             num_full = seq.num_computed_tokens // self.page_size
-            for i, page in enumerate(table):
+            for i, page in enumerate(seq.page_table):
                 if page in self._page_key:
                     _check(i < num_full, f"cached page {page} is not full and computed in {seq}")
                     _check(self._page_key[page] == self._key(seq, i), f"cached page {page} mismatches {seq}")

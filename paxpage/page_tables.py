@@ -6,6 +6,10 @@ position `start` appends pages after index start // page_size and, by copy-on-wr
 replace the shared page at that index, but never touches earlier (full, immutable) pages. So
 a decode step copies O(1) entries per sequence instead of its whole table, and the batch's
 tables are one fancy-indexing gather. Pure numpy, no jax.
+
+Entries a sliding window released (page_manager.RELEASED, -1) are written as page 0: kernels
+never read a page wholly outside the window, but a block gather may touch its id, which must
+then still lie inside the pool.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class PageTables:
                 row = self._rows[key] = [self._take(), version, 0]
             slot, old = row[0], row[2]
             self.table[slot, :n] = page_table
+            np.maximum(self.table[slot, :n], 0, out=self.table[slot, :n])
             if old > n:
                 self.table[slot, n:old] = 0
             row[1], row[2] = version, n
@@ -45,6 +50,7 @@ class PageTables:
         lo = min(start // self.page_size, row[2], n)
         if n > lo:
             self.table[slot, lo:n] = page_table[lo:]
+            np.maximum(self.table[slot, lo:n], 0, out=self.table[slot, lo:n])
         row[2] = max(row[2], n)
         return slot
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from models.llama import LlamaModel
+from models.families import build_model
 from pallas_kernels import reference
 from pallas_kernels.xla_attention import paged_attention_xla
 from paxpage import kv_sizing
@@ -83,7 +83,7 @@ class ModelRunner:
         self.cfg = cfg
         dtype = jnp.dtype(cfg.dtype)
         attention, write_kv = _attention_fns(cfg.attention_impl)
-        self.model = LlamaModel(model_cfg, attention, write_kv, dtype)
+        self.model = build_model(model_cfg, attention, write_kv, dtype)
         self.params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
         # The model step and the sampler compile separately: sampler options (logprob widths,
         # penalty lists) then never recompile the model, and a new batch shape reuses the

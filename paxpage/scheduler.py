@@ -23,6 +23,10 @@ Decisions (see tests/engine/test_scheduler.py):
   nothing. Preempting one member of a fork group is fine: each sequence keeps its own tokens and is recomputed
   alone (sharing with the group is lost, correctness is not).
 - contiguous allocation (memory baseline): admission reserves pages for max_model_len tokens at once.
+- Sliding window (`sliding_window` W set: every layer of the model sees only its last W keys; paged
+  allocation only): after each step a sequence's pages wholly before the window of its next token are
+  released (PageManager.release_outside_window), so it holds at most cdiv(W - 1 + chunk, page_size) + 1
+  pages, and a sequence fits the pool when that bound does, however long it is.
 - Progress: if nothing was scheduled or preempted while work remains, that is a bug -> RuntimeError.
 """
 
@@ -33,7 +37,7 @@ import itertools
 from collections import deque
 from collections.abc import Mapping
 
-from paxpage.page_manager import PageManager, cdiv
+from paxpage.page_manager import RELEASED, PageManager, cdiv
 from paxpage.sequence import Sequence, SequenceStatus
 
 _POSITIVE_FIELDS = ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
@@ -49,12 +53,16 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     enable_chunked_prefill: bool = True
     allocation: str = "paged"  # "paged" | "contiguous" (reserve max_model_len tokens at admission)
+    # W when every model layer attends only to its last W keys: pages before it are released.
+    sliding_window: int | None = None
 
     def __post_init__(self):
         for name in _POSITIVE_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} is {value!r}; must be an int >= 1")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window is {self.sliding_window!r}; must be None or an int >= 1")
         if self.allocation not in ("paged", "contiguous"):
             raise ValueError(f"allocation is {self.allocation!r}; must be 'paged' or 'contiguous'")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -72,6 +80,18 @@ class SchedulerConfig:
     def max_pages_per_seq(self) -> int:
         """Width of a page table: no sequence ever holds more pages."""
         return cdiv(self.max_model_len, self.page_size)
+
+    @property
+    def releases_pages(self) -> bool:
+        return self.sliding_window is not None and self.allocation == "paged"
+
+    def max_held_pages(self, num_tokens: int) -> int:
+        """Most pages a sequence of num_tokens tokens holds at once: with window release, the
+        window before a step's first token plus the step's chunk (and one for misalignment)."""
+        pages = cdiv(num_tokens, self.page_size)
+        if self.releases_pages:
+            pages = min(pages, cdiv(self.sliding_window - 1 + self.max_num_batched_tokens, self.page_size) + 1)
+        return pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +161,8 @@ class Scheduler:
         fill: dict[int, int] = {}
         for seq in self.running:
             for i, page in enumerate(seq.page_table):
+                if page == RELEASED:
+                    continue
                 fill[page] = max(fill.get(page, 0), min(ps, max(0, seq.num_computed_tokens - i * ps)))
         used = pm.num_used_pages
         return SchedulerStats(
@@ -163,7 +185,7 @@ class Scheduler:
                 f"sequence {seq.seq_id}: prompt has {seq.num_prompt_tokens} tokens + max_tokens {seq.max_tokens} "
                 f"= {total}; max_model_len is {cfg.max_model_len}"
             )
-        pages = cdiv(total, cfg.page_size)
+        pages = cfg.max_held_pages(total)
         if pages > cfg.num_pages:
             raise ValueError(
                 f"sequence {seq.seq_id}: {total} tokens need {pages} pages of {cfg.page_size}; "
@@ -327,6 +349,8 @@ class Scheduler:
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
             self.page_manager.cache_full_pages(seq)
+            if self.config.releases_pages:
+                self.page_manager.release_outside_window(seq, self.config.sliding_window)
             if s.samples:
                 seq.append_token(sampled_tokens[seq.seq_id])
 

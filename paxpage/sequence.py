@@ -51,7 +51,8 @@ class Sequence:
         self.sampling_params: Any = sampling_params  # opaque to the scheduler, carried by clone()
         self.status: SequenceStatus = SequenceStatus.WAITING
         self.num_computed_tokens: int = 0
-        self.page_table: list[int] = []  # logical page i -> physical page id
+        self.page_table: list[int] = []  # logical page i -> physical page id (RELEASED = -1: outside the window)
+        self.num_released_pages: int = 0  # leading table entries released by the sliding window
         self.arrival: int = -1  # set by Scheduler.add/fork: FIFO order key of the waiting queue
         self.num_preemptions: int = 0
         self.num_cached_tokens: int = 0  # prefix-cache hit tokens at the last admission

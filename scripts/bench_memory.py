@@ -61,6 +61,8 @@ def snapshot(engine, step: int) -> PoolSnapshot:
     fill = np.zeros(num_pages, np.int32)
     for r, seq in enumerate(sched.running):
         for i, page in enumerate(seq.page_table):
+            if page < 0:  # released: wholly outside the sliding window
+                continue
             if owner[page] < 0:
                 owner[page] = r
             fill[page] = max(fill[page], min(ps, max(0, seq.num_computed_tokens - i * ps)))
@@ -77,7 +79,7 @@ def run_scheme(model, work: wl.Workload, cfg: paxpage.EngineConfig) -> dict:
         engine.add_request(prompt, paxpage.SamplingParams(max_tokens=out_len, temperature=0,
                                                           ignore_eos=True), index=i)
     preempt0 = engine.scheduler.num_preemptions
-    times, util, running, used = [], [], [], []
+    times, util, running, used, seq_pages = [], [], [], [], []
     best: PoolSnapshot | None = None
     best_live = -1.0
     start = time.perf_counter()
@@ -89,6 +91,7 @@ def run_scheme(model, work: wl.Workload, cfg: paxpage.EngineConfig) -> dict:
             util.append(st.kv_utilization)
             running.append(st.num_running)
             used.append(st.num_used_pages)
+            seq_pages.append(max(sum(p >= 0 for p in seq.page_table) for seq in engine.scheduler.running))
             live = st.kv_utilization * st.num_used_pages  # in pages' worth of live tokens
             if live > best_live:
                 best, best_live = snapshot(engine, len(util) - 1), live
@@ -103,23 +106,25 @@ def run_scheme(model, work: wl.Workload, cfg: paxpage.EngineConfig) -> dict:
         "mean_running": float(np.mean(running)),
         "mean_kv_utilisation": float(np.mean(util)),
         "mean_pool_occupancy": float(np.mean(used)) / pool,
+        "max_pages_per_seq": int(max(seq_pages)),
         "preemptions": engine.scheduler.num_preemptions - preempt0,
         "num_pages": pool,
         "page_bytes": engine.config.page_bytes,
-        "series": {"time_s": times, "kv_utilisation": util, "num_running": running, "used_pages": used},
+        "series": {"time_s": times, "kv_utilisation": util, "num_running": running, "used_pages": used,
+                   "max_pages_per_seq": seq_pages},
         "_snapshot": best,
     }
 
 
 # ---------------------------------------------------------------------------------------- plots
-def plot_utilisation(results: dict, path: str, title: str) -> None:
+def plot_utilisation(results: dict, path: str, title: str, names: tuple[str, ...] = SCHEMES) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
-    for name, color in zip(SCHEMES, ("tab:blue", "tab:orange")):
+    for name, color in zip(names, ("tab:blue", "tab:orange")):
         s = results[name]["series"]
         mean = results[name]["mean_kv_utilisation"]
         ax1.plot(s["time_s"], np.array(s["kv_utilisation"]) * 100, color=color, drawstyle="steps-post",
@@ -160,7 +165,7 @@ def _pool_image(snap: PoolSnapshot, page_size: int, columns: int):
     return image
 
 
-def plot_page_map(results: dict, page_size: int, path: str, title: str) -> None:
+def plot_page_map(results: dict, page_size: int, path: str, title: str, names: tuple[str, ...] = SCHEMES) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -169,10 +174,10 @@ def plot_page_map(results: dict, page_size: int, path: str, title: str) -> None:
     from matplotlib.patches import Patch, Rectangle
     from matplotlib.ticker import MaxNLocator
 
-    num_pages = results["paged"]["num_pages"]
+    num_pages = results[names[0]]["num_pages"]
     columns = int(min(64, max(8, 2 ** round(np.log2(np.sqrt(2 * num_pages))))))
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
-    for ax, name in zip(axes, SCHEMES):
+    for ax, name in zip(axes, names):
         snap = results[name]["_snapshot"]
         ax.imshow(_pool_image(snap, page_size, columns), interpolation="nearest", aspect="equal")
         for page in np.flatnonzero(snap.refcount > 1):

@@ -40,7 +40,8 @@ def hf_smollm2():
 
 
 def save_tiny_hf(path, kind: str = "llama", seed: int = 0, **overrides):
-    """Saves a tiny random-weight HF model of `kind` (llama | qwen2 | qwen3) to `path`."""
+    """Saves a tiny random-weight HF model of `kind` (llama | mistral | qwen2 | qwen3 | gemma2 | gemma3)
+    to `path`. Gemma models run HF's eager attention (the one with soft-capping)."""
     import torch
     import transformers as tf
 
@@ -52,10 +53,15 @@ def save_tiny_hf(path, kind: str = "llama", seed: int = 0, **overrides):
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
     }
     config_cls, model_cls = classes[kind]
-    if kind == "qwen3":
+    if kind in ("qwen3", "gemma2", "gemma3"):
         base.setdefault("head_dim", 16)
+    if kind in ("gemma2", "gemma3"):
+        base.setdefault("attn_implementation", "eager")
     torch.manual_seed(seed)
     model = model_cls(config_cls(**base)).eval()
     # Random init gives near-uniform logits; sharper weights make greedy choices well separated.
@@ -63,6 +69,8 @@ def save_tiny_hf(path, kind: str = "llama", seed: int = 0, **overrides):
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
+            elif kind.startswith("gemma"):  # Gemma norms start at w = 0 ((1 + w) = 1): make w matter
+                p.normal_(0.0, 0.5)
     model.save_pretrained(path)
     return model
 

@@ -83,6 +83,20 @@ def test_bench_memory_smoke(tiny_model_dir, tmp_path):
         assert os.path.getsize(name) > 1000
 
 
+def test_bench_window_smoke(tiny_model_dir, tmp_path):
+    bench = _load_script("bench_window")
+    out = tmp_path / "window.json"
+    rc = bench.main(["--model", tiny_model_dir, "--num-requests", "3", "--prompt-len", "8", "--output-len", "24",
+                     "--page-size", "4", "--sliding-window", "8", "--max-num-batched-tokens", "16",
+                     "--out-dir", str(tmp_path), "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["full"]["max_pages_per_seq"] == 8  # 32 tokens in pages of 4
+    assert data["window"]["max_pages_per_seq"] <= 7  # cdiv(8 - 1 + 16, 4) + 1
+    for name in data["plots"].values():
+        assert os.path.getsize(name) > 1000
+
+
 def test_bench_sharing_smoke(tiny_model_dir, tmp_path):
     bench = _load_script("bench_sharing")
     out = tmp_path / "sharing.json"

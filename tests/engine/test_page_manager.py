@@ -248,3 +248,44 @@ def test_check_invariants_catches_corruption():
     pm.incref([1])
     with pytest.raises(AssertionError, match="page 1: refcount 2 but 1 tables hold it"):
         pm.check_invariants([seq])
+
+
+def test_release_outside_window_frees_leading_pages_and_keeps_indices():
+    """W = 5, page_size 4: the token at position p sees keys p - 4..p, so after 13 computed tokens
+    (next position 13 sees 9..13) pages 0 and 1 (keys 0..7) are never read again; page 2 (8..11) is."""
+    from paxpage.page_manager import RELEASED
+
+    pm = PageManager(num_pages=8, page_size=4)
+    seq = computed_seq(pm, list(range(14)), num_computed=13)
+    assert seq.page_table == [0, 1, 2, 3]
+    assert pm.release_outside_window(seq, 5) == [0, 1]
+    assert seq.page_table == [RELEASED, RELEASED, 2, 3] and seq.num_released_pages == 2
+    assert pm.free_pages() == [0, 1, 4, 5, 6, 7]
+    assert pm.release_outside_window(seq, 5) == []  # idempotent
+    seq.num_computed_tokens = 14  # next position 14 sees 10..14: page 2 still needed
+    assert pm.release_outside_window(seq, 5) == []
+    pm.check_invariants([seq])
+    pm.release(seq)  # frees the rest, skipping released entries
+    assert pm.num_free_pages == 8 and seq.num_released_pages == 0
+    pm.check_invariants([seq])
+
+
+def test_released_cached_pages_stay_hittable_until_evicted():
+    """A released page of the prefix cache becomes evictable (K/V intact): a later sequence with the
+    same prefix still gets it; forks share the released entries without references."""
+    from paxpage.page_manager import RELEASED
+
+    pm = PageManager(num_pages=6, page_size=2, enable_prefix_caching=True)
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    a = computed_seq(pm, tokens, num_computed=6)
+    assert pm.release_outside_window(a, 2) == [0, 1]  # next position 6 sees 5..6: pages 0, 1 unused
+    assert pm.evictable_pages() == [0, 1] and pm.refcount(0) == 0
+    child = Sequence(tokens, max_tokens=8)
+    pm.fork(a, child)
+    assert child.page_table == [RELEASED, RELEASED, 2] and pm.refcount(2) == 2
+    pm.check_invariants([a, child])
+    b = Sequence(tokens[:5], max_tokens=8)
+    assert pm.match_prefix(b) == [0, 1]
+    pm.acquire_prefix(b, [0, 1])
+    assert pm.refcount(0) == 1 and pm.evictable_pages() == []
+    pm.check_invariants([a, child, b])

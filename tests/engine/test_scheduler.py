@@ -376,3 +376,48 @@ def test_host_side_modules_import_no_jax():
         names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert {n for n in names if n not in allowed and n.split(".")[0] not in allowed} == set(), module
+
+
+def test_sliding_window_releases_pages_and_long_sequences_fit():
+    """W = 4, page_size 2, budget 4 tokens: a sequence holds at most cdiv(4 - 1 + 4, 2) + 1 = 5 pages,
+    so a 40-token sequence fits an 8-page pool; the pages it leaves behind are free for others."""
+    from paxpage.page_manager import RELEASED
+
+    s = make(num_pages=8, page_size=2, max_num_batched_tokens=4, max_model_len=64, sliding_window=4)
+    assert s.config.max_held_pages(40) == 5
+    a = seq(1, 10, 30)
+    s.add(a)  # 20 pages without the window; 5 with it
+    step(s)  # prefill 0..3
+    assert a.page_table == [0, 1] and a.num_computed_tokens == 4
+    step(s)  # 4..7; next position 8 sees 5..8: page 0 (keys 0, 1) and page 1 (2, 3) released
+    assert a.page_table == [RELEASED, RELEASED, 2, 3]
+    assert s.page_manager.free_pages() == [0, 1, 4, 5, 6, 7]
+    while a.status is SequenceStatus.RUNNING:
+        step(s)
+        assert len([p for p in a.page_table if p != RELEASED]) <= 5
+    assert a.num_output_tokens == 30 and s.page_manager.num_free_pages == 8
+    with pytest.raises(ValueError, match="need 5 pages"):
+        make(num_pages=4, page_size=2, max_num_batched_tokens=4, max_model_len=64, sliding_window=4).add(seq(2, 10, 30))
+
+
+def test_sliding_window_preemption_recomputes_from_zero():
+    from paxpage.page_manager import RELEASED
+
+    s = make(num_pages=5, page_size=2, max_num_batched_tokens=4, max_model_len=64, sliding_window=3)
+    a, b, c = seq(1, 8, 20), seq(2, 8, 20, first=50), seq(3, 5, 20, first=80)
+    for x in (a, b, c):
+        s.add(x)
+    preempted = 0
+    step(s)
+    step(s)  # a's prompt in two chunks; positions 0..5 lie before the window of position 8
+    assert a.page_table[:3] == [RELEASED] * 3
+    for _ in range(100):
+        if not s.has_unfinished():
+            break
+        if step(s).preempted:
+            preempted = s.num_preemptions
+    assert not s.has_unfinished() and preempted > 0
+    # Fake tokens encode (seq, position): recomputation changed nothing.
+    assert a.output_token_ids == [100 + n for n in range(8, 28)]
+    assert b.output_token_ids == [200 + n for n in range(8, 28)]
+    assert c.output_token_ids == [300 + n for n in range(5, 25)]

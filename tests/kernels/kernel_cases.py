@@ -98,3 +98,29 @@ def reference_pool(kv_pages: np.ndarray) -> np.ndarray:
     """The jnp reference gathers every listed page and 0 * NaN poisons its einsum, so it sees the
     NaNs as zeros; the kernels get the NaN pool and must never let those entries through."""
     return np.nan_to_num(np.asarray(jnp.asarray(kv_pages, jnp.float32))).astype(kv_pages.dtype)
+
+
+# Sliding window and soft cap cases: (window, soft cap). Windows smaller than a page, a few
+# pages, and longer than every row (= plain causal); caps that bend typical scores.
+WINDOW_CASES = [(5, None), (16, 3.0), (None, 2.0), (1000, None)]
+
+
+def window_case_id(wc) -> str:
+    window, cap = wc
+    return f"w{window}-cap{cap}"
+
+
+def release_outside_window(case: PagedCase, window: int | None) -> PagedCase:
+    """Points each row's pages wholly before its first query's window at NaN pages, as if the
+    engine had released them: a kernel must neither read them nor let them into its output."""
+    if window is None:
+        return case
+    page_size = case.kv_pages.shape[2]
+    nan_pages = np.flatnonzero(np.isnan(np.asarray(jnp.asarray(case.kv_pages[0, :, 0, 0, 0], jnp.float32))))
+    table = case.page_indices.copy()
+    if len(nan_pages) == 0:
+        return case
+    for b, (kv_len, q_len) in enumerate(zip(case.kv_lens, case.q_lens)):
+        first_key = max(0, int(kv_len) - int(q_len) - window + 1)
+        table[b, :first_key // page_size] = nan_pages[0]
+    return dataclasses.replace(case, page_indices=table)

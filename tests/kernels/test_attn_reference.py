@@ -72,3 +72,24 @@ def test_write_kv_sets_slots_and_skips_padding():
     want[0, 1, 1, 0, 0], want[1, 1, 1, 0, 0] = 1.0, -1.0  # slot 3 = page 1, offset 1
     want[0, 0, 0, 0, 0], want[1, 0, 0, 0, 0] = 3.0, -3.0  # slot 0
     np.testing.assert_array_equal(out, want)
+
+
+def test_sliding_window_and_soft_cap_by_hand():
+    """Window W = 2 (the query and one key before it, HF's `kv_idx > q_idx - W`) and a soft cap."""
+    rng = np.random.default_rng(3)
+    page_size, head_dim, cap, scale = 2, 4, 0.8, 0.5
+    kv = rng.standard_normal((2, 3, page_size, 1, head_dim)).astype(np.float32)
+    table = np.array([[1, 2, 0]], np.int32)
+    keys = np.concatenate([kv[0, p, :, 0] for p in (1, 2, 0)])  # [6, D] logical order
+    values = np.concatenate([kv[1, p, :, 0] for p in (1, 2, 0)])
+    q = rng.standard_normal((1, 3, 1, head_dim)).astype(np.float32)  # 3 tokens at positions 3, 4, 5
+    out = np.asarray(reference.paged_attention_ref(
+        jnp.asarray(q), jnp.asarray(kv), table, np.array([6], np.int32), np.array([3], np.int32),
+        sm_scale=scale, sliding_window=2, soft_cap=cap,
+    ))
+    for i, pos in enumerate((3, 4, 5)):
+        qi = q[0, i, 0]
+        scores = np.array([cap * np.tanh(scale * float(np.dot(qi, keys[j])) / cap) for j in (pos - 1, pos)])
+        w = np.exp(scores - scores.max())
+        w /= w.sum()
+        np.testing.assert_allclose(out[0, i, 0], w @ values[pos - 1:pos + 1], rtol=1e-5)

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import CONFIGS, INTERPRET, assert_close, config_id, make_case, reference_pool, skip_unless_runnable
+from kernel_cases import (CONFIGS, INTERPRET, WINDOW_CASES, assert_close, config_id, make_case, reference_pool,
+                          release_outside_window, skip_unless_runnable, window_case_id)
 from pallas_kernels import reference
 from pallas_kernels.decode_attention import decode_attention
 
@@ -18,7 +19,7 @@ def _lengths(page_size):
     return [1, 2 * page_size, page_size + 3, PAGES_PER_SEQ * page_size, 0]
 
 
-def _check(cfg, backend, num_splits, seed=0):
+def _check(cfg, backend, num_splits, seed=0, window=None, cap=None):
     skip_unless_runnable(backend)
     dtype, page_size, ratio, head_dim, num_kv_heads = cfg
     rng = np.random.default_rng(seed)
@@ -27,15 +28,17 @@ def _check(cfg, backend, num_splits, seed=0):
         rng, dtype=dtype, page_size=page_size, ratio=ratio, head_dim=head_dim, num_kv_heads=num_kv_heads,
         kv_lens=kv_lens, q_lens=[1] * len(kv_lens), pages_per_seq=PAGES_PER_SEQ,
     )
+    case = release_outside_window(case, window)
     scale = head_dim ** -0.5
     got = decode_attention(
         jnp.asarray(case.q[:, 0]), jnp.asarray(case.kv_pages), case.page_indices, case.kv_lens,
         sm_scale=scale, num_splits=num_splits, backend=backend, interpret=INTERPRET,
+        sliding_window=window, soft_cap=cap,
     )
     q_lens = (case.kv_lens > 0).astype(np.int32)
     want = reference.paged_attention_ref(
         jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)), case.page_indices,
-        case.kv_lens, q_lens, sm_scale=scale,
+        case.kv_lens, q_lens, sm_scale=scale, sliding_window=window, soft_cap=cap,
     )[:, 0]
     assert got.dtype == dtype
     assert_close(got, want, dtype)
@@ -51,6 +54,13 @@ def test_decode_matches_reference(cfg, backend):
 def test_decode_split_keys_combine_exactly(backend, num_splits):
     # Splits whose whole range lies past a row's length must contribute nothing.
     _check(CONFIGS[0], backend, num_splits=num_splits, seed=3)
+
+
+@pytest.mark.parametrize("wc", WINDOW_CASES, ids=window_case_id)
+@pytest.mark.parametrize("backend,num_splits", [("gpu", 1), ("gpu", 2), ("tpu", 1), ("tpu", 2)])
+def test_decode_sliding_window_and_soft_cap(wc, backend, num_splits):
+    """Pages wholly before a row's window point at NaN pages (released): never read."""
+    _check(CONFIGS[4], backend, num_splits=num_splits, seed=5, window=wc[0], cap=wc[1])
 
 
 def test_decode_rejects_bad_shapes():

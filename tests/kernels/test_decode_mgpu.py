@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from jax import export
 
-from kernel_cases import INTERPRET, assert_close, config_id, make_case, reference_pool, skip_unless_runnable
+from kernel_cases import (INTERPRET, assert_close, config_id, make_case, reference_pool,
+                          release_outside_window, skip_unless_runnable, window_case_id)
 from pallas_kernels import decode_attention_mgpu as mgpu
 from pallas_kernels import reference
 
@@ -33,7 +34,7 @@ def _skip_unless_available():
         pytest.skip(reason)
 
 
-def _check(cfg, num_splits, seed=0):
+def _check(cfg, num_splits, seed=0, window=None, cap=None):
     _skip_unless_available()
     dtype, page_size, ratio, head_dim, num_kv_heads = cfg
     # 1 / page-aligned / unaligned / maximal / padding row (0).
@@ -42,14 +43,16 @@ def _check(cfg, num_splits, seed=0):
         np.random.default_rng(seed), dtype=dtype, page_size=page_size, ratio=ratio, head_dim=head_dim,
         num_kv_heads=num_kv_heads, kv_lens=kv_lens, q_lens=[1] * len(kv_lens), pages_per_seq=PAGES_PER_SEQ,
     )
+    case = release_outside_window(case, window)
     scale = head_dim ** -0.5
     got = mgpu.decode_attention_mgpu(
         jnp.asarray(case.q[:, 0]), jnp.asarray(case.kv_pages), case.page_indices, case.kv_lens,
-        sm_scale=scale, num_splits=num_splits, interpret=INTERPRET,
+        sm_scale=scale, num_splits=num_splits, interpret=INTERPRET, sliding_window=window, soft_cap=cap,
     )
     want = reference.paged_attention_ref(
         jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)), case.page_indices,
-        case.kv_lens, (case.kv_lens > 0).astype(np.int32), sm_scale=scale,
+        case.kv_lens, (case.kv_lens > 0).astype(np.int32), sm_scale=scale, sliding_window=window,
+        soft_cap=cap,
     )[:, 0]
     assert got.dtype == dtype
     assert_close(got, want, dtype)
@@ -64,6 +67,13 @@ def test_mgpu_decode_matches_reference(cfg):
 def test_mgpu_decode_split_keys_combine_exactly(num_splits):
     # Splits whose whole range lies past a row's length must contribute nothing.
     _check(CONFIGS[0], num_splits=num_splits, seed=3)
+
+
+@pytest.mark.parametrize("wc", [(5, None), (70, 3.0), (None, 2.0)], ids=window_case_id)
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_mgpu_decode_sliding_window_and_soft_cap(wc, num_splits):
+    """Blocks wholly before a row's window point at NaN pages (released): never copied or read."""
+    _check(CONFIGS[0], num_splits=num_splits, seed=9, window=wc[0], cap=wc[1])
 
 
 def test_mgpu_rejects_unsupported():
@@ -87,7 +97,8 @@ def test_mgpu_decode_lowers_for_cuda(dtype):
     if mgpu.plgpu is None:
         pytest.skip(f"this jax has no Mosaic GPU Pallas: {mgpu.IMPORT_ERROR}")
     S = jax.ShapeDtypeStruct
-    fn = functools.partial(mgpu.decode_attention_mgpu, sm_scale=0.1, num_splits=2)
+    fn = functools.partial(mgpu.decode_attention_mgpu, sm_scale=0.1, num_splits=2, sliding_window=20,
+                           soft_cap=30.0)
     args = (S((3, 8, 64), dtype), S((2, 32, 16, 2, 64), dtype), S((3, 8), jnp.int32), S((3,), jnp.int32))
     # Kernel custom calls carry no serialisation-compatibility promise; we only lower, never store.
     checks = [export.DisabledSafetyCheck.custom_call(n) for n in ("mosaic_gpu_v2", "mosaic_gpu")]

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import IMPL, assert_close, make_case, reference_pool, skip_unless_runnable
+from kernel_cases import IMPL, assert_close, make_case, reference_pool, release_outside_window, skip_unless_runnable
 from pallas_kernels import dispatch, reference
 
 
@@ -35,6 +35,34 @@ def test_paged_attention_row_layout(backend, gpu_decode, kv_lens, q_lens):
         case.kv_lens, case.q_lens, sm_scale=0.125,
     )
     assert got.shape == case.q.shape
+    assert_close(got, want, jnp.float32)
+
+
+@pytest.mark.parametrize("backend,gpu_decode", [("gpu", "mosaic"), ("gpu", "triton"), ("tpu", "auto")])
+@pytest.mark.parametrize(
+    "kv_lens,q_lens",
+    [([9, 30, 1, 0], [1, 1, 1, 0]), ([9, 30, 3, 0, 12], [6, 2, 3, 0, 0])],
+    ids=["decode", "mixed"],
+)
+def test_paged_attention_window_and_cap_reach_every_kernel(backend, gpu_decode, kv_lens, q_lens):
+    skip_unless_runnable(backend)
+    if gpu_decode == "mosaic" and dispatch.decode_attention_mgpu.unsupported_reason(
+            jnp.float32, jnp.float32, 16, 4, 2, 64, interpret=IMPL == "pallas-interpret"):
+        pytest.skip("no Mosaic GPU here")
+    rng = np.random.default_rng(8)
+    case = make_case(
+        rng, dtype=jnp.float32, page_size=16, ratio=2, head_dim=64, num_kv_heads=2,
+        kv_lens=kv_lens, q_lens=q_lens, pages_per_seq=2,
+    )
+    case = release_outside_window(case, 6)
+    kw = dict(sm_scale=0.125, sliding_window=6, soft_cap=1.5)
+    step = jax.jit(lambda q, kv, pt, kvl, ql: dispatch.paged_attention(
+        q, kv, pt, kvl, ql, impl=IMPL, backend=backend, gpu_decode=gpu_decode, **kw))
+    got = step(jnp.asarray(case.q), jnp.asarray(case.kv_pages), case.page_indices, case.kv_lens, case.q_lens)
+    want = reference.paged_attention_ref(
+        jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)), case.page_indices,
+        case.kv_lens, case.q_lens, **kw,
+    )
     assert_close(got, want, jnp.float32)
 
 

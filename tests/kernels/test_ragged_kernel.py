@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import CONFIGS, INTERPRET, assert_close, config_id, make_case, reference_pool, skip_unless_runnable
+from kernel_cases import (CONFIGS, INTERPRET, WINDOW_CASES, assert_close, config_id, make_case, reference_pool,
+                          release_outside_window, skip_unless_runnable, window_case_id)
 from pallas_kernels import reference
 from pallas_kernels.ragged_attention import ragged_paged_attention
 
@@ -22,7 +23,7 @@ def _seqs(page_size):
             (PAGES_PER_SEQ * page_size, 2), (1, 1)]
 
 
-def _check(cfg, backend, *, block_q=None, seed=0):
+def _check(cfg, backend, *, block_q=None, seed=0, window=None, cap=None):
     skip_unless_runnable(backend)
     dtype, page_size, ratio, head_dim, num_kv_heads = cfg
     rng = np.random.default_rng(seed)
@@ -31,6 +32,7 @@ def _check(cfg, backend, *, block_q=None, seed=0):
         rng, dtype=dtype, page_size=page_size, ratio=ratio, head_dim=head_dim, num_kv_heads=num_kv_heads,
         kv_lens=kv_lens, q_lens=q_lens, pages_per_seq=PAGES_PER_SEQ,
     )
+    case = release_outside_window(case, window)
     scale = head_dim ** -0.5
     num_seqs = len(kv_lens)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -44,10 +46,11 @@ def _check(cfg, backend, *, block_q=None, seed=0):
     got = ragged_paged_attention(
         jnp.asarray(flat_q), jnp.asarray(case.kv_pages), table.astype(np.int32), cu_slots, kv_slots,
         np.array([num_seqs], np.int32), sm_scale=scale, block_q=block_q, backend=backend, interpret=INTERPRET,
+        sliding_window=window, soft_cap=cap,
     )
     rows = reference.paged_attention_ref(
         jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)), case.page_indices,
-        case.kv_lens, case.q_lens, sm_scale=scale,
+        case.kv_lens, case.q_lens, sm_scale=scale, sliding_window=window, soft_cap=cap,
     )
     want = np.concatenate([np.asarray(rows[b, :q_lens[b]]) for b in range(num_seqs)])
     want = np.concatenate([want, np.zeros((TRAILING_TOKENS, *want.shape[1:]), want.dtype)])
@@ -65,6 +68,13 @@ def test_ragged_matches_reference(cfg, backend):
 def test_ragged_query_blocks_spanning_sequences(backend, block_q):
     # Other block sizes move sequence boundaries inside query blocks.
     _check(CONFIGS[1], backend, block_q=block_q, seed=5)
+
+
+@pytest.mark.parametrize("wc", WINDOW_CASES, ids=window_case_id)
+@pytest.mark.parametrize("backend,block_q", [("gpu", None), ("gpu", 32), ("tpu", None), ("tpu", 4)])
+def test_ragged_sliding_window_and_soft_cap(wc, backend, block_q):
+    """Pages wholly before a sequence's window point at NaN pages (released): never read."""
+    _check(CONFIGS[0], backend, block_q=block_q, seed=7, window=wc[0], cap=wc[1])
 
 
 def test_ragged_rejects_mismatched_metadata():

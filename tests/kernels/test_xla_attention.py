@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import CONFIGS, assert_close, config_id, make_case, reference_pool
+from kernel_cases import (CONFIGS, WINDOW_CASES, assert_close, config_id, make_case, reference_pool,
+                          release_outside_window, window_case_id)
 from pallas_kernels.reference import paged_attention_ref
 from pallas_kernels.xla_attention import paged_attention_xla, pages_per_chunk
 
@@ -94,6 +95,29 @@ def test_table_entries_out_of_the_pool_are_harmless():
     want = paged_attention_ref(jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)),
                                case.page_indices, case.kv_lens, case.q_lens, sm_scale=0.25)
     assert_close(got, want, jnp.float32)
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[4]], ids=config_id)
+@pytest.mark.parametrize("wc", WINDOW_CASES, ids=window_case_id)
+@pytest.mark.parametrize("chunk_tokens", [8, 64])
+@pytest.mark.parametrize("kind", sorted(LENGTH_CASES))
+def test_sliding_window_and_soft_cap(cfg, wc, chunk_tokens, kind):
+    """Pages wholly before a row's window are NaN (released): skipped or masked, never read."""
+    dtype, page_size, ratio, head_dim, num_kv_heads = cfg
+    window, cap = wc
+    kv_lens, q_lens = LENGTH_CASES[kind]
+    kv_lens, q_lens = [n + 40 * (n > 0) for n in kv_lens], q_lens  # long enough to leave pages behind
+    rng = np.random.default_rng(21)
+    case = make_case(rng, dtype=dtype, page_size=page_size, ratio=ratio, head_dim=head_dim,
+                     num_kv_heads=num_kv_heads, kv_lens=kv_lens, q_lens=q_lens,
+                     pages_per_seq=-(-72 // page_size) + 1)
+    case = release_outside_window(case, window)
+    kw = dict(sm_scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap)
+    got = paged_attention_xla(jnp.asarray(case.q), jnp.asarray(case.kv_pages), case.page_indices,
+                              case.kv_lens, case.q_lens, chunk_tokens=chunk_tokens, **kw)
+    want = paged_attention_ref(jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)),
+                               case.page_indices, case.kv_lens, case.q_lens, **kw)
+    assert_close(got, want, dtype)
 
 
 @pytest.mark.parametrize("batch,page_bytes,page_size,pages_per_seq,chunk_tokens,want", [

@@ -1,0 +1,17 @@
+"""Which functional model module runs a config: one module per family, same call contract."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.gemma import GemmaModel
+from models.llama import AttentionFn, LlamaModel, WriteKvFn
+
+
+def build_model(cfg: ModelConfig, attention: AttentionFn, write_kv: WriteKvFn, dtype: Any = jnp.float32):
+    """The flax module for `cfg`: `.apply({"params": params}, batch, kv_cache) -> (logits, kv_cache)`."""
+    family = GemmaModel if cfg.is_gemma else LlamaModel
+    return family(cfg, attention, write_kv, dtype)

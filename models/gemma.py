@@ -1,0 +1,114 @@
+"""Functional Flax model for the Gemma family (Gemma 2, Gemma 3 text).
+
+`GemmaModel(cfg, attention, write_kv).apply({"params": params}, batch, kv_cache)` has the same
+contract as `LlamaModel`: same batch, same page tables and pool, (logits, new cache) back.
+
+What Gemma does differently from Llama (each checked against HF transformers):
+- RMSNorm scales by (1 + w); every block is "sandwiched": norms before and after both the
+  attention and the MLP (input / post_attention / pre_feedforward / post_feedforward).
+- Embeddings are multiplied by sqrt(hidden) (rounded to the model dtype, as HF does).
+- MLP gate is GELU with the tanh approximation.
+- Softmax scale is query_pre_attn_scalar ** -0.5; Gemma 2 soft-caps attention scores (50) and
+  both soft-cap the final logits (30): x -> c * tanh(x / c).
+- Layers alternate local (sliding window) and global attention (`cfg.layer_types`); Gemma 3
+  rotates local layers with their own RoPE base (`cfg.local_rope_theta`, unscaled) and
+  normalises q and k per head (qk-norm) before RoPE.
+
+Axis legend: T flat tokens in the step, H hidden, N query heads, K kv heads, D head dim,
+F MLP width, V vocabulary, R logits rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig, RopeScaling
+from models.layers import RMSNorm, dense, paged_attention_rows
+from models.llama import AttentionFn, WriteKvFn
+from models.rope import apply_rope, inverse_frequencies
+
+
+def _norm(cfg: ModelConfig, dtype, name: str) -> RMSNorm:
+    return RMSNorm(cfg.rms_norm_eps, dtype, unit_offset=True, name=name)
+
+
+def _layer_inv_freq(cfg: ModelConfig, window: int | None):
+    """Gemma 3's local layers use their own unscaled RoPE base; all other layers the global one."""
+    if window is not None and cfg.local_rope_theta is not None:
+        cfg = dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=RopeScaling())
+    return inverse_frequencies(cfg)
+
+
+class GemmaDecoderLayer(nn.Module):
+    cfg: ModelConfig
+    attention: AttentionFn
+    write_kv: WriteKvFn
+    dtype: Any = jnp.float32
+    sliding_window: int | None = None  # local layers' window; None = global layer
+
+    @nn.compact
+    def __call__(self, x, batch, kv_pages):  # x: [T, H]; kv_pages: [2, P, page_size, K, D]
+        cfg, dtype = self.cfg, self.dtype
+        num_tokens = x.shape[0]
+        h = _norm(cfg, dtype, "input_layernorm")(x)
+        q = dense(cfg.num_heads * cfg.head_dim, "q_proj", dtype, cfg.qkv_bias)(h)
+        k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dtype, cfg.qkv_bias)(h)
+        v = dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dtype, cfg.qkv_bias)(h)
+        q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, N, D]
+        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, K, D]
+        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:  # Gemma 3
+            q = _norm(cfg, dtype, "q_norm")(q)
+            k = _norm(cfg, dtype, "k_norm")(k)
+        inv_freq = _layer_inv_freq(cfg, self.sliding_window)
+        q = apply_rope(q, batch.positions, inv_freq).astype(dtype)
+        k = apply_rope(k, batch.positions, inv_freq).astype(dtype)
+        kv_pages = self.write_kv(kv_pages, k, v, batch.slot_mapping)
+        out = paged_attention_rows(self.attention, q, kv_pages, batch, cfg.sm_scale,
+                                   sliding_window=self.sliding_window, soft_cap=cfg.attn_logit_softcap)
+        out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim).astype(dtype)
+        out = dense(cfg.hidden_size, "o_proj", dtype)(out)
+        x = x + _norm(cfg, dtype, "post_attention_layernorm")(out)
+        h = _norm(cfg, dtype, "pre_feedforward_layernorm")(x)
+        gate = dense(cfg.intermediate_size, "gate_proj", dtype)(h)
+        up = dense(cfg.intermediate_size, "up_proj", dtype)(h)
+        mlp = dense(cfg.hidden_size, "down_proj", dtype)(jax.nn.gelu(gate, approximate=True) * up)
+        x = x + _norm(cfg, dtype, "post_feedforward_layernorm")(mlp)
+        return x, kv_pages
+
+
+class GemmaModel(nn.Module):
+    cfg: ModelConfig
+    attention: AttentionFn
+    write_kv: WriteKvFn
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, batch, kv_cache: list[jax.Array]):
+        """Returns (logits f32[R + Rp, V], updated kv_cache): the sampling rows, then the
+        prompt-logprob rows."""
+        cfg = self.cfg
+        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
+                         param_dtype=self.dtype, name="embed_tokens")
+        x = embed(batch.token_ids) * jnp.asarray(math.sqrt(cfg.hidden_size), self.dtype)  # [T, H]
+        new_cache = []
+        for i in range(cfg.num_layers):
+            x, pages = GemmaDecoderLayer(cfg, self.attention, self.write_kv, self.dtype, cfg.layer_window(i),
+                                         name=f"layers_{i}")(x, batch, kv_cache[i])
+            new_cache.append(pages)
+        rows = jnp.concatenate([batch.logits_indices, batch.prompt_logits_indices])
+        x = _norm(cfg, self.dtype, "norm")(x[rows])  # [R + Rp, H]
+        if cfg.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = dense(cfg.vocab_size, "lm_head", self.dtype)(x)
+        logits = logits.astype(jnp.float32)
+        if cfg.final_logit_softcap is not None:
+            logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+        return logits, new_cache
