@@ -250,7 +250,7 @@ def profile_decode_step(model: paxpage.Model, cfg: paxpage.EngineConfig, context
     import functools
     import inspect
 
-    from models.llama import LlamaModel
+    from models.families import build_model
     from pallas_kernels import reference
     from pallas_kernels.xla_attention import paged_attention_xla
     from paxpage import sampler as sampler_lib
@@ -283,7 +283,7 @@ def profile_decode_step(model: paxpage.Model, cfg: paxpage.EngineConfig, context
 
     def variant(attention, write_kv):
         """A donated step like the engine's (no copy of the pool), with other attention."""
-        m = LlamaModel(model.config, attention, write_kv, dtype)
+        m = build_model(model.config, attention, write_kv, dtype)
 
         def step(p, kv, b, s):
             logits, kv = m.apply({"params": p}, b, kv)
