@@ -40,7 +40,7 @@ def hf_smollm2():
 
 
 def save_tiny_hf(path, kind: str = "llama", seed: int = 0, **overrides):
-    """Saves a tiny random-weight HF model of `kind` (llama | qwen2 | qwen3) to `path`."""
+    """Saves a tiny random-weight HF model of `kind` (llama | qwen2 | qwen3 | qwen3_moe | mixtral) to `path`."""
     import torch
     import transformers as tf
 
@@ -52,16 +52,22 @@ def save_tiny_hf(path, kind: str = "llama", seed: int = 0, **overrides):
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
     }
     config_cls, model_cls = classes[kind]
-    if kind == "qwen3":
+    if kind in ("qwen3", "qwen3_moe"):
         base.setdefault("head_dim", 16)
+    if kind == "qwen3_moe":
+        base = dict(dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32), **base)
+    if kind == "mixtral":
+        base = dict(dict(num_local_experts=4, num_experts_per_tok=2), **base)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**base)).eval()
     # Random init gives near-uniform logits; sharper weights make greedy choices well separated.
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # 3-D: the experts of MoE models
                 p.mul_(4.0)
     model.save_pretrained(path)
     return model
