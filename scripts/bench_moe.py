@@ -115,6 +115,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layer-tokens", default="32,512", help="token counts at which to time the MoE MLP alone")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     grouped = resolve_impl(args.impl)
@@ -171,7 +172,7 @@ def main(argv=None) -> int:
           f"compiles after warm-up {compiles}")
 
     layer = {}
-    for num_tokens in (args.max_num_seqs, 512):
+    for num_tokens in [int(n) for n in args.layer_tokens.split(",") if n]:
         layer[num_tokens] = {impl: time_layer(cfg, params, impl, num_tokens) for impl in impls}
         ms = layer[num_tokens]
         print(f"MoE MLP alone, {num_tokens} tokens: {grouped} {ms[grouped]:.2f} ms, dense {ms['dense']:.2f} ms "
