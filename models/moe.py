@@ -67,34 +67,54 @@ def _swiglu(h):  # [..., 2F] (gate then up) -> [..., F]
     return nn.silu(gate) * up
 
 
-def _experts_ragged(x_sorted, group_sizes, gate_up, down):
-    """x_sorted [M, H] grouped by expert -> [M, H]."""
+def _group_layout(flat_experts, num_experts: int):
+    """Where each routed row goes when rows are grouped by expert, without a sort.
+
+    flat_experts i32[M] -> (group_sizes i32[E], rank i32[M]): rank is the row's index among
+    the rows of its expert (in row order), so start[e] + rank is its grouped position."""
+    one_hot = (flat_experts[:, None] == jnp.arange(num_experts)).astype(jnp.int32)  # [M, E]
+    group_sizes = jnp.sum(one_hot, axis=0)
+    rank = jnp.take_along_axis(jnp.cumsum(one_hot, axis=0), flat_experts[:, None], axis=1)[:, 0] - 1
+    return group_sizes, rank
+
+
+def _scatter_index(dest, size: int, fill: int):
+    """The inverse of dest (i32[M], distinct slots): i32[size], slot -> row, `fill` where no row goes.
+    Rows then move by gathers: XLA's CPU scatter of whole rows is slow, of indices cheap."""
+    return jnp.full((size,), fill, jnp.int32).at[dest].set(jnp.arange(dest.shape[0], dtype=jnp.int32))
+
+
+def _experts_ragged(x, flat_experts, top_k, gate_up, down):
+    """x [T, H], flat_experts i32[M] (row j is token j // top_k) -> [M, H] in row order."""
+    group_sizes, rank = _group_layout(flat_experts, gate_up.shape[0])
+    start = jnp.cumsum(group_sizes) - group_sizes
+    dest = start[flat_experts] + rank  # [M] grouped position of each row
+    x_sorted = x[_scatter_index(dest, dest.shape[0], 0) // top_k]  # [M, H]
     h = jax.lax.ragged_dot(x_sorted, gate_up, group_sizes)  # [M, 2F]
-    return jax.lax.ragged_dot(_swiglu(h), down, group_sizes)  # [M, H]
+    y_sorted = jax.lax.ragged_dot(_swiglu(h), down, group_sizes)  # [M, H]
+    return y_sorted[dest]
 
 
-def _experts_tiled(x_sorted, sorted_experts, group_sizes, gate_up, down):
+def _experts_tiled(x, flat_experts, top_k, gate_up, down):
     """The same as `_experts_ragged` in plain jnp (see the module docstring).
 
     A loop over the tiles in use, each sliced from the padded rows and multiplied by its
     expert's weights (indexed in place: a batched matmul over weights gathered per tile copied
     every tile's weights and measured several times slower on CPU)."""
-    num_rows, hidden = x_sorted.shape
-    num_experts = gate_up.shape[0]
+    num_tokens, hidden = x.shape
+    num_rows, num_experts = flat_experts.shape[0], gate_up.shape[0]
     tile = tile_rows(num_rows, num_experts)
     # Each non-empty group pads up to < tile rows; at most min(E, M) groups are non-empty.
     num_tiles = (num_rows + min(num_experts, num_rows) * (tile - 1)) // tile
+    group_sizes, rank = _group_layout(flat_experts, num_experts)
     padded = (group_sizes + tile - 1) // tile * tile  # [E]
     padded_end = jnp.cumsum(padded)
-    start = jnp.cumsum(group_sizes) - group_sizes
-    # Row r of the sorted rows goes to slot padded_start[e] + (r - start[e]) of the padded rows.
-    dest = (padded_end - padded)[sorted_experts] + jnp.arange(num_rows) - start[sorted_experts]  # [M]
-    # A row gather, not a row scatter (XLA's CPU scatter is slow): each slot's source row,
-    # num_rows (a zero row) for padding.
-    src = jnp.full((num_tiles * tile,), num_rows, jnp.int32).at[dest].set(jnp.arange(num_rows, dtype=jnp.int32))
-    x_padded = jnp.concatenate([x_sorted, jnp.zeros((1, hidden), x_sorted.dtype)])[src]  # [G * R, H]
+    dest = (padded_end - padded)[flat_experts] + rank  # [M] slot of each row in the padded rows
+    # Each slot's token; num_tokens (a zero row) for padding.
+    src = _scatter_index(dest, num_tiles * tile, num_rows) // top_k
+    x_padded = jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)])[src]  # [G * R, H]
     # Tile g starts at padded row g * tile: its expert is the one whose padded range holds that row.
-    tile_expert = jnp.searchsorted(padded_end, jnp.arange(num_tiles) * tile, side="right")  # [G]
+    tile_expert = jnp.sum(padded_end[None, :] <= (jnp.arange(num_tiles) * tile)[:, None], axis=1)  # [G]
 
     def one_tile(g, y):
         e = tile_expert[g]
@@ -103,7 +123,7 @@ def _experts_tiled(x_sorted, sorted_experts, group_sizes, gate_up, down):
         return jax.lax.dynamic_update_slice_in_dim(y, out.astype(y.dtype), g * tile, 0)
 
     num_used = padded_end[-1] // tile  # the loop stops there: unused tiles cost nothing
-    y = jax.lax.fori_loop(0, num_used, one_tile, jnp.zeros((num_tiles * tile, hidden), x_sorted.dtype))
+    y = jax.lax.fori_loop(0, num_used, one_tile, jnp.zeros((num_tiles * tile, hidden), x.dtype))
     return y[dest]  # [M, H]
 
 
@@ -129,17 +149,9 @@ def moe_mlp(x, router, gate_up, down, *, top_k: int, renormalize: bool, impl: st
     weights, experts = route(x, router, top_k, renormalize)  # [T, k]
     if impl == "dense":
         return _experts_dense(x, weights, experts, gate_up, down).astype(x.dtype)
-    flat_experts = experts.reshape(-1)  # [M]; entry j is token j // k
-    order = jnp.argsort(flat_experts, stable=True)  # sorted position -> entry
-    sorted_experts = flat_experts[order]
-    group_sizes = jnp.bincount(flat_experts, length=gate_up.shape[0]).astype(jnp.int32)  # [E]
-    x_sorted = x[order // top_k]  # [M, H]
-    if impl == "ragged_dot":
-        y_sorted = _experts_ragged(x_sorted, group_sizes, gate_up, down)
-    else:
-        y_sorted = _experts_tiled(x_sorted, sorted_experts, group_sizes, gate_up, down)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    y = y_sorted[inverse]  # back to entry order
+    flat_experts = experts.reshape(-1)  # [M]; row j is token j // k
+    experts_fn = _experts_ragged if impl == "ragged_dot" else _experts_tiled
+    y = experts_fn(x, flat_experts, top_k, gate_up, down)  # [M, H]
     y = y.reshape(num_tokens, top_k, hidden).astype(jnp.float32)
     return jnp.einsum("Tk,TkH->TH", weights, y).astype(x.dtype)
 
