@@ -7,15 +7,16 @@ the work grows with the number of routed tokens, not with E. Shapes stay static:
 rows are always M = T * top_k; only the group sizes are data.
 
 Grouped-matmul implementations (`impl`):
-    "ragged_dot"  jax.lax.ragged_dot: XLA's native grouped matmul on GPU and TPU. On CPU jax
-                  lowers it to a masked product over every expert for every row (E times the
-                  work), so it is not the CPU default.
+    "ragged_dot"  jax.lax.ragged_dot: XLA's native grouped matmul on TPU. On CPU jax lowers it
+                  to a masked product over every expert for every row (E times the work), and
+                  XLA:GPU's default rewrite (no cuDNN / Triton grouped GEMM unless flags opt in)
+                  also expands it to a dense dot, so it is the default on TPU only.
     "tiled"       pure jnp: each expert's group is padded to whole tiles of `tile_rows` rows, so
                   every tile belongs to one expert, and a loop over the tiles in use multiplies
                   each by its expert's weights. Work is at most M + min(E, M) * (tile - 1) rows.
     "dense"       every expert on every token, combined with the routing weights (zero for the
                   experts a token did not pick): the baseline the benchmark compares against.
-    "auto"        "ragged_dot" on GPU / TPU, "tiled" on CPU.
+    "auto"        "ragged_dot" on TPU, "tiled" elsewhere.
 
 Axis legend: T tokens, H hidden, E experts, k experts per token, M = T * k routed rows,
 F expert MLP width, G tiles, R rows in one tile.
@@ -36,7 +37,7 @@ def resolve_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"moe_impl {impl!r} is not one of {IMPLS}")
     if impl == "auto":
-        return "ragged_dot" if jax.default_backend() in ("gpu", "tpu") else "tiled"
+        return "ragged_dot" if jax.default_backend() == "tpu" else "tiled"
     return impl
 
 

@@ -3,8 +3,8 @@
 A tiny-but-not-trivial Qwen3-MoE-shaped model with random weights (default: 4 layers, hidden 256,
 32 experts of width 256, top 4, vocabulary 2048) runs the same offline workload through the engine
 once per MoE implementation (models/moe.py), on the same weights:
-    grouped  --impl (default "auto": jax.lax.ragged_dot on GPU / TPU, the tiled jnp grouped
-             matmul on CPU, where ragged_dot lowers to a masked product over every expert)
+    grouped  --impl (default "auto": jax.lax.ragged_dot on TPU, the tiled jnp grouped matmul on
+             CPU / GPU, where ragged_dot lowers to a product over every expert for every row)
     dense    every expert on every token, combined with the routing weights
 Each system gets a warm-up pass (every step shape compiles), then --repeats measured passes,
 interleaved so both see the same machine load; the fastest pass counts. All requests are
