@@ -1,10 +1,11 @@
 """Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): top-k routing and grouped expert matmuls.
 
 Each token's router picks `top_k` of E experts; only those experts' SwiGLU MLPs run on it. The
-T * top_k (token, expert) pairs are sorted by expert so that every expert sees one contiguous
-group of rows, and each expert's weights multiply only its own group (a grouped matmul), so
-the work grows with the number of routed tokens, not with E. Shapes stay static: the routed
-rows are always M = T * top_k; only the group sizes are data.
+T * top_k (token, expert) rows are grouped by expert (a row's place follows from its rank among
+its expert's rows; no sort) so that every expert sees one contiguous group of rows, and each
+expert's weights multiply only its own group (a grouped matmul), so the work grows with the
+number of routed tokens, not with E. Shapes stay static: the routed rows are always
+M = T * top_k; only the group sizes are data.
 
 Grouped-matmul implementations (`impl`):
     "ragged_dot"  jax.lax.ragged_dot: XLA's native grouped matmul on TPU. On CPU jax lowers it
