@@ -1,8 +1,9 @@
-"""Model configuration: one frozen dataclass for the Llama family (Llama, Mistral, Qwen2, Qwen3)
-and the Gemma family (Gemma 2, Gemma 3 text).
+"""Model configuration: one frozen dataclass for the Llama family (Llama, Mistral, Qwen2, Qwen3),
+its mixture-of-experts variants (Qwen3-MoE, Mixtral: `num_experts` > 0) and the Gemma family
+(Gemma 2, Gemma 3 text).
 
 Axis legend used across models/: T tokens in a step, H hidden size, N query heads,
-K kv heads, D head dim, F MLP width, V vocabulary.
+K kv heads, D head dim, F MLP width, V vocabulary, E experts.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from typing import Any, Collection, Mapping
 from models.generation_config import GenerationConfig
 
 # HF `model_type` values this model family covers.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# GGUF `general.architecture` -> model_type. llama.cpp writes Mistral as "llama".
-GGUF_ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# GGUF `general.architecture` -> model_type. llama.cpp writes Mistral as "llama", and Mixtral as
+# "llama" with `llama.expert_count` (from_gguf_metadata tells them apart).
+GGUF_ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +81,12 @@ class ModelConfig:
     hidden_activation: str = "silu"  # MLP gate activation: "silu" or "gelu_tanh"
     # generation_config.json / GGUF end-of-turn ids and sampling defaults (models/generation_config.py)
     generation: GenerationConfig = GenerationConfig()
+    # Mixture of experts (models/moe.py). num_experts == 0: every layer has a dense MLP of width F.
+    num_experts: int = 0  # E
+    num_experts_per_tok: int = 0  # k, experts each token is routed to
+    moe_intermediate_size: int = 0  # one expert's MLP width
+    norm_topk_prob: bool = False  # rescale the k routing probabilities to sum to 1 (Mixtral: always)
+    dense_mlp_layers: tuple[int, ...] = ()  # layers that keep a dense MLP (Qwen3-MoE mlp_only_layers)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -115,6 +123,19 @@ class ModelConfig:
                 f"hidden_activation {self.hidden_activation!r} is not supported for {self.model_type}; "
                 f"expected {wanted!r}"
             )
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), "
+                                 f"got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size < 1:
+                raise ValueError(f"moe_intermediate_size must be >= 1 with experts, got {self.moe_intermediate_size}")
+        bad = [i for i in self.dense_mlp_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"dense_mlp_layers {bad} are not layers of a {self.num_layers}-layer model")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a sparse mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
     @property
     def is_gemma(self) -> bool:
@@ -198,7 +219,7 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
             qkv_bias=bool(d.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             model_type=model_type,
@@ -210,6 +231,7 @@ class ModelConfig:
             query_pre_attn_scalar=d.get("query_pre_attn_scalar") if gemma else None,
             local_rope_theta=local_rope_theta,
             hidden_activation=activation,
+            **_moe_fields_from_hf(d, model_type),
         )
 
     @classmethod
@@ -251,10 +273,28 @@ class ModelConfig:
         bos = metadata.get("tokenizer.ggml.bos_token_id")
         eos = metadata.get("tokenizer.ggml.eos_token_id")
         names = set(tensor_names)
+        model_type = GGUF_ARCH_TO_MODEL_TYPE[arch]
+        moe = {}
+        num_experts = int(get("expert_count", 0))
+        if num_experts:
+            model_type = "mixtral" if arch == "llama" else model_type
+            expert_width = int(get("expert_feed_forward_length", get("feed_forward_length", 0)))
+            num_layers = int(get("block_count"))
+            moe = dict(
+                num_experts=num_experts,
+                num_experts_per_tok=int(get("expert_used_count")),
+                moe_intermediate_size=expert_width,
+                # llama.cpp renormalises the top k for both qwen3moe and Mixtral.
+                norm_topk_prob=bool(get("expert_weights_norm", True)),
+                # A layer without a router tensor has a dense MLP.
+                dense_mlp_layers=tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names),
+            )
+        elif model_type == "qwen3_moe":
+            raise ValueError(f"GGUF metadata lacks required key {arch}.expert_count")
         return cls(
             vocab_size=int(get("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
+            intermediate_size=int(get("feed_forward_length", moe.get("moe_intermediate_size", 0))),
             num_layers=int(get("block_count")),
             num_heads=num_heads,
             num_kv_heads=int(get("attention.head_count_kv", num_heads)),
@@ -265,11 +305,12 @@ class ModelConfig:
             max_position_embeddings=int(get("context_length", 2048)),
             tie_word_embeddings="output.weight" not in names,
             qkv_bias="blk.0.attn_q.bias" in names,
-            qk_norm=GGUF_ARCH_TO_MODEL_TYPE[arch] == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=() if eos is None else (int(eos),),
-            model_type=GGUF_ARCH_TO_MODEL_TYPE[arch],
+            model_type=model_type,
             generation=GenerationConfig.from_gguf_metadata(metadata),
+            **moe,
         )
 
     @classmethod
@@ -291,6 +332,7 @@ class ModelConfig:
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["generation"] = GenerationConfig.from_dict(d.get("generation", {}))
         d["layer_types"] = tuple(d.get("layer_types", ()))
+        d["dense_mlp_layers"] = tuple(d.get("dense_mlp_layers", ()))
         return cls(**d)
 
     @property
@@ -327,3 +369,24 @@ def _hf_sliding_window(d: dict[str, Any], model_type: str) -> tuple[int | None, 
     if "sliding_attention" not in layer_types:
         return None, ()
     return int(window), tuple(layer_types)
+def _moe_fields_from_hf(d: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The MoE fields of a HF qwen3_moe / mixtral config.json ({} for dense model types)."""
+    num_layers = d["num_hidden_layers"]
+    if model_type == "mixtral":
+        if d.get("sliding_window") is not None:
+            raise ValueError(f"mixtral with sliding_window={d['sliding_window']} is not supported (full attention only)")
+        return dict(num_experts=d["num_local_experts"], num_experts_per_tok=d["num_experts_per_tok"],
+                    moe_intermediate_size=d["intermediate_size"], norm_topk_prob=True)
+    if model_type == "qwen3_moe":
+        if d.get("use_sliding_window"):
+            raise ValueError("qwen3_moe with use_sliding_window=true is not supported (full attention only)")
+        # transformers 5 writes the expert count as num_local_experts; released checkpoints as num_experts.
+        num_experts = d.get("num_experts", d.get("num_local_experts"))
+        step = d.get("decoder_sparse_step") or 1
+        mlp_only = set(d.get("mlp_only_layers") or ())
+        dense = tuple(i for i in range(num_layers) if i in mlp_only or not num_experts or (i + 1) % step)
+        return dict(num_experts=num_experts or 0, num_experts_per_tok=d["num_experts_per_tok"],
+                    moe_intermediate_size=d["moe_intermediate_size"],
+                    norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                    dense_mlp_layers=dense if num_experts else ())
+    return {}

@@ -3,6 +3,9 @@
 llama.cpp's HF->GGUF converter permutes the rows of q_proj/k_proj (weights and biases) for the
 "llama" architecture only, so that its interleaved-pair RoPE matches HF's rotate-half RoPE;
 `unpermute_qk` undoes it (same as transformers' LlamaTensorProcessor). qwen2/qwen3 are stored unpermuted.
+MoE layers (qwen3moe; Mixtral as "llama" with experts) store each expert projection as one 3-D
+tensor (`ffn_{gate,up,down}_exps`, numpy shape [E, out, in]); gate and up are joined into HF's
+fused `mlp.experts.gate_up_proj` [E, 2*Fe, H].
 Llama 3 rope scaling is not stored as metadata but baked into a `rope_freqs.weight` tensor; we recover
 the HF llama3 parameters by matching it against the known presets.
 """
@@ -16,6 +19,8 @@ import numpy as np
 
 from models.config import GGUF_ARCH_TO_MODEL_TYPE, ModelConfig
 
+# Expert gate / up tensors are read under these names, then joined into mlp.experts.gate_up_proj.
+_GATE_EXPS, _UP_EXPS = "mlp.experts.gate_exps", "mlp.experts.up_exps"
 # GGUF tensor name -> HF name; "{i}" is the layer.
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -37,6 +42,10 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # the MoE router [E, H]
+    "ffn_gate_exps.weight": _GATE_EXPS,  # [E, Fe, H], joined with up below
+    "ffn_up_exps.weight": _UP_EXPS,
+    "ffn_down_exps.weight": "mlp.experts.down_proj",  # [E, H, Fe]
 }
 # Arrays above this length (token lists, merges) are skipped when reading metadata: we never need them.
 _MAX_METADATA_ARRAY = 1024
@@ -164,4 +173,10 @@ def read_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, 
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             x = unpermute_qk(x, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
         tensors[target] = x
+    for gate_name in [n for n in tensors if n.endswith(_GATE_EXPS)]:
+        layer = gate_name[: -len(_GATE_EXPS)]
+        up = tensors.pop(layer + _UP_EXPS, None)
+        if up is None:
+            raise ValueError(f"GGUF file {path!r} has {gate_name!r} but no matching ffn_up_exps tensor")
+        tensors[layer + "mlp.experts.gate_up_proj"] = np.concatenate([tensors.pop(gate_name), up], axis=1)
     return cfg, tensors, meta

@@ -1,4 +1,6 @@
-"""Functional Flax model for the Llama family (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3).
+"""Functional Flax model for the Llama family (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3) and
+its mixture-of-experts variants (Qwen3-MoE, Mixtral), whose MoE layers swap the dense MLP for
+models/moe.py's SparseMoe.
 
 Mistral and Qwen2/3 configs with a sliding window pass each layer's window to the attention
 (`ModelConfig.layer_window`); shared pieces (RMSNorm, paged attention over rows) are models/layers.py.
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 from models.layers import RMSNorm, paged_attention_rows
 from models.layers import dense as _dense
+from models.moe import SparseMoe
 from models.rope import apply_rope, inverse_frequencies
 
 # attention(q [B, Tq, N, D], kv_pages, page_indices, kv_lens, q_lens, *, sm_scale
@@ -38,6 +41,8 @@ class DecoderLayer(nn.Module):
     write_kv: WriteKvFn
     dtype: Any = jnp.float32
     sliding_window: int | None = None  # this layer's window (Mistral; Qwen2/3 sliding layers)
+    use_moe: bool = False  # this layer's MLP is a sparse mixture of experts
+    moe_impl: str = "auto"  # models/moe.py's grouped-matmul implementation
 
     @nn.compact
     def __call__(self, x, batch, kv_pages):  # x: [T, H]; kv_pages: [2, P, page_size, K, D]
@@ -62,6 +67,10 @@ class DecoderLayer(nn.Module):
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim).astype(dtype)
         x = x + _dense(cfg.hidden_size, "o_proj", dtype)(out)
         h = RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
+        if self.use_moe:
+            moe = SparseMoe(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                            cfg.norm_topk_prob, self.moe_impl, dtype, name="moe")
+            return x + moe(h), kv_pages
         gate = _dense(cfg.intermediate_size, "gate_proj", dtype)(h)
         up = _dense(cfg.intermediate_size, "up_proj", dtype)(h)
         x = x + _dense(cfg.hidden_size, "down_proj", dtype)(nn.silu(gate) * up)
@@ -73,6 +82,7 @@ class LlamaModel(nn.Module):
     attention: AttentionFn
     write_kv: WriteKvFn
     dtype: Any = jnp.float32
+    moe_impl: str = "auto"  # "auto", "ragged_dot", "tiled" or "dense" (models/moe.py)
 
     @nn.compact
     def __call__(self, batch, kv_cache: list[jax.Array]):
@@ -85,6 +95,7 @@ class LlamaModel(nn.Module):
         new_cache = []
         for i in range(cfg.num_layers):
             x, pages = DecoderLayer(cfg, self.attention, self.write_kv, self.dtype, cfg.layer_window(i),
+                                    cfg.is_moe_layer(i), self.moe_impl,
                                     name=f"layers_{i}")(x, batch, kv_cache[i])
             new_cache.append(pages)
         # Only the rows that will be sampled pay for the final norm and the LM head.

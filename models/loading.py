@@ -18,7 +18,7 @@ from models.checkpoint import load_checkpoint, read_paxpage_config, save_model
 from models.config import ModelConfig
 from models.gguf_loader import read_gguf
 from models.hf_loader import is_hf_dir, load_hf_dir
-from models.param_layout import check_dtype, param_specs, params_from_flat
+from models.param_layout import check_dtype, from_hf_layout, param_specs, params_from_flat
 from models.tokenizer import load_tokenizer
 
 __all__ = ["load_model", "save_model", "default_model_path", "cache_dir"]
@@ -86,7 +86,7 @@ def _load_gguf_cached(gguf_path: str, dtype: Any) -> tuple[ModelConfig, dict, An
     start = time.perf_counter()
     cfg, tensors, meta = read_gguf(gguf_path)
     flat = {  # HF [out, in] -> paxpage [in, out]
-        path: (tensors[hf].T if transpose else tensors[hf])
+        path: from_hf_layout(tensors[hf], transpose)
         for path, (_, hf, transpose) in param_specs(cfg).items()
         if hf in tensors
     }

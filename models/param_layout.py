@@ -8,10 +8,18 @@ Tree (nested dicts of arrays; kernels are [in, out] like flax Dense):
     layers_{i}/{q,k}_norm/scale [D]                 (if cfg.qk_norm)
     layers_{i}/post_attention_layernorm/scale [H]
     layers_{i}/{pre,post}_feedforward_layernorm/scale [H]  (Gemma; its norms hold w of (1 + w))
-    layers_{i}/{gate,up}_proj/kernel [H, F], layers_{i}/down_proj/kernel [F, H]
+    layers_{i}/{gate,up}_proj/kernel [H, F], layers_{i}/down_proj/kernel [F, H]   (dense MLP layers)
+    layers_{i}/moe/router [H, E]                    (MoE layers, cfg.is_moe_layer(i); models/moe.py)
+    layers_{i}/moe/gate_up_proj [E, H, 2*Fe]        (each expert's gate columns, then its up columns)
+    layers_{i}/moe/down_proj [E, Fe, H]
     norm/scale [H]
     lm_head/kernel [H, V]                           (unless cfg.tie_word_embeddings)
-Axis legend: H hidden, N query heads, K kv heads, D head dim, F MLP width, V vocabulary.
+Axis legend: H hidden, N query heads, K kv heads, D head dim, F MLP width, V vocabulary,
+E experts, Fe one expert's MLP width (cfg.moe_intermediate_size).
+
+Expert tensors are named here as transformers 5 holds them in memory (fused 3-D tensors,
+`mlp.experts.gate_up_proj` [E, 2*Fe, H]); models/moe_layout.py also assembles them from the
+per-expert tensors that checkpoints store. "transpose" swaps the last two axes.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from models.moe_layout import with_expert_tensors
 
 SEP = "/"
 
@@ -45,6 +54,12 @@ def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, bool]
         if cfg.is_gemma:  # norms around the MLP too
             for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
                 specs[p + name + "/scale"] = ((H,), hf + name + ".weight", False)
+        if cfg.is_moe_layer(i):
+            E, Fe = cfg.num_experts, cfg.moe_intermediate_size
+            specs[p + "moe/router"] = ((H, E), hf + "mlp.gate.weight", True)
+            specs[p + "moe/gate_up_proj"] = ((E, H, 2 * Fe), hf + "mlp.experts.gate_up_proj", True)
+            specs[p + "moe/down_proj"] = ((E, Fe, H), hf + "mlp.experts.down_proj", True)
+            continue
         specs[p + "gate_proj/kernel"] = ((H, F), hf + "mlp.gate_proj.weight", True)
         specs[p + "up_proj/kernel"] = ((H, F), hf + "mlp.up_proj.weight", True)
         specs[p + "down_proj/kernel"] = ((F, H), hf + "mlp.down_proj.weight", True)
@@ -81,6 +96,16 @@ def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
+def hf_shape(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
+    """The HF shape of a paxpage tensor of `shape` (transpose: last two axes swapped)."""
+    return (*shape[:-2], shape[-1], shape[-2]) if transpose else shape
+
+
+def from_hf_layout(x: Any, transpose: bool) -> Any:
+    """A HF tensor in paxpage layout (numpy or jax): last two axes swapped when `transpose`."""
+    return x.swapaxes(-1, -2) if transpose else x
+
+
 def check_dtype(dtype: Any) -> jnp.dtype:
     try:
         dt = jnp.dtype(dtype)
@@ -96,19 +121,19 @@ def params_from_hf(
 ) -> dict[str, Any]:
     """Builds the tree from HF-named tensors. `get_tensor(name)` raises KeyError when absent."""
     dt = check_dtype(dtype)
+    get_tensor = with_expert_tensors(cfg, get_tensor)
     flat = {}
     for path, (shape, hf_name, transpose) in param_specs(cfg).items():
         try:
             x = get_tensor(hf_name)
         except KeyError:
             raise ValueError(f"{source}: missing tensor {hf_name!r}") from None
-        expected = shape[::-1] if transpose else shape
+        expected = hf_shape(shape, transpose)
         if tuple(x.shape) != expected:
             raise ValueError(
                 f"{source}: tensor {hf_name!r} has shape {tuple(x.shape)}; config implies {expected}"
             )
-        x = jnp.asarray(x, dtype=dt)
-        flat[path] = x.T if transpose else x
+        flat[path] = from_hf_layout(jnp.asarray(x, dtype=dt), transpose)
     return unflatten(flat)
 
 

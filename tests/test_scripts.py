@@ -69,6 +69,20 @@ def test_bench_throughput_smoke(tiny_model_dir, tmp_path, capsys):
     assert "ratio paxpage / HF" in capsys.readouterr().out
 
 
+def test_bench_moe_smoke(tmp_path, capsys):
+    bench = _load_script("bench_moe")
+    out = tmp_path / "moe.json"
+    assert bench.main(["--layers", "1", "--hidden", "64", "--experts", "4", "--top-k", "2",
+                       "--expert-width", "32", "--vocab", "128", "--num-requests", "3", "--prompt-len", "9",
+                       "--output-len", "3", "--max-num-seqs", "4", "--repeats", "1", "--layer-tokens", "8",
+                       "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["compiles_after_warmup"] == 0
+    assert data["identical_greedy_outputs"] == "3/3"
+    assert data["ratio_output_tok_s"] > 0 and set(data["systems"]) == {data["grouped_impl"], "dense"}
+    assert "/ dense output tok/s" in capsys.readouterr().out
+
+
 def test_bench_memory_smoke(tiny_model_dir, tmp_path):
     bench = _load_script("bench_memory")
     out = tmp_path / "memory.json"
