@@ -7,6 +7,7 @@ import dataclasses
 import jax
 
 from models.config import ModelConfig
+from paxpage.sharding import ShardingPlan
 
 ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret")
 DTYPES = ("float32", "bfloat16")
@@ -34,9 +35,17 @@ class EngineConfig:
     async_scheduling: bool = True
     # Compile every step shape when the engine is built (LLMEngine.precompile), not on first use.
     precompile: bool = False
+    # Parallelism (paxpage/sharding.py, paxpage/mesh.py, README "Parallelism"): weights and the
+    # KV pool split over tensor_parallel_size devices; data_parallel_size such engine replicas
+    # behind one front door. `mesh`: an explicit jax.sharding.Mesh with a "model" axis (and a
+    # "data" axis when data_parallel_size > 1) instead of the first tp * dp devices.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    mesh: jax.sharding.Mesh | None = None
 
     def __post_init__(self):
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_row_len"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_row_len",
+                     "tensor_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -59,6 +68,13 @@ class EngineConfig:
             raise ValueError(
                 f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}"
             )
+        if self.mesh is not None and not isinstance(self.mesh, jax.sharding.Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(self.mesh).__name__}")
+
+    @property
+    def is_parallel(self) -> bool:
+        """False on the one-device path (no mesh, tp = dp = 1), which runs exactly as before."""
+        return self.mesh is not None or self.tensor_parallel_size > 1 or self.data_parallel_size > 1
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -76,7 +92,11 @@ class EngineConfig:
                 f"max_position_embeddings {model.max_position_embeddings}"
             )
         itemsize = 4 if dtype == "float32" else 2
-        page_bytes = 2 * model.num_layers * self.page_size * model.num_kv_heads * model.head_dim * itemsize
+        # Per device: a tensor-parallel split of the KV heads divides it (kv_cache_bytes is
+        # a per-device budget, so tp devices hold tp times the pages when the heads split).
+        kv_shards = ShardingPlan.for_model(model, self.tensor_parallel_size).kv_shards
+        page_bytes = (2 * model.num_layers * self.page_size * model.num_kv_heads * model.head_dim
+                      * itemsize // kv_shards)
         if self.num_pages is not None:
             num_pages = self.num_pages
         else:
@@ -98,7 +118,7 @@ class ResolvedConfig:
     attention_impl: str
     max_model_len: int
     num_pages: int
-    page_bytes: int
+    page_bytes: int  # one page's K and V over all layers, on one device
 
     def __getattr__(self, name):
         return getattr(self.engine, name)

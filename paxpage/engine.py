@@ -51,13 +51,23 @@ KV_SAMPLE_EVERY = 8
 
 
 class LLMEngine:
-    def __init__(self, model_cfg: ModelConfig, params, tokenizer, config: EngineConfig | None = None):
+    def __init__(self, model_cfg: ModelConfig, params, tokenizer, config: EngineConfig | None = None,
+                 *, mesh=None):
+        """`mesh`: the 1-D ("model",) mesh of this engine's devices when it is one data-parallel
+        replica (paxpage/data_parallel.py builds them); by default the config's own mesh."""
         compile_counter.install()
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
         self.config = (config or EngineConfig()).resolve(model_cfg)
         cfg = self.config
-        self.runner = ModelRunner(model_cfg, params, cfg)
+        if mesh is None and cfg.is_parallel:
+            from paxpage.mesh import replica_meshes
+
+            if cfg.data_parallel_size > 1:
+                raise ValueError(f"data_parallel_size is {cfg.data_parallel_size}; one LLMEngine is one "
+                                 "replica: use paxpage.generate / stream / AsyncEngine, or give mesh=")
+            mesh = replica_meshes(cfg.tensor_parallel_size, 1, cfg.mesh)[0]
+        self.runner = ModelRunner(model_cfg, params, cfg, mesh)
         self.scheduler = Scheduler(SchedulerConfig(
             num_pages=cfg.num_pages,
             page_size=cfg.page_size,

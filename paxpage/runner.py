@@ -73,15 +73,25 @@ def _attention_fns(impl: str):
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, params, cfg: ResolvedConfig):
+    def __init__(self, model_cfg: ModelConfig, params, cfg: ResolvedConfig, mesh=None):
+        """`mesh`: a 1-D ("model",) jax Mesh to split weights and the KV pool over (tensor
+        parallelism, paxpage/sharding.py); None runs on the default device, as before."""
         self.model_cfg = model_cfg
         self.cfg = cfg
+        self.mesh = mesh
         dtype = jnp.dtype(cfg.dtype)
         attention, write_kv = _attention_fns(cfg.attention_impl)
-        self.model = LlamaModel(model_cfg, attention, write_kv, dtype)
-        self.params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
         shape = (2, cfg.num_pages, cfg.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-        self.kv_cache = [jnp.zeros(shape, dtype) for _ in range(model_cfg.num_layers)]
+        if mesh is None:
+            self.params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+            self.kv_cache = [jnp.zeros(shape, dtype) for _ in range(model_cfg.num_layers)]
+            step_shardings = copy_shardings = {}
+        else:
+            from paxpage import mesh as mesh_lib  # the sharded path only
+
+            self.plan, self.params, self.kv_cache, attention, write_kv, step_shardings, copy_shardings = \
+                mesh_lib.shard_runner_state(model_cfg, params, dtype, shape, mesh, attention, write_kv)
+        self.model = LlamaModel(model_cfg, attention, write_kv, dtype)
         # The model step and the sampler compile separately: sampler options (logprob widths,
         # penalty lists) then never recompile the model, and a new batch shape reuses the
         # sampler. Logits stay on device between the two calls.
@@ -89,8 +99,10 @@ class ModelRunner:
         # The most sampling rows a step that can stay in flight has (one per sequence row).
         self.max_logits_rows = max(bucket(dec + pre) for dec, pre in self.step_shapes())
         self._no_prev_tokens = jnp.zeros(self.max_logits_rows, jnp.int32)
-        self._step = jax.jit(self._forward, donate_argnums=(1,))
-        self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
+        # Sharded: the pool keeps its sharding across steps (out_shardings), so a step never
+        # reshards it or recompiles; logits come back replicated for the sampler.
+        self._step = jax.jit(self._forward, donate_argnums=(1,), **step_shardings)
+        self._copy = jax.jit(_copy_pages, donate_argnums=(0,), **copy_shardings)
 
     def _forward(self, params, kv_cache, batch: StepBatch, prev_rows, prev_tokens):
         # prev_rows i32[T], prev_tokens i32[R_max]: async scheduling's tokens that are still on

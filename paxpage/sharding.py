@@ -1,0 +1,112 @@
+"""Tensor-parallel sharding rules: logical axes of every parameter and of the KV pool, mapped
+to the mesh's "model" axis in one table.
+
+Megatron's split, as tpu-inference and MaxText do it: q/k/v and gate/up are split on their
+output (heads, MLP width), o_proj and down_proj on their input, the embedding and LM head on
+the vocabulary. XLA inserts the collectives (an all-reduce after o_proj and after down_proj,
+gathers around the vocabulary-split embedding and logits).
+
+A logical axis is split only when the tensor-parallel size divides it; otherwise that axis is
+replicated, never split unevenly:
+- "heads" and "kv_heads" go together (attention runs per device on whole GQA groups), so they
+  are split only when tp divides both N and K. Otherwise attention runs replicated: every
+  device holds q/k/v/o whole and the whole KV pool, i.e. the pool costs tp times its
+  one-device bytes in total (per device exactly what one device holds). SmolLM2 (N=9, K=3)
+  at tp=2 or 4 is this case; at tp=3 it splits.
+- "mlp" (F) and "vocab" (V) are split when tp divides them, independently of the heads.
+Parameters this table does not name (norm scales, future layer kinds) are replicated.
+
+Axis legend: H hidden, N query heads, K kv heads, D head dim, F MLP width, V vocabulary,
+P pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.sharding import PartitionSpec
+
+from models.config import ModelConfig
+
+MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits over
+DATA_AXIS = "data"  # the mesh axis data-parallel replicas sit along
+
+# Parameter path suffix -> logical axis of each dimension (None: never split).
+PARAM_AXES: dict[str, tuple[str | None, ...]] = {
+    "embed_tokens/embedding": ("vocab", None),  # [V, H]
+    "q_proj/kernel": (None, "heads"),  # [H, N*D]
+    "q_proj/bias": ("heads",),
+    "k_proj/kernel": (None, "kv_heads"),  # [H, K*D]
+    "k_proj/bias": ("kv_heads",),
+    "v_proj/kernel": (None, "kv_heads"),
+    "v_proj/bias": ("kv_heads",),
+    "o_proj/kernel": ("heads", None),  # [N*D, H]
+    "gate_proj/kernel": (None, "mlp"),  # [H, F]
+    "up_proj/kernel": (None, "mlp"),
+    "down_proj/kernel": ("mlp", None),  # [F, H]
+    "lm_head/kernel": (None, "vocab"),  # [H, V]
+}
+# One layer's KV pool [2, P, page_size, K, D].
+KV_POOL_AXES: tuple[str | None, ...] = (None, None, None, "kv_heads", None)
+# Attention inputs inside the step: q [B, Tq, N, D], new k/v [T, K, D].
+Q_AXES: tuple[str | None, ...] = (None, None, "heads", None)
+NEW_KV_AXES: tuple[str | None, ...] = (None, "kv_heads", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """Which logical axes a tensor-parallel size splits for one model."""
+
+    tensor_parallel_size: int
+    split_heads: bool  # N and K over the model axis (else attention is replicated)
+    split_mlp: bool
+    split_vocab: bool
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, tensor_parallel_size: int) -> "ShardingPlan":
+        tp = tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
+        return cls(tp,
+                   split_heads=tp > 1 and cfg.num_heads % tp == 0 and cfg.num_kv_heads % tp == 0,
+                   split_mlp=tp > 1 and cfg.intermediate_size % tp == 0,
+                   split_vocab=tp > 1 and cfg.vocab_size % tp == 0)
+
+    def mesh_axis(self, logical: str | None) -> str | None:
+        split = {"heads": self.split_heads, "kv_heads": self.split_heads,
+                 "mlp": self.split_mlp, "vocab": self.split_vocab}.get(logical, False)
+        return MODEL_AXIS if split else None
+
+    def spec(self, logical_axes: tuple[str | None, ...]) -> PartitionSpec:
+        return PartitionSpec(*(self.mesh_axis(a) for a in logical_axes))
+
+    def param_spec(self, path: str, ndim: int) -> PartitionSpec:
+        """PartitionSpec of the parameter at flat `path` ("layers_0/q_proj/kernel")."""
+        for suffix, axes in PARAM_AXES.items():
+            if path == suffix or path.endswith("/" + suffix):
+                assert len(axes) == ndim, (path, axes, ndim)
+                return self.spec(axes)
+        return PartitionSpec()
+
+    @property
+    def kv_pool_spec(self) -> PartitionSpec:
+        return self.spec(KV_POOL_AXES)
+
+    @property
+    def kv_shards(self) -> int:
+        """How many ways the KV pool is split (its per-device bytes are total / this)."""
+        return self.tensor_parallel_size if self.split_heads else 1
+
+    def describe(self) -> str:
+        parts = [f"{name} {'split' if split else 'replicated'}" for name, split in
+                 (("heads/KV pool", self.split_heads), ("MLP", self.split_mlp), ("vocab", self.split_vocab))]
+        return f"tp={self.tensor_parallel_size}: " + ", ".join(parts)
+
+
+def param_specs(plan: ShardingPlan, params) -> dict:
+    """The params tree with each leaf replaced by its PartitionSpec."""
+    def walk(tree, prefix):
+        if isinstance(tree, dict):
+            return {k: walk(v, f"{prefix}{k}/") for k, v in tree.items()}
+        return plan.param_spec(prefix[:-1], len(tree.shape))
+    return walk(params, "")
