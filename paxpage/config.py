@@ -92,11 +92,10 @@ class EngineConfig:
                 f"max_position_embeddings {model.max_position_embeddings}"
             )
         itemsize = 4 if dtype == "float32" else 2
-        # Per device: a tensor-parallel split of the KV heads divides it (kv_cache_bytes is
-        # a per-device budget, so tp devices hold tp times the pages when the heads split).
-        kv_shards = ShardingPlan.for_model(model, self.tensor_parallel_size).kv_shards
-        page_bytes = (2 * model.num_layers * self.page_size * model.num_kv_heads * model.head_dim
-                      * itemsize // kv_shards)
+        # Per device: a tensor-parallel split of the KV heads shrinks it (kv_cache_bytes is a
+        # per-device budget, so tp devices hold up to tp times the pages; sharding.py).
+        kv_heads = ShardingPlan.for_model(model, self.tensor_parallel_size).kv_heads_per_device(model)
+        page_bytes = 2 * model.num_layers * self.page_size * kv_heads * model.head_dim * itemsize
         if self.num_pages is not None:
             num_pages = self.num_pages
         else:

@@ -113,12 +113,18 @@ def bytes_per_device(tree) -> dict:
     return out
 
 
-def shard_runner_state(model_cfg, params, dtype, pool_shape, mesh: Mesh, attention, write_kv):
-    """What ModelRunner needs on a tensor-parallel mesh: (plan, sharded params, sharded KV pool,
-    attention and write_kv under shard_map, jit kwargs of the step, jit kwargs of the page copy)."""
+def shard_runner_state(model_cfg, params, dtype, num_pages: int, page_size: int, mesh: Mesh,
+                       attention, write_kv):
+    """What ModelRunner needs on a tensor-parallel mesh: (model config the step runs, plan,
+    sharded params, sharded KV pool, attention and write_kv under shard_map, jit kwargs of the
+    step, jit kwargs of the page copy)."""
+    from paxpage.sharding import replicate_kv_heads
+
     plan = ShardingPlan.for_model(model_cfg, mesh.shape[MODEL_AXIS])
     params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
-    params = place_params(params, mesh, plan)
+    params = place_params(replicate_kv_heads(plan, model_cfg, params), mesh, plan)
+    model_cfg = plan.sharded_model_config(model_cfg)
+    pool_shape = (2, num_pages, page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
     pool = NamedSharding(mesh, plan.kv_pool_spec)
     kv_cache = [zeros(pool_shape, dtype, pool) for _ in range(model_cfg.num_layers)]
     attention, write_kv = shard_attention(attention, write_kv, mesh, plan)
@@ -126,4 +132,4 @@ def shard_runner_state(model_cfg, params, dtype, pool_shape, mesh: Mesh, attenti
     replicated = NamedSharding(mesh, PartitionSpec())
     step = {"out_shardings": (pools, replicated, replicated)}
     copy = {"out_shardings": pools}
-    return plan, params, kv_cache, attention, write_kv, step, copy
+    return model_cfg, plan, params, kv_cache, attention, write_kv, step, copy

@@ -81,16 +81,17 @@ class ModelRunner:
         self.mesh = mesh
         dtype = jnp.dtype(cfg.dtype)
         attention, write_kv = _attention_fns(cfg.attention_impl)
-        shape = (2, cfg.num_pages, cfg.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
         if mesh is None:
+            shape = (2, cfg.num_pages, cfg.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
             self.params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
             self.kv_cache = [jnp.zeros(shape, dtype) for _ in range(model_cfg.num_layers)]
             step_shardings = copy_shardings = {}
         else:
             from paxpage import mesh as mesh_lib  # the sharded path only
 
-            self.plan, self.params, self.kv_cache, attention, write_kv, step_shardings, copy_shardings = \
-                mesh_lib.shard_runner_state(model_cfg, params, dtype, shape, mesh, attention, write_kv)
+            (model_cfg, self.plan, self.params, self.kv_cache, attention, write_kv, step_shardings,
+             copy_shardings) = mesh_lib.shard_runner_state(model_cfg, params, dtype, cfg.num_pages,
+                                                           cfg.page_size, mesh, attention, write_kv)
         self.model = LlamaModel(model_cfg, attention, write_kv, dtype)
         # The model step and the sampler compile separately: sampler options (logprob widths,
         # penalty lists) then never recompile the model, and a new batch shape reuses the

@@ -6,14 +6,19 @@ output (heads, MLP width), o_proj and down_proj on their input, the embedding an
 the vocabulary. XLA inserts the collectives (an all-reduce after o_proj and after down_proj,
 gathers around the vocabulary-split embedding and logits).
 
-A logical axis is split only when the tensor-parallel size divides it; otherwise that axis is
-replicated, never split unevenly:
-- "heads" and "kv_heads" go together (attention runs per device on whole GQA groups), so they
-  are split only when tp divides both N and K. Otherwise attention runs replicated: every
-  device holds q/k/v/o whole and the whole KV pool, i.e. the pool costs tp times its
-  one-device bytes in total (per device exactly what one device holds). SmolLM2 (N=9, K=3)
-  at tp=2 or 4 is this case; at tp=3 it splits.
-- "mlp" (F) and "vocab" (V) are split when tp divides them, independently of the heads.
+A logical axis is split only when the split is exact; otherwise it is replicated, never split
+unevenly:
+- "heads" and "kv_heads" go together (each device attends with whole GQA groups):
+  * tp divides N and K: each device holds N / tp query heads and K / tp KV heads, and
+    1 / tp of the KV pool.
+  * tp divides N and K divides tp (more devices than KV heads, e.g. K = 8 at tp = 16, or a
+    tiny K = 2 at tp = 4): each KV head is replicated r = tp / K times, as tpu-inference does,
+    so the pool has K * r heads and each device holds one KV head: 1 / K of the one-device
+    pool per device (r times the pool's one-device bytes over all devices). The k/v
+    projections are widened to K * r heads when the weights are placed.
+  * otherwise (SmolLM2: N = 9, K = 3 at tp = 2 or 4): attention runs replicated: every device
+    holds q/k/v/o whole and the whole KV pool, i.e. per device what one device holds, tp
+    times that in total. Only the MLP and the vocabulary are split then.
 Parameters this table does not name (norm scales, future layer kinds) are replicated.
 
 Axis legend: H hidden, N query heads, K kv heads, D head dim, F MLP width, V vocabulary,
@@ -61,16 +66,19 @@ class ShardingPlan:
     split_heads: bool  # N and K over the model axis (else attention is replicated)
     split_mlp: bool
     split_vocab: bool
+    kv_replicas: int = 1  # r: each KV head repeated r times so K * r heads split over tp
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, tensor_parallel_size: int) -> "ShardingPlan":
         tp = tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
-        return cls(tp,
-                   split_heads=tp > 1 and cfg.num_heads % tp == 0 and cfg.num_kv_heads % tp == 0,
+        n, k = cfg.num_heads, cfg.num_kv_heads
+        split_heads = tp > 1 and n % tp == 0 and (k % tp == 0 or tp % k == 0)
+        return cls(tp, split_heads=split_heads,
                    split_mlp=tp > 1 and cfg.intermediate_size % tp == 0,
-                   split_vocab=tp > 1 and cfg.vocab_size % tp == 0)
+                   split_vocab=tp > 1 and cfg.vocab_size % tp == 0,
+                   kv_replicas=tp // k if split_heads and k < tp else 1)
 
     def mesh_axis(self, logical: str | None) -> str | None:
         split = {"heads": self.split_heads, "kv_heads": self.split_heads,
@@ -92,14 +100,22 @@ class ShardingPlan:
     def kv_pool_spec(self) -> PartitionSpec:
         return self.spec(KV_POOL_AXES)
 
-    @property
-    def kv_shards(self) -> int:
-        """How many ways the KV pool is split (its per-device bytes are total / this)."""
-        return self.tensor_parallel_size if self.split_heads else 1
+    def kv_heads_per_device(self, cfg: ModelConfig) -> int:
+        """KV heads of the pool each device holds (its per-device pool bytes follow)."""
+        heads = cfg.num_kv_heads * self.kv_replicas
+        return heads // self.tensor_parallel_size if self.split_heads else heads
+
+    def sharded_model_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The config the sharded model runs: K * r KV heads when KV heads are replicated."""
+        if self.kv_replicas == 1:
+            return cfg
+        return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * self.kv_replicas)
 
     def describe(self) -> str:
         parts = [f"{name} {'split' if split else 'replicated'}" for name, split in
                  (("heads/KV pool", self.split_heads), ("MLP", self.split_mlp), ("vocab", self.split_vocab))]
+        if self.kv_replicas > 1:
+            parts[0] += f" (each KV head x{self.kv_replicas})"
         return f"tp={self.tensor_parallel_size}: " + ", ".join(parts)
 
 
@@ -109,4 +125,27 @@ def param_specs(plan: ShardingPlan, params) -> dict:
         if isinstance(tree, dict):
             return {k: walk(v, f"{prefix}{k}/") for k, v in tree.items()}
         return plan.param_spec(prefix[:-1], len(tree.shape))
+    return walk(params, "")
+
+
+def replicate_kv_heads(plan: ShardingPlan, cfg: ModelConfig, params) -> dict:
+    """Widens every k/v projection from K to K * r heads (head j of the result is original head
+    j // r), so query head h still reads original KV head h // (N / K). Host arrays in and out."""
+    r = plan.kv_replicas
+    if r == 1:
+        return params
+    import numpy as np
+
+    def widen(x):  # [..., K*D] -> [..., K*r*D]
+        lead = x.shape[:-1]
+        x = np.asarray(x).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+        return np.repeat(x, r, axis=-2).reshape(*lead, cfg.num_kv_heads * r * cfg.head_dim)
+
+    def walk(tree, path):
+        if isinstance(tree, dict):
+            return {k: walk(v, f"{path}{k}/") for k, v in tree.items()}
+        name = path[:-1]
+        if any(name.endswith(f"{proj}/{leaf}") for proj in ("k_proj", "v_proj") for leaf in ("kernel", "bias")):
+            return widen(tree)
+        return tree
     return walk(params, "")

@@ -1,0 +1,50 @@
+"""Runs in a subprocess with forced host devices (XLA_FLAGS set by the caller before jax starts):
+generates with several tensor-parallel sizes and prints one JSON object on its last line.
+
+    python -m tests.parallel.tp_worker MODEL_DIR_OR_default TP,TP,... MAX_TOKENS [--pallas] [--sampling]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main(argv: list[str]) -> None:
+    source, sizes, max_tokens = argv[0], [int(x) for x in argv[1].split(",")], int(argv[2])
+    import jax
+
+    import paxpage
+
+    model = paxpage.load(None if source == "default" else source)
+    vocab = model.config.vocab_size
+    prompts = [[(7 * i + 3) % vocab for i in range(n)] for n in (5, 19, 40)]
+    impl = "pallas-interpret" if "--pallas" in argv else None
+    result = {"num_devices": jax.device_count(), "greedy": {}, "sampled": {}, "kv": {}, "params": {}}
+    for tp in sizes:
+        config = paxpage.EngineConfig(tensor_parallel_size=tp, num_pages=48, page_size=4, max_num_seqs=4,
+                                      max_num_batched_tokens=64, prefill_row_len=8, attention_impl=impl)
+        outs = paxpage.generate(model, prompts, engine_config=config, max_tokens=max_tokens, temperature=0,
+                                ignore_eos=True, use_tqdm=False)
+        result["greedy"][tp] = [o.outputs[0].token_ids for o in outs]
+        if "--sampling" in argv:
+            outs = paxpage.generate(model, prompts, engine_config=config, max_tokens=max_tokens,
+                                    temperature=0.9, top_p=0.95, seed=11, ignore_eos=True, use_tqdm=False)
+            result["sampled"][tp] = [o.outputs[0].token_ids for o in outs]
+        runner = model.engine(config).runner
+        pool = runner.kv_cache[0]
+        spec = list(getattr(pool.sharding, "spec", ()))
+        result["kv"][tp] = {"spec": spec + [None] * (pool.ndim - len(spec)),
+                            "shape": list(pool.shape),
+                            "shard_shapes": [list(s.data.shape) for s in pool.addressable_shards],
+                            "devices": len(pool.sharding.device_set)}
+        q = runner.params["layers_0"]["q_proj"]["kernel"]
+        up = runner.params["layers_0"]["up_proj"]["kernel"]
+        result["params"][tp] = {"q_proj": [list(s.data.shape) for s in q.addressable_shards],
+                                "up_proj": [list(s.data.shape) for s in up.addressable_shards]}
+        model.close()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
