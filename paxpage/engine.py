@@ -68,6 +68,10 @@ class LLMEngine:
                                  "replica: use paxpage.generate / stream / AsyncEngine, or give mesh=")
             mesh = replica_meshes(cfg.tensor_parallel_size, 1, cfg.mesh)[0]
         self.runner = ModelRunner(model_cfg, params, cfg, mesh)
+        if jax.process_count() > 1:  # multi-host: every device call also runs on the followers
+            from paxpage.multihost import LockstepRunner
+
+            self.runner = LockstepRunner(self.runner)
         self.scheduler = Scheduler(SchedulerConfig(
             num_pages=cfg.num_pages,
             page_size=cfg.page_size,
