@@ -7,7 +7,7 @@ import dataclasses
 import jax
 
 from models.config import ModelConfig
-from paxpage.sharding import ShardingPlan
+from paxpage.sharding import ShardingPlan, kv_page_bytes_per_device
 
 ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret")
 DTYPES = ("float32", "bfloat16")
@@ -94,8 +94,8 @@ class EngineConfig:
         itemsize = 4 if dtype == "float32" else 2
         # Per device: a tensor-parallel split of the KV heads shrinks it (kv_cache_bytes is a
         # per-device budget, so tp devices hold up to tp times the pages; sharding.py).
-        kv_heads = ShardingPlan.for_model(model, self.tensor_parallel_size).kv_heads_per_device(model)
-        page_bytes = 2 * model.num_layers * self.page_size * kv_heads * model.head_dim * itemsize
+        plan = ShardingPlan.for_model(model, self.tensor_parallel_size)
+        page_bytes = kv_page_bytes_per_device(model, plan, self.page_size, itemsize)
         if self.num_pages is not None:
             num_pages = self.num_pages
         else:

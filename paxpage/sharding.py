@@ -149,3 +149,24 @@ def replicate_kv_heads(plan: ShardingPlan, cfg: ModelConfig, params) -> dict:
             return widen(tree)
         return tree
     return walk(params, "")
+
+
+def param_bytes_per_device(cfg: ModelConfig, plan: ShardingPlan, itemsize: int) -> int:
+    """Bytes of weights each device holds under `plan`, from the shapes alone (the same rules
+    the engine places real arrays by; README's per-device tables come from here)."""
+    from models.param_layout import param_specs as layout
+
+    heads_cfg = plan.sharded_model_config(cfg)  # k/v widened when KV heads are replicated
+    total = 0
+    for path, (shape, _, _) in layout(heads_cfg).items():
+        spec = plan.param_spec(path, len(shape))
+        size = 1
+        for dim, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+            size *= dim // plan.tensor_parallel_size if axis is not None else dim
+        total += size * itemsize
+    return total
+
+
+def kv_page_bytes_per_device(cfg: ModelConfig, plan: ShardingPlan, page_size: int, itemsize: int) -> int:
+    """One page's K and V over all layers, on one device."""
+    return 2 * cfg.num_layers * page_size * plan.kv_heads_per_device(cfg) * cfg.head_dim * itemsize

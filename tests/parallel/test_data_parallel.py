@@ -22,4 +22,4 @@ def test_data_parallel_routes_and_matches_one_engine(tmp_path):
         # p0's 4 pages -> 0, p3 -> 1 (loads 2 / 1); the second call: every prompt's pages (p3
         # has one) are where they went first, so the same again. Prompt tokens per replica:
         assert out[name]["prompt_tokens"] == [2 * (18 + 17), 2 * (9 + 5)], name
-    assert out["dp2tp2"]["devices"] == [[0, 1], [2, 3]]
+    assert out["dp2tp2"]["devices"] == [[2, 3], [0, 1]]  # the explicit mesh's rows

@@ -50,6 +50,8 @@ def test_tp_greedy_matches_hf_and_pool_is_split(tmp_path, shape):
         q_cols = n * d // tp if splits else n * d
         assert out["params"][t]["q_proj"] == [[hidden, q_cols]] * tp
         assert out["params"][t]["up_proj"] == [[hidden, f // tp]] * tp
+    for t, sizes in out["weight_bytes"].items():  # every device the same; the rules' figure
+        assert sizes["measured"] == [sizes["rules"]], t
 
 
 def test_tp_pallas_kernels_under_shard_map(tmp_path):
@@ -65,7 +67,7 @@ def test_tp_pallas_kernels_under_shard_map(tmp_path):
 @pytest.mark.slow
 def test_tp_smollm2_greedy_same_tokens(hf_smollm2):
     """The real SmolLM2 (N = 9, K = 3: attention replicated at tp 2 and 4, MLP and vocab split)."""
-    out = run_json(["tests.parallel.tp_worker", "default", "1,2,4", "4"], timeout=600)
-    want = [hf_greedy(hf_smollm2, p, 4) for p in _prompts(49152)]
+    out = run_json(["tests.parallel.tp_worker", "default", "1,2,4", "4", "--one"], timeout=600)
+    want = [hf_greedy(hf_smollm2, _prompts(49152)[1], 4)]
     for tp in ("1", "2", "4"):
         assert out["greedy"][tp] == want, tp

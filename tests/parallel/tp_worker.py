@@ -1,7 +1,9 @@
 """Runs in a subprocess with forced host devices (XLA_FLAGS set by the caller before jax starts):
 generates with several tensor-parallel sizes and prints one JSON object on its last line.
 
-    python -m tests.parallel.tp_worker MODEL_DIR_OR_default TP,TP,... MAX_TOKENS [--pallas] [--sampling]
+    python -m tests.parallel.tp_worker MODEL_DIR_OR_default TP,TP,... MAX_TOKENS [--pallas] [--sampling] [--one]
+
+--one: only the second prompt (19 tokens), for the real model's shorter run.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ def main(argv: list[str]) -> None:
 
     model = paxpage.load(None if source == "default" else source)
     vocab = model.config.vocab_size
-    prompts = [[(7 * i + 3) % vocab for i in range(n)] for n in (5, 19, 40)]
+    prompts = [[(7 * i + 3) % vocab for i in range(n)] for n in ((19,) if "--one" in argv else (5, 19, 40))]
     impl = "pallas-interpret" if "--pallas" in argv else None
-    result = {"num_devices": jax.device_count(), "greedy": {}, "sampled": {}, "kv": {}, "params": {}}
+    result = {"num_devices": jax.device_count(), "greedy": {}, "sampled": {}, "kv": {}, "params": {}, "weight_bytes": {}}
     for tp in sizes:
         config = paxpage.EngineConfig(tensor_parallel_size=tp, num_pages=48, page_size=4, max_num_seqs=4,
                                       max_num_batched_tokens=64, prefill_row_len=8, attention_impl=impl)
@@ -40,6 +42,13 @@ def main(argv: list[str]) -> None:
                             "devices": len(pool.sharding.device_set)}
         q = runner.params["layers_0"]["q_proj"]["kernel"]
         up = runner.params["layers_0"]["up_proj"]["kernel"]
+        from paxpage.mesh import bytes_per_device
+        from paxpage.sharding import ShardingPlan, param_bytes_per_device
+
+        itemsize = jax.numpy.dtype(runner.cfg.dtype).itemsize
+        result["weight_bytes"][tp] = {
+            "measured": sorted(set(bytes_per_device(runner.params).values())),
+            "rules": param_bytes_per_device(model.config, ShardingPlan.for_model(model.config, tp), itemsize)}
         result["params"][tp] = {"q_proj": [list(s.data.shape) for s in q.addressable_shards],
                                 "up_proj": [list(s.data.shape) for s in up.addressable_shards]}
         model.close()
