@@ -21,8 +21,13 @@ from paxpage.outputs import RequestOutput
 
 def build_replicas(model_cfg, params, tokenizer, config) -> list[LLMEngine]:
     """One LLMEngine per data-parallel replica, each on its own devices."""
+    import jax
+
     from paxpage.mesh import replica_meshes
 
+    if jax.process_count() > 1:  # the followers mirror one engine's device calls (multihost.py)
+        raise ValueError(f"data_parallel_size {config.data_parallel_size} > 1 is not supported across "
+                         f"{jax.process_count()} processes yet; use tensor parallelism over the hosts")
     meshes = replica_meshes(config.tensor_parallel_size, config.data_parallel_size, config.mesh)
     return [LLMEngine(model_cfg, params, tokenizer, config, mesh=mesh) for mesh in meshes]
 

@@ -16,8 +16,8 @@ Launch (one command per host; the same model files on each):
 
 or set PAXPAGE_COORDINATOR_ADDRESS, PAXPAGE_NUM_PROCESSES, PAXPAGE_PROCESS_ID instead of the
 flags. On CPU (tests, one machine) collectives go over gloo, which `initialize` selects.
-Limits: one engine per run (the followers mirror exactly one), no precompile, data parallelism
-within one process's devices only.
+Limits: one engine per run (the followers mirror exactly one), so no data parallelism across
+processes yet, and no precompile.
 """
 
 from __future__ import annotations

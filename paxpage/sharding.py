@@ -112,6 +112,8 @@ class ShardingPlan:
         return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * self.kv_replicas)
 
     def describe(self) -> str:
+        if self.tensor_parallel_size == 1:
+            return "tp=1: one device holds everything"
         parts = [f"{name} {'split' if split else 'replicated'}" for name, split in
                  (("heads/KV pool", self.split_heads), ("MLP", self.split_mlp), ("vocab", self.split_vocab))]
         if self.kv_replicas > 1:
