@@ -47,8 +47,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                          f"this process's id (flags or {ENV_VARS[1]} / {ENV_VARS[2]})")
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process id {process_id} is outside 0..{num_processes - 1}")
-    if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(jax.config.jax_platforms):
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Only the CPU backend reads this (its cross-process collectives); GPU / TPU bring their own.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address, num_processes, process_id,
                                initialization_timeout=timeout_s)
     return True
