@@ -18,6 +18,7 @@ smaller matmuls), never a speed-up.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", default="1,2,4")
     parser.add_argument("--dp", default="1,2", help="data-parallel sizes (with tp 1 and the largest tp that fits)")
     parser.add_argument("--budget-bytes", type=int, default=1 << 30, help="memory per device for weights + KV")
-    parser.add_argument("--num-pages", type=int, default=256, help="pool built for the measurements")
+    parser.add_argument("--num-pages", type=int, default=64, help="pool built for the measurements")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--num-seqs", type=int, default=8, help="sequences in the timed decode step")
     parser.add_argument("--steps", type=int, default=10, help="timed decode steps per TP size")
@@ -131,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         results["memory"].append(row)
         print(f"| {tp} | {dp} | {plan.describe()} | {_size(weights)} | {_size(kv)} | "
               f"{_size(page)} | {pages:,} / {pages * args.page_size:,} |")
+        del engines
         model.close()
+        gc.collect()
 
     print(f"\nsteady decode step, {args.num_seqs} sequences (CPU: partitioning overhead, not speed-up)")
     for tp in tps:
@@ -149,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         ms = (time.perf_counter() - t) / args.steps * 1e3
         results["step"].append({"tp": tp, "decode_step_ms": ms})
         print(f"  tp={tp}: {ms:.1f} ms/step ({ms / results['step'][0]['decode_step_ms']:.2f}x tp=1)")
+        del engine
         model.close()
+        gc.collect()
 
     if dps:
         print(f"\nfront door: {args.dp_requests} requests x {args.dp_tokens} tokens (second of two runs)")
@@ -167,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             results["dp"].append({"dp": dp, "output_tok_s": tps_out})
             print(f"  dp={dp}: {tps_out:.1f} output tok/s")
             model.close()
+            gc.collect()
 
     if args.paper:
         rows = paper_table(page_size=args.page_size)
