@@ -50,6 +50,7 @@ def test_tp_greedy_matches_hf_and_pool_is_split(tmp_path, shape):
         q_cols = n * d // tp if splits else n * d
         assert out["params"][t]["q_proj"] == [[hidden, q_cols]] * tp
         assert out["params"][t]["up_proj"] == [[hidden, f // tp]] * tp
+    assert out["recompiles"] == {"1": 0, "2": 0, "4": 0}
     for t, sizes in out["weight_bytes"].items():  # every device the same; the rules' figure
         assert sizes["measured"] == [sizes["rules"]], t
 

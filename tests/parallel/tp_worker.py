@@ -17,18 +17,25 @@ def main(argv: list[str]) -> None:
     import jax
 
     import paxpage
+    from paxpage import compile_counter
 
     model = paxpage.load(None if source == "default" else source)
     vocab = model.config.vocab_size
     prompts = [[(7 * i + 3) % vocab for i in range(n)] for n in ((19,) if "--one" in argv else (5, 19, 40))]
     impl = "pallas-interpret" if "--pallas" in argv else None
-    result = {"num_devices": jax.device_count(), "greedy": {}, "sampled": {}, "kv": {}, "params": {}, "weight_bytes": {}}
+    result = {"num_devices": jax.device_count(), "greedy": {}, "sampled": {}, "kv": {}, "params": {}, "weight_bytes": {}, "recompiles": {}}
     for tp in sizes:
         config = paxpage.EngineConfig(tensor_parallel_size=tp, num_pages=48, page_size=4, max_num_seqs=4,
                                       max_num_batched_tokens=64, prefill_row_len=8, attention_impl=impl)
         outs = paxpage.generate(model, prompts, engine_config=config, max_tokens=max_tokens, temperature=0,
                                 ignore_eos=True, use_tqdm=False)
         result["greedy"][tp] = [o.outputs[0].token_ids for o in outs]
+        # the same shapes again (other tokens, so no prefix-cache hits): the pool kept its
+        # sharding through the donated steps, so nothing recompiles
+        before = compile_counter.compiles()
+        paxpage.generate(model, [[(t + 1) % vocab for t in p] for p in prompts], engine_config=config,
+                         max_tokens=max_tokens, temperature=0, ignore_eos=True, use_tqdm=False)
+        result["recompiles"][tp] = compile_counter.compiles() - before
         if "--sampling" in argv:
             outs = paxpage.generate(model, prompts, engine_config=config, max_tokens=max_tokens,
                                     temperature=0.9, top_p=0.95, seed=11, ignore_eos=True, use_tqdm=False)
