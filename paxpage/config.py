@@ -18,7 +18,7 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB when neither num_pages nor kv_cache_by
 class EngineConfig:
     page_size: int = 16  # tokens per KV page
     num_pages: int | None = None  # pool size; derived from kv_cache_bytes when None
-    kv_cache_bytes: int | None = None  # KV memory budget; 1 GiB when both are None
+    kv_cache_bytes: int | None = None  # KV memory budget per device; 1 GiB when both are None
     max_num_seqs: int = 64  # sequences per step
     max_num_batched_tokens: int = 512  # new tokens per step (prefill chunks + decodes)
     max_model_len: int | None = None  # prompt + output tokens; model's limit when None
