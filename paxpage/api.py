@@ -12,6 +12,7 @@ from typing import Any, Iterator, Sequence
 
 from models.config import ModelConfig
 from paxpage.config import EngineConfig
+from paxpage.data_parallel import make_engine, make_loop
 from paxpage.engine import LLMEngine
 from paxpage.engine_loop import EngineLoop, Submission
 from paxpage.outputs import RequestOutput, StreamDelta
@@ -43,7 +44,8 @@ class Model:
 
     def engine(self, config: EngineConfig) -> LLMEngine:
         """The engine for `config`, to step directly (single-threaded use; the `generate` /
-        `stream` calls on this model drive the same engine through its loop)."""
+        `stream` calls on this model drive the same engine through its loop). With
+        data_parallel_size > 1, the list of replica engines."""
         return self._slot(config).engine
 
     def loop(self, config: EngineConfig) -> EngineLoop:
@@ -52,8 +54,8 @@ class Model:
         with self._lock:
             if slot.loop is None or not slot.loop.alive:
                 if slot.loop is not None:  # it died: its engine's state cannot be trusted
-                    slot.engine = LLMEngine(self.config, self.params, self.tokenizer, config)
-                slot.loop = EngineLoop(slot.engine)
+                    slot.engine = make_engine(self.config, self.params, self.tokenizer, config)
+                slot.loop = make_loop(slot.engine)
             return slot.loop
 
     def close(self) -> None:
@@ -78,7 +80,7 @@ class Model:
                     break
                 if self._slots[key].idle:
                     evicted.append(self._slots.pop(key))
-            slot = _EngineSlot(LLMEngine(self.config, self.params, self.tokenizer, config))
+            slot = _EngineSlot(make_engine(self.config, self.params, self.tokenizer, config))
             self._slots[config] = slot
         for old in evicted:
             old.close()
@@ -87,7 +89,7 @@ class Model:
 
 @dataclasses.dataclass(eq=False)
 class _EngineSlot:
-    engine: LLMEngine
+    engine: LLMEngine | list  # a list of replicas when data_parallel_size > 1
     loop: EngineLoop | None = None  # started on first use by generate / stream
 
     @property

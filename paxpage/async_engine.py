@@ -16,8 +16,8 @@ import asyncio
 from typing import Any, AsyncIterator, Sequence
 
 from paxpage.config import EngineConfig
-from paxpage.engine import LLMEngine
-from paxpage.engine_loop import (EngineDeadError, EngineLoop, EngineOverloadedError, EngineSnapshot,
+from paxpage.data_parallel import make_engine, make_loop
+from paxpage.engine_loop import (EngineDeadError, EngineOverloadedError, EngineSnapshot,
                                  Submission)
 from paxpage.outputs import RequestOutput, StreamDelta
 from paxpage.sampling_params import SamplingParams
@@ -31,10 +31,13 @@ class AsyncEngine:
         if engine_config is not None and not isinstance(engine_config, EngineConfig):
             raise TypeError(f"engine_config must be an EngineConfig, got {type(engine_config).__name__}")
         self.model = model
-        self.engine = LLMEngine(model.config, model.params, model.tokenizer, engine_config)
+        # data_parallel_size > 1: one loop per replica behind a router (data_parallel.py), and
+        # `engine` is replica 0 (config and eos ids are the same on every replica)
+        self._loop = make_loop(make_engine(model.config, model.params, model.tokenizer, engine_config),
+                               max_waiting_requests=max_waiting_requests)
+        self.engine = self._loop.engine
         self.config = self.engine.config
         self.eos_token_ids = self.engine.eos_token_ids
-        self._loop = EngineLoop(self.engine, max_waiting_requests=max_waiting_requests)
 
     @property
     def tokenizer(self):

@@ -19,17 +19,33 @@ def _tokens(n: int) -> str:
 
 def _generate(args: argparse.Namespace) -> int:
     import paxpage
-    from paxpage import xla_cache
+    from paxpage import multihost, xla_cache
 
     # Only the options given: the model's own sampling defaults fill the others.
     given = {name: getattr(args, name) for name in ("temperature", "top_p", "top_k", "seed")
              if getattr(args, name) is not None}
     # Checked before the model loads, so a bad value fails in a second, not after the load.
     params = paxpage.SamplingParams(max_tokens=args.max_tokens, **given)
+    config = paxpage.EngineConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                  data_parallel_size=args.data_parallel_size)
+    multi = multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     xla_cache.enable()
     model = paxpage.load(args.model)
     if "temperature" not in given and model.config.generation.temperature is None:
         params = params.replace(temperature=0.0)  # greedy unless the model recommends otherwise
+    if multi and not multihost.is_leader():  # a follower: runs process 0's steps, prints nothing
+        model.engine(config).runner.follow()
+        return 0
+    try:
+        return _answer(args, model, params, config)
+    finally:
+        if multi:
+            model.engine(config).runner.stop_followers()
+
+
+def _answer(args: argparse.Namespace, model, params, config) -> int:
+    import paxpage
+
     prompts = args.prompts or [
         "What is the capital of France?",
         "Give me three tips for staying healthy.",
@@ -39,7 +55,7 @@ def _generate(args: argparse.Namespace) -> int:
     inputs = prompts if args.raw else [[{"role": "user", "content": p}] for p in prompts]
     if args.stream:
         current, counts = None, [0] * len(prompts)
-        for delta in paxpage.stream(model, inputs, sampling_params=params):
+        for delta in paxpage.stream(model, inputs, sampling_params=params, engine_config=config):
             if delta.index != current:
                 current = delta.index
                 print(f"\n>>> {prompts[delta.index]}\n", end="", flush=True)
@@ -50,7 +66,7 @@ def _generate(args: argparse.Namespace) -> int:
                 current = None
         print()
         return 0
-    for prompt, out in zip(prompts, paxpage.generate(model, inputs, sampling_params=params)):
+    for prompt, out in zip(prompts, paxpage.generate(model, inputs, sampling_params=params, engine_config=config)):
         print(f">>> {prompt}\n{out.text.strip()}\n[{out.finish_reason}, {_tokens(len(out.token_ids))}]\n")
     return 0
 
@@ -116,6 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="send prompts as plain text, not as a chat")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p = g.add_argument_group("parallelism (README: Parallelism)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the weights and KV split over")
+    p.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas")
+    p.add_argument("--coordinator-address", default=None,
+                   help="multi-host: process 0's HOST:PORT (or PAXPAGE_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-host: processes (or PAXPAGE_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=None, help="multi-host: this one's id (or PAXPAGE_PROCESS_ID)")
     g.set_defaults(func=_generate)
     b = sub.add_parser("bench", help=f"run a benchmark script ({' | '.join(BENCH_SCRIPTS)})")
     b.add_argument("which", choices=list(BENCH_SCRIPTS))

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 
 from models.config import ModelConfig
+from paxpage.sharding import ShardingPlan, kv_page_bytes_per_device
 
 from paxpage.kv_sizing import DEFAULT_KV_CACHE_BYTES
 
@@ -18,7 +19,7 @@ DTYPES = ("float32", "bfloat16")
 class EngineConfig:
     page_size: int = 16  # tokens per KV page
     num_pages: int | None = None  # pool size; derived from kv_cache_bytes when None
-    # KV memory budget. When both are None: a fixed 1 GiB on CPU; on GPU / TPU what
+    # KV memory budget per device. When both are None: a fixed 1 GiB on CPU; on GPU / TPU what
     # gpu_memory_utilization of the device leaves after the weights and a compiled step.
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9  # fraction of device memory the process may fill (GPU / TPU)
@@ -38,9 +39,17 @@ class EngineConfig:
     async_scheduling: bool = True
     # Compile every step shape when the engine is built (LLMEngine.precompile), not on first use.
     precompile: bool = False
+    # Parallelism (paxpage/sharding.py, paxpage/mesh.py, README "Parallelism"): weights and the
+    # KV pool split over tensor_parallel_size devices; data_parallel_size such engine replicas
+    # behind one front door. `mesh`: an explicit jax.sharding.Mesh with a "model" axis (and a
+    # "data" axis when data_parallel_size > 1) instead of the first tp * dp devices.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    mesh: jax.sharding.Mesh | None = None
 
     def __post_init__(self):
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_row_len"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_row_len",
+                     "tensor_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -66,6 +75,13 @@ class EngineConfig:
             raise ValueError(
                 f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}"
             )
+        if self.mesh is not None and not isinstance(self.mesh, jax.sharding.Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(self.mesh).__name__}")
+
+    @property
+    def is_parallel(self) -> bool:
+        """False on the one-device path (no mesh, tp = dp = 1), which runs exactly as before."""
+        return self.mesh is not None or self.tensor_parallel_size > 1 or self.data_parallel_size > 1
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -85,7 +101,10 @@ class EngineConfig:
                 f"max_position_embeddings {model.max_position_embeddings}"
             )
         itemsize = 4 if dtype == "float32" else 2
-        page_bytes = 2 * model.num_layers * self.page_size * model.num_kv_heads * model.head_dim * itemsize
+        # Per device: a tensor-parallel split of the KV heads shrinks it (kv_cache_bytes is a
+        # per-device budget, so tp devices hold up to tp times the pages; sharding.py).
+        plan = ShardingPlan.for_model(model, self.tensor_parallel_size)
+        page_bytes = kv_page_bytes_per_device(model, plan, self.page_size, itemsize)
         if self.num_pages is not None:
             num_pages, source = self.num_pages, "num_pages"
         elif self.kv_cache_bytes is None and not on_cpu:
@@ -110,7 +129,7 @@ class ResolvedConfig:
     attention_impl: str
     max_model_len: int
     num_pages: int | None  # None only until ModelRunner sizes the pool from device memory
-    page_bytes: int
+    page_bytes: int  # one page's K and V over all layers, on one device
     kv_source: str = "num_pages"  # where num_pages came from, for the start-up line
 
     def __getattr__(self, name):

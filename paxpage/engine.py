@@ -56,12 +56,28 @@ KV_SAMPLE_EVERY = 8
 
 
 class LLMEngine:
-    def __init__(self, model_cfg: ModelConfig, params, tokenizer, config: EngineConfig | None = None):
+    def __init__(self, model_cfg: ModelConfig, params, tokenizer, config: EngineConfig | None = None,
+                 *, mesh=None):
+        """`mesh`: the 1-D ("model",) mesh of this engine's devices when it is one data-parallel
+        replica (paxpage/data_parallel.py builds them); by default the config's own mesh."""
         compile_counter.install()
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model_cfg, params, (config or EngineConfig()).resolve(model_cfg))
-        self.config = cfg = self.runner.cfg  # num_pages set (on GPU / TPU maybe from free memory)
+        cfg = (config or EngineConfig()).resolve(model_cfg)
+        if mesh is None and cfg.is_parallel:
+            from paxpage.mesh import replica_meshes
+
+            if cfg.data_parallel_size > 1:
+                raise ValueError(f"data_parallel_size is {cfg.data_parallel_size}; one LLMEngine is one "
+                                 "replica: use paxpage.generate / stream / AsyncEngine, or give mesh=")
+            mesh = replica_meshes(cfg.tensor_parallel_size, 1, cfg.mesh)[0]
+        self.runner = ModelRunner(model_cfg, params, cfg, mesh)
+        # num_pages is set now (on GPU / TPU maybe from the device's free memory)
+        self.config = cfg = self.runner.cfg
+        if jax.process_count() > 1:  # multi-host: every device call also runs on the followers
+            from paxpage.multihost import LockstepRunner
+
+            self.runner = LockstepRunner(self.runner)
         log.info("paxpage: %s", self.describe_kv_cache())
         self.scheduler = Scheduler(SchedulerConfig(
             num_pages=cfg.num_pages,

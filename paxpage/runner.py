@@ -78,13 +78,27 @@ def _attention_fns(impl: str):
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, params, cfg: ResolvedConfig):
+    def __init__(self, model_cfg: ModelConfig, params, cfg: ResolvedConfig, mesh=None):
+        """`mesh`: a 1-D ("model",) jax Mesh to split weights and the KV pool over (tensor
+        parallelism, paxpage/sharding.py); None runs on the default device, as before.
+        `cfg.num_pages` None: the pool is sized from the device's free memory once the weights
+        are placed (kv_sizing.py)."""
         self.model_cfg = model_cfg
         self.cfg = cfg
+        self.mesh = mesh
         dtype = jnp.dtype(cfg.dtype)
         attention, write_kv = _attention_fns(cfg.attention_impl)
+        self._pool_sharding = None  # None: the default device
+        if mesh is None:
+            self.params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+            step_shardings = copy_shardings = {}
+        else:
+            from paxpage import mesh as mesh_lib  # the sharded path only
+
+            (model_cfg, self.plan, self.params, self._pool_sharding, attention, write_kv, step_shardings,
+             copy_shardings) = mesh_lib.shard_runner_state(model_cfg, params, dtype, mesh, attention, write_kv)
+        self.step_model_cfg = model_cfg  # the config the step runs (sharded: KV heads maybe replicated)
         self.model = build_model(model_cfg, attention, write_kv, dtype)
-        self.params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
         # The model step and the sampler compile separately: sampler options (logprob widths,
         # penalty lists) then never recompile the model, and a new batch shape reuses the
         # sampler. Logits stay on device between the two calls.
@@ -92,14 +106,24 @@ class ModelRunner:
         # The most sampling rows a step that can stay in flight has (one per sequence row).
         self.max_logits_rows = max(bucket(dec + pre) for dec, pre in self.step_shapes())
         self._no_prev_tokens = jnp.zeros(self.max_logits_rows, jnp.int32)
-        self._step = jax.jit(self._forward, donate_argnums=(1,))
-        self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
+        # Sharded: the pool keeps its sharding across steps (out_shardings), so a step never
+        # reshards it or recompiles; logits come back replicated for the sampler.
+        self._step = jax.jit(self._forward, donate_argnums=(1,), **step_shardings)
+        self._copy = jax.jit(_copy_pages, donate_argnums=(0,), **copy_shardings)
         self.memory_budget: kv_sizing.MemoryBudget | None = None  # when sized from device memory
         if cfg.num_pages is None:
             num_pages = self._pages_from_memory()
             self.cfg = cfg = dataclasses.replace(self.cfg, num_pages=num_pages)
         shape = (2, cfg.num_pages, cfg.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-        self.kv_cache = [jnp.zeros(shape, dtype) for _ in range(model_cfg.num_layers)]
+        self.kv_cache = [self._zeros(shape, dtype) for _ in range(model_cfg.num_layers)]
+
+    def _zeros(self, shape, dtype) -> jax.Array:
+        """One layer's zero pool, created where (and split as) the step expects it."""
+        if self._pool_sharding is None:
+            return jnp.zeros(shape, dtype)
+        from paxpage import mesh as mesh_lib
+
+        return mesh_lib.zeros(shape, dtype, self._pool_sharding)
 
     def _pages_from_memory(self) -> int:
         """Pool size from the device's memory statistics, now that the weights are placed (see
@@ -123,11 +147,11 @@ class ModelRunner:
         row_len = self.cfg.prefill_row_len
         dec, pre = max(self.step_shapes(), key=lambda s: (s[0] + s[1] * row_len, s[0] + s[1]))
         batch = self._padding_batch(dec, pre)
-        m = self.model_cfg
+        m = self.step_model_cfg
         num_tokens = batch.token_ids.shape[0]
         estimate = num_tokens * (m.vocab_size + 4 * m.intermediate_size) * 4
         pool = jax.ShapeDtypeStruct((2, self.cfg.pages_per_seq + 1, self.cfg.page_size, m.num_kv_heads,
-                                     m.head_dim), jnp.dtype(self.cfg.dtype))
+                                     m.head_dim), jnp.dtype(self.cfg.dtype), sharding=self._pool_sharding)
         try:
             compiled = self._step.lower(self.params, [pool] * m.num_layers, batch,
                                         np.full(num_tokens, -1, np.int32), self._no_prev_tokens).compile()

@@ -40,6 +40,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--attention-impl", default=None, choices=["xla", "pallas", "pallas-interpret"])
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--no-chunked-prefill", action="store_true")
+    e.add_argument("--tensor-parallel-size", type=int, default=None, help="devices each replica's weights and KV split over")
+    e.add_argument("--data-parallel-size", type=int, default=None, help="engine replicas behind the server")
     e.add_argument("--precompile", action="store_true",
                    help="compile every step shape before listening, so no request meets a compile "
                         "(SmolLM2 defaults on a 2-core CPU: 109 shapes, ~9 min cold; the persistent "
@@ -54,7 +56,8 @@ def engine_config_from_args(args: argparse.Namespace):
 
     kw = {name: getattr(args, name) for name in ("page_size", "num_pages", "kv_cache_bytes", "gpu_memory_utilization", "max_num_seqs",
                                                  "max_num_batched_tokens", "max_model_len", "dtype",
-                                                 "attention_impl") if getattr(args, name) is not None}
+                                                 "attention_impl", "tensor_parallel_size", "data_parallel_size")
+          if getattr(args, name, None) is not None}
     if args.no_prefix_caching:
         kw["enable_prefix_caching"] = False
     if args.no_chunked_prefill:

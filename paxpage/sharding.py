@@ -1,0 +1,174 @@
+"""Tensor-parallel sharding rules: logical axes of every parameter and of the KV pool, mapped
+to the mesh's "model" axis in one table.
+
+Megatron's split, as tpu-inference and MaxText do it: q/k/v and gate/up are split on their
+output (heads, MLP width), o_proj and down_proj on their input, the embedding and LM head on
+the vocabulary. XLA inserts the collectives (an all-reduce after o_proj and after down_proj,
+gathers around the vocabulary-split embedding and logits).
+
+A logical axis is split only when the split is exact; otherwise it is replicated, never split
+unevenly:
+- "heads" and "kv_heads" go together (each device attends with whole GQA groups):
+  * tp divides N and K: each device holds N / tp query heads and K / tp KV heads, and
+    1 / tp of the KV pool.
+  * tp divides N and K divides tp (more devices than KV heads, e.g. K = 8 at tp = 16, or a
+    tiny K = 2 at tp = 4): each KV head is replicated r = tp / K times, as tpu-inference does,
+    so the pool has K * r heads and each device holds one KV head: 1 / K of the one-device
+    pool per device (r times the pool's one-device bytes over all devices). The k/v
+    projections are widened to K * r heads when the weights are placed.
+  * otherwise (SmolLM2: N = 9, K = 3 at tp = 2 or 4): attention runs replicated: every device
+    holds q/k/v/o whole and the whole KV pool, i.e. per device what one device holds, tp
+    times that in total. Only the MLP and the vocabulary are split then.
+Parameters this table does not name (norm scales, future layer kinds) are replicated.
+
+Axis legend: H hidden, N query heads, K kv heads, D head dim, F MLP width, V vocabulary,
+P pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.sharding import PartitionSpec
+
+from models.config import ModelConfig
+
+MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits over
+DATA_AXIS = "data"  # the mesh axis data-parallel replicas sit along
+
+# Parameter path suffix -> logical axis of each dimension (None: never split).
+PARAM_AXES: dict[str, tuple[str | None, ...]] = {
+    "embed_tokens/embedding": ("vocab", None),  # [V, H]
+    "q_proj/kernel": (None, "heads"),  # [H, N*D]
+    "q_proj/bias": ("heads",),
+    "k_proj/kernel": (None, "kv_heads"),  # [H, K*D]
+    "k_proj/bias": ("kv_heads",),
+    "v_proj/kernel": (None, "kv_heads"),
+    "v_proj/bias": ("kv_heads",),
+    "o_proj/kernel": ("heads", None),  # [N*D, H]
+    "gate_proj/kernel": (None, "mlp"),  # [H, F]
+    "up_proj/kernel": (None, "mlp"),
+    "down_proj/kernel": ("mlp", None),  # [F, H]
+    "lm_head/kernel": (None, "vocab"),  # [H, V]
+}
+# One layer's KV pool [2, P, page_size, K, D].
+KV_POOL_AXES: tuple[str | None, ...] = (None, None, None, "kv_heads", None)
+# Attention inputs inside the step: q [B, Tq, N, D], new k/v [T, K, D].
+Q_AXES: tuple[str | None, ...] = (None, None, "heads", None)
+NEW_KV_AXES: tuple[str | None, ...] = (None, "kv_heads", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """Which logical axes a tensor-parallel size splits for one model."""
+
+    tensor_parallel_size: int
+    split_heads: bool  # N and K over the model axis (else attention is replicated)
+    split_mlp: bool
+    split_vocab: bool
+    kv_replicas: int = 1  # r: each KV head repeated r times so K * r heads split over tp
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, tensor_parallel_size: int) -> "ShardingPlan":
+        tp = tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
+        n, k = cfg.num_heads, cfg.num_kv_heads
+        split_heads = tp > 1 and n % tp == 0 and (k % tp == 0 or tp % k == 0)
+        return cls(tp, split_heads=split_heads,
+                   split_mlp=tp > 1 and cfg.intermediate_size % tp == 0,
+                   split_vocab=tp > 1 and cfg.vocab_size % tp == 0,
+                   kv_replicas=tp // k if split_heads and k < tp else 1)
+
+    def mesh_axis(self, logical: str | None) -> str | None:
+        split = {"heads": self.split_heads, "kv_heads": self.split_heads,
+                 "mlp": self.split_mlp, "vocab": self.split_vocab}.get(logical, False)
+        return MODEL_AXIS if split else None
+
+    def spec(self, logical_axes: tuple[str | None, ...]) -> PartitionSpec:
+        return PartitionSpec(*(self.mesh_axis(a) for a in logical_axes))
+
+    def param_spec(self, path: str, ndim: int) -> PartitionSpec:
+        """PartitionSpec of the parameter at flat `path` ("layers_0/q_proj/kernel")."""
+        for suffix, axes in PARAM_AXES.items():
+            if path == suffix or path.endswith("/" + suffix):
+                assert len(axes) == ndim, (path, axes, ndim)
+                return self.spec(axes)
+        return PartitionSpec()
+
+    @property
+    def kv_pool_spec(self) -> PartitionSpec:
+        return self.spec(KV_POOL_AXES)
+
+    def kv_heads_per_device(self, cfg: ModelConfig) -> int:
+        """KV heads of the pool each device holds (its per-device pool bytes follow)."""
+        heads = cfg.num_kv_heads * self.kv_replicas
+        return heads // self.tensor_parallel_size if self.split_heads else heads
+
+    def sharded_model_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The config the sharded model runs: K * r KV heads when KV heads are replicated."""
+        if self.kv_replicas == 1:
+            return cfg
+        return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * self.kv_replicas)
+
+    def describe(self) -> str:
+        if self.tensor_parallel_size == 1:
+            return "tp=1: one device holds everything"
+        parts = [f"{name} {'split' if split else 'replicated'}" for name, split in
+                 (("heads/KV pool", self.split_heads), ("MLP", self.split_mlp), ("vocab", self.split_vocab))]
+        if self.kv_replicas > 1:
+            parts[0] += f" (each KV head x{self.kv_replicas})"
+        return f"tp={self.tensor_parallel_size}: " + ", ".join(parts)
+
+
+def param_specs(plan: ShardingPlan, params) -> dict:
+    """The params tree with each leaf replaced by its PartitionSpec."""
+    def walk(tree, prefix):
+        if isinstance(tree, dict):
+            return {k: walk(v, f"{prefix}{k}/") for k, v in tree.items()}
+        return plan.param_spec(prefix[:-1], len(tree.shape))
+    return walk(params, "")
+
+
+def replicate_kv_heads(plan: ShardingPlan, cfg: ModelConfig, params) -> dict:
+    """Widens every k/v projection from K to K * r heads (head j of the result is original head
+    j // r), so query head h still reads original KV head h // (N / K). Host arrays in and out."""
+    r = plan.kv_replicas
+    if r == 1:
+        return params
+    import numpy as np
+
+    def widen(x):  # [..., K*D] -> [..., K*r*D]
+        lead = x.shape[:-1]
+        x = np.asarray(x).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+        return np.repeat(x, r, axis=-2).reshape(*lead, cfg.num_kv_heads * r * cfg.head_dim)
+
+    def walk(tree, path):
+        if isinstance(tree, dict):
+            return {k: walk(v, f"{path}{k}/") for k, v in tree.items()}
+        name = path[:-1]
+        if any(name.endswith(f"{proj}/{leaf}") for proj in ("k_proj", "v_proj") for leaf in ("kernel", "bias")):
+            return widen(tree)
+        return tree
+    return walk(params, "")
+
+
+def param_bytes_per_device(cfg: ModelConfig, plan: ShardingPlan, itemsize: int) -> int:
+    """Bytes of weights each device holds under `plan`, from the shapes alone (the same rules
+    the engine places real arrays by; README's per-device tables come from here)."""
+    from models.param_layout import param_specs as layout
+
+    heads_cfg = plan.sharded_model_config(cfg)  # k/v widened when KV heads are replicated
+    total = 0
+    for path, (shape, _, _) in layout(heads_cfg).items():
+        spec = plan.param_spec(path, len(shape))
+        size = 1
+        for dim, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+            size *= dim // plan.tensor_parallel_size if axis is not None else dim
+        total += size * itemsize
+    return total
+
+
+def kv_page_bytes_per_device(cfg: ModelConfig, plan: ShardingPlan, page_size: int, itemsize: int) -> int:
+    """One page's K and V over all layers, on one device."""
+    return 2 * cfg.num_layers * page_size * plan.kv_heads_per_device(cfg) * cfg.head_dim * itemsize

@@ -1,0 +1,84 @@
+"""Sharding rules from shapes alone (no devices needed): which axes split at which TP size, the
+KV-head replication, bytes per device against published parameter counts, config validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from models.config import ModelConfig
+from paxpage.config import EngineConfig
+from paxpage.sharding import (ShardingPlan, kv_page_bytes_per_device, param_bytes_per_device,
+                              replicate_kv_heads)
+
+SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                      num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True)
+LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                        num_heads=32, num_kv_heads=8, head_dim=128)
+
+
+def test_smollm2_plans():
+    p2 = ShardingPlan.for_model(SMOLLM2, 2)
+    assert (p2.split_heads, p2.split_mlp, p2.split_vocab, p2.kv_replicas) == (False, True, True, 1)
+    assert p2.param_spec("layers_3/q_proj/kernel", 2) == P(None, None)
+    assert p2.param_spec("layers_3/down_proj/kernel", 2) == P("model", None)
+    assert p2.param_spec("embed_tokens/embedding", 2) == P("model", None)
+    assert p2.param_spec("layers_3/input_layernorm/scale", 1) == P()
+    assert p2.kv_pool_spec == P(None, None, None, None, None)
+    p3 = ShardingPlan.for_model(SMOLLM2, 3)
+    assert (p3.split_heads, p3.split_mlp, p3.split_vocab) == (True, True, True)
+    assert p3.param_spec("layers_0/k_proj/kernel", 2) == P(None, "model")
+    assert p3.param_spec("layers_0/o_proj/kernel", 2) == P("model", None)
+    assert p3.kv_pool_spec == P(None, None, None, "model", None)
+    # one page, all layers: 2 * 30 * 16 tokens * K * 64 * 4 bytes
+    assert kv_page_bytes_per_device(SMOLLM2, p2, 16, 4) == 2 * 30 * 16 * 3 * 64 * 4
+    assert kv_page_bytes_per_device(SMOLLM2, p3, 16, 4) == 2 * 30 * 16 * 1 * 64 * 4
+
+
+def test_llama3_8b_bytes_match_published_parameter_count():
+    total = 8_030_261_248  # Llama-3-8B parameters
+    norms = (2 * 32 + 1) * 4096  # the only replicated weights at tp = 8
+    assert param_bytes_per_device(LLAMA3_8B, ShardingPlan.for_model(LLAMA3_8B, 1), 2) == 2 * total
+    assert param_bytes_per_device(LLAMA3_8B, ShardingPlan.for_model(LLAMA3_8B, 8), 2) == 2 * ((total - norms) // 8 + norms)
+    assert kv_page_bytes_per_device(LLAMA3_8B, ShardingPlan.for_model(LLAMA3_8B, 8), 1, 2) == 2 * 32 * 128 * 2
+
+
+def test_kv_heads_replicated_when_tp_exceeds_them():
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=4)
+    plan = ShardingPlan.for_model(cfg, 4)
+    assert plan.split_heads and plan.kv_replicas == 2
+    assert plan.sharded_model_config(cfg).num_kv_heads == 4
+    assert plan.kv_heads_per_device(cfg) == 1
+    kernel = np.arange(16 * 8).reshape(16, 8)  # [H, K*D]: head 0 = columns 0..3, head 1 = 4..7
+    out = replicate_kv_heads(plan, cfg, {"layers_0": {"k_proj": {"kernel": kernel}, "q_proj": {"kernel": kernel}}})
+    assert out["layers_0"]["k_proj"]["kernel"].shape == (16, 16)
+    np.testing.assert_array_equal(out["layers_0"]["k_proj"]["kernel"],
+                                  np.concatenate([kernel[:, :4], kernel[:, :4], kernel[:, 4:], kernel[:, 4:]], 1))
+    assert out["layers_0"]["q_proj"]["kernel"] is kernel
+    # N = 6 is not a multiple of 4: attention stays replicated, no widening
+    cfg6 = ModelConfig(vocab_size=64, hidden_size=24, intermediate_size=32, num_layers=1, num_heads=6,
+                       num_kv_heads=2, head_dim=4)
+    assert not ShardingPlan.for_model(cfg6, 4).split_heads
+
+
+def test_engine_config_validation():
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int, got 0"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="data_parallel_size must be a positive int"):
+        EngineConfig(data_parallel_size=-1)
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+        EngineConfig(mesh="model")
+    assert not EngineConfig().is_parallel and EngineConfig(tensor_parallel_size=2).is_parallel
+    # kv_cache_bytes is per device: a split pool fits 3x the pages at tp = 3
+    one = EngineConfig(kv_cache_bytes=1 << 26).resolve(SMOLLM2)
+    three = EngineConfig(kv_cache_bytes=1 << 26, tensor_parallel_size=3).resolve(SMOLLM2)
+    assert three.page_bytes * 3 == one.page_bytes and three.num_pages == 3 * one.num_pages
+
+
+def test_too_many_devices_is_a_user_error():
+    from paxpage.mesh import replica_meshes
+
+    with pytest.raises(ValueError, match="needs 64 devices; jax sees"):
+        replica_meshes(32, 2)

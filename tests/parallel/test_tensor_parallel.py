@@ -1,0 +1,74 @@
+"""Tensor parallelism on a 4-device CPU mesh (forced host devices, in subprocesses): greedy tokens
+for TP = 1, 2, 4 equal HF transformers' on the same weights, seeded sampling gives the same tokens
+at every TP size, and the KV pool and weights are split as paxpage/sharding.py documents."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import hf_greedy, save_tiny_hf
+from tests.parallel.helpers import run_json
+
+PROMPT_LENS = (5, 19, 40)  # the worker's prompts: token (7 i + 3) % vocab
+
+
+def _prompts(vocab):
+    return [[(7 * i + 3) % vocab for i in range(n)] for n in PROMPT_LENS]
+
+
+@pytest.mark.parametrize("shape", [
+    # even: N = 8, K = 4, F and V divisible: tp 2 and 4 split everything
+    dict(num_attention_heads=8, num_key_value_heads=4, vocab_size=128, intermediate_size=128),
+    # uneven: N = 6, K = 3 (SmolLM2's ratio) -> attention replicated; V = 126 splits at tp 2 only
+    dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=48, vocab_size=126, intermediate_size=96),
+    # K = 2 < tp = 4 with N = 4: each KV head replicated twice so heads still split
+    dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=128, intermediate_size=128),
+], ids=["even", "uneven", "kv-replicated"])
+def test_tp_greedy_matches_hf_and_pool_is_split(tmp_path, shape):
+    hf = save_tiny_hf(tmp_path, "llama", **shape)
+    out = run_json(["tests.parallel.tp_worker", str(tmp_path), "1,2,4", "6", "--sampling"], timeout=420)
+    assert out["num_devices"] == 4
+    vocab = shape["vocab_size"]
+    want = [hf_greedy(hf, p, 6) for p in _prompts(vocab)]
+    for tp in ("1", "2", "4"):
+        assert out["greedy"][tp] == want, tp
+        assert out["sampled"][tp] == out["sampled"]["1"], tp
+    n, k, f = shape["num_attention_heads"], shape["num_key_value_heads"], shape["intermediate_size"]
+    hidden = shape.get("hidden_size", 64)
+    d = hidden // n
+    kv = out["kv"]
+    assert kv["1"]["shard_shapes"] == [[2, 48, 4, k, d]]
+    for tp in (2, 4):
+        t = str(tp)
+        splits = n % tp == 0 and (k % tp == 0 or tp % k == 0)
+        heads = max(k, tp) if splits else k  # pool heads after any KV-head replication
+        assert kv[t]["devices"] == tp
+        assert kv[t]["shape"] == [2, 48, 4, heads, d]
+        per_device = heads // tp if splits else heads
+        assert kv[t]["shard_shapes"] == [[2, 48, 4, per_device, d]] * tp
+        assert kv[t]["spec"] == [None, None, None, "model" if splits else None, None]
+        q_cols = n * d // tp if splits else n * d
+        assert out["params"][t]["q_proj"] == [[hidden, q_cols]] * tp
+        assert out["params"][t]["up_proj"] == [[hidden, f // tp]] * tp
+    assert out["recompiles"] == {"1": 0, "2": 0, "4": 0}
+    for t, sizes in out["weight_bytes"].items():  # every device the same; the rules' figure
+        assert sizes["measured"] == [sizes["rules"]], t
+
+
+def test_tp_pallas_kernels_under_shard_map(tmp_path):
+    """The Pallas kernels (interpreted on CPU) see only their device's heads under shard_map."""
+    shape = dict(num_attention_heads=8, num_key_value_heads=4, hidden_size=128, vocab_size=128,
+                 intermediate_size=128)  # head_dim 16: the GPU kernels' smallest
+    hf = save_tiny_hf(tmp_path, "llama", **shape)
+    out = run_json(["tests.parallel.tp_worker", str(tmp_path), "2", "3", "--pallas"], timeout=420)
+    assert out["greedy"]["2"] == [hf_greedy(hf, p, 3) for p in _prompts(128)]
+    assert out["kv"]["2"]["shard_shapes"] == [[2, 48, 4, 2, 16]] * 2
+
+
+@pytest.mark.slow
+def test_tp_smollm2_greedy_same_tokens(hf_smollm2):
+    """The real SmolLM2 (N = 9, K = 3: attention replicated at tp 2 and 4, MLP and vocab split)."""
+    out = run_json(["tests.parallel.tp_worker", "default", "1,2,4", "4", "--one"], timeout=600)
+    want = [hf_greedy(hf_smollm2, _prompts(49152)[1], 4)]
+    for tp in ("1", "2", "4"):
+        assert out["greedy"][tp] == want, tp
