@@ -138,7 +138,7 @@ def test_generate_leaves_unset_options_to_the_model(monkeypatch, capsys, argv, m
     monkeypatch.setattr(paxpage, "load", lambda source=None: model)
     seen = []
 
-    def generate(model, inputs, sampling_params):  # what the engine does with the params
+    def generate(model, inputs, sampling_params, engine_config=None):  # what the engine does with the params
         seen.append(sampling_params.with_defaults(generation.sampling_defaults()))
         return []
 
