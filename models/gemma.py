@@ -21,6 +21,7 @@ F MLP width, V vocabulary, R logits rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig, RopeScaling
-from models.layers import RMSNorm, dense, paged_attention_rows
+from models.layers import RMSNorm, dense, gated_mlp, paged_attention_rows, qkv_heads
 from models.llama import AttentionFn, WriteKvFn
 from models.rope import apply_rope, inverse_frequencies
 
@@ -57,12 +58,7 @@ class GemmaDecoderLayer(nn.Module):
         cfg, dtype = self.cfg, self.dtype
         num_tokens = x.shape[0]
         h = _norm(cfg, dtype, "input_layernorm")(x)
-        q = dense(cfg.num_heads * cfg.head_dim, "q_proj", dtype, cfg.qkv_bias)(h)
-        k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dtype, cfg.qkv_bias)(h)
-        v = dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dtype, cfg.qkv_bias)(h)
-        q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, N, D]
-        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, K, D]
-        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = qkv_heads(cfg, h, dtype)  # [T, N, D], [T, K, D], [T, K, D]
         if cfg.qk_norm:  # Gemma 3
             q = _norm(cfg, dtype, "q_norm")(q)
             k = _norm(cfg, dtype, "k_norm")(k)
@@ -76,9 +72,7 @@ class GemmaDecoderLayer(nn.Module):
         out = dense(cfg.hidden_size, "o_proj", dtype)(out)
         x = x + _norm(cfg, dtype, "post_attention_layernorm")(out)
         h = _norm(cfg, dtype, "pre_feedforward_layernorm")(x)
-        gate = dense(cfg.intermediate_size, "gate_proj", dtype)(h)
-        up = dense(cfg.intermediate_size, "up_proj", dtype)(h)
-        mlp = dense(cfg.hidden_size, "down_proj", dtype)(jax.nn.gelu(gate, approximate=True) * up)
+        mlp = gated_mlp(cfg, h, functools.partial(jax.nn.gelu, approximate=True), dtype)
         x = x + _norm(cfg, dtype, "post_feedforward_layernorm")(mlp)
         return x, kv_pages
 

@@ -35,6 +35,26 @@ def dense(features: int, name: str, dtype, use_bias: bool = False) -> nn.Dense:
     return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
 
 
+def qkv_heads(cfg, h, dtype):
+    """The attention's input projections of h [T, H] (q_proj, k_proj, v_proj; `cfg` a
+    ModelConfig): q [T, N, D], k and v [T, K, D]. Call inside a module's compact method."""
+    num_tokens = h.shape[0]
+    q = dense(cfg.num_heads * cfg.head_dim, "q_proj", dtype, cfg.qkv_bias)(h)
+    k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dtype, cfg.qkv_bias)(h)
+    v = dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dtype, cfg.qkv_bias)(h)
+    return (q.reshape(num_tokens, cfg.num_heads, cfg.head_dim),
+            k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim),
+            v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim))
+
+
+def gated_mlp(cfg, h, activation, dtype):
+    """down_proj(activation(gate_proj(h)) * up_proj(h)): h [T, H] -> [T, H] through width
+    F = cfg.intermediate_size (Llama: silu; Gemma: gelu-tanh). Call inside a compact method."""
+    gate = dense(cfg.intermediate_size, "gate_proj", dtype)(h)
+    up = dense(cfg.intermediate_size, "up_proj", dtype)(h)
+    return dense(cfg.hidden_size, "down_proj", dtype)(activation(gate) * up)
+
+
 def paged_attention_rows(attention, q, kv_pages, batch, sm_scale, *, sliding_window=None, soft_cap=None):
     """Splits the flat tokens q [T, N, D] into the decode and prefill row groups and attends each.
 

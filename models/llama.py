@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from models.layers import RMSNorm, paged_attention_rows
+from models.layers import RMSNorm, gated_mlp, paged_attention_rows, qkv_heads
 from models.layers import dense as _dense
 from models.moe import SparseMoe
 from models.rope import apply_rope, inverse_frequencies
@@ -49,12 +49,7 @@ class DecoderLayer(nn.Module):
         cfg, dtype = self.cfg, self.dtype
         num_tokens = x.shape[0]
         h = RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x)
-        q = _dense(cfg.num_heads * cfg.head_dim, "q_proj", dtype, cfg.qkv_bias)(h)
-        k = _dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dtype, cfg.qkv_bias)(h)
-        v = _dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dtype, cfg.qkv_bias)(h)
-        q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, N, D]
-        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, K, D]
-        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = qkv_heads(cfg, h, dtype)  # [T, N, D], [T, K, D], [T, K, D]
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_norm_eps, dtype, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, dtype, name="k_norm")(k)
@@ -71,9 +66,7 @@ class DecoderLayer(nn.Module):
             moe = SparseMoe(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                             cfg.norm_topk_prob, self.moe_impl, dtype, name="moe")
             return x + moe(h), kv_pages
-        gate = _dense(cfg.intermediate_size, "gate_proj", dtype)(h)
-        up = _dense(cfg.intermediate_size, "up_proj", dtype)(h)
-        x = x + _dense(cfg.hidden_size, "down_proj", dtype)(nn.silu(gate) * up)
+        x = x + gated_mlp(cfg, h, nn.silu, dtype)
         return x, kv_pages
 
 
