@@ -8,6 +8,10 @@ tensor (`ffn_{gate,up,down}_exps`, numpy shape [E, out, in]); gate and up are jo
 fused `mlp.experts.gate_up_proj` [E, 2*Fe, H].
 Llama 3 rope scaling is not stored as metadata but baked into a `rope_freqs.weight` tensor; we recover
 the HF llama3 parameters by matching it against the known presets.
+Gemma 2 / Gemma 3 ("gemma2", "gemma3"): q/k are stored unpermuted (llama.cpp rotates them NeoX-style,
+as HF does); each block has four norms, named after llama.cpp's (attn_norm, post_attention_norm,
+ffn_norm = the pre-MLP norm, post_ffw_norm); and since ggml scales by a norm weight w directly where
+HF's Gemma scales by (1 + w), the converter stores every "*norm.weight" as w + 1, which we undo.
 """
 
 from __future__ import annotations
@@ -47,18 +51,29 @@ _LAYER_NAMES = {
     "ffn_up_exps.weight": _UP_EXPS,
     "ffn_down_exps.weight": "mlp.experts.down_proj",  # [E, H, Fe]
 }
+# Gemma's four norms per block (llama.cpp's "ffn_norm" is the pre-MLP norm there, not the post-attention one).
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# Architectures whose converter writes norm weights as (w + 1): HF's Gemma RMSNorm scales by (1 + w).
+_NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3")
 # Arrays above this length (token lists, merges) are skipped when reading metadata: we never need them.
 _MAX_METADATA_ARRAY = 1024
 # (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) of released Llama 3.x.
 _LLAMA3_PRESETS = ((8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192), (16.0, 1.0, 4.0, 8192))
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF name of GGUF tensor `gguf_name` in a file of architecture `arch`, or None if unknown."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    layer_names = _GEMMA_LAYER_NAMES if arch in _NORM_PLUS_ONE_ARCHS else _LAYER_NAMES
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
     return None
 
 
@@ -166,12 +181,14 @@ def read_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, 
     for name, tensor in by_name.items():
         if name == "rope_freqs.weight":
             continue
-        target = hf_name(name)
+        target = hf_name(name, arch)
         if target is None:
             raise ValueError(f"GGUF file {path!r} has tensor {name!r} that paxpage does not know")
         x = _dequantize(path, tensor)
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             x = unpermute_qk(x, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
+        if arch in _NORM_PLUS_ONE_ARCHS and target.endswith("norm.weight"):
+            x = x - np.float32(1.0)
         tensors[target] = x
     for gate_name in [n for n in tensors if n.endswith(_GATE_EXPS)]:
         layer = gate_name[: -len(_GATE_EXPS)]

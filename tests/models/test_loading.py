@@ -222,10 +222,13 @@ def test_missing_tensor(tmp_path):
 # ---------------------------------------------------------------- GGUF
 
 def write_gguf(path, model, arch="llama", rope_freqs=None, qtype=None, extra=None):
-    """Writes `model` like llama.cpp's convert_hf_to_gguf.py does (F32 tensors, llama q/k rows permuted).
-    extra: called with the GGUFWriter to add more key/values."""
+    """Writes `model` like llama.cpp's convert_hf_to_gguf.py does: F32 tensors named by the gguf
+    package's own tensor map, llama q/k rows permuted, Gemma norms stored as w + 1 and Gemma's
+    window / soft-cap keys. extra: called with the GGUFWriter to add more key/values."""
     c = model.config
     N, K = c.num_attention_heads, c.num_key_value_heads
+    gemma = arch in ("gemma2", "gemma3")
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # Gemma 3: the global layers' rope
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -233,25 +236,37 @@ def write_gguf(path, model, arch="llama", rope_freqs=None, qtype=None, extra=Non
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(N)
     w.add_head_count_kv(K)
-    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     w.add_key_length(getattr(c, "head_dim", None) or c.hidden_size // N)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if gemma:
+        if arch == "gemma2":
+            w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        if c.final_logit_softcapping:
+            w.add_final_logit_softcapping(c.final_logit_softcapping)
+        w.add_sliding_window(c.sliding_window)
     if extra is not None:
         extra(w)
-    names = {v: k for k, v in gguf_loader._GLOBAL_NAMES.items()}
+    arch_ids = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}
+    tensor_map = gguf.get_tensor_name_map(arch_ids[arch], c.num_hidden_layers)
+    # llama names for what `arch` lacks: the error tests write a llama under an architecture we refuse
+    llama_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c.num_hidden_layers)
     for hf_name, x in state(model).items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue  # llama.cpp writes no output.weight for tied models
-        if hf_name.startswith("model.layers."):
-            _, _, i, rest = hf_name.split(".", 3)
-            name = "blk.%s.%s" % (i, {v: k for k, v in gguf_loader._LAYER_NAMES.items()}[rest])
-        else:
-            name = names[hf_name]
+        name = (tensor_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+                or llama_map.get_name(hf_name, try_suffixes=(".weight", ".bias")))
+        assert name is not None, hf_name
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             x = permute_qk(x, N if ".attn_q." in name else K)
+        if gemma and hf_name.endswith("norm.weight"):
+            x = x + 1
         if qtype is not None and x.ndim == 2:
             w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
         else:
