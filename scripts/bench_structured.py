@@ -10,7 +10,7 @@ one, "today") in a second process, right after this checkout's.
 
 Usage:
     python scripts/bench_structured.py [--num-requests 64 --output-len 64 --repeats 3] \
-        [--baseline /work/main] [--json out.json]
+        [--baseline OTHER_CHECKOUT] [--json out.json]
 """
 
 from __future__ import annotations

@@ -221,6 +221,26 @@ def test_missing_tensor(tmp_path):
 
 # ---------------------------------------------------------------- GGUF
 
+def gguf_writer(path, c, arch):
+    """A GGUFWriter with the shape / rope / norm keys of HF config `c`, as llama.cpp's converter writes them."""
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # Gemma 3: the global layers' rope
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_key_length(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    return w
+
+
 def write_gguf(path, model, arch="llama", rope_freqs=None, qtype=None, extra=None):
     """Writes `model` like llama.cpp's convert_hf_to_gguf.py does: F32 tensors named by the gguf
     package's own tensor map, llama q/k rows permuted, Gemma norms stored as w + 1 and Gemma's
@@ -228,21 +248,7 @@ def write_gguf(path, model, arch="llama", rope_freqs=None, qtype=None, extra=Non
     c = model.config
     N, K = c.num_attention_heads, c.num_key_value_heads
     gemma = arch in ("gemma2", "gemma3")
-    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # Gemma 3: the global layers' rope
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(N)
-    w.add_head_count_kv(K)
-    w.add_rope_freq_base(float(rope["rope_theta"]))
-    if rope.get("rope_type") == "linear":
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(rope["factor"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    w.add_key_length(getattr(c, "head_dim", None) or c.hidden_size // N)
+    w = gguf_writer(path, c, arch)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     if gemma:

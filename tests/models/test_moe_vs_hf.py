@@ -13,6 +13,7 @@ import torch
 import paxpage
 from models.gguf_loader import permute_qk
 from tests.conftest import hf_greedy, random_prompts, save_tiny_hf
+from tests.models.test_loading import gguf_writer
 
 # qwen3_moe: layer 1 keeps a dense MLP (mlp_only_layers), so both MLP kinds are exercised.
 QWEN3_MOE = dict(num_hidden_layers=2, mlp_only_layers=[1])
@@ -70,21 +71,9 @@ def test_fused_expert_checkpoint_matches_hf(tmp_path):
 
 def _write_moe_gguf(path, hf, arch):
     """A GGUF file as llama.cpp's converter lays MoE models out (3-D *_exps tensors)."""
-    import gguf
-
     c = hf.config
     N, K = c.num_attention_heads, c.num_key_value_heads
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(N)
-    w.add_head_count_kv(K)
-    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    w.add_key_length(getattr(c, "head_dim", None) or c.hidden_size // N)
+    w = gguf_writer(path, c, arch)
     w.add_expert_count(getattr(c, "num_experts", None) or c.num_local_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
     if arch == "qwen3moe":
