@@ -8,6 +8,7 @@ import logging
 import os
 import queue
 import threading
+import weakref
 from typing import Any, Iterator, Sequence
 
 from models.config import ModelConfig
@@ -42,6 +43,11 @@ class Model:
         default_factory=collections.OrderedDict, repr=False)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
+    def __post_init__(self):
+        # A model dropped without close() must not leave its loop threads (and, through them, the
+        # engines' KV pools) alive: stop them when the model is collected.
+        weakref.finalize(self, _stop_loops, self._slots)
+
     def engine(self, config: EngineConfig) -> LLMEngine:
         """The engine for `config`, to step directly (single-threaded use; the `generate` /
         `stream` calls on this model drive the same engine through its loop). With
@@ -62,7 +68,8 @@ class Model:
         """Stops every engine loop of this model (live requests end with an error) and frees
         the engines' KV pools."""
         with self._lock:
-            slots, self._slots = list(self._slots.values()), collections.OrderedDict()
+            slots = list(self._slots.values())
+            self._slots.clear()
         for slot in slots:
             slot.close()
 
@@ -85,6 +92,15 @@ class Model:
         for old in evicted:
             old.close()
         return slot
+
+
+def _stop_loops(slots: "collections.OrderedDict[EngineConfig, _EngineSlot]") -> None:
+    """The finalizer of a collected Model: tells its loops to stop, without waiting (it may run on
+    any thread, a loop's own included); each loop thread then ends and drops its engine."""
+    for slot in list(slots.values()):
+        if slot.loop is not None:
+            slot.loop.shutdown(timeout=0)
+    slots.clear()
 
 
 @dataclasses.dataclass(eq=False)

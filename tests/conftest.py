@@ -11,6 +11,20 @@ import pytest
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_persistent_compilation_cache():
+    """Tests that call the CLI in this process (`paxpage.cli.main`) would switch on jax's
+    persistent compilation cache, which is process-wide: it would then stay on for every later
+    test, writing each compiled executable into the user's cache. Keep it off here; subprocess
+    tests of the CLI still exercise it."""
+    from paxpage import xla_cache
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(xla_cache, "enable", lambda directory=None: None)
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     import paxpage
