@@ -55,7 +55,10 @@ def paged_attention_ref(
     k = k.reshape(batch, -1, num_kv_heads, head_dim).astype(jnp.float32)  # [B, S, K, D]
     v = v.reshape(batch, -1, num_kv_heads, head_dim).astype(jnp.float32)
     qg = q.astype(jnp.float32).reshape(batch, num_q, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("BTKGD,BSKD->BKGTS", qg, k) * sm_scale
+    # HIGHEST: on GPU, XLA's default f32 dot rounds its inputs to TF32 (10-bit mantissa), which
+    # the first native run measured at ~2e-4 off the kernels; the oracle must be exact f32.
+    exact = jax.lax.Precision.HIGHEST
+    scores = jnp.einsum("BTKGD,BSKD->BKGTS", qg, k, precision=exact) * sm_scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(num_q)[None, :]  # [B, Tq]
@@ -69,6 +72,6 @@ def paged_attention_ref(
     any_visible = jnp.any(mask, axis=-1, keepdims=True)
     scores = jnp.where(any_visible, scores, 0.0)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v).reshape(batch, num_q, num_heads, head_dim)
+    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v, precision=exact).reshape(batch, num_q, num_heads, head_dim)
     valid = jnp.arange(num_q)[None, :] < q_lens[:, None]  # [B, Tq]
     return jnp.where(valid[:, :, None, None], out, 0.0).astype(q.dtype)

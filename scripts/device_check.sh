@@ -2,7 +2,7 @@
 # One-shot accelerator check for the paged-attention kernels (no network needed).
 #   scripts/device_check.sh [OUT_DIR]     (default: $OUT, else ./device_check_out)
 # 1. tests/kernels compiled natively on the device (PAXPAGE_KERNEL_INTERPRET=0: the platform's
-#    kernel family, not the interpreter); 2. scripts/bench_kernels.py. Budget: under 8 minutes.
+#    kernel family, not the interpreter); 2. scripts/bench_kernels.py. Budget: under 8 minutes (the H200 ran tests/kernels past 240 s).
 set -uo pipefail
 OUT_DIR="${1:-${OUT:-./device_check_out}}"
 mkdir -p "$OUT_DIR"
@@ -14,7 +14,7 @@ export PYTHONDONTWRITEBYTECODE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 command -v nvidia-smi >/dev/null && nvidia-smi >> "$OUT_DIR/env.txt" 2>&1
 
 start=$(date +%s)
-PAXPAGE_KERNEL_INTERPRET=0 timeout 240 "$PY" -m pytest tests/kernels -q -rs --durations=10 \
+PAXPAGE_KERNEL_INTERPRET=0 timeout 360 "$PY" -m pytest tests/kernels -q -rs --durations=10 \
     --junitxml="$OUT_DIR/tests.xml" 2>&1 | tee "$OUT_DIR/tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "tests rc=$tests_rc in $(( $(date +%s) - start ))s" | tee -a "$OUT_DIR/summary.txt"
