@@ -126,3 +126,17 @@ def test_int8_cache_with_prefix_caching_preemption_and_n2_frees_every_page(model
     stats = engine.scheduler.stats()
     assert stats.num_preemptions > 0 and stats.prefix_hit_rate > 0
     assert engine.scheduler.page_manager.num_free_pages == tight.num_pages
+
+
+def test_int8_cache_on_the_pallas_kernels(models):
+    """The Pallas path (kv_write, ragged and decode kernels, interpreted) on an int8 cache gives
+    the XLA path's prompt log-probs: the same stored values, read by separate code."""
+    model, _ = models
+    prompts = random_prompts(1, 128, [11], seed=22)
+    kw = dict(max_tokens=2, prompt_logprobs=0, kv_cache_dtype="int8", max_num_seqs=2, **GREEDY, **SMALL)
+    xla = paxpage.generate(model, prompts, **kw)
+    pallas = paxpage.generate(model, prompts, attention_impl="pallas-interpret", **kw)
+    for a, b, prompt in zip(xla, pallas, prompts):
+        assert a.token_ids == b.token_ids
+        for p in range(1, len(prompt)):
+            assert abs(a.prompt_logprobs[p][prompt[p]] - b.prompt_logprobs[p][prompt[p]]) < 1e-4
