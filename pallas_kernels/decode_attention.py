@@ -20,6 +20,12 @@ merged exactly afterwards with a log-sum-exp rescale (`combine_splits`).
   BlockSpec index map fetches one page per grid step (Pallas double-buffers the DMAs). Interpreted on
   CPU with `pltpu.InterpretParams()`.
 
+Quantised pool (kv_quant.QuantizedKV: int8 / fp8 values, f32 scales [2, P, page_size, K]): each
+K/V block comes with the matching block of scales (GPU: kv head h's scales read in place like
+its pages; TPU: the page's scales fetched by the same index map). GPU keys stay in their stored
+values cast to q's dtype and the scores are scaled per key; values, and on TPU keys too, are
+dequantised in the block. A plain pool passes no scales and traces the kernel it always did.
+
 This module also holds the pieces the other kernels share (mask value, online-softmax step,
 version-guarded compiler params).
 """
@@ -35,6 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
+
+from pallas_kernels import kv_quant
 
 # Finite, so a fully masked row gives exp(0) junk that is later discarded, never inf - inf = NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -86,6 +94,18 @@ def scores_nt(q: jax.Array, k: jax.Array) -> jax.Array:
     )
 
 
+def quantized_scores(q: jax.Array, k: jax.Array, k_scales: jax.Array) -> jax.Array:
+    """f32[R, S] = q [R, D] . (k * k_scales)^T for int8 / fp8 keys k [S, D] with scales f32[1, S]:
+    the dot runs on the stored values cast to q's dtype (exact: int8 and e4m3 values fit in bf16)
+    and each key's column of scores is scaled after, which is the same sum."""
+    return scores_nt(q, k.astype(q.dtype)) * k_scales
+
+
+def dequantize_rows(x: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+    """int8 / fp8 rows x [S, D] times their scales f32[S, 1], in `dtype`."""
+    return (x.astype(jnp.float32) * scales).astype(dtype)
+
+
 def cap_scores(s, soft_cap: float | None):
     """Gemma's attention-logit soft cap on scaled scores; identity (no op traced) when None."""
     return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
@@ -129,11 +149,12 @@ def _decode_kernel_gpu(
     q_ref,  # [Gp, D]
     k_ref,  # [P, page_size, D] kv head h of the pool, read in place
     v_ref,  # [P, page_size, D]
-    acc_ref,  # f32[Gp, D]
-    m_ref,  # f32[Gp, 1]
-    l_ref,  # f32[Gp, 1]
-    *, sm_scale: float, pages_per_block: int, sliding_window: int | None, soft_cap: float | None,
+    *refs,  # quantised: ks_ref, vs_ref f32[P, page_size] (kv head h's scales); then the outputs:
+    # acc_ref f32[Gp, D], m_ref f32[Gp, 1], l_ref f32[Gp, 1]
+    sm_scale: float, pages_per_block: int, sliding_window: int | None, soft_cap: float | None,
+    quantized: bool = False,
 ):
+    ks_ref, vs_ref, acc_ref, m_ref, l_ref = refs if quantized else (None, None, *refs)
     split = pl.program_id(2)
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     pages_per_split = pt_ref.shape[0]
@@ -156,7 +177,12 @@ def _decode_kernel_gpu(
         valid = pos < length  # [S]
         if sliding_window is not None:
             valid &= pos >= lo
-        s = jnp.where(valid[None, :], cap_scores(scores_nt(q, k) * sm_scale, soft_cap), MASK_VALUE)
+        if quantized:
+            s = quantized_scores(q, k, ks_ref[ids].reshape(1, block_len))
+            v = v.astype(jnp.float32) * vs_ref[ids].reshape(block_len, 1)
+        else:
+            s = scores_nt(q, k)
+        s = jnp.where(valid[None, :], cap_scores(s * sm_scale, soft_cap), MASK_VALUE)
         v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
         return online_softmax_step(s, v, *carry)
 
@@ -171,16 +197,23 @@ def _decode_kernel_gpu(
     l_ref[...] = l
 
 
-def _decode_gpu(q4, kv_pages, table, lengths, *, sm_scale, pages_per_block, num_splits, interpret,
+def _decode_gpu(q4, kv_pages, table, lengths, scales, *, sm_scale, pages_per_block, num_splits, interpret,
                 sliding_window, soft_cap):
     batch, num_kv_heads, rows, head_dim = q4.shape  # [B, K, Gp, D]
     _, num_pages, page_size, _, _ = kv_pages.shape
     pages_per_split = table.shape[1] // num_splits
     table = table.reshape(batch, num_splits, pages_per_split)
+    quantized = scales is not None
     kernel = functools.partial(_decode_kernel_gpu, sm_scale=sm_scale, pages_per_block=pages_per_block,
-                               sliding_window=sliding_window, soft_cap=soft_cap)
+                               sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized)
     pool_block = (None, num_pages, page_size, None, head_dim)
     split_out = (batch, num_splits, num_kv_heads, rows)
+    scale_specs, scale_args = [], []
+    if quantized:  # kv head h's scales, read in place like its pages
+        scale_block = (None, num_pages, page_size, None)
+        scale_specs = [pl.BlockSpec(scale_block, lambda b, h, c: (0, 0, 0, h)),
+                       pl.BlockSpec(scale_block, lambda b, h, c: (1, 0, 0, h))]
+        scale_args = [scales, scales]
     return pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, num_splits),
@@ -190,6 +223,7 @@ def _decode_gpu(q4, kv_pages, table, lengths, *, sm_scale, pages_per_block, num_
             pl.BlockSpec((None, None, rows, head_dim), lambda b, h, c: (b, h, 0, 0)),
             pl.BlockSpec(pool_block, lambda b, h, c: (0, 0, 0, h, 0)),  # K half
             pl.BlockSpec(pool_block, lambda b, h, c: (1, 0, 0, h, 0)),  # V half
+            *scale_specs,
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, c: (b, c, h, 0, 0)),
@@ -204,7 +238,7 @@ def _decode_gpu(q4, kv_pages, table, lengths, *, sm_scale, pages_per_block, num_
         compiler_params=triton_params(),
         interpret=interpret_arg("gpu", interpret),
         name="paxpage_decode_attention_gpu",
-    )(lengths, table, q4, kv_pages, kv_pages)
+    )(lengths, table, q4, kv_pages, kv_pages, *scale_args)
 
 
 # ---------------------------------------------------------------- TPU (Mosaic TPU)
@@ -225,11 +259,12 @@ def _decode_kernel_tpu(
     q_ref,  # [K, G, D]
     k_ref,  # [page_size, K, D] one page
     v_ref,  # [page_size, K, D]
-    acc_ref,  # f32[K, G, D] resident across the page axis
-    m_ref,  # f32[K, G, 1]
-    l_ref,  # f32[K, G, 1]
-    *, sm_scale: float, pages_per_split: int, sliding_window: int | None, soft_cap: float | None,
+    *refs,  # quantised: ks_ref, vs_ref f32[page_size, K] the page's scales; then the outputs:
+    # acc_ref f32[K, G, D] resident across the page axis, m_ref f32[K, G, 1], l_ref f32[K, G, 1]
+    sm_scale: float, pages_per_split: int, sliding_window: int | None, soft_cap: float | None,
+    quantized: bool = False,
 ):
+    ks_ref, vs_ref, acc_ref, m_ref, l_ref = refs if quantized else (None, None, *refs)
     b, c, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     page_size = k_ref.shape[0]
 
@@ -252,7 +287,11 @@ def _decode_kernel_tpu(
         for h in range(k_ref.shape[1]):  # K is small and static
             k = k_ref[:, h, :]  # [page_size, D]
             v = v_ref[:, h, :]
-            s = jnp.where(valid_row, cap_scores(scores_nt(q_ref[h], k) * sm_scale, soft_cap), MASK_VALUE)
+            q = q_ref[h]
+            if quantized:  # dequantise the page's rows: [page_size, D] * [page_size, 1]
+                k = dequantize_rows(k, ks_ref[:, h:h + 1], q.dtype)
+                v = v.astype(jnp.float32) * vs_ref[:, h:h + 1]
+            s = jnp.where(valid_row, cap_scores(scores_nt(q, k) * sm_scale, soft_cap), MASK_VALUE)
             v = jnp.where(valid_col, v, jnp.zeros_like(v))
             m, l, acc = online_softmax_step(s, v, m_ref[h], l_ref[h], acc_ref[h])
             m_ref[h] = m
@@ -260,7 +299,8 @@ def _decode_kernel_tpu(
             acc_ref[h] = acc
 
 
-def _decode_tpu(q4, kv_pages, table, lengths, *, sm_scale, num_splits, interpret, sliding_window, soft_cap):
+def _decode_tpu(q4, kv_pages, table, lengths, scales, *, sm_scale, num_splits, interpret, sliding_window,
+                soft_cap):
     batch, num_kv_heads, group, head_dim = q4.shape  # [B, K, G, D]
     _, _, page_size, _, _ = kv_pages.shape
     pages_per_row = table.shape[1]
@@ -272,6 +312,13 @@ def _decode_tpu(q4, kv_pages, table, lengths, *, sm_scale, num_splits, interpret
     page_block = (None, None, page_size, num_kv_heads, head_dim)
     out_block = (None, None, num_kv_heads, group)
     split_out = (batch, num_splits, num_kv_heads, group)
+    quantized = scales is not None
+    scale_specs, scale_args = [], []
+    if quantized:  # the page's scales, fetched by the same index as its values
+        scale_block = (None, None, page_size, num_kv_heads)
+        scale_specs = [pl.BlockSpec(scale_block, lambda b, c, p, lens, pt: (0, pt[slot(b, c, p, lens)], 0, 0)),
+                       pl.BlockSpec(scale_block, lambda b, c, p, lens, pt: (1, pt[slot(b, c, p, lens)], 0, 0))]
+        scale_args = [scales, scales]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(batch, num_splits, pages_per_split),
@@ -279,6 +326,7 @@ def _decode_tpu(q4, kv_pages, table, lengths, *, sm_scale, num_splits, interpret
             pl.BlockSpec((None, num_kv_heads, group, head_dim), lambda b, c, p, lens, pt: (b, 0, 0, 0)),
             pl.BlockSpec(page_block, lambda b, c, p, lens, pt: (0, pt[slot(b, c, p, lens)], 0, 0, 0)),
             pl.BlockSpec(page_block, lambda b, c, p, lens, pt: (1, pt[slot(b, c, p, lens)], 0, 0, 0)),
+            *scale_specs,
         ],
         out_specs=[
             pl.BlockSpec((*out_block, head_dim), lambda b, c, p, lens, pt: (b, c, 0, 0, 0)),
@@ -287,7 +335,7 @@ def _decode_tpu(q4, kv_pages, table, lengths, *, sm_scale, num_splits, interpret
         ],
     )
     kernel = functools.partial(_decode_kernel_tpu, sm_scale=sm_scale, pages_per_split=pages_per_split,
-                               sliding_window=sliding_window, soft_cap=soft_cap)
+                               sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized)
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -299,7 +347,7 @@ def _decode_tpu(q4, kv_pages, table, lengths, *, sm_scale, num_splits, interpret
         compiler_params=tpu_params(("parallel", "parallel", "arbitrary")),
         interpret=interpret_arg("tpu", interpret),
         name="paxpage_decode_attention_tpu",
-    )(lengths, table.reshape(-1), q4, kv_pages, kv_pages)
+    )(lengths, table.reshape(-1), q4, kv_pages, kv_pages, *scale_args)
 
 
 # ---------------------------------------------------------------- public wrapper
@@ -316,7 +364,7 @@ def default_num_splits(backend: str, batch: int, num_kv_heads: int, num_blocks: 
 )
 def decode_attention(
     q: jax.Array,  # [B, N, D] f32 or bf16
-    kv_pages: jax.Array,  # [2, P, page_size, K, D] one layer's pool (0 = K, 1 = V)
+    kv_pages,  # [2, P, page_size, K, D] one layer's pool (0 = K, 1 = V), or a kv_quant.QuantizedKV
     page_indices: jax.Array,  # i32[B, pages_per_seq] logical -> physical page of row b
     lengths: jax.Array,  # i32[B] keys of row b (0 = padding row -> zeros)
     *,
@@ -331,6 +379,7 @@ def decode_attention(
     check_backend(backend)
     check_window_and_cap(sliding_window, soft_cap)
     batch, num_heads, head_dim = q.shape
+    kv_pages, scales = kv_quant.split(kv_pages)
     two, _, page_size, num_kv_heads, kv_dim = kv_pages.shape
     if two != 2 or kv_dim != head_dim:
         raise ValueError(f"kv_pages has shape {kv_pages.shape}; expected [2, P, page_size, K, {head_dim}]")
@@ -368,12 +417,12 @@ def decode_attention(
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - group), (0, 0)))  # [B, K, Gp, D]
     if backend == "gpu":
         acc, m, l = _decode_gpu(
-            q4, kv_pages, table, lengths, sm_scale=sm_scale, pages_per_block=pages_per_block,
+            q4, kv_pages, table, lengths, scales, sm_scale=sm_scale, pages_per_block=pages_per_block,
             num_splits=num_splits, interpret=interpret, sliding_window=sliding_window, soft_cap=soft_cap,
         )
     else:
         acc, m, l = _decode_tpu(
-            q4, kv_pages, table, lengths, sm_scale=sm_scale, num_splits=num_splits, interpret=interpret,
+            q4, kv_pages, table, lengths, scales, sm_scale=sm_scale, num_splits=num_splits, interpret=interpret,
             sliding_window=sliding_window, soft_cap=soft_cap,
         )
     out = combine_splits(acc, m, l)[:, :, :group]  # [B, K, G, D]

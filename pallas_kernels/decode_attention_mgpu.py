@@ -30,7 +30,8 @@ fill at most 8 of wgmma's 64 rows, so the VPU formulation costs little; it also 
 (wgmma would take f32 only as tf32). The real lowering of all of this is checked by jax.export
 for "cuda" in tests/kernels/test_decode_mgpu.py; no GPU has run it yet.
 
-Dtypes: f32, bf16, f16 (math in f32). Shapes: head_dim a multiple of 64 (128-byte swizzle tiles),
+Dtypes: f32, bf16, f16 (math in f32). Not int8 / fp8 pools (QUANTIZED_REASON): dispatch.py sends
+those to the Triton kernel. Shapes: head_dim a multiple of 64 (128-byte swizzle tiles),
 page_size in {8, 16, 32, 64}, G = N // K <= 8 (per-head carries live in registers).
 layout_cast has no interpreter rule, so interpret mode skips the register-layout annotations; the
 rest of the kernel is the same code. `unsupported_reason()` says whether a problem can run.
@@ -68,6 +69,11 @@ try:  # Not exported publicly in jax 0.10; guarded so a rename only disables int
 except Exception:  # noqa: BLE001
     InterpretGPUParams = None
 
+# Why quantised pools (kv_quant.QuantizedKV) go to the Triton kernel instead (dispatch.py routes them).
+QUANTIZED_REASON = (
+    "one page's scales of kv head h, scales[half, page, :, h], are strided by K floats, and a TMA "
+    "copy needs a contiguous innermost dimension; 1-byte K/V tiles also need another swizzle and "
+    "register layout than this kernel's, which no GPU has checked yet")
 ROWS = 64  # the G query heads of a kv head are padded to one [64, D] register tile
 BLOCK_KEYS = 64  # keys per inner block: one [64, D] tile (the WGMMA register layout's row count)
 MAX_GROUP = 8  # query heads per kv head; each carries acc, m, l in registers
@@ -83,6 +89,8 @@ def unsupported_reason(q_dtype, kv_dtype, page_size: int, num_heads: int, num_kv
         return f"jax.experimental.pallas.mosaic_gpu does not import ({IMPORT_ERROR})"
     if interpret and InterpretGPUParams is None:
         return "this jax has no Mosaic GPU interpret mode (InterpretGPUParams)"
+    if jnp.dtype(kv_dtype).itemsize == 1:
+        return f"kv dtype {jnp.dtype(kv_dtype)} (a quantised cache): {QUANTIZED_REASON}"
     if jnp.dtype(q_dtype) != jnp.dtype(kv_dtype) or jnp.dtype(q_dtype) not in map(jnp.dtype, DTYPES):
         return f"dtypes q={jnp.dtype(q_dtype)}, kv={jnp.dtype(kv_dtype)}; need equal, one of {DTYPES}"
     if page_size not in PAGE_SIZES:
@@ -232,6 +240,8 @@ def decode_attention_mgpu(
     soft_cap: float | None = None,  # c: scaled scores s -> c * tanh(s / c)
 ) -> jax.Array:  # [B, N, D] dtype of q
     check_window_and_cap(sliding_window, soft_cap)
+    if not hasattr(kv_pages, "shape"):  # a kv_quant.QuantizedKV
+        raise ValueError(f"Mosaic GPU decode kernel cannot run a quantised KV cache: {QUANTIZED_REASON}")
     batch, num_heads, head_dim = q.shape
     two, _, page_size, num_kv_heads, kv_dim = kv_pages.shape
     if two != 2 or kv_dim != head_dim:

@@ -16,6 +16,10 @@ kernel read KV at 1156 GB/s and the Mosaic GPU one at 82 GB/s, so Mosaic GPU is 
 is tuned. Asking for "mosaic" where it cannot run (it needs dtype f32/bf16/f16, head_dim % 64 == 0,
 page_size in 8..64, N // K <= 8 and, when compiling, compute capability >= 9.0 for TMA) raises
 ValueError with the reason. Prefill (Tq > 1) always uses the ragged kernel.
+
+Quantised KV cache (kv_quant.QuantizedKV, EngineConfig.kv_cache_dtype "int8" / "fp8"): every
+kernel here takes it except Mosaic GPU (`decode_attention_mgpu.QUANTIZED_REASON`), so "auto"
+decodes such a pool with Triton and "mosaic" raises.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import decode_attention_mgpu, kv_write
+from pallas_kernels import decode_attention_mgpu, kv_quant, kv_write
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.ragged_attention import ragged_paged_attention
 
@@ -82,7 +86,7 @@ def resolve_impl(impl: str, backend: str | None = None) -> tuple[str, bool]:
 
 def paged_attention(
     q: jax.Array,  # [B, Tq, N, D] f32/bf16; row b has q_lens[b] real tokens, rest padding
-    kv_pages: jax.Array,  # [2, P, page_size, K, D] one layer's pool, already holding this step's K/V
+    kv_pages,  # [2, P, page_size, K, D] one layer's pool, already holding this step's K/V (or QuantizedKV)
     page_indices: jax.Array,  # i32[B, pages_per_seq]
     kv_lens: jax.Array,  # i32[B] keys of row b including this step's (0 = padding row)
     q_lens: jax.Array,  # i32[B] new tokens of row b (<= kv_lens[b], <= Tq)
@@ -105,8 +109,9 @@ def paged_attention(
     kv_lens = kv_lens.astype(jnp.int32)
     masking = dict(sliding_window=sliding_window, soft_cap=soft_cap)
     if num_q == 1:
+        pages, _ = kv_quant.split(kv_pages)  # a quantised pool's 1-byte dtype routes it to Triton
         mosaic = kernel_backend == "gpu" and select_gpu_decode(
-            gpu_decode, q.dtype, kv_pages.shape, kv_pages.dtype, num_heads, interpret=interpret
+            gpu_decode, q.dtype, pages.shape, pages.dtype, num_heads, interpret=interpret
         ) == "mosaic"
         if mosaic:
             out = decode_attention_mgpu.decode_attention_mgpu(
@@ -135,7 +140,7 @@ def paged_attention(
 
 
 def write_kv(
-    kv_pages: jax.Array,  # [2, P, page_size, K, D] one layer's pool (donate it in the caller's jit)
+    kv_pages,  # [2, P, page_size, K, D] one layer's pool or a QuantizedKV (donate it in the caller's jit)
     k: jax.Array,  # [T, K, D]
     v: jax.Array,  # [T, K, D]
     slot_mapping: jax.Array,  # i32[T]; -1 = padding, not written

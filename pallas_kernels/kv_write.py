@@ -9,6 +9,10 @@ touched; jit the caller with the pool donated and XLA updates it in place, never
 GPU: Triton lowering, one program per (token, kv head) storing a [D] row through a pointer.
 TPU: Mosaic TPU; slots are scalar-prefetched into SMEM, the pool stays in HBM (`pl.ANY`) and each
 token's [K, D] rows are DMA'd from VMEM straight to their slot.
+
+Quantised pool (kv_quant.QuantizedKV): K/V are quantised per (token, kv head) in the wrapper
+(kv_quant.quantize, jnp), and the kernels store each row's int8/fp8 values and its f32 scale
+together; both buffers are aliased. A plain pool traces exactly the unquantised kernel.
 """
 
 from __future__ import annotations
@@ -21,12 +25,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import kv_quant
 from pallas_kernels.decode_attention import check_backend, interpret_arg, tpu_params, triton_params
 
 
-def _kv_write_kernel_gpu(slots_ref, k_ref, v_ref, pool_in_ref, pool_ref, *, page_size: int):
-    # slots_ref i32[T]; k_ref/v_ref [D] token t, kv head h; pool_ref [2, P, page_size, K, D] (aliased)
-    del pool_in_ref  # same buffer as pool_ref
+def _kv_write_kernel_gpu(slots_ref, k_ref, v_ref, *refs, page_size: int, quantized: bool):
+    # slots_ref i32[T]; k_ref/v_ref [D] token t, kv head h; pool_ref [2, P, page_size, K, D] (aliased).
+    # Quantised: ks_ref/vs_ref f32[1] the row's scales, scales_ref f32[2, P, page_size, K, 1] (aliased).
+    if quantized:
+        ks_ref, vs_ref, _, _, pool_ref, scales_ref = refs  # inputs 5, 6 are the aliased buffers
+    else:
+        _, pool_ref = refs
     t, h = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[t]
 
@@ -35,39 +44,72 @@ def _kv_write_kernel_gpu(slots_ref, k_ref, v_ref, pool_in_ref, pool_ref, *, page
         page, offset = lax.div(slot, page_size), lax.rem(slot, page_size)  # slot >= 0 here
         pool_ref[0, page, offset, h, :] = k_ref[...].astype(pool_ref.dtype)
         pool_ref[1, page, offset, h, :] = v_ref[...].astype(pool_ref.dtype)
+        if quantized:
+            scales_ref[0, page, offset, h, :] = ks_ref[...]
+            scales_ref[1, page, offset, h, :] = vs_ref[...]
 
 
-def _kv_write_gpu(kv_pages, k, v, slots, *, interpret):
+def _kv_write_gpu(kv_pages, k, v, slots, scales, ks, vs, *, interpret):
     num_tokens, num_kv_heads, head_dim = k.shape
     page_size = kv_pages.shape[2]
+    quantized = scales is not None
     full = lambda x: pl.BlockSpec(x.shape, lambda t, h: (0,) * x.ndim)
     row = pl.BlockSpec((None, None, head_dim), lambda t, h: (t, h, 0))
-    return pl.pallas_call(
-        functools.partial(_kv_write_kernel_gpu, page_size=page_size),
+    kernel = functools.partial(_kv_write_kernel_gpu, page_size=page_size, quantized=quantized)
+    if not quantized:
+        return pl.pallas_call(
+            kernel,
+            grid=(num_tokens, num_kv_heads),
+            in_specs=[full(slots), row, row, full(kv_pages)],
+            out_specs=full(kv_pages),
+            out_shape=jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype),
+            input_output_aliases={3: 0},
+            compiler_params=triton_params(num_warps=1, num_stages=1),
+            interpret=interpret_arg("gpu", interpret),
+            name="paxpage_kv_write_gpu",
+        )(slots, k, v, kv_pages)
+    # Scales get a trailing axis of 1 (a free reshape) so each program stores a [1] row as it
+    # stores its [D] row: Triton blocks are power-of-two vectors, K need not be one.
+    scales = scales[..., None]  # [2, P, page_size, K, 1]
+    scale_row = pl.BlockSpec((None, None, 1), lambda t, h: (t, h, 0))
+    pages, scales = pl.pallas_call(
+        kernel,
         grid=(num_tokens, num_kv_heads),
-        in_specs=[full(slots), row, row, full(kv_pages)],
-        out_specs=full(kv_pages),
-        out_shape=jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype),
-        input_output_aliases={3: 0},
+        in_specs=[full(slots), row, row, scale_row, scale_row, full(kv_pages), full(scales)],
+        out_specs=[full(kv_pages), full(scales)],
+        out_shape=[jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype),
+                   jax.ShapeDtypeStruct(scales.shape, scales.dtype)],
+        input_output_aliases={5: 0, 6: 1},
         compiler_params=triton_params(num_warps=1, num_stages=1),
         interpret=interpret_arg("gpu", interpret),
-        name="paxpage_kv_write_gpu",
-    )(slots, k, v, kv_pages)
+        name="paxpage_kv_write_quantized_gpu",
+    )(slots, k, v, ks[..., None], vs[..., None], kv_pages, scales)
+    return pages, scales[..., 0]
 
 
-def _kv_write_kernel_tpu(slots_ref, k_ref, v_ref, pool_in_ref, pool_ref, sem, *, page_size: int):
-    # slots_ref SMEM i32[T_pad]; k_ref/v_ref [block_t, K, D] VMEM; pool_ref HBM [2, P, page_size, K, D]
-    del pool_in_ref  # same buffer as pool_ref
+def _kv_write_kernel_tpu(slots_ref, k_ref, v_ref, *refs, page_size: int, quantized: bool):
+    # slots_ref SMEM i32[T_pad]; k_ref/v_ref [block_t, K, D] VMEM; pool_ref HBM [2, P, page_size, K, D].
+    # Quantised: ks_ref/vs_ref f32[block_t, K] VMEM, scales_ref HBM f32[2, P, page_size, K].
+    if quantized:
+        ks_ref, vs_ref, _, _, pool_ref, scales_ref, sem = refs  # inputs 5, 6 are the aliased buffers
+    else:
+        _, pool_ref, sem = refs
     block_t = k_ref.shape[0]
     t0 = pl.program_id(0) * block_t
 
     def copies(t):
         slot = slots_ref[t0 + t]
         page, offset = lax.div(slot, page_size), lax.rem(slot, page_size)  # slot >= 0 here
-        return slot, (
+        dmas = [
             pltpu.make_async_copy(k_ref.at[t], pool_ref.at[0, page, offset], sem),
             pltpu.make_async_copy(v_ref.at[t], pool_ref.at[1, page, offset], sem),
-        )
+        ]
+        if quantized:
+            dmas += [
+                pltpu.make_async_copy(ks_ref.at[t], scales_ref.at[0, page, offset], sem),
+                pltpu.make_async_copy(vs_ref.at[t], scales_ref.at[1, page, offset], sem),
+            ]
+        return slot, dmas
 
     def start(t, carry):
         slot, dmas = copies(t)
@@ -94,9 +136,10 @@ def _kv_write_kernel_tpu(slots_ref, k_ref, v_ref, pool_in_ref, pool_ref, sem, *,
     lax.fori_loop(0, block_t, wait, 0)
 
 
-def _kv_write_tpu(kv_pages, k, v, slots, *, block_t, interpret):
+def _kv_write_tpu(kv_pages, k, v, slots, scales, ks, vs, *, block_t, interpret):
     num_tokens, num_kv_heads, head_dim = k.shape
     page_size = kv_pages.shape[2]
+    quantized = scales is not None
     num_blocks = pl.cdiv(num_tokens, block_t)
     pad = num_blocks * block_t - num_tokens
     slots = jnp.pad(slots, (0, pad), constant_values=-1)
@@ -104,28 +147,35 @@ def _kv_write_tpu(kv_pages, k, v, slots, *, block_t, interpret):
     v = jnp.pad(v, ((0, pad), (0, 0), (0, 0)))
     tok = pl.BlockSpec((block_t, num_kv_heads, head_dim), lambda i, slots_ref: (i, 0, 0))
     any_spec = pl.BlockSpec(memory_space=getattr(pltpu, "ANY", None) or pl.ANY)
+    in_specs, args = [tok, tok], [slots, k, v]
+    if quantized:
+        tok_scale = pl.BlockSpec((block_t, num_kv_heads), lambda i, slots_ref: (i, 0))
+        in_specs += [tok_scale, tok_scale]
+        args += [jnp.pad(ks, ((0, pad), (0, 0))), jnp.pad(vs, ((0, pad), (0, 0)))]
+    buffers = [kv_pages] + ([scales] if quantized else [])
+    first = len(args)  # operand index of the pool (the scalar-prefetch slots count)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(num_blocks,),
-        in_specs=[tok, tok, any_spec],
-        out_specs=any_spec,
+        in_specs=in_specs + [any_spec] * len(buffers),
+        out_specs=[any_spec] * len(buffers),
         scratch_shapes=[pltpu.SemaphoreType.DMA(())],
     )
-    return pl.pallas_call(
-        functools.partial(_kv_write_kernel_tpu, page_size=page_size),
+    out = pl.pallas_call(
+        functools.partial(_kv_write_kernel_tpu, page_size=page_size, quantized=quantized),
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype),
-        # Operand 3 counts the scalar-prefetch operand: (slots, k, v, kv_pages).
-        input_output_aliases={3: 0},
+        out_shape=[jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers],
+        input_output_aliases={first + i: i for i in range(len(buffers))},
         compiler_params=tpu_params(("arbitrary",)),
         interpret=interpret_arg("tpu", interpret),
         name="paxpage_kv_write_tpu",
-    )(slots, k, v, kv_pages)
+    )(*args, *buffers)
+    return out[0] if not quantized else tuple(out)
 
 
 @functools.partial(jax.jit, static_argnames=("block_t", "backend", "interpret"), donate_argnums=(0,))
 def write_kv(
-    kv_pages: jax.Array,  # [2, P, page_size, K, D] one layer's pool; donated, updated in place
+    kv_pages,  # [2, P, page_size, K, D] one layer's pool, or a QuantizedKV; donated, updated in place
     k: jax.Array,  # [T, K, D] this step's keys, flat tokens
     v: jax.Array,  # [T, K, D]
     slot_mapping: jax.Array,  # i32[T] page_id * page_size + offset; -1 = padding, not written
@@ -135,6 +185,7 @@ def write_kv(
     interpret: bool = False,
 ) -> jax.Array:  # the same pool with the T rows written
     check_backend(backend)
+    kv_pages, scales = kv_quant.split(kv_pages)
     two, num_pages, page_size, num_kv_heads, head_dim = kv_pages.shape
     if two != 2 or k.shape[1:] != (num_kv_heads, head_dim) or v.shape != k.shape:
         raise ValueError(
@@ -146,8 +197,14 @@ def write_kv(
     # Out-of-range slots would write outside the pool: treat them like padding, as the reference's
     # mode="drop" does.
     slots = jnp.where(slots < num_pages * page_size, slots, -1)
-    k = k.astype(kv_pages.dtype)
-    v = v.astype(kv_pages.dtype)
+    ks = vs = None
+    if scales is None:
+        k = k.astype(kv_pages.dtype)
+        v = v.astype(kv_pages.dtype)
+    else:  # quantised here, per (token, kv head); the kernels store values and scales
+        (k, v), (ks, vs) = kv_quant.quantize(jnp.stack([k, v]), kv_pages.dtype)
     if backend == "gpu":
-        return _kv_write_gpu(kv_pages, k, v, slots, interpret=interpret)
-    return _kv_write_tpu(kv_pages, k, v, slots, block_t=block_t, interpret=interpret)
+        out = _kv_write_gpu(kv_pages, k, v, slots, scales, ks, vs, interpret=interpret)
+    else:
+        out = _kv_write_tpu(kv_pages, k, v, slots, scales, ks, vs, block_t=block_t, interpret=interpret)
+    return out if scales is None else kv_quant.join(*out)

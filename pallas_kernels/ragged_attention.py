@@ -18,6 +18,10 @@ With a sliding window W also (kp - base + W) * Gp > r (i.e. kp > position - W), 
 wholly before the window of the sequence's first token in the query block are never read (they
 may be released pages). A soft cap c maps scaled scores s to c * tanh(s / c).
 
+Quantised pool (kv_quant.QuantizedKV): each K/V block is read with its block of scales and
+dequantised as in decode_attention.py (GPU: scores scaled per key, values in the block; TPU:
+both in the block). A plain pool traces the kernel it always did.
+
 GPU: Triton lowering (see decode_attention.py for why not Mosaic GPU); metadata are plain inputs
 read as scalars, the loop over sequences and key blocks runs inside the kernel.
 TPU: Mosaic TPU; metadata and a precomputed work list (query block, sequence) are scalar-prefetch
@@ -34,14 +38,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import kv_quant
 from pallas_kernels.decode_attention import (
     MASK_VALUE,
     cap_scores,
     check_backend,
     check_window_and_cap,
+    dequantize_rows,
     interpret_arg,
     next_pow2,
     online_softmax_step,
+    quantized_scores,
     scores_nt,
     tpu_params,
     triton_params,
@@ -66,16 +73,17 @@ def _first_key(base, row_lo, sliding_window):
 
 
 def _masked_scores(q, k, v, key0, kv_len, base, row_lo, row_hi, first_key, *, sm_scale, rows_per_tok,
-                   sliding_window, soft_cap):
+                   sliding_window, soft_cap, k_scales=None):
     """Scores [R, S] with causal/window/sequence mask applied; v [S, D] with keys outside
-    first_key..kv_len-1 zeroed."""
+    first_key..kv_len-1 zeroed. k_scales f32[1, S]: k holds quantised values (quantized_scores)."""
     rows, block_len = q.shape[0], k.shape[0]
     r = lax.broadcasted_iota(jnp.int32, (rows, block_len), 0)
     kp = key0 + lax.broadcasted_iota(jnp.int32, (rows, block_len), 1)
     visible = ((kp - base) * rows_per_tok <= r) & (r >= row_lo * rows_per_tok) & (r < row_hi * rows_per_tok)
     if sliding_window is not None:
         visible &= (kp - base + sliding_window) * rows_per_tok > r
-    s = jnp.where(visible, cap_scores(scores_nt(q, k) * sm_scale, soft_cap), MASK_VALUE)
+    s = scores_nt(q, k) if k_scales is None else quantized_scores(q, k, k_scales)
+    s = jnp.where(visible, cap_scores(s * sm_scale, soft_cap), MASK_VALUE)
     key = key0 + lax.broadcasted_iota(jnp.int32, (block_len, 1), 0)
     key_ok = (key < kv_len) & (key >= first_key)
     return s, jnp.where(key_ok, v, jnp.zeros_like(v))
@@ -96,10 +104,11 @@ def _ragged_kernel_gpu(
     q_ref,  # [R, D]
     k_ref,  # [P, page_size, D] kv head h of the pool, read in place
     v_ref,  # [P, page_size, D]
-    o_ref,  # [R, D]
-    *, sm_scale: float, block_q: int, rows_per_tok: int, pages_per_block: int,
-    sliding_window: int | None, soft_cap: float | None,
+    *refs,  # quantised: ks_ref, vs_ref f32[P, page_size] kv head h's scales; then o_ref [R, D]
+    sm_scale: float, block_q: int, rows_per_tok: int, pages_per_block: int,
+    sliding_window: int | None, soft_cap: float | None, quantized: bool = False,
 ):
+    ks_ref, vs_ref, o_ref = refs if quantized else (None, None, *refs)
     j = pl.program_id(0)
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     block_len = pages_per_block * page_size
@@ -115,9 +124,14 @@ def _ragged_kernel_gpu(
             ids = pt_ref[i, pl.ds(kb * pages_per_block, pages_per_block)]
             k = k_ref[ids].reshape(block_len, head_dim)
             v = v_ref[ids].reshape(block_len, head_dim)
+            quant = {}
+            if quantized:
+                quant["k_scales"] = ks_ref[ids].reshape(1, block_len)
+                v = v.astype(jnp.float32) * vs_ref[ids].reshape(block_len, 1)
             s, v = _masked_scores(
                 q, k, v, kb * block_len, kv_len, base, row_lo, row_hi, first_key,
                 sm_scale=sm_scale, rows_per_tok=rows_per_tok, sliding_window=sliding_window, soft_cap=soft_cap,
+                **quant,
             )
             return online_softmax_step(s, v, *carry)
 
@@ -136,17 +150,24 @@ def _ragged_kernel_gpu(
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-def _ragged_gpu(qw, kv_pages, table, cu, kv_lens, first, last, *, sm_scale, block_q, rows_per_tok,
+def _ragged_gpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, *, sm_scale, block_q, rows_per_tok,
                 pages_per_block, interpret, sliding_window, soft_cap):
     num_q_blocks, num_kv_heads, rows, head_dim = qw.shape
     _, num_pages, page_size, _, _ = kv_pages.shape
+    quantized = scales is not None
     kernel = functools.partial(
         _ragged_kernel_gpu, sm_scale=sm_scale, block_q=block_q, rows_per_tok=rows_per_tok,
-        pages_per_block=pages_per_block, sliding_window=sliding_window, soft_cap=soft_cap,
+        pages_per_block=pages_per_block, sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized,
     )
     full = lambda x: pl.BlockSpec(x.shape, lambda j, h: (0,) * x.ndim)
     pool_block = (None, num_pages, page_size, None, head_dim)
     q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda j, h: (j, h, 0, 0))
+    scale_specs, scale_args = [], []
+    if quantized:  # kv head h's scales, read in place like its pages
+        scale_block = (None, num_pages, page_size, None)
+        scale_specs = [pl.BlockSpec(scale_block, lambda j, h: (0, 0, 0, h)),
+                       pl.BlockSpec(scale_block, lambda j, h: (1, 0, 0, h))]
+        scale_args = [scales, scales]
     return pl.pallas_call(
         kernel,
         grid=(num_q_blocks, num_kv_heads),
@@ -154,13 +175,14 @@ def _ragged_gpu(qw, kv_pages, table, cu, kv_lens, first, last, *, sm_scale, bloc
             full(cu), full(kv_lens), full(table), full(first), full(last), q_spec,
             pl.BlockSpec(pool_block, lambda j, h: (0, 0, 0, h, 0)),
             pl.BlockSpec(pool_block, lambda j, h: (1, 0, 0, h, 0)),
+            *scale_specs,
         ],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(qw.shape, qw.dtype),
         compiler_params=triton_params(),
         interpret=interpret_arg("gpu", interpret),
         name="paxpage_ragged_attention_gpu",
-    )(cu, kv_lens, table, first, last, qw, kv_pages, kv_pages)
+    )(cu, kv_lens, table, first, last, qw, kv_pages, kv_pages, *scale_args)
 
 
 # ---------------------------------------------------------------- TPU (Mosaic TPU)
@@ -175,10 +197,13 @@ def _ragged_kernel_tpu(
     q_ref,  # [K, R, D]
     k_ref,  # [page_size, K, D] one page
     v_ref,  # [page_size, K, D]
-    o_ref,  # [K, R, D] resident while consecutive work items share the block
-    m_sc, l_sc, acc_sc,  # VMEM f32[K, R, 1], f32[K, R, 1], f32[K, R, D]
-    *, sm_scale: float, block_q: int, rows_per_tok: int, sliding_window: int | None, soft_cap: float | None,
+    *refs,  # quantised: ks_ref, vs_ref f32[page_size, K] the page's scales; then
+    # o_ref [K, R, D] resident while consecutive work items share the block, and VMEM scratch
+    # m_sc, l_sc, acc_sc f32[K, R, 1], f32[K, R, 1], f32[K, R, D]
+    sm_scale: float, block_q: int, rows_per_tok: int, sliding_window: int | None, soft_cap: float | None,
+    quantized: bool = False,
 ):
+    ks_ref, vs_ref, o_ref, m_sc, l_sc, acc_sc = refs if quantized else (None, None, *refs)
     w, p = pl.program_id(0), pl.program_id(1)
     page_size = k_ref.shape[0]
     rows = q_ref.shape[1]
@@ -199,8 +224,12 @@ def _ragged_kernel_tpu(
     @pl.when((wv_ref[w] == 1) & (p * page_size < num_keys) & ((p + 1) * page_size > first_key))
     def _compute():
         for h in range(k_ref.shape[1]):  # K is small and static
+            q, k, v = q_ref[h], k_ref[:, h, :], v_ref[:, h, :]
+            if quantized:  # dequantise the page's rows: [page_size, D] * [page_size, 1]
+                k = dequantize_rows(k, ks_ref[:, h:h + 1], q.dtype)
+                v = v.astype(jnp.float32) * vs_ref[:, h:h + 1]
             s, v = _masked_scores(
-                q_ref[h], k_ref[:, h, :], v_ref[:, h, :], p * page_size, kv_len, base, row_lo, row_hi,
+                q, k, v, p * page_size, kv_len, base, row_lo, row_hi,
                 first_key, sm_scale=sm_scale, rows_per_tok=rows_per_tok, sliding_window=sliding_window,
                 soft_cap=soft_cap,
             )
@@ -234,7 +263,7 @@ def _work_list(first, last, num_q_blocks, num_slots):
     return block, seq.astype(jnp.int32), is_first.astype(jnp.int32), valid.astype(jnp.int32)
 
 
-def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, *, sm_scale, block_q, rows_per_tok,
+def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, *, sm_scale, block_q, rows_per_tok,
                 interpret, sliding_window, soft_cap):
     num_q_blocks, num_kv_heads, rows, head_dim = qw.shape
     _, _, page_size, _, _ = kv_pages.shape
@@ -242,7 +271,7 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, *, sm_scale, bloc
     wb, ws, wi, wv = _work_list(first, last, num_q_blocks, num_slots)
     geom = functools.partial(_work_geometry, block_q=block_q)
 
-    def page_map(half):
+    def page_map(half, trailing=3):  # trailing: block axes after the page's (K, D; scales: K)
         def index_map(w, p, cu_r, kvl_r, pt_r, wb_r, ws_r, wi_r, wv_r):
             row_lo, _, base, num_keys = geom(w, cu_r, kvl_r, wb_r, ws_r)
             used = jnp.maximum(pl.cdiv(num_keys, page_size) - 1, 0)
@@ -250,8 +279,15 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, *, sm_scale, bloc
             if sliding_window is not None:  # before the window: its first page (released pages unread)
                 page = jnp.maximum(p, _first_key(base, row_lo, sliding_window) // page_size)
             # Past the keys this item needs, repeat the last page: no new DMA, no stray read.
-            return (half, pt_r[ws_r[w] * pages_per_seq + jnp.minimum(page, used)], 0, 0, 0)
+            return (half, pt_r[ws_r[w] * pages_per_seq + jnp.minimum(page, used)]) + (0,) * trailing
         return index_map
+
+    quantized = scales is not None
+    scale_specs, scale_args = [], []
+    if quantized:  # the page's scales, fetched by the same index as its values
+        scale_block = (None, None, page_size, num_kv_heads)
+        scale_specs = [pl.BlockSpec(scale_block, page_map(0, 2)), pl.BlockSpec(scale_block, page_map(1, 2))]
+        scale_args = [scales, scales]
 
     block_map = lambda w, p, cu_r, kvl_r, pt_r, wb_r, *_: (wb_r[w], 0, 0, 0)
     page_block = (None, None, page_size, num_kv_heads, head_dim)
@@ -262,6 +298,7 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, *, sm_scale, bloc
             pl.BlockSpec((None, num_kv_heads, rows, head_dim), block_map),
             pl.BlockSpec(page_block, page_map(0)),
             pl.BlockSpec(page_block, page_map(1)),
+            *scale_specs,
         ],
         out_specs=pl.BlockSpec((None, num_kv_heads, rows, head_dim), block_map),
         scratch_shapes=[
@@ -271,7 +308,7 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, *, sm_scale, bloc
         ],
     )
     kernel = functools.partial(_ragged_kernel_tpu, sm_scale=sm_scale, block_q=block_q, rows_per_tok=rows_per_tok,
-                               sliding_window=sliding_window, soft_cap=soft_cap)
+                               sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized)
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -280,7 +317,7 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, *, sm_scale, bloc
         compiler_params=tpu_params(("arbitrary", "arbitrary")),
         interpret=interpret_arg("tpu", interpret),
         name="paxpage_ragged_attention_tpu",
-    )(cu, kv_lens, table.reshape(-1), wb, ws, wi, wv, qw, kv_pages, kv_pages)
+    )(cu, kv_lens, table.reshape(-1), wb, ws, wi, wv, qw, kv_pages, kv_pages, *scale_args)
 
 
 # ---------------------------------------------------------------- public wrapper
@@ -290,7 +327,7 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, *, sm_scale, bloc
 )
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, D] f32 or bf16, flat tokens of all sequences back to back
-    kv_pages: jax.Array,  # [2, P, page_size, K, D] one layer's pool, already holding this step's K/V
+    kv_pages,  # [2, P, page_size, K, D] one layer's pool, already holding this step's K/V (or a QuantizedKV)
     page_indices: jax.Array,  # i32[S_max, pages_per_seq] logical -> physical page of sequence i
     cu_q_lens: jax.Array,  # i32[S_max + 1] token offsets; cu_q_lens[0] = 0
     kv_lens: jax.Array,  # i32[S_max] keys of sequence i including its new tokens
@@ -307,6 +344,7 @@ def ragged_paged_attention(
     check_backend(backend)
     check_window_and_cap(sliding_window, soft_cap)
     num_tokens, num_heads, head_dim = q.shape
+    kv_pages, scales = kv_quant.split(kv_pages)
     two, _, page_size, num_kv_heads, kv_dim = kv_pages.shape
     if two != 2 or kv_dim != head_dim:
         raise ValueError(f"kv_pages has shape {kv_pages.shape}; expected [2, P, page_size, K, {head_dim}]")
@@ -358,9 +396,9 @@ def ragged_paged_attention(
     kw = dict(sm_scale=sm_scale, block_q=block_q, rows_per_tok=rows_per_tok, interpret=interpret,
               sliding_window=sliding_window, soft_cap=soft_cap)
     if backend == "gpu":
-        out = _ragged_gpu(qw, kv_pages, table, cu, kv_lens, first, last, pages_per_block=pages_per_block, **kw)
+        out = _ragged_gpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, pages_per_block=pages_per_block, **kw)
     else:
-        out = _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, **kw)
+        out = _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, **kw)
     out = out.reshape(num_q_blocks, num_kv_heads, block_q, rows_per_tok, head_dim)[:, :, :, :group]
     out = out.transpose(0, 2, 1, 3, 4).reshape(num_q_blocks * block_q, num_heads, head_dim)
     return out[:num_tokens]

@@ -12,26 +12,34 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kv_quant
+
 
 def write_kv(
-    kv_pages: jax.Array,  # [2, P, page_size, K, D] one layer's pool
+    kv_pages,  # [2, P, page_size, K, D] one layer's pool, or a kv_quant.QuantizedKV
     k: jax.Array,  # [T, K, D] this step's keys, flat tokens
     v: jax.Array,  # [T, K, D]
     slot_mapping: jax.Array,  # i32[T] page_id * page_size + offset; -1 = padding, not written
 ) -> jax.Array:
-    """Returns the pool with token t's K/V stored at slot_mapping[t]."""
-    _, num_pages, page_size, _, _ = kv_pages.shape
+    """Returns the pool with token t's K/V stored at slot_mapping[t] (quantised per (token, kv
+    head) when the pool is a QuantizedKV)."""
+    pages, scales = kv_quant.split(kv_pages)
+    _, num_pages, page_size, _, _ = pages.shape
     # Index (page, offset) directly: reshaping the pool to flat slots first makes XLA copy
     # the whole pool when the update degenerates to one slot (measured: ~1 s per step).
     page = jnp.where(slot_mapping < 0, num_pages, slot_mapping // page_size)  # padding: out of bounds
     offset = slot_mapping % page_size
-    kv = jnp.stack([k, v]).astype(kv_pages.dtype)  # [2, T, K, D]
-    return kv_pages.at[:, page, offset].set(kv, mode="drop")
+    if scales is None:
+        kv = jnp.stack([k, v]).astype(kv_pages.dtype)  # [2, T, K, D]
+        return kv_pages.at[:, page, offset].set(kv, mode="drop")
+    kv, kv_scales = kv_quant.quantize(jnp.stack([k, v]), pages.dtype)  # [2, T, K, D], f32[2, T, K]
+    return kv_quant.QuantizedKV(pages.at[:, page, offset].set(kv, mode="drop"),
+                                scales.at[:, page, offset].set(kv_scales, mode="drop"))
 
 
 def paged_attention_ref(
     q: jax.Array,  # [B, Tq, N, D]
-    kv_pages: jax.Array,  # [2, P, page_size, K, D] already holding this step's K/V
+    kv_pages,  # [2, P, page_size, K, D] already holding this step's K/V (or a QuantizedKV)
     page_indices: jax.Array,  # i32[B, pages_per_seq]
     kv_lens: jax.Array,  # i32[B] cached tokens incl. this step's; 0 = padding row
     q_lens: jax.Array,  # i32[B] new tokens this step
@@ -46,12 +54,17 @@ def paged_attention_ref(
     Query token i of row b is at position p = kv_lens[b] - q_lens[b] + i and sees keys
     0..p, or with a sliding window W only keys p - W + 1..p (HF transformers' convention:
     `kv_idx > q_idx - sliding_window`). Padding query tokens (i >= q_lens[b]) return zeros.
+    A QuantizedKV pool is dequantised (values * scales, f32) as it is gathered.
     """
     batch, num_q, num_heads, head_dim = q.shape
-    _, _, page_size, num_kv_heads, _ = kv_pages.shape
+    pages, scales = kv_quant.split(kv_pages)
+    _, _, page_size, num_kv_heads, _ = pages.shape
     group = num_heads // num_kv_heads
-    k = kv_pages[0][page_indices]  # [B, pages_per_seq, page_size, K, D]
-    v = kv_pages[1][page_indices]
+    k = pages[0][page_indices]  # [B, pages_per_seq, page_size, K, D]
+    v = pages[1][page_indices]
+    if scales is not None:
+        k = kv_quant.dequantize(k, scales[0][page_indices])
+        v = kv_quant.dequantize(v, scales[1][page_indices])
     k = k.reshape(batch, -1, num_kv_heads, head_dim).astype(jnp.float32)  # [B, S, K, D]
     v = v.reshape(batch, -1, num_kv_heads, head_dim).astype(jnp.float32)
     qg = q.astype(jnp.float32).reshape(batch, num_q, num_kv_heads, group, head_dim)

@@ -27,6 +27,10 @@ at the first chunk any row can see, so a long row reads O(W) keys, not O(length)
 a row's first visible key are zeroed like those past its end (released pages may hold anything).
 Soft cap c (static): scores become c * tanh(scores / c). With both None the traced step is the
 plain causal one, op for op.
+Quantised pool (kv_quant.QuantizedKV): the scales are viewed as rows of whole pages too,
+[2 * P, page_size * K], gathered with the same indices, and each chunk's int8/fp8 keys and
+values are dequantised (values * scales, f32) right after the gather; a plain pool traces no
+scale op at all.
 
 Axis legend: B rows, Tq query tokens per row, S keys in a chunk, N query heads,
 K kv heads, G = N // K, D head dim, M = Tq * N expanded query rows, J = K * D.
@@ -37,6 +41,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from pallas_kernels import kv_quant
 
 # Gathered keys per chunk: small enough to stay in cache while the dots read it.
 CHUNK_BYTES = 1 << 20
@@ -52,7 +58,7 @@ def pages_per_chunk(batch: int, page_bytes: int, page_size: int, pages_per_seq: 
 
 def paged_attention_xla(
     q: jax.Array,  # [B, Tq, N, D]
-    kv_pages: jax.Array,  # [2, P, page_size, K, D] already holding this step's K/V
+    kv_pages,  # [2, P, page_size, K, D] already holding this step's K/V, or a QuantizedKV
     page_indices: jax.Array,  # i32[B, pages_per_seq]
     kv_lens: jax.Array,  # i32[B] cached tokens incl. this step's; 0 = padding row
     q_lens: jax.Array,  # i32[B] new tokens this step
@@ -63,11 +69,14 @@ def paged_attention_xla(
     chunk_tokens: int = 64,
 ) -> jax.Array:  # [B, Tq, N, D]
     batch, num_q, num_heads, head_dim = q.shape
+    kv_pages, scales = kv_quant.split(kv_pages)
     _, num_pages, page_size, num_kv_heads, _ = kv_pages.shape
     group = num_heads // num_kv_heads
     width = num_kv_heads * head_dim  # J
     pages_per_seq = page_indices.shape[1]
-    chunk_pages = pages_per_chunk(batch, page_size * width * kv_pages.dtype.itemsize, page_size,
+    # A quantised chunk is dequantised to f32 right away: size chunks by that working set.
+    itemsize = kv_pages.dtype.itemsize if scales is None else 4
+    chunk_pages = pages_per_chunk(batch, page_size * width * itemsize, page_size,
                                   pages_per_seq, chunk_tokens)
     chunk_len = chunk_pages * page_size  # S
     num_chunk_slots = -(-pages_per_seq // chunk_pages)
@@ -76,6 +85,8 @@ def paged_attention_xla(
     pad = num_chunk_slots * chunk_pages - pages_per_seq
     page_indices = jnp.clip(jnp.pad(page_indices.astype(jnp.int32), ((0, 0), (0, pad))), 0, num_pages - 1)
     pool_rows = kv_pages.reshape(2 * num_pages, page_size * width)  # K pages, then V pages
+    if scales is not None:
+        scale_rows = scales.reshape(2 * num_pages, page_size * num_kv_heads)  # same rows, per head
     kv_lens = kv_lens.astype(jnp.int32)
     q_lens = q_lens.astype(jnp.int32)
     q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(num_q)[None, :]  # [B, Tq]
@@ -108,6 +119,12 @@ def paged_attention_xla(
         idx = lax.dynamic_slice_in_dim(page_indices, c * chunk_pages, chunk_pages, axis=1)
         k = pool_rows.at[idx].get(mode="promise_in_bounds")  # [B, chunk_pages, page_size * J]
         v = pool_rows.at[idx + num_pages].get(mode="promise_in_bounds")
+        if scales is not None:  # dequantise: [B, S, K, D] * [B, S, K, 1], back to [B, S, J]
+            def deq(x, rows):
+                s_kv = scale_rows.at[rows].get(mode="promise_in_bounds").reshape(batch, chunk_len, num_kv_heads)
+                x = x.reshape(batch, chunk_len, num_kv_heads, head_dim)
+                return kv_quant.dequantize(x, s_kv).reshape(batch, chunk_len, width)
+            k, v = deq(k, idx), deq(v, idx + num_pages)
         k = k.reshape(batch, chunk_len, width).astype(jnp.float32)  # [B, S, J]
         k_pos = c * chunk_len + jnp.arange(chunk_len)  # [S]
         live = k_pos[None, :] < kv_lens[:, None]  # [B, S]

@@ -27,7 +27,8 @@ def _generate(args: argparse.Namespace) -> int:
     # Checked before the model loads, so a bad value fails in a second, not after the load.
     params = paxpage.SamplingParams(max_tokens=args.max_tokens, **given)
     config = paxpage.EngineConfig(tensor_parallel_size=args.tensor_parallel_size,
-                                  data_parallel_size=args.data_parallel_size)
+                                  data_parallel_size=args.data_parallel_size,
+                                  kv_cache_dtype=args.kv_cache_dtype)
     multi = multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     xla_cache.enable()
     model = paxpage.load(args.model)
@@ -132,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="send prompts as plain text, not as a chat")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                   help="KV cache storage: the model's dtype (auto), or int8 / fp8 with per-token scales")
     p = g.add_argument_group("parallelism (README: Parallelism)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the weights and KV split over")
     p.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas")

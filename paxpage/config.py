@@ -13,6 +13,9 @@ from paxpage.kv_sizing import DEFAULT_KV_CACHE_BYTES
 
 ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret")
 DTYPES = ("float32", "bfloat16")
+# "auto": the pool in the model's dtype; "int8" / "fp8" (float8_e4m3fn): quantised per (token,
+# kv head) with f32 scales beside the pages (pallas_kernels/kv_quant.py).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +31,7 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output tokens; model's limit when None
     prefill_row_len: int = 32  # Tq: prefill tokens are packed in rows of this width
     dtype: str | None = None  # "float32" on CPU, "bfloat16" on GPU/TPU when None
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     attention_impl: str | None = None  # "xla" on CPU, "pallas" on GPU/TPU when None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -71,6 +75,8 @@ class EngineConfig:
             raise ValueError(f"kv_allocation must be 'paged' or 'contiguous', got {self.kv_allocation!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_impl is not None and self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(
                 f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}"
@@ -103,8 +109,9 @@ class EngineConfig:
         itemsize = 4 if dtype == "float32" else 2
         # Per device: a tensor-parallel split of the KV heads shrinks it (kv_cache_bytes is a
         # per-device budget, so tp devices hold up to tp times the pages; sharding.py).
+        # A quantised pool counts its 1-byte values and its scales.
         plan = ShardingPlan.for_model(model, self.tensor_parallel_size)
-        page_bytes = kv_page_bytes_per_device(model, plan, self.page_size, itemsize)
+        page_bytes = kv_page_bytes_per_device(model, plan, self.page_size, itemsize, self.kv_cache_dtype)
         if self.num_pages is not None:
             num_pages, source = self.num_pages, "num_pages"
         elif self.kv_cache_bytes is None and not on_cpu:

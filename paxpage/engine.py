@@ -117,7 +117,8 @@ class LLMEngine:
             source = (f"gpu_memory_utilization {budget.utilization:g} of {budget.bytes_limit / kv_sizing.GIB:.1f} "
                       f"GiB, after {budget.bytes_in_use / kv_sizing.GIB:.2f} GiB in use and a "
                       f"{budget.step_bytes / kv_sizing.GIB:.2f} GiB step")
-        return kv_sizing.describe_pool(cfg.num_pages, cfg.page_size, cfg.page_bytes, source)
+        line = kv_sizing.describe_pool(cfg.num_pages, cfg.page_size, cfg.page_bytes, source)
+        return line if cfg.kv_cache_dtype == "auto" else f"{line}, {cfg.kv_cache_dtype} with per-token scales"
 
     def precompile(self) -> tuple[int, float]:
         """Compiles every step shape this config can produce now, so no request waits for a

@@ -86,10 +86,22 @@ def zeros(shape, dtype, sharding: NamedSharding) -> jax.Array:
     return jax.jit(functools.partial(jax.numpy.zeros, shape, dtype), out_shardings=sharding)()
 
 
-def shard_attention(attention, write_kv, mesh: Mesh, plan: ShardingPlan):
+def cache_zeros(shape, kv_cache_dtype: str, dtype, sharding) -> object:
+    """One layer's empty cache (kv_quant.zeros), each array created with its own sharding from
+    `sharding`, a pytree like the cache (shard_runner_state's pool sharding)."""
+    from pallas_kernels import kv_quant
+
+    if kv_cache_dtype == "auto":
+        return zeros(shape, dtype, sharding)
+    return kv_quant.QuantizedKV(zeros(shape, kv_quant.KV_CACHE_DTYPES[kv_cache_dtype], sharding.pages),
+                                zeros(shape[:-1], kv_quant.SCALE_DTYPE, sharding.scales))
+
+
+def shard_attention(attention, write_kv, mesh: Mesh, plan: ShardingPlan, kv_cache_dtype: str = "auto"):
     """Wraps the model's attention and KV write so each device runs them on its own heads (all
-    heads when the plan replicates attention). Page tables, lengths and slots are replicated."""
-    q_spec, kv_spec, pool_spec = plan.spec(Q_AXES), plan.spec(NEW_KV_AXES), plan.kv_pool_spec
+    heads when the plan replicates attention). Page tables, lengths and slots are replicated.
+    A quantised cache's scales split over their K axis like the pages."""
+    q_spec, kv_spec, pool_spec = plan.spec(Q_AXES), plan.spec(NEW_KV_AXES), plan.kv_cache_spec(kv_cache_dtype)
     rep = PartitionSpec()
 
     def sharded_attention(q, kv_pages, page_indices, kv_lens, q_lens, *, sm_scale):
@@ -113,9 +125,10 @@ def bytes_per_device(tree) -> dict:
     return out
 
 
-def shard_runner_state(model_cfg, params, dtype, mesh: Mesh, attention, write_kv):
+def shard_runner_state(model_cfg, params, dtype, mesh: Mesh, attention, write_kv, kv_cache_dtype: str = "auto"):
     """What ModelRunner needs on a tensor-parallel mesh: (model config the step runs, plan,
-    sharded params, the KV pool's sharding (each layer's pool: `zeros(shape, dtype, it)`),
+    sharded params, the KV cache's sharding, a pytree like one layer's cache (each layer's
+    cache: `cache_zeros(shape, kv_cache_dtype, dtype, it)`),
     attention and write_kv under shard_map, jit kwargs of the step, jit kwargs of the page copy)."""
     from paxpage.sharding import replicate_kv_heads
 
@@ -123,8 +136,9 @@ def shard_runner_state(model_cfg, params, dtype, mesh: Mesh, attention, write_kv
     params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
     params = place_params(replicate_kv_heads(plan, model_cfg, params), mesh, plan)
     model_cfg = plan.sharded_model_config(model_cfg)
-    pool = NamedSharding(mesh, plan.kv_pool_spec)
-    attention, write_kv = shard_attention(attention, write_kv, mesh, plan)
+    pool = jax.tree.map(lambda spec: NamedSharding(mesh, spec), plan.kv_cache_spec(kv_cache_dtype),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    attention, write_kv = shard_attention(attention, write_kv, mesh, plan, kv_cache_dtype)
     pools = [pool] * model_cfg.num_layers
     replicated = NamedSharding(mesh, PartitionSpec())
     step = {"out_shardings": (pools, replicated, replicated)}

@@ -20,7 +20,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.families import build_model
-from pallas_kernels import reference
+from pallas_kernels import kv_quant, reference
 from pallas_kernels.xla_attention import paged_attention_xla
 from paxpage import kv_sizing
 from paxpage import sampler as sampler_lib
@@ -96,7 +96,8 @@ class ModelRunner:
             from paxpage import mesh as mesh_lib  # the sharded path only
 
             (model_cfg, self.plan, self.params, self._pool_sharding, attention, write_kv, step_shardings,
-             copy_shardings) = mesh_lib.shard_runner_state(model_cfg, params, dtype, mesh, attention, write_kv)
+             copy_shardings) = mesh_lib.shard_runner_state(model_cfg, params, dtype, mesh, attention, write_kv,
+                                                           cfg.kv_cache_dtype)
         self.step_model_cfg = model_cfg  # the config the step runs (sharded: KV heads maybe replicated)
         self.model = build_model(model_cfg, attention, write_kv, dtype)
         # The model step and the sampler compile separately: sampler options (logprob widths,
@@ -115,15 +116,17 @@ class ModelRunner:
             num_pages = self._pages_from_memory()
             self.cfg = cfg = dataclasses.replace(self.cfg, num_pages=num_pages)
         shape = (2, cfg.num_pages, cfg.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        # One entry per layer: the pool array, or kv_quant.QuantizedKV(pages, scales) for an
+        # int8 / fp8 cache. Code that moves pages maps over the pytree (jax.tree.map).
         self.kv_cache = [self._zeros(shape, dtype) for _ in range(model_cfg.num_layers)]
 
-    def _zeros(self, shape, dtype) -> jax.Array:
-        """One layer's zero pool, created where (and split as) the step expects it."""
+    def _zeros(self, shape, dtype):
+        """One layer's empty cache, created where (and split as) the step expects it."""
         if self._pool_sharding is None:
-            return jnp.zeros(shape, dtype)
+            return kv_quant.zeros(shape, self.cfg.kv_cache_dtype, dtype)
         from paxpage import mesh as mesh_lib
 
-        return mesh_lib.zeros(shape, dtype, self._pool_sharding)
+        return mesh_lib.cache_zeros(shape, self.cfg.kv_cache_dtype, dtype, self._pool_sharding)
 
     def _pages_from_memory(self) -> int:
         """Pool size from the device's memory statistics, now that the weights are placed (see
@@ -150,8 +153,11 @@ class ModelRunner:
         m = self.step_model_cfg
         num_tokens = batch.token_ids.shape[0]
         estimate = num_tokens * (m.vocab_size + 4 * m.intermediate_size) * 4
-        pool = jax.ShapeDtypeStruct((2, self.cfg.pages_per_seq + 1, self.cfg.page_size, m.num_kv_heads,
-                                     m.head_dim), jnp.dtype(self.cfg.dtype), sharding=self._pool_sharding)
+        shape = (2, self.cfg.pages_per_seq + 1, self.cfg.page_size, m.num_kv_heads, m.head_dim)
+        pool = jax.eval_shape(lambda: kv_quant.zeros(shape, self.cfg.kv_cache_dtype, self.cfg.dtype))
+        if self._pool_sharding is not None:
+            pool = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                pool, self._pool_sharding)
         try:
             compiled = self._step.lower(self.params, [pool] * m.num_layers, batch,
                                         np.full(num_tokens, -1, np.int32), self._no_prev_tokens).compile()
@@ -353,7 +359,9 @@ class ModelRunner:
 
 
 def _copy_pages(kv_cache, src, dst):  # src, dst: i32[C]
-    return [pages.at[:, dst].set(pages[:, src], mode="drop") for pages in kv_cache]
+    # Every array of a layer's cache has the pool's leading [2, P] axes (pages, and the scales
+    # of a quantised cache), so one map copies a page's values and scales together.
+    return jax.tree.map(lambda pages: pages.at[:, dst].set(pages[:, src], mode="drop"), kv_cache)
 
 
 @functools.partial(jax.jit, static_argnums=(1,))

@@ -32,6 +32,7 @@ import dataclasses
 from jax.sharding import PartitionSpec
 
 from models.config import ModelConfig
+from pallas_kernels import kv_quant
 
 MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits over
 DATA_AXIS = "data"  # the mesh axis data-parallel replicas sit along
@@ -51,8 +52,9 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "down_proj/kernel": ("mlp", None),  # [F, H]
     "lm_head/kernel": (None, "vocab"),  # [H, V]
 }
-# One layer's KV pool [2, P, page_size, K, D].
+# One layer's KV pool [2, P, page_size, K, D]; a quantised pool's scales [2, P, page_size, K].
 KV_POOL_AXES: tuple[str | None, ...] = (None, None, None, "kv_heads", None)
+KV_SCALE_AXES: tuple[str | None, ...] = (None, None, None, "kv_heads")
 # Attention inputs inside the step: q [B, Tq, N, D], new k/v [T, K, D].
 Q_AXES: tuple[str | None, ...] = (None, None, "heads", None)
 NEW_KV_AXES: tuple[str | None, ...] = (None, "kv_heads", None)
@@ -99,6 +101,13 @@ class ShardingPlan:
     @property
     def kv_pool_spec(self) -> PartitionSpec:
         return self.spec(KV_POOL_AXES)
+
+    def kv_cache_spec(self, kv_cache_dtype: str = "auto"):
+        """One layer's cache spec as a pytree like the cache: the pool's spec, or for a quantised
+        cache QuantizedKV(pool spec, scales spec), both split on their K axis."""
+        if kv_cache_dtype == "auto":
+            return self.kv_pool_spec
+        return kv_quant.QuantizedKV(self.kv_pool_spec, self.spec(KV_SCALE_AXES))
 
     def kv_heads_per_device(self, cfg: ModelConfig) -> int:
         """KV heads of the pool each device holds (its per-device pool bytes follow)."""
@@ -169,6 +178,9 @@ def param_bytes_per_device(cfg: ModelConfig, plan: ShardingPlan, itemsize: int) 
     return total
 
 
-def kv_page_bytes_per_device(cfg: ModelConfig, plan: ShardingPlan, page_size: int, itemsize: int) -> int:
-    """One page's K and V over all layers, on one device."""
-    return 2 * cfg.num_layers * page_size * plan.kv_heads_per_device(cfg) * cfg.head_dim * itemsize
+def kv_page_bytes_per_device(cfg: ModelConfig, plan: ShardingPlan, page_size: int, itemsize: int,
+                             kv_cache_dtype: str = "auto") -> int:
+    """One page's K and V over all layers, on one device. `itemsize`: the model dtype's; a
+    quantised cache ("int8" / "fp8") counts 1 byte per value plus one f32 scale per (token, kv head)."""
+    row = kv_quant.bytes_per_row(kv_cache_dtype, itemsize, cfg.head_dim)
+    return 2 * cfg.num_layers * page_size * plan.kv_heads_per_device(cfg) * row

@@ -16,9 +16,16 @@ tokens: which sequence owns each page (one colour per sequence, pale where alloc
 yet holding tokens), free and prefix-cached pages, pages shared by several sequences
 outlined in red.
 
+KV cache dtypes (--kv-dtypes): instead, the same workload with paged allocation on one fixed
+byte budget (--kv-cache-bytes) with the cache stored as each of float32 / bfloat16 (the model's
+dtype: the model then also runs in it) and int8 / fp8 (EngineConfig.kv_cache_dtype, f32 model):
+pages the budget buys, the most sequences running at once and output tok/s, side by side with
+their ratios to the first dtype, in one run.
+
 Usage:
     python scripts/bench_memory.py --json /tmp/memory.json --out-dir /tmp/memory
     python scripts/bench_memory.py --num-pages 512 --max-model-len 2048 --shared-prefix 64
+    python scripts/bench_memory.py --kv-dtypes float32,bfloat16,int8,fp8 --kv-cache-bytes 47185920
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ import paxpage  # noqa: E402
 import workload as wl  # noqa: E402
 
 SCHEMES = ("paged", "contiguous")
+# --kv-dtypes entry -> (EngineConfig.dtype, EngineConfig.kv_cache_dtype)
+KV_DTYPES = {"float32": ("float32", "auto"), "bfloat16": ("bfloat16", "auto"),
+             "int8": ("float32", "int8"), "fp8": ("float32", "fp8")}
 
 
 @dataclasses.dataclass
@@ -205,6 +215,41 @@ def plot_page_map(results: dict, page_size: int, path: str, title: str, names: t
     plt.close(fig)
 
 
+# ---------------------------------------------------------------------------------------- KV dtypes
+def compare_kv_dtypes(model, work: wl.Workload, args) -> dict:
+    """The workload once per KV cache dtype at one byte budget; prints one line each, then ratios."""
+    names = args.kv_dtypes.split(",")
+    unknown = [n for n in names if n not in KV_DTYPES]
+    if unknown:
+        raise ValueError(f"--kv-dtypes has {unknown}; choose from {sorted(KV_DTYPES)}")
+    results = {}
+    for name in names:
+        dtype, kv_cache_dtype = KV_DTYPES[name]
+        cfg = paxpage.EngineConfig(page_size=args.page_size, kv_cache_bytes=args.kv_cache_bytes,
+                                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                                   max_num_batched_tokens=args.max_num_batched_tokens, dtype=dtype,
+                                   kv_cache_dtype=kv_cache_dtype)
+        if not args.no_warmup:
+            run_scheme(model, work.with_fresh_prompts(model.config.vocab_size, args.seed + 7919), cfg)
+        r = results[name] = run_scheme(model, work, cfg)
+        r.pop("_snapshot")
+        r.pop("series")
+        r.update(dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+        print(f"{name:>9}: {r['num_pages']:5d} pages of {r['page_bytes']} B, max {r['max_running']:3d} running "
+              f"(mean {r['mean_running']:.1f}), {r['output_tok_per_s']:.1f} output tok/s "
+              f"({r['wall_s']:.1f} s, {r['preemptions']} preemptions)", flush=True)
+    base = results[names[0]]
+    for name in names[1:]:
+        r = results[name]
+        r["ratios"] = {"pages": r["num_pages"] / base["num_pages"],
+                       "max_running": r["max_running"] / base["max_running"],
+                       "output_tok_per_s": r["output_tok_per_s"] / base["output_tok_per_s"]}
+        print(f"{name} / {names[0]}: {r['ratios']['pages']:.2f}x pages (tokens), "
+              f"{r['ratios']['max_running']:.2f}x max running, {r['ratios']['output_tok_per_s']:.2f}x output tok/s",
+              flush=True)
+    return results
+
+
 # ---------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     defaults = wl.backend_defaults()
@@ -226,6 +271,9 @@ def main(argv=None) -> int:
                         help="default budget: room for this many max_model_len reservations")
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    parser.add_argument("--kv-dtypes", default=None, metavar="LIST",
+                        help=f"compare KV cache dtypes ({','.join(KV_DTYPES)}) at one --kv-cache-bytes "
+                             "(default: 4 sequences of max_model_len in float32) instead of the schemes")
     parser.add_argument("--no-warmup", action="store_true",
                         help="skip the warm-up passes (throughput then includes compiles)")
     parser.add_argument("--out-dir", default=".", help="where the PNGs go")
@@ -234,6 +282,19 @@ def main(argv=None) -> int:
 
     model = paxpage.load(args.model)
     work = wl.workload_from_args(args, model.config.vocab_size, shared_prefix=args.shared_prefix)
+    if args.kv_dtypes:
+        if args.num_pages is not None:
+            parser.error("--kv-dtypes compares at one byte budget: give --kv-cache-bytes, not --num-pages")
+        if args.kv_cache_bytes is None:  # what --contiguous-seqs full float32 sequences take
+            f32 = paxpage.EngineConfig(page_size=args.page_size, dtype="float32", num_pages=1).resolve(model.config)
+            args.kv_cache_bytes = args.contiguous_seqs * -(-args.max_model_len // args.page_size) * f32.page_bytes
+        results = compare_kv_dtypes(model, work, args)
+        if args.json:
+            wl.write_json(args.json, {
+                "backend": jax.default_backend(), "model": args.model or "SmolLM2-135M-Instruct",
+                "workload": work.summary(), "page_size": args.page_size, "kv_cache_bytes": args.kv_cache_bytes,
+                "kv_dtypes": results})
+        return 0
     num_pages = args.num_pages
     if num_pages is None and args.kv_cache_bytes is None:
         num_pages = args.contiguous_seqs * -(-args.max_model_len // args.page_size)

@@ -97,6 +97,21 @@ def test_bench_memory_smoke(tiny_model_dir, tmp_path):
         assert os.path.getsize(name) > 1000
 
 
+def test_bench_memory_kv_dtypes_smoke(tiny_model_dir, tmp_path):
+    bench = _load_script("bench_memory")
+    out = tmp_path / "kv_dtypes.json"
+    # 24 float32 pages of 4 tokens: 2 layers x 2 (K, V) x 4 tokens x 2 kv heads x 16 x 4 bytes = 2048 B each
+    rc = bench.main(["--model", tiny_model_dir, *TINY_WORKLOAD, "--max-num-seqs", "8", "--no-warmup",
+                     "--max-num-batched-tokens", "32", "--page-size", "4", "--kv-cache-bytes", str(24 * 2048),
+                     "--max-model-len", "64", "--kv-dtypes", "float32,int8", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())["kv_dtypes"]
+    # int8: rows of 16 + 4 bytes instead of 64: 640 B pages, 24 * 2048 // 640 = 76 of them
+    assert (data["float32"]["num_pages"], data["int8"]["num_pages"]) == (24, 76)
+    assert data["int8"]["max_running"] >= data["float32"]["max_running"]
+    assert data["int8"]["ratios"]["pages"] == pytest.approx(76 / 24)
+
+
 def test_bench_window_smoke(tiny_model_dir, tmp_path):
     bench = _load_script("bench_window")
     out = tmp_path / "window.json"

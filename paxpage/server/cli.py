@@ -37,6 +37,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    e.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8"],
+                   help="KV cache storage: the model's dtype (auto), or int8 / fp8 with per-token scales")
     e.add_argument("--attention-impl", default=None, choices=["xla", "pallas", "pallas-interpret"])
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--no-chunked-prefill", action="store_true")
@@ -55,7 +57,7 @@ def engine_config_from_args(args: argparse.Namespace):
     from paxpage.config import EngineConfig
 
     kw = {name: getattr(args, name) for name in ("page_size", "num_pages", "kv_cache_bytes", "gpu_memory_utilization", "max_num_seqs",
-                                                 "max_num_batched_tokens", "max_model_len", "dtype",
+                                                 "max_num_batched_tokens", "max_model_len", "dtype", "kv_cache_dtype",
                                                  "attention_impl", "tensor_parallel_size", "data_parallel_size")
           if getattr(args, name, None) is not None}
     if args.no_prefix_caching:

@@ -82,3 +82,56 @@ def test_runner_sizes_pool_from_device_memory(tiny_params, monkeypatch):
     monkeypatch.setattr(kv_sizing, "DEFAULT_KV_CACHE_BYTES", 4 * mib)
     runner = ModelRunner(cfg, params, resolved)  # no statistics: the fixed default
     assert runner.cfg.num_pages == 4 * mib // resolved.page_bytes
+
+
+def test_kv_cache_dtype_validated():
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of \\('auto', 'int8', 'fp8'\\), got 'int4'"):
+        EngineConfig(kv_cache_dtype="int4")
+
+
+def test_quantized_pool_holds_more_tokens_at_one_budget():
+    # SmolLM2-135M's KV shape: 30 layers, 3 kv heads of 64. A 16-token page per (K or V, layer,
+    # kv head): f32 16 * 64 * 4 = 4096 bytes, bf16 2048, int8 / fp8 16 * (64 + 4-byte scale) = 1088.
+    smollm2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                          num_kv_heads=3, head_dim=64, max_position_embeddings=8192)
+    per_page = {"float32": 4096, "bfloat16": 2048, "int8": 1088, "fp8": 1088}
+    budget = 1 << 30
+    pages = {}
+    for name, want in per_page.items():
+        dtype, kv = (name, "auto") if name in ("float32", "bfloat16") else ("bfloat16", name)
+        resolved = EngineConfig(dtype=dtype, kv_cache_dtype=kv, kv_cache_bytes=budget).resolve(smollm2, backend="cpu")
+        assert resolved.page_bytes == 2 * 30 * 3 * want
+        pages[name] = resolved.num_pages
+    assert pages["int8"] == pages["fp8"] == budget // (180 * 1088) == 5482
+    assert pages["bfloat16"] == budget // (180 * 2048) == 2912
+    # 2x bf16's tokens and 4x f32's, less the scales' 4 bytes per 64 values (1/17).
+    assert pages["int8"] / pages["bfloat16"] == pytest.approx(2 * 64 / 68, rel=1e-3)
+    assert pages["int8"] / pages["float32"] == pytest.approx(4 * 64 / 68, rel=1e-3)
+
+
+def test_runner_builds_and_copies_a_quantized_pool(tiny_params):
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.kv_quant import QuantizedKV
+    from paxpage.runner import ModelRunner
+
+    cfg, params = tiny_params
+    resolved = EngineConfig(page_size=8, num_pages=6, dtype="float32", kv_cache_dtype="fp8",
+                            max_num_seqs=4, max_num_batched_tokens=32).resolve(cfg, backend="cpu")
+    runner = ModelRunner(cfg, params, resolved)
+    layer = runner.kv_cache[0]
+    assert isinstance(layer, QuantizedKV) and len(runner.kv_cache) == cfg.num_layers
+    assert layer.pages.shape == (2, 6, 8, cfg.num_kv_heads, cfg.head_dim) and layer.pages.dtype == jnp.float8_e4m3fn
+    assert layer.scales.shape == (2, 6, 8, cfg.num_kv_heads) and layer.scales.dtype == jnp.float32
+    filled = [QuantizedKV(jnp.asarray(np.arange(c.pages.size).reshape(c.pages.shape) % 7, c.pages.dtype),
+                          jnp.asarray(np.arange(c.scales.size).reshape(c.scales.shape), jnp.float32))
+              for c in runner.kv_cache]
+    runner.kv_cache = filled
+    before = [(np.array(c.pages, np.float32), np.array(c.scales)) for c in filled]
+    runner.copy_pages([(1, 4), (2, 0)])  # copy-on-write moves a page's scales with its values
+    for (pages, scales), c in zip(before, runner.kv_cache):
+        for src, dst in ((1, 4), (2, 0)):
+            pages[:, dst], scales[:, dst] = pages[:, src], scales[:, src]
+        np.testing.assert_array_equal(np.asarray(c.pages, np.float32), pages)
+        np.testing.assert_array_equal(np.asarray(c.scales), scales)

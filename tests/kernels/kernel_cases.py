@@ -124,3 +124,29 @@ def release_outside_window(case: PagedCase, window: int | None) -> PagedCase:
         first_key = max(0, int(kv_len) - int(q_len) - window + 1)
         table[b, :first_key // page_size] = nan_pages[0]
     return dataclasses.replace(case, page_indices=table)
+
+
+# Quantised pools (EngineConfig.kv_cache_dtype): a few (kv dtype, config) pairs per kernel, not the
+# product. The kernels and the reference read the same stored int8 / fp8 values and scales, so the
+# table above still applies (by the query's dtype).
+KV_QUANT_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+QUANT_CASES = [("int8", CONFIGS[1]), ("fp8", CONFIGS[0]), ("int8", CONFIGS[4])]
+
+
+def quant_case_id(qc) -> str:
+    return f"{qc[0]}-{config_id(qc[1])}"
+
+
+def quantize_case(case: PagedCase, kv_cache_dtype: str):
+    """(pool for the kernel, pool for the reference), both kv_quant.QuantizedKV of the case's
+    values. Rows that are NaN in the case (unused pages, slots past a row's length) get NaN
+    scales in the kernel's pool, so a stray read poisons its output; the reference gets zeros
+    there (see reference_pool)."""
+    from pallas_kernels import kv_quant
+
+    pool = np.asarray(jnp.asarray(case.kv_pages, jnp.float32))
+    nan_rows = np.isnan(pool).any(axis=-1)  # [2, P, page_size, K]
+    values, scales = kv_quant.quantize(jnp.asarray(np.nan_to_num(pool)), KV_QUANT_DTYPES[kv_cache_dtype])
+    poisoned = np.where(nan_rows, np.nan, np.asarray(scales)).astype(np.float32)
+    return (kv_quant.QuantizedKV(values, jnp.asarray(poisoned)),
+            kv_quant.QuantizedKV(values, jnp.asarray(np.where(nan_rows, 0.0, np.asarray(scales)), jnp.float32)))

@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import (CONFIGS, INTERPRET, WINDOW_CASES, assert_close, config_id, make_case, reference_pool,
-                          release_outside_window, skip_unless_runnable, window_case_id)
+from kernel_cases import (CONFIGS, INTERPRET, QUANT_CASES, WINDOW_CASES, assert_close, config_id, make_case,
+                          quant_case_id, quantize_case, reference_pool, release_outside_window,
+                          skip_unless_runnable, window_case_id)
 from pallas_kernels import reference
 from pallas_kernels.decode_attention import decode_attention
 
@@ -19,7 +20,7 @@ def _lengths(page_size):
     return [1, 2 * page_size, page_size + 3, PAGES_PER_SEQ * page_size, 0]
 
 
-def _check(cfg, backend, num_splits, seed=0, window=None, cap=None):
+def _check(cfg, backend, num_splits, seed=0, window=None, cap=None, kv_cache_dtype="auto"):
     skip_unless_runnable(backend)
     dtype, page_size, ratio, head_dim, num_kv_heads = cfg
     rng = np.random.default_rng(seed)
@@ -30,14 +31,17 @@ def _check(cfg, backend, num_splits, seed=0, window=None, cap=None):
     )
     case = release_outside_window(case, window)
     scale = head_dim ** -0.5
+    pool, ref_pool = jnp.asarray(case.kv_pages), jnp.asarray(reference_pool(case.kv_pages))
+    if kv_cache_dtype != "auto":  # NaN scales on unused rows
+        pool, ref_pool = quantize_case(case, kv_cache_dtype)
     got = decode_attention(
-        jnp.asarray(case.q[:, 0]), jnp.asarray(case.kv_pages), case.page_indices, case.kv_lens,
+        jnp.asarray(case.q[:, 0]), pool, case.page_indices, case.kv_lens,
         sm_scale=scale, num_splits=num_splits, backend=backend, interpret=INTERPRET,
         sliding_window=window, soft_cap=cap,
     )
     q_lens = (case.kv_lens > 0).astype(np.int32)
     want = reference.paged_attention_ref(
-        jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)), case.page_indices,
+        jnp.asarray(case.q), ref_pool, case.page_indices,
         case.kv_lens, q_lens, sm_scale=scale, sliding_window=window, soft_cap=cap,
     )[:, 0]
     assert got.dtype == dtype
@@ -61,6 +65,17 @@ def test_decode_split_keys_combine_exactly(backend, num_splits):
 def test_decode_sliding_window_and_soft_cap(wc, backend, num_splits):
     """Pages wholly before a row's window point at NaN pages (released): never read."""
     _check(CONFIGS[4], backend, num_splits=num_splits, seed=5, window=wc[0], cap=wc[1])
+
+
+@pytest.mark.parametrize("qc", QUANT_CASES, ids=quant_case_id)
+@pytest.mark.parametrize("backend,num_splits", [("gpu", 2), ("tpu", 1)])
+def test_decode_quantized_pool(qc, backend, num_splits):
+    """int8 / fp8 values with per-(token, kv head) scales, read with the matching scale blocks."""
+    _check(qc[1], backend, num_splits=num_splits, seed=9, kv_cache_dtype=qc[0])
+
+
+def test_decode_quantized_sliding_window():
+    _check(CONFIGS[4], "gpu", num_splits=2, seed=10, window=16, cap=3.0, kv_cache_dtype="fp8")
 
 
 def test_decode_rejects_bad_shapes():

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import IMPL, assert_close, make_case, reference_pool, release_outside_window, skip_unless_runnable
+from kernel_cases import (IMPL, assert_close, make_case, quantize_case, reference_pool, release_outside_window,
+                          skip_unless_runnable)
 from pallas_kernels import dispatch, reference
 
 
@@ -101,3 +102,23 @@ def test_gpu_decode_selection():
     assert dispatch.select_gpu_decode("auto", jnp.bfloat16, kv, jnp.bfloat16, 4, interpret=True) == "triton"
     if dispatch.decode_attention_mgpu.unsupported_reason(jnp.bfloat16, jnp.bfloat16, 16, 4, 2, 64, interpret=True) is None:
         assert dispatch.select_gpu_decode("mosaic", jnp.bfloat16, kv, jnp.bfloat16, 4, interpret=True) == "mosaic"
+
+
+def test_quantized_pool_routes_gpu_decode_to_triton():
+    """Mosaic GPU takes no quantised pool (decode_attention_mgpu.QUANTIZED_REASON): "auto" picks
+    Triton, "mosaic" says why, and the row-layout step on an int8 pool matches the reference."""
+    kv = (2, 4, 16, 2, 64)
+    for dtype in (jnp.int8, jnp.float8_e4m3fn):
+        assert dispatch.select_gpu_decode("auto", jnp.bfloat16, kv, dtype, 4, interpret=True) == "triton"
+        with pytest.raises(ValueError, match="TMA copy needs a contiguous innermost dimension"):
+            dispatch.select_gpu_decode("mosaic", jnp.bfloat16, kv, dtype, 4, interpret=True)
+    skip_unless_runnable("gpu")
+    rng = np.random.default_rng(9)
+    case = make_case(rng, dtype=jnp.float32, page_size=16, ratio=2, head_dim=64, num_kv_heads=2,
+                     kv_lens=[9, 30, 1, 0], q_lens=[1, 1, 1, 0], pages_per_seq=2)
+    pool, ref_pool = quantize_case(case, "int8")
+    got = dispatch.paged_attention(jnp.asarray(case.q), pool, case.page_indices, case.kv_lens, case.q_lens,
+                                   sm_scale=0.125, impl=IMPL, backend="gpu", gpu_decode="auto")
+    want = reference.paged_attention_ref(jnp.asarray(case.q), ref_pool, case.page_indices, case.kv_lens,
+                                         case.q_lens, sm_scale=0.125)
+    assert_close(got, want, jnp.float32)

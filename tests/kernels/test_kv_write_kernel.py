@@ -53,3 +53,32 @@ def test_write_kv_rejects_shape_mismatch():
     with pytest.raises(ValueError, match="do not fit"):
         write_kv(jnp.zeros((2, 4, 8, 1, 64)), jnp.zeros((3, 2, 64)), jnp.zeros((3, 2, 64)),
                  jnp.zeros((3,), jnp.int32), interpret=True)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_write_kv_quantized_exact(name, backend):
+    """Values and scales land where reference.write_kv puts them, bit for bit; untouched rows
+    (NaN scales here) stay as they were."""
+    from kernel_cases import KV_QUANT_DTYPES
+    from pallas_kernels import kv_quant
+
+    skip_unless_runnable(backend)
+    rng = np.random.default_rng(1)
+    num_pages, page_size, num_kv_heads, head_dim, num_tokens = 4, 8, 3, 32, 9
+    values, scales = kv_quant.quantize(jnp.asarray(rng.standard_normal(
+        (2, num_pages, page_size, num_kv_heads, head_dim)), jnp.float32), KV_QUANT_DTYPES[name])
+    scales = scales.at[:, 2].set(jnp.nan)
+    k = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32)
+    k[3] = 0.0  # a zero row: scale 0, no NaN
+    slots = rng.permutation(np.setdiff1d(np.arange(num_pages * page_size), np.arange(16, 24)))[:num_tokens]
+    slots[[1, 8]] = -1
+    slots = slots.astype(np.int32)
+    want = reference.write_kv(kv_quant.QuantizedKV(values, scales), jnp.asarray(k), jnp.asarray(v), slots)
+    got = write_kv(kv_quant.QuantizedKV(jnp.array(values), jnp.array(scales)), jnp.asarray(k), jnp.asarray(v),
+                   slots, block_t=4, backend=backend, interpret=INTERPRET)
+    assert isinstance(got, kv_quant.QuantizedKV) and got.pages.dtype == values.dtype
+    np.testing.assert_array_equal(np.asarray(got.pages, np.float32), np.asarray(want.pages, np.float32))
+    np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales))
+    assert np.isnan(np.asarray(got.scales)[:, 2]).all()

@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import (CONFIGS, INTERPRET, WINDOW_CASES, assert_close, config_id, make_case, reference_pool,
-                          release_outside_window, skip_unless_runnable, window_case_id)
+from kernel_cases import (CONFIGS, INTERPRET, QUANT_CASES, WINDOW_CASES, assert_close, config_id, make_case,
+                          quant_case_id, quantize_case, reference_pool, release_outside_window,
+                          skip_unless_runnable, window_case_id)
 from pallas_kernels import reference
 from pallas_kernels.ragged_attention import ragged_paged_attention
 
@@ -23,7 +24,7 @@ def _seqs(page_size):
             (PAGES_PER_SEQ * page_size, 2), (1, 1)]
 
 
-def _check(cfg, backend, *, block_q=None, seed=0, window=None, cap=None):
+def _check(cfg, backend, *, block_q=None, seed=0, window=None, cap=None, kv_cache_dtype="auto"):
     skip_unless_runnable(backend)
     dtype, page_size, ratio, head_dim, num_kv_heads = cfg
     rng = np.random.default_rng(seed)
@@ -43,13 +44,16 @@ def _check(cfg, backend, *, block_q=None, seed=0, window=None, cap=None):
     cu_slots = np.concatenate([cu, rng.integers(0, 50, SPARE_SLOTS)]).astype(np.int32)
     kv_slots = np.concatenate([kv_lens, rng.integers(1, 50, SPARE_SLOTS)]).astype(np.int32)
 
+    pool, ref_pool = jnp.asarray(case.kv_pages), jnp.asarray(reference_pool(case.kv_pages))
+    if kv_cache_dtype != "auto":  # NaN scales on unused rows
+        pool, ref_pool = quantize_case(case, kv_cache_dtype)
     got = ragged_paged_attention(
-        jnp.asarray(flat_q), jnp.asarray(case.kv_pages), table.astype(np.int32), cu_slots, kv_slots,
+        jnp.asarray(flat_q), pool, table.astype(np.int32), cu_slots, kv_slots,
         np.array([num_seqs], np.int32), sm_scale=scale, block_q=block_q, backend=backend, interpret=INTERPRET,
         sliding_window=window, soft_cap=cap,
     )
     rows = reference.paged_attention_ref(
-        jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)), case.page_indices,
+        jnp.asarray(case.q), ref_pool, case.page_indices,
         case.kv_lens, case.q_lens, sm_scale=scale, sliding_window=window, soft_cap=cap,
     )
     want = np.concatenate([np.asarray(rows[b, :q_lens[b]]) for b in range(num_seqs)])
@@ -75,6 +79,17 @@ def test_ragged_query_blocks_spanning_sequences(backend, block_q):
 def test_ragged_sliding_window_and_soft_cap(wc, backend, block_q):
     """Pages wholly before a sequence's window point at NaN pages (released): never read."""
     _check(CONFIGS[0], backend, block_q=block_q, seed=7, window=wc[0], cap=wc[1])
+
+
+@pytest.mark.parametrize("qc", QUANT_CASES, ids=quant_case_id)
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_ragged_quantized_pool(qc, backend):
+    """int8 / fp8 values with per-(token, kv head) scales, read with the matching scale blocks."""
+    _check(qc[1], backend, seed=9, kv_cache_dtype=qc[0])
+
+
+def test_ragged_quantized_sliding_window():
+    _check(CONFIGS[0], "tpu", block_q=4, seed=10, window=5, cap=2.0, kv_cache_dtype="int8")
 
 
 def test_ragged_rejects_mismatched_metadata():

@@ -1,9 +1,10 @@
 """Runs in a subprocess with forced host devices (XLA_FLAGS set by the caller before jax starts):
 generates with several tensor-parallel sizes and prints one JSON object on its last line.
 
-    python -m tests.parallel.tp_worker MODEL_DIR_OR_default TP,TP,... MAX_TOKENS [--pallas] [--sampling] [--one]
+    python -m tests.parallel.tp_worker MODEL_DIR_OR_default TP,TP,... MAX_TOKENS [--pallas] [--sampling] [--one] [--int8]
 
 --one: only the second prompt (19 tokens), for the real model's shorter run.
+--int8: an int8 KV cache ("kv" describes its pages, "kv_scales" its scales).
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ def main(argv: list[str]) -> None:
     vocab = model.config.vocab_size
     prompts = [[(7 * i + 3) % vocab for i in range(n)] for n in ((19,) if "--one" in argv else (5, 19, 40))]
     impl = "pallas-interpret" if "--pallas" in argv else None
-    result = {"num_devices": jax.device_count(), "greedy": {}, "sampled": {}, "kv": {}, "params": {}, "weight_bytes": {}, "recompiles": {}}
+    kv_cache_dtype = "int8" if "--int8" in argv else "auto"
+    result = {"num_devices": jax.device_count(), "greedy": {}, "sampled": {}, "kv": {}, "kv_scales": {}, "params": {},
+              "weight_bytes": {}, "recompiles": {}}
     for tp in sizes:
         config = paxpage.EngineConfig(tensor_parallel_size=tp, num_pages=48, page_size=4, max_num_seqs=4,
-                                      max_num_batched_tokens=64, prefill_row_len=8, attention_impl=impl)
+                                      max_num_batched_tokens=64, prefill_row_len=8, attention_impl=impl,
+                                      kv_cache_dtype=kv_cache_dtype)
         outs = paxpage.generate(model, prompts, engine_config=config, max_tokens=max_tokens, temperature=0,
                                 ignore_eos=True, use_tqdm=False)
         result["greedy"][tp] = [o.outputs[0].token_ids for o in outs]
@@ -41,12 +45,17 @@ def main(argv: list[str]) -> None:
                                     temperature=0.9, top_p=0.95, seed=11, ignore_eos=True, use_tqdm=False)
             result["sampled"][tp] = [o.outputs[0].token_ids for o in outs]
         runner = model.engine(config).runner
-        pool = runner.kv_cache[0]
-        spec = list(getattr(pool.sharding, "spec", ()))
-        result["kv"][tp] = {"spec": spec + [None] * (pool.ndim - len(spec)),
-                            "shape": list(pool.shape),
-                            "shard_shapes": [list(s.data.shape) for s in pool.addressable_shards],
-                            "devices": len(pool.sharding.device_set)}
+        from pallas_kernels.kv_quant import split
+
+        pool, scales = split(runner.kv_cache[0])
+        for key, array in (("kv", pool), ("kv_scales", scales)):
+            if array is None:
+                continue
+            spec = list(getattr(array.sharding, "spec", ()))
+            result[key][tp] = {"spec": spec + [None] * (array.ndim - len(spec)),
+                               "shape": list(array.shape),
+                               "shard_shapes": [list(s.data.shape) for s in array.addressable_shards],
+                               "devices": len(array.sharding.device_set)}
         q = runner.params["layers_0"]["q_proj"]["kernel"]
         up = runner.params["layers_0"]["up_proj"]["kernel"]
         from paxpage.mesh import bytes_per_device

@@ -1,0 +1,97 @@
+"""Quantised KV cache: one layer's pool stored as int8 or float8_e4m3fn with per-(token, kv head) scales.
+
+Axis legend: T flat tokens, K kv heads, D head dim, P pages.
+
+One layer's cache is either a plain array [2, P, page_size, K, D] (the model's dtype; "auto") or a
+`QuantizedKV(pages, scales)`: `pages` [2, P, page_size, K, D] int8 / float8_e4m3fn and `scales`
+f32[2, P, page_size, K], so that row (half, page, slot, head) holds `pages[...] * scales[...]`.
+The scales have the pool's leading axes, so anything that moves pages (copy-on-write, a page
+table, sharding over K) moves them the same way; a `jax.tree_util` map over the pytree does both.
+
+Quantisation is symmetric absmax per (token, kv head): scale = max|x| / QMAX, x / scale rounded
+(int8) or cast (fp8, e4m3 max 448), so an outlier token only coarsens its own row. Why per token
+and not per page: README "Quantised KV cache" gives the measured errors. An all-zero row gets
+scale 0 and stores zeros (never 0 / 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+# EngineConfig.kv_cache_dtype values other than "auto" -> storage dtype.
+KV_CACHE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+SCALE_DTYPE = jnp.float32
+# Largest magnitude a stored value may have: int8 127 (symmetric: -128 never used), e4m3 448.
+QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedKV:
+    """One layer's quantised pool (a pytree: both fields are traced arrays)."""
+
+    pages: jax.Array  # int8 | float8_e4m3fn [2, P, page_size, K, D] (0 = K, 1 = V)
+    scales: jax.Array  # f32[2, P, page_size, K] dequantised row = pages[..., :] * scales[...]
+
+
+def is_quantized(kv) -> bool:
+    return isinstance(kv, QuantizedKV)
+
+
+def split(kv):
+    """(pages [2, P, page_size, K, D], scales f32[2, P, page_size, K] or None) of one layer's cache."""
+    return (kv.pages, kv.scales) if isinstance(kv, QuantizedKV) else (kv, None)
+
+
+def join(pages, scales):
+    """Inverse of `split`: the plain array when scales is None."""
+    return pages if scales is None else QuantizedKV(pages, scales)
+
+
+def storage_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
+    """The pool's element dtype for EngineConfig.kv_cache_dtype ("auto": the model's dtype)."""
+    return jnp.dtype(model_dtype if kv_cache_dtype == "auto" else KV_CACHE_DTYPES[kv_cache_dtype])
+
+
+def bytes_per_row(kv_cache_dtype: str, model_itemsize: int, head_dim: int) -> int:
+    """Bytes one (token, kv head) row of K (or of V) takes in the pool, its scale included."""
+    if kv_cache_dtype == "auto":
+        return head_dim * model_itemsize
+    return head_dim * jnp.dtype(KV_CACHE_DTYPES[kv_cache_dtype]).itemsize + jnp.dtype(SCALE_DTYPE).itemsize
+
+
+def zeros(shape, kv_cache_dtype: str, model_dtype, make=jnp.zeros):
+    """One layer's empty cache of pool shape [2, P, page_size, K, D]; `make(shape, dtype)` builds
+    each array (e.g. sharded on creation)."""
+    if kv_cache_dtype == "auto":
+        return make(shape, jnp.dtype(model_dtype))
+    return QuantizedKV(make(shape, KV_CACHE_DTYPES[kv_cache_dtype]), make(shape[:-1], SCALE_DTYPE))
+
+
+def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] -> (values [..., D] of `dtype`, scales f32[...]) with x ~= values * scales."""
+    dtype = jnp.dtype(dtype)
+    qmax = QMAX[dtype]
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1)
+    scale = amax / qmax
+    # A zero row keeps scale 0 and stores zeros; its reciprocal is never formed.
+    inv = jnp.where(amax > 0, qmax / jnp.where(amax > 0, amax, 1.0), 0.0)
+    y = jnp.clip(x32 * inv[..., None], -qmax, qmax)
+    if dtype == jnp.int8:
+        y = jnp.round(y)
+    return y.astype(dtype), scale.astype(SCALE_DTYPE)
+
+
+def dequantize(values: jax.Array, scales: jax.Array) -> jax.Array:
+    """values [..., D], scales [...] -> f32[..., D]."""
+    return values.astype(jnp.float32) * scales.astype(jnp.float32)[..., None]
+
+
+def dequantize_pool(kv) -> jax.Array:
+    """One layer's cache as f32 [2, P, page_size, K, D] (the plain pool as it is, cast)."""
+    pages, scales = split(kv)
+    return pages.astype(jnp.float32) if scales is None else dequantize(pages, scales)

@@ -1,0 +1,117 @@
+"""Quantised KV cache: quantisation against hand-computed values, the reference's write and
+attention on a quantised pool, and the XLA path against the reference on the same pool."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_cases import (KV_QUANT_DTYPES, QUANT_CASES, assert_close, make_case, quant_case_id,
+                          quantize_case)
+from pallas_kernels import kv_quant, reference
+from pallas_kernels.xla_attention import paged_attention_xla
+
+
+def test_quantize_int8_by_hand():
+    x = np.array([[1.0, -2.54, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]], np.float32)
+    values, scales = kv_quant.quantize(jnp.asarray(x), jnp.int8)
+    # amax 2.54 -> scale 0.02; x / scale = 50, -127, 25, 0. The zero row: scale 0, zeros, no NaN.
+    np.testing.assert_allclose(np.asarray(scales), [2.54 / 127, 0.0], rtol=1e-7)
+    np.testing.assert_array_equal(np.asarray(values), [[50, -127, 25, 0], [0, 0, 0, 0]])
+    assert values.dtype == jnp.int8 and scales.dtype == jnp.float32
+    assert np.isfinite(np.asarray(kv_quant.dequantize(values, scales))).all()
+
+
+def test_quantize_fp8_by_hand():
+    x = np.array([[448.0, -224.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]], np.float32) * 1e3
+    values, scales = kv_quant.quantize(jnp.asarray(x), jnp.float8_e4m3fn)
+    np.testing.assert_allclose(np.asarray(scales), [1e3, 0.0])
+    # e4m3 holds 448, -224 and 1 exactly; magnitudes far past 448 are absorbed by the scale.
+    np.testing.assert_array_equal(np.asarray(values, np.float32), [[448, -224, 1, 0], [0, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("name", sorted(KV_QUANT_DTYPES))
+def test_quantize_error_is_bounded_with_outliers(name):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 3, 64)).astype(np.float32)
+    x[::7] *= 1e3  # outlier tokens: their own scales absorb the magnitude
+    values, scales = kv_quant.quantize(jnp.asarray(x), KV_QUANT_DTYPES[name])
+    back = np.asarray(kv_quant.dequantize(values, scales))
+    assert np.isfinite(back).all()
+    amax = np.abs(x).max(-1, keepdims=True)
+    # int8: half a step of amax / 127; e4m3: 3 mantissa bits, half an ulp <= 1/16 relative.
+    bound = amax / 254 if name == "int8" else np.maximum(np.abs(x) / 16, amax / 448 * 2.0 ** -9)
+    assert (np.abs(back - x) <= bound * 1.0001 + 1e-30).all()
+
+
+def test_reference_write_kv_quantizes_into_slots():
+    rng = np.random.default_rng(1)
+    num_pages, page_size, num_kv_heads, head_dim = 4, 8, 2, 16
+    pool = kv_quant.zeros((2, num_pages, page_size, num_kv_heads, head_dim), "int8", jnp.float32)
+    k = rng.standard_normal((3, num_kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((3, num_kv_heads, head_dim)).astype(np.float32)
+    slots = np.array([13, -1, 30], np.int32)
+    out = reference.write_kv(pool, jnp.asarray(k), jnp.asarray(v), slots)
+    back = np.asarray(kv_quant.dequantize_pool(out))
+    for t, slot in ((0, 13), (2, 30)):
+        for half, x in ((0, k), (1, v)):
+            got = back[half, slot // page_size, slot % page_size]
+            scale = np.abs(x[t]).max(-1, keepdims=True) / 127  # by hand
+            np.testing.assert_allclose(got, np.round(x[t] / scale) * scale, rtol=1e-6, atol=1e-7)
+    written = np.zeros((num_pages, page_size), bool)
+    written[1, 5] = written[3, 6] = True
+    assert (back[:, ~written] == 0).all()  # padding token dropped, other slots untouched
+
+
+@pytest.mark.parametrize("qc", QUANT_CASES, ids=quant_case_id)
+def test_reference_reads_the_dequantized_pool(qc):
+    name, (dtype, page_size, ratio, head_dim, num_kv_heads) = qc
+    rng = np.random.default_rng(2)
+    case = make_case(rng, dtype=dtype, page_size=page_size, ratio=ratio, head_dim=head_dim,
+                     num_kv_heads=num_kv_heads, kv_lens=[9, 40, 0], q_lens=[9, 3, 0],
+                     pages_per_seq=-(-40 // page_size) + 1)
+    _, ref_pool = quantize_case(case, name)
+    # Dequantised by hand in numpy: the plain f32 pool the reference already trusts.
+    plain = np.asarray(ref_pool.pages, np.float32) * np.asarray(ref_pool.scales)[..., None]
+    args = (case.page_indices, case.kv_lens, case.q_lens)
+    got = reference.paged_attention_ref(jnp.asarray(case.q), ref_pool, *args, sm_scale=head_dim ** -0.5)
+    want = reference.paged_attention_ref(jnp.asarray(case.q), jnp.asarray(plain), *args, sm_scale=head_dim ** -0.5)
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("qc", QUANT_CASES, ids=quant_case_id)
+@pytest.mark.parametrize("chunk_tokens", [8, 64])
+@pytest.mark.parametrize("kv_lens,q_lens", [([1, 17, 64, 0, 33], [1, 1, 1, 0, 1]), ([40, 7, 64, 0], [9, 7, 5, 0])],
+                         ids=["decode", "prefill"])
+def test_xla_matches_reference_on_quantized_pool(qc, chunk_tokens, kv_lens, q_lens):
+    name, (dtype, page_size, ratio, head_dim, num_kv_heads) = qc
+    rng = np.random.default_rng(3)
+    case = make_case(rng, dtype=dtype, page_size=page_size, ratio=ratio, head_dim=head_dim,
+                     num_kv_heads=num_kv_heads, kv_lens=kv_lens, q_lens=q_lens,
+                     pages_per_seq=-(-64 // page_size) + 1)
+    pool, ref_pool = quantize_case(case, name)  # NaN scales on unused rows must never leak
+    args = (case.page_indices, case.kv_lens, case.q_lens)
+    got = paged_attention_xla(jnp.asarray(case.q), pool, *args, sm_scale=head_dim ** -0.5, chunk_tokens=chunk_tokens)
+    want = reference.paged_attention_ref(jnp.asarray(case.q), ref_pool, *args, sm_scale=head_dim ** -0.5)
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("name", sorted(KV_QUANT_DTYPES))
+def test_outlier_keys_and_values_stay_finite_and_close(name):
+    """K/V rows scaled by 1e3 (activations with large outliers): fp8 must not overflow (the scales
+    absorb the magnitude) and the output stays near the unquantised attention's."""
+    rng = np.random.default_rng(4)
+    case = make_case(rng, dtype=jnp.float32, page_size=8, ratio=2, head_dim=64, num_kv_heads=2,
+                     kv_lens=[20, 31], q_lens=[4, 1], pages_per_seq=4)
+    pool = np.nan_to_num(case.kv_pages)
+    pool[:, :, ::3] *= 1e3  # every third slot of every page, K and V
+    q = case.q * 1e-3  # keep the softmax from collapsing onto one outlier key
+    pool_q = kv_quant.QuantizedKV(*kv_quant.quantize(jnp.asarray(pool), KV_QUANT_DTYPES[name]))
+    args = (case.page_indices, case.kv_lens, case.q_lens)
+    want = np.asarray(reference.paged_attention_ref(jnp.asarray(q), jnp.asarray(pool), *args, sm_scale=0.125))
+    for fn in (reference.paged_attention_ref, paged_attention_xla):
+        got = np.asarray(fn(jnp.asarray(q), pool_q, *args, sm_scale=0.125))
+        assert np.isfinite(got).all()
+        tol = 0.02 if name == "int8" else 0.1  # of the output's largest magnitude
+        assert np.abs(got - want).max() <= tol * np.abs(want).max(), np.abs(got - want).max() / np.abs(want).max()
