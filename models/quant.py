@@ -167,10 +167,14 @@ def cast_params(params, dtype, to_array=jnp.asarray):
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def bytes_by_dtype(params) -> dict[str, int]:
-    """{dtype name: bytes} over the leaves of a params tree."""
+def bytes_by_dtype(params, per_device: bool = False) -> dict[str, int]:
+    """{dtype name: bytes} over the leaves of a params tree; `per_device`: what the first device
+    holds of each (sharded) jax array, rather than the whole."""
     out: dict[str, int] = {}
     for leaf in jax.tree.leaves(params):
         name = np.dtype(leaf.dtype).name
-        out[name] = out.get(name, 0) + int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        shape = leaf.shape
+        if per_device and isinstance(leaf, jax.Array) and leaf.addressable_shards:
+            shape = leaf.addressable_shards[0].data.shape
+        out[name] = out.get(name, 0) + int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
     return out
