@@ -65,6 +65,18 @@ def test_tp_pallas_kernels_under_shard_map(tmp_path):
     assert out["kv"]["2"]["shard_shapes"] == [[2, 48, 4, 2, 16]] * 2
 
 
+def test_tp_int8_weights_shard_like_float_ones(tmp_path):
+    """int8 weights (values split like the float kernels, per-channel scales along the output
+    axis) give the same greedy tokens at tp 2 and 4 as on one device; tests/models/test_quant_loading.py
+    checks the one-device int8 model against HF on the dequantised weights."""
+    save_tiny_hf(tmp_path, "llama", num_attention_heads=8, num_key_value_heads=4, vocab_size=128,
+                 intermediate_size=128)
+    out = run_json(["tests.parallel.tp_worker", str(tmp_path), "1,2,4", "6", "--int8"], timeout=420)
+    assert out["greedy"]["2"] == out["greedy"]["1"] and out["greedy"]["4"] == out["greedy"]["1"]
+    assert out["params"]["2"]["q_proj"] == [[64, 32]] * 2  # kernel_q split on the heads
+    assert out["recompiles"] == {"1": 0, "2": 0, "4": 0}
+
+
 @pytest.mark.slow
 def test_tp_smollm2_greedy_same_tokens(hf_smollm2):
     """The real SmolLM2 (N = 9, K = 3: attention replicated at tp 2 and 4, MLP and vocab split)."""
