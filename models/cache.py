@@ -9,8 +9,11 @@ and reinstalls of the same file reuse or replace one entry and never add a secon
         config.json         {"paxpage_gguf_cache": VERSION, "source": real path, "source_size": ...,
                              "source_mtime_ns": ..., "files": {name: bytes}, "config": ModelConfig,
                              "tokenizer_class": ...}
-        params.safetensors  f32 arrays under flat paxpage names ("layers_0/q_proj/kernel"); one entry
-                            serves every dtype, the cast happens on load
+        params.safetensors  arrays under flat paxpage names ("layers_0/q_proj/kernel"): the GGUF's
+                            quantised weights in their exact int8 form ("layers_0/q_proj/kernel_q"
+                            i8 + "_scale" / "_offset" f32, models/quant.py), everything else f32.
+                            One entry serves every dtype and every `quantization`: the cast, the
+                            f32 expansion or the int8 re-quantisation happen on load
         tokenizer files     save_pretrained of the GGUF's tokenizer
 
 An entry is built in a `.building-*` directory and renamed into place, so a reader never sees
@@ -38,7 +41,7 @@ from models.tokenizer import FAST_CLASSES, load_tokenizer, save_tokenizer
 
 log = logging.getLogger(__name__)
 
-VERSION = 3  # bump when the entry layout or the GGUF conversion changes
+VERSION = 4  # bump when the entry layout or the GGUF conversion changes
 KEY = "paxpage_gguf_cache"  # not the checkpoint marker: load_model(entry) must not take an entry for a checkpoint
 META_FILE = "config.json"
 PARAMS_FILE = "params.safetensors"
@@ -90,12 +93,11 @@ def _check_files(entry: str, meta: dict[str, Any]) -> None:
             raise ValueError(f"{name} has {actual} bytes; {size} were written")
 
 
-def read_entry(source: str, dtype: Any) -> tuple[ModelConfig, dict, Any] | None:
-    """(config, params, tokenizer) of GGUF file `source` from its entry, or None when there is no
-    current entry. A damaged entry is deleted (with a warning) so the caller rebuilds it."""
+def read_entry(source: str, check: Any = None) -> tuple[ModelConfig, dict, Any] | None:
+    """(config, flat arrays, tokenizer) of GGUF file `source` from its entry, or None when there is
+    no current entry. `check(cfg, flat)` may raise to reject what was read. A damaged entry is
+    deleted (with a warning) so the caller rebuilds it."""
     from safetensors.numpy import load_file
-
-    from models.param_layout import params_from_flat  # imports jax: not needed by `paxpage cache info`
 
     entry = entry_path(source)
     if not os.path.isdir(entry):
@@ -106,13 +108,15 @@ def read_entry(source: str, dtype: Any) -> tuple[ModelConfig, dict, Any] | None:
             return None  # older format or the source changed: rebuilt and replaced by write_entry
         _check_files(entry, meta)
         cfg = ModelConfig.from_dict(meta["config"])
-        params = params_from_flat(cfg, load_file(os.path.join(entry, PARAMS_FILE)), dtype, source=entry)
+        flat = load_file(os.path.join(entry, PARAMS_FILE))
+        if check is not None:
+            check(cfg, flat)
         tokenizer = None
         if meta.get("tokenizer_class") is not None:
             tokenizer = load_tokenizer(entry, fast_class=meta["tokenizer_class"] in FAST_CLASSES)
             if tokenizer is None:
                 raise ValueError("tokenizer files are missing")
-        return cfg, params, tokenizer
+        return cfg, flat, tokenizer
     except Exception as e:  # anything wrong with the entry: rebuild it from the GGUF file
         log.warning("paxpage: rebuilding damaged cache entry %s (%s: %s)", entry, type(e).__name__, e)
         shutil.rmtree(entry, ignore_errors=True)
@@ -131,7 +135,8 @@ def write_entry(source: str, cfg: ModelConfig, flat: dict, tokenizer: Any) -> st
     try:
         os.makedirs(root, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=BUILD_PREFIX, dir=root)
-        save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in flat.items()},
+        save_file({k: np.ascontiguousarray(v, dtype=np.int8 if np.dtype(v.dtype) == np.int8 else np.float32)
+                   for k, v in flat.items()},
                   os.path.join(tmp, PARAMS_FILE))
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig, RopeScaling
-from models.layers import RMSNorm, dense, gated_mlp, paged_attention_rows, qkv_heads
+from models.layers import Embedding, RMSNorm, dense, gated_mlp, paged_attention_rows, qkv_heads
 from models.llama import AttentionFn, WriteKvFn
 from models.rope import apply_rope, inverse_frequencies
 
@@ -88,8 +88,7 @@ class GemmaModel(nn.Module):
         """Returns (logits f32[R + Rp, V], updated kv_cache): the sampling rows, then the
         prompt-logprob rows."""
         cfg = self.cfg
-        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
-                         param_dtype=self.dtype, name="embed_tokens")
+        embed = Embedding(cfg.vocab_size, cfg.hidden_size, self.dtype, name="embed_tokens")
         x = embed(batch.token_ids) * jnp.asarray(math.sqrt(cfg.hidden_size), self.dtype)  # [T, H]
         new_cache = []
         for i in range(cfg.num_layers):

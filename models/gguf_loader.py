@@ -1,4 +1,7 @@
-"""GGUF files: metadata -> ModelConfig, tensors dequantised to f32 under HF names and HF layout.
+"""GGUF files: metadata -> ModelConfig, tensors under HF names and HF layout: dequantised to f32, or
+(`keep_quantized`) the 2-D Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weights kept in their exact int8 form
+(`Quantized`, models/gguf_quants.py). Other types (F32 norms, F16, Q5_x, other K-quants) and the
+3-D MoE expert tensors are always dequantised.
 
 llama.cpp's HF->GGUF converter permutes the rows of q_proj/k_proj (weights and biases) for the
 "llama" architecture only, so that its interleaved-pair RoPE matches HF's rotate-half RoPE;
@@ -17,11 +20,19 @@ HF's Gemma scales by (1 + w), the converter stores every "*norm.weight" as w + 1
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from models import gguf_quants
 from models.config import GGUF_ARCH_TO_MODEL_TYPE, ModelConfig
+
+
+class Quantized(NamedTuple):
+    """A GGUF weight in HF [out, in] layout: q i8[out, in], scale / offset f32[out, in / G]."""
+    q: np.ndarray
+    scale: np.ndarray
+    offset: np.ndarray | None
 
 # Expert gate / up tensors are read under these names, then joined into mlp.experts.gate_up_proj.
 _GATE_EXPS, _UP_EXPS = "mlp.experts.gate_exps", "mlp.experts.up_exps"
@@ -51,6 +62,8 @@ _LAYER_NAMES = {
     "ffn_up_exps.weight": _UP_EXPS,
     "ffn_down_exps.weight": "mlp.experts.down_proj",  # [E, H, Fe]
 }
+# HF names of the weights models/layers.py's Linear and Embedding can hold quantised (not the MoE router).
+_QUANTIZABLE_TARGETS = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
 # Gemma's four norms per block (llama.cpp's "ffn_norm" is the pre-MLP norm there, not the post-attention one).
 _GEMMA_LAYER_NAMES = {
     **_LAYER_NAMES,
@@ -150,8 +163,16 @@ def _rope_scaling_from_freqs(path: str, meta: dict[str, Any], arch: str, freqs: 
     raise ValueError(f"{path!r}: rope_freqs.weight matches no known Llama 3 rope scaling; cannot load")
 
 
-def read_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, Any]]:
-    """Config, f32 tensors (HF names, HF [out, in] layout, Q/K un-permuted) and metadata of a GGUF file.
+def _read_tensor(path: str, tensor, keep_quantized: bool):
+    if keep_quantized and tensor.tensor_type.name in gguf_quants.FORMATS and len(tensor.data.shape) == 2:
+        return Quantized(*gguf_quants.decode(tensor.data, tensor.tensor_type.name))
+    return _dequantize(path, tensor)
+
+
+def read_gguf(path: str, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:
+    """Config, tensors (HF names, HF [out, in] layout, Q/K un-permuted) and metadata of a GGUF file.
+    Tensors are f32 arrays, or with `keep_quantized` `Quantized` triples where the type has an exact
+    int8 form (the un-permutation moves q, scale and offset rows alike).
 
     The metadata omits long arrays (the token list, merges); "tokenizer.ggml.model" tells whether the
     file embeds a tokenizer.
@@ -184,9 +205,13 @@ def read_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, 
         target = hf_name(name, arch)
         if target is None:
             raise ValueError(f"GGUF file {path!r} has tensor {name!r} that paxpage does not know")
-        x = _dequantize(path, tensor)
+        x = _read_tensor(path, tensor, keep_quantized and target.endswith(_QUANTIZABLE_TARGETS))
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
-            x = unpermute_qk(x, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
+            heads = cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads
+            if isinstance(x, Quantized):
+                x = Quantized(*(None if a is None else unpermute_qk(a, heads) for a in x))
+            else:
+                x = unpermute_qk(x, heads)
         if arch in _NORM_PLUS_ONE_ARCHS and target.endswith("norm.weight"):
             x = x - np.float32(1.0)
         tensors[target] = x

@@ -13,6 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models import quant
+
 
 class RMSNorm(nn.Module):
     eps: float
@@ -31,8 +33,67 @@ class RMSNorm(nn.Module):
         return (x32 * scale).astype(self.dtype)
 
 
-def dense(features: int, name: str, dtype, use_bias: bool = False) -> nn.Dense:
-    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
+def _quantized(module: nn.Module, name: str):
+    """(q, scale, offset | None) when the module's params hold `name` quantised (models/quant.py),
+    else None: the params tree decides, so one model definition runs f32, int8 and GGUF weights."""
+    if not module.has_variable("params", name + quant.Q):
+        return None
+    offset = module.get_variable("params", name + quant.OFFSET) if module.has_variable(
+        "params", name + quant.OFFSET) else None
+    return (module.get_variable("params", name + quant.Q), module.get_variable("params", name + quant.SCALE),
+            offset)
+
+
+class Linear(nn.Module):
+    """x @ kernel (+ bias), kernel [I, O] float or quantised (kernel_q / kernel_scale /
+    kernel_offset). Float params are named as flax's nn.Dense names them."""
+    features: int
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):  # [..., I] -> [..., O]
+        x = jnp.asarray(x, self.dtype)
+        qparams = _quantized(self, "kernel")
+        if qparams is not None:
+            y = quant.quantized_matmul(x, *qparams)
+        else:
+            kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.dtype)
+            y = jnp.dot(x, kernel.astype(self.dtype))
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype).astype(self.dtype)
+        return y
+
+
+class Embedding(nn.Module):
+    """Token embedding [V, H], float ("embedding", as flax's nn.Embed names it) or quantised
+    (embedding_q / _scale / _offset: a lookup dequantises just the gathered rows); `attend` is
+    the tied LM head over the same table."""
+    num_embeddings: int
+    features: int
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        self.qtable = _quantized(self, "embedding")
+        if self.qtable is None:
+            init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
+            self.embedding = self.param("embedding", init, (self.num_embeddings, self.features), self.dtype)
+
+    def __call__(self, ids):  # i32[T] -> [T, H]
+        if self.qtable is not None:
+            q, scale, offset = self.qtable
+            return quant.dequantize_rows(q[ids], scale[ids], None if offset is None else offset[ids], self.dtype)
+        return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+
+    def attend(self, x):  # [R, H] -> [R, V]
+        x = jnp.asarray(x, self.dtype)
+        if self.qtable is not None:
+            return quant.quantized_attend(x, *self.qtable)
+        return jnp.dot(x, self.embedding.astype(self.dtype).T)
+
+
+def dense(features: int, name: str, dtype, use_bias: bool = False) -> Linear:
+    return Linear(features, use_bias=use_bias, dtype=dtype, name=name)
 
 
 def qkv_heads(cfg, h, dtype):

@@ -1,6 +1,12 @@
 """`load_model`: one entry point for GGUF files, HF directories and paxpage checkpoints.
 
-A GGUF file is dequantised once and kept in the on-disk cache of models/cache.py.
+A GGUF file is decoded once and kept in the on-disk cache of models/cache.py, its quantised weights
+in their exact int8 form (models/gguf_quants.py). `quantization` then picks what the model holds:
+    None    the source's own form: a GGUF's quantised weights stay quantised, float sources stay float
+    "gguf"  the same, but only for GGUF files (ValueError for other sources)
+    "none"  every weight in `dtype` (a GGUF's f32 expansion, what paxpage held before)
+    "int8"  every Linear kernel and the embedding / LM head as int8 per output channel
+            (models/quant.py), re-quantised from the f32 expansion for a GGUF; MoE experts stay float
 """
 
 from __future__ import annotations
@@ -12,13 +18,15 @@ import os
 import time
 from typing import Any
 
-from models import cache
+import numpy as np
+
+from models import cache, quant
 from models.cache import cache_dir
 from models.checkpoint import load_checkpoint, read_paxpage_config, save_model
 from models.config import ModelConfig
-from models.gguf_loader import read_gguf
+from models.gguf_loader import Quantized, read_gguf
 from models.hf_loader import is_hf_dir, load_hf_dir
-from models.param_layout import check_dtype, from_hf_layout, param_specs, params_from_flat
+from models.param_layout import check_dtype, check_flat, flatten, from_hf_layout, param_specs, params_from_flat
 from models.tokenizer import load_tokenizer
 
 __all__ = ["load_model", "save_model", "default_model_path", "cache_dir"]
@@ -44,33 +52,49 @@ def default_model_path() -> str:
     return path
 
 
-def load_model(source: str | os.PathLike | None = None, *, dtype: Any = "float32") -> tuple[ModelConfig, dict, Any]:
+def check_quantization(quantization: Any) -> None:
+    if quantization not in quant.QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not one of {quant.QUANTIZATIONS}")
+
+
+def load_model(source: str | os.PathLike | None = None, *, dtype: Any = "float32",
+               quantization: str | None = None) -> tuple[ModelConfig, dict, Any]:
     """Loads (config, params, tokenizer) from `source`.
 
     source: None (the default SmolLM2-135M-Instruct GGUF), a .gguf file, a directory holding exactly
         one .gguf, a HF directory (config.json + *.safetensors), or a directory written by `save_model`.
-    dtype: dtype of every parameter ("float32", "bfloat16", ...).
+    dtype: dtype of every float parameter ("float32", "bfloat16", ...); quantisation scales stay f32.
+    quantization: None | "gguf" | "none" | "int8" (module docstring).
     params: the tree documented in models/param_layout.py. tokenizer: a HF tokenizer, or None when the
         source has none (HF test directories without tokenizer files).
     Raises ValueError for a missing path, an unsupported architecture, or an unreadable file (naming it).
     """
     check_dtype(dtype)
+    check_quantization(quantization)
     path = default_model_path() if source is None else os.path.abspath(os.fspath(source))
     if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist")
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ValueError(f"model file {path!r} is not a .gguf file; pass a .gguf file or a model directory")
-        return _load_gguf_cached(path, dtype)
+        return _load_gguf_cached(path, dtype, quantization)
     meta = read_paxpage_config(path)
-    if meta is not None:
-        return load_checkpoint(path, meta, dtype)
-    if is_hf_dir(path):
-        cfg, params = load_hf_dir(path, dtype)
-        return cfg, params, load_tokenizer(path)
+    float_dtype = "float32" if quantization == "int8" else dtype  # quantise from f32, not from bf16
+    if meta is not None or is_hf_dir(path):
+        if quantization == "gguf":
+            raise ValueError(f"quantization='gguf' keeps a GGUF file's own quantisation; {path!r} is not "
+                             "a GGUF file (use None or 'int8')")
+        if meta is not None:
+            cfg, params, tokenizer = load_checkpoint(path, meta, float_dtype)
+        else:
+            (cfg, params), tokenizer = load_hf_dir(path, float_dtype), load_tokenizer(path)
+        if quantization == "int8":
+            flat = quant.quantize_flat_int8({k: np.asarray(v, np.float32) for k, v in flatten(params).items()})
+            params = params_from_flat(cfg, flat, dtype, source=path)
+        return cfg, params, tokenizer
     ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
     if len(ggufs) == 1:
-        return _load_gguf_cached(ggufs[0], dtype)
+        return _load_gguf_cached(ggufs[0], dtype, quantization)
     if len(ggufs) > 1:
         names = [os.path.basename(g) for g in ggufs]
         raise ValueError(f"directory {path!r} holds {len(ggufs)} .gguf files {names}; pass one of them")
@@ -79,21 +103,34 @@ def load_model(source: str | os.PathLike | None = None, *, dtype: Any = "float32
     )
 
 
-def _load_gguf_cached(gguf_path: str, dtype: Any) -> tuple[ModelConfig, dict, Any]:
-    cached = cache.read_entry(gguf_path, dtype)
+def _load_gguf_cached(gguf_path: str, dtype: Any, quantization: str | None) -> tuple[ModelConfig, dict, Any]:
+    check = lambda cfg, flat: check_flat(cfg, flat, source=gguf_path)  # noqa: E731
+    cached = cache.read_entry(gguf_path, check)
     if cached is not None:
-        return cached
-    start = time.perf_counter()
-    cfg, tensors, meta = read_gguf(gguf_path)
-    flat = {  # HF [out, in] -> paxpage [in, out]
-        path: from_hf_layout(tensors[hf], transpose)
-        for path, (_, hf, transpose) in param_specs(cfg).items()
-        if hf in tensors
-    }
-    params = params_from_flat(cfg, flat, dtype, source=gguf_path)
-    tokenizer = None
-    if "tokenizer.ggml.model" in meta:  # GGUFs written for tests may carry no tokenizer
-        tokenizer = load_tokenizer(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
-    log.info("paxpage: converted %s in %.1fs", gguf_path, time.perf_counter() - start)
-    cache.write_entry(gguf_path, cfg, flat, tokenizer)
-    return cfg, params, tokenizer
+        cfg, flat, tokenizer = cached
+    else:
+        start = time.perf_counter()
+        cfg, tensors, meta = read_gguf(gguf_path, keep_quantized=True)
+        flat = {}
+        for path, (_, hf, transpose) in param_specs(cfg).items():
+            if hf not in tensors:
+                continue
+            x = tensors[hf]
+            if isinstance(x, Quantized):  # HF [out, in] -> paxpage [in, out], groups along `in`
+                flat[path + quant.Q] = from_hf_layout(x.q, transpose)
+                flat[path + quant.SCALE] = from_hf_layout(x.scale, transpose)
+                if x.offset is not None:
+                    flat[path + quant.OFFSET] = from_hf_layout(x.offset, transpose)
+            else:
+                flat[path] = from_hf_layout(x, transpose)
+        check(cfg, flat)
+        tokenizer = None
+        if "tokenizer.ggml.model" in meta:  # GGUFs written for tests may carry no tokenizer
+            tokenizer = load_tokenizer(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+        log.info("paxpage: converted %s in %.1fs", gguf_path, time.perf_counter() - start)
+        cache.write_entry(gguf_path, cfg, flat, tokenizer)
+    if quantization == "none":
+        flat = quant.dequantize_flat(flat)
+    elif quantization == "int8":
+        flat = quant.quantize_flat_int8(flat)
+    return cfg, params_from_flat(cfg, flat, dtype, source=gguf_path), tokenizer

@@ -140,16 +140,47 @@ def params_from_hf(
 def params_from_flat(
     cfg: ModelConfig, flat: dict[str, Any], dtype: Any, source: str
 ) -> dict[str, Any]:
-    """Builds the tree from paxpage-named flat arrays (the GGUF cache), checking names and shapes."""
+    """Builds the tree from paxpage-named flat arrays (the GGUF cache), checking names and shapes.
+    A kernel or the embedding may come quantised (models/quant.py: `<name>_q` i8 with the same
+    shape, `<name>_scale` [+ `<name>_offset`] f32 with a group count dividing the contraction
+    axis); floats are cast to `dtype`, scales and offsets stay f32."""
+    from models import quant
+
     dt = check_dtype(dtype)
-    specs = param_specs(cfg)
-    if set(flat) != set(specs):
-        missing, extra = sorted(set(specs) - set(flat)), sorted(set(flat) - set(specs))
-        raise ValueError(f"{source}: parameter names differ from config; missing {missing[:5]}, extra {extra[:5]}")
+    check_flat(cfg, flat, source)
     out = {}
-    for path, (shape, _, _) in specs.items():
-        if tuple(flat[path].shape) != shape:
-            raise ValueError(f"{source}: {path} has shape {tuple(flat[path].shape)}; config implies {shape}")
-        out[path] = jnp.asarray(flat[path], dtype=dt)
+    for path, x in flat.items():
+        if quant.base_name(path) == path:
+            out[path] = jnp.asarray(x, dtype=dt)
+        else:
+            out[path] = jnp.asarray(x) if path.endswith(quant.Q) else jnp.asarray(x, dtype=jnp.float32)
     return unflatten(out)
 
+
+def check_flat(cfg: ModelConfig, flat: dict[str, Any], source: str) -> None:
+    """Raises ValueError unless `flat` holds exactly the parameters of `cfg` (see params_from_flat)."""
+    from models import quant
+
+    specs = param_specs(cfg)
+    names = {quant.base_name(path) for path in flat}
+    if names != set(specs):
+        missing, extra = sorted(set(specs) - names), sorted(names - set(specs))
+        raise ValueError(f"{source}: parameter names differ from config; missing {missing[:5]}, extra {extra[:5]}")
+    for path, x in flat.items():
+        base = quant.base_name(path)
+        shape = specs[base][0]
+        if path == base:
+            if tuple(x.shape) != shape:
+                raise ValueError(f"{source}: {path} has shape {tuple(x.shape)}; config implies {shape}")
+            continue
+        axis = 0 if base.endswith("kernel") else 1  # the contraction axis: kernels [I, O], the table [V, H]
+        if path.endswith(quant.Q):
+            if tuple(x.shape) != shape or x.dtype != jnp.int8 or base + quant.SCALE not in flat:
+                raise ValueError(f"{source}: {path} is {x.dtype}{tuple(x.shape)} (scale given: "
+                                 f"{base + quant.SCALE in flat}); expected int8{shape} with a scale")
+            continue
+        groups = x.shape[axis] if len(x.shape) == 2 else 0
+        expected = tuple(groups if a == axis else d for a, d in enumerate(shape))
+        if base + quant.Q not in flat or tuple(x.shape) != expected or not groups or shape[axis] % groups:
+            raise ValueError(f"{source}: {path} has shape {tuple(x.shape)}; {base} is {shape}, quantised in "
+                             "groups along its contraction axis")

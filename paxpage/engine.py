@@ -79,6 +79,7 @@ class LLMEngine:
 
             self.runner = LockstepRunner(self.runner)
         log.info("paxpage: %s", self.describe_kv_cache())
+        log.info("paxpage: %s", self.describe_memory())
         self.scheduler = Scheduler(SchedulerConfig(
             num_pages=cfg.num_pages,
             page_size=cfg.page_size,
@@ -119,6 +120,17 @@ class LLMEngine:
                       f"{budget.step_bytes / kv_sizing.GIB:.2f} GiB step")
         line = kv_sizing.describe_pool(cfg.num_pages, cfg.page_size, cfg.page_bytes, source)
         return line if cfg.kv_cache_dtype == "auto" else f"{line}, {cfg.kv_cache_dtype} with per-token scales"
+
+    def describe_memory(self) -> str:
+        """One line: the weights' bytes by dtype (per device when sharded: what the runner holds
+        on each) and the KV bytes of a token and of a max_model_len sequence."""
+        from models.quant import bytes_by_dtype
+
+        cfg = self.config
+        runner = getattr(self.runner, "runner", self.runner)  # multi-host wraps the runner
+        by_dtype = bytes_by_dtype(runner.params, per_device=True)
+        return (f"{kv_sizing.describe_weights(by_dtype)}; "
+                f"{kv_sizing.describe_kv_per_sequence(cfg.page_bytes, cfg.page_size, cfg.max_model_len)}")
 
     def precompile(self) -> tuple[int, float]:
         """Compiles every step shape this config can produce now, so no request waits for a

@@ -59,6 +59,22 @@ def device_memory_stats(device: Any = None) -> Mapping[str, int] | None:
         return None
 
 
+MB = 1e6
+
+
+def describe_weights(bytes_by_dtype: Mapping[str, int]) -> str:
+    """"weights 170.4 MB (int8 134.9 MB, float32 35.5 MB)": the bytes a params tree holds, by dtype."""
+    parts = ", ".join(f"{name} {num / MB:.1f} MB" for name, num in sorted(bytes_by_dtype.items(), key=lambda kv: -kv[1]))
+    return f"weights {sum(bytes_by_dtype.values()) / MB:.1f} MB ({parts})"
+
+
+def describe_kv_per_sequence(page_bytes: int, page_size: int, max_model_len: int) -> str:
+    """KV bytes one token holds (K and V, all layers) and one sequence of max_model_len tokens."""
+    per_token = page_bytes // page_size
+    return (f"KV {per_token} bytes per token, {per_token * max_model_len / MB:.1f} MB per sequence of "
+            f"{max_model_len} tokens")
+
+
 def describe_pool(num_pages: int, page_size: int, page_bytes: int, source: str) -> str:
     """The start-up line: pages, tokens, GiB and where the size came from."""
     return (f"KV cache: {num_pages} pages x {page_size} tokens = {num_pages * page_size} tokens, "

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from models.quant import cast_params
 from paxpage.sharding import DATA_AXIS, MODEL_AXIS, NEW_KV_AXES, Q_AXES, ShardingPlan
 
 try:  # jax >= 0.7 has jax.shard_map (check_vma); older releases only the experimental one
@@ -125,6 +126,10 @@ def bytes_per_device(tree) -> dict:
     return out
 
 
+def _host_array(x, dtype=None):
+    return np.asarray(x) if dtype is None else np.asarray(x).astype(dtype)
+
+
 def shard_runner_state(model_cfg, params, dtype, mesh: Mesh, attention, write_kv, kv_cache_dtype: str = "auto"):
     """What ModelRunner needs on a tensor-parallel mesh: (model config the step runs, plan,
     sharded params, the KV cache's sharding, a pytree like one layer's cache (each layer's
@@ -133,7 +138,7 @@ def shard_runner_state(model_cfg, params, dtype, mesh: Mesh, attention, write_kv
     from paxpage.sharding import replicate_kv_heads
 
     plan = ShardingPlan.for_model(model_cfg, mesh.shape[MODEL_AXIS])
-    params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
+    params = cast_params(params, dtype, to_array=_host_array)  # quantised: int8 values, f32 scales
     params = place_params(replicate_kv_heads(plan, model_cfg, params), mesh, plan)
     model_cfg = plan.sharded_model_config(model_cfg)
     pool = jax.tree.map(lambda spec: NamedSharding(mesh, spec), plan.kv_cache_spec(kv_cache_dtype),

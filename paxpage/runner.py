@@ -20,6 +20,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.families import build_model
+from models.quant import cast_params
 from pallas_kernels import kv_quant, reference
 from pallas_kernels.xla_attention import paged_attention_xla
 from paxpage import kv_sizing
@@ -90,7 +91,7 @@ class ModelRunner:
         attention, write_kv = _attention_fns(cfg.attention_impl)
         self._pool_sharding = None  # None: the default device
         if mesh is None:
-            self.params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+            self.params = cast_params(params, dtype)  # quantised weights keep int8 values, f32 scales
             step_shardings = copy_shardings = {}
         else:
             from paxpage import mesh as mesh_lib  # the sharded path only

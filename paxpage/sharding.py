@@ -90,11 +90,21 @@ class ShardingPlan:
     def spec(self, logical_axes: tuple[str | None, ...]) -> PartitionSpec:
         return PartitionSpec(*(self.mesh_axis(a) for a in logical_axes))
 
-    def param_spec(self, path: str, ndim: int) -> PartitionSpec:
-        """PartitionSpec of the parameter at flat `path` ("layers_0/q_proj/kernel")."""
+    def param_spec(self, path: str, ndim: int, shape: tuple[int, ...] | None = None) -> PartitionSpec:
+        """PartitionSpec of the parameter at flat `path` ("layers_0/q_proj/kernel").
+
+        A quantised weight (models/quant.py) shards as its float one: "kernel_q" exactly so, its
+        scale / offset the same way along the output axis; along the contraction axis they hold
+        one row per group, split only when `shape` says the groups divide evenly (per-channel
+        int8 has one group: replicated there)."""
+        from models import quant
+
+        base = quant.base_name(path)
         for suffix, axes in PARAM_AXES.items():
-            if path == suffix or path.endswith("/" + suffix):
+            if base == suffix or base.endswith("/" + suffix):
                 assert len(axes) == ndim, (path, axes, ndim)
+                if base != path and not path.endswith(quant.Q) and shape is not None:
+                    axes = tuple(a if d % self.tensor_parallel_size == 0 else None for a, d in zip(axes, shape))
                 return self.spec(axes)
         return PartitionSpec()
 
@@ -135,7 +145,7 @@ def param_specs(plan: ShardingPlan, params) -> dict:
     def walk(tree, prefix):
         if isinstance(tree, dict):
             return {k: walk(v, f"{prefix}{k}/") for k, v in tree.items()}
-        return plan.param_spec(prefix[:-1], len(tree.shape))
+        return plan.param_spec(prefix[:-1], len(tree.shape), tuple(tree.shape))
     return walk(params, "")
 
 
@@ -156,7 +166,8 @@ def replicate_kv_heads(plan: ShardingPlan, cfg: ModelConfig, params) -> dict:
         if isinstance(tree, dict):
             return {k: walk(v, f"{path}{k}/") for k, v in tree.items()}
         name = path[:-1]
-        if any(name.endswith(f"{proj}/{leaf}") for proj in ("k_proj", "v_proj") for leaf in ("kernel", "bias")):
+        leaves = ("kernel", "bias", "kernel_q", "kernel_scale", "kernel_offset")  # quantised: models/quant.py
+        if any(name.endswith(f"{proj}/{leaf}") for proj in ("k_proj", "v_proj") for leaf in leaves):
             return widen(tree)
         return tree
     return walk(params, "")

@@ -83,6 +83,21 @@ def test_bench_moe_smoke(tmp_path, capsys):
     assert "/ dense output tok/s" in capsys.readouterr().out
 
 
+def test_eval_quality_quick(tiny_model_dir, tmp_path):
+    """Every row the checkout supports runs; the reference agrees with itself exactly."""
+    script = _load_script("eval_quality")
+    out = tmp_path / "quality.json"
+    assert script.main(["--quick", "--model", tiny_model_dir, "--json", str(out),
+                        "--variants", "int8 weights", "int8 KV", "GGUF-native"]) == 0
+    data = json.loads(out.read_text())
+    ref = data["rows"]["f32"]
+    assert (ref["agree"], ref["prefix"], ref["kl"], ref["ppl_change"]) == (1.0, 1.0, 0.0, 0.0)
+    assert data["skipped"]["GGUF-native"].startswith("n/a")
+    assert "int8 KV" in data["rows"] or data["skipped"]["int8 KV"].startswith("unavailable")
+    int8 = data["rows"]["int8 weights"]
+    assert int8["finite"] and int8["kl"] > 0 and int8["weights_bytes"] < 0.5 * ref["weights_bytes"]
+
+
 def test_bench_memory_smoke(tiny_model_dir, tmp_path):
     bench = _load_script("bench_memory")
     out = tmp_path / "memory.json"

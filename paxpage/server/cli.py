@@ -13,6 +13,8 @@ import threading
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API (loopback by default)")
     s.add_argument("--model", default=None, help="GGUF file, HF dir or paxpage.save dir (default: SmolLM2)")
+    s.add_argument("--quantization", default=None, choices=["none", "gguf", "int8"],
+                   help="weights: default keeps a GGUF's own quantisation; none = float; int8 = per channel")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
     s.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model's name)")
@@ -105,7 +107,7 @@ def run_serve(args: argparse.Namespace) -> int:
         sock.close()
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     sock.listen(2048)  # clients that connect before uvicorn runs wait in the backlog
-    model = paxpage.load(args.model, dtype=config.dtype or "float32")
+    model = paxpage.load(args.model, dtype=config.dtype or "float32", quantization=args.quantization)
     engine = AsyncEngine(model, config, max_waiting_requests=args.max_waiting_requests)
     try:
         app = build_app(engine, served_model_name=args.served_model_name or default_model_name(args.model),
@@ -116,6 +118,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                         access_log=args.log_level == "debug"), engine)
         host, port = sock.getsockname()[:2]
         print(f"paxpage serve: {engine.engine.describe_kv_cache()}", flush=True)
+        print(f"paxpage serve: {engine.engine.describe_memory()}", flush=True)
         defaults = model.config.generation.sampling_defaults()
         if defaults:
             print("paxpage serve: the model's generation config sets "

@@ -36,6 +36,21 @@ def test_smollm2_plans():
     assert kv_page_bytes_per_device(SMOLLM2, p3, 16, 4) == 2 * 30 * 16 * 1 * 64 * 4
 
 
+def test_quantized_params_shard_like_float_ones():
+    """kernel_q as the kernel; scales / offsets along the output axis, and along the contraction
+    axis only where their group rows divide evenly (models/quant.py's form)."""
+    p3 = ShardingPlan.for_model(SMOLLM2, 3)
+    assert p3.param_spec("layers_0/k_proj/kernel_q", 2, (576, 192)) == P(None, "model")
+    assert p3.param_spec("layers_0/k_proj/kernel_scale", 2, (18, 192)) == P(None, "model")
+    assert p3.param_spec("layers_0/o_proj/kernel_q", 2, (576, 576)) == P("model", None)
+    assert p3.param_spec("layers_0/o_proj/kernel_offset", 2, (18, 576)) == P("model", None)  # 18 groups / 3
+    assert p3.param_spec("layers_0/o_proj/kernel_scale", 2, (1, 576)) == P(None, None)  # per channel
+    p2 = ShardingPlan.for_model(SMOLLM2, 2)
+    assert p2.param_spec("layers_0/down_proj/kernel_scale", 2, (48, 576)) == P("model", None)
+    assert p2.param_spec("embed_tokens/embedding_q", 2, (49152, 576)) == P("model", None)
+    assert p2.param_spec("embed_tokens/embedding_scale", 2, (49152, 18)) == P("model", None)
+
+
 def test_llama3_8b_bytes_match_published_parameter_count():
     total = 8_030_261_248  # Llama-3-8B parameters
     norms = (2 * 32 + 1) * 4096  # the only replicated weights at tp = 8

@@ -28,7 +28,7 @@ def conversions(monkeypatch):
     """The GGUF files converted from scratch (not served from the cache), in order."""
     calls = []
     real = loading.read_gguf
-    monkeypatch.setattr(loading, "read_gguf", lambda p: calls.append(p) or real(p))
+    monkeypatch.setattr(loading, "read_gguf", lambda p, **kw: calls.append(p) or real(p, **kw))
     return calls
 
 
@@ -112,7 +112,7 @@ def test_crashed_write_is_never_read(cache_root, conversions, tiny_gguf, monkeyp
     os.rename(cache_root / name, cache_root / ".building-killed")
     calls = []
     real = loading.read_gguf
-    monkeypatch.setattr(loading, "read_gguf", lambda p: calls.append(p) or real(p))
+    monkeypatch.setattr(loading, "read_gguf", lambda p, **kw: calls.append(p) or real(p, **kw))
     _, params, _ = load_model(path)
     assert calls == [str(path)]
     assert_tree_equal(params, want)
@@ -195,5 +195,6 @@ def test_default_model_twice_one_entry_and_truncation_rebuilt(default_model_cach
     text = "What is the capital of France? <|im_start|>ünïcödé"
     assert tok3.encode(text) == tok.encode(text) == tok2.encode(text)
     for a, b in ((params, params2), (params, params3)):
-        np.testing.assert_array_equal(np.asarray(a["layers_3"]["v_proj"]["kernel"]),
-                                      np.asarray(b["layers_3"]["v_proj"]["kernel"]))
+        for leaf in ("kernel_q", "kernel_scale", "kernel_offset"):  # the GGUF-native Q4_1 form
+            np.testing.assert_array_equal(np.asarray(a["layers_3"]["v_proj"][leaf]),
+                                          np.asarray(b["layers_3"]["v_proj"][leaf]))

@@ -335,14 +335,39 @@ def test_gguf_end_of_turn_ids_and_sampling_defaults(tmp_path):
     assert cfg.end_token_ids == (2,) and cfg.generation.sampling_defaults() == {}
 
 
+def expand_quantized(tree):
+    """A params tree with every quantised leaf (kernel_q + kernel_scale [+ kernel_offset], groups
+    along the contraction axis; embedding_q likewise along H) expanded to f32, in plain numpy."""
+    out = {}
+    for key, node in tree.items():
+        if not isinstance(node, dict):
+            out[key] = node
+            continue
+        name = next((n for n in ("kernel", "embedding") if n + "_q" in node), None)
+        if name is None:
+            out[key] = expand_quantized(node)
+            continue
+        q, scale = np.asarray(node[name + "_q"], np.float32), np.asarray(node[name + "_scale"])
+        offset = np.asarray(node[name + "_offset"]) if name + "_offset" in node else np.zeros_like(scale)
+        axis = 0 if name == "kernel" else 1
+        group = q.shape[axis] // scale.shape[axis]
+        w = q * np.repeat(scale, group, axis=axis) + np.repeat(offset, group, axis=axis)
+        out[key] = {name: w, **{k: v for k, v in node.items() if not k.startswith(name)}}
+    return out
+
+
 def test_gguf_quantized_q8_0(tmp_path):
     model = hf_model("llama", hidden_size=64, intermediate_size=128)
     write_gguf(tmp_path / "m.gguf", model, qtype=gguf.GGMLQuantizationType.Q8_0)
-    _, params, _ = load_model(tmp_path / "m.gguf")
     want = state(model)["model.layers.1.self_attn.k_proj.weight"]
+    _, params, _ = load_model(tmp_path / "m.gguf", quantization="none")
     got = np.asarray(params["layers_1"]["k_proj"]["kernel"]).T
     # Q8_0 rounds each 32-block to 1/127 of its max; permutation must not scramble rows
     np.testing.assert_allclose(got, want, atol=np.abs(want).max() / 100)
+    _, native, _ = load_model(tmp_path / "m.gguf")  # the default keeps Q8_0 as int8 + a scale per 32
+    k_proj = native["layers_1"]["k_proj"]
+    assert k_proj["kernel_q"].dtype == np.int8 and k_proj["kernel_scale"].shape == (64 // 32, 32)
+    np.testing.assert_array_equal(expand_quantized(native)["layers_1"]["k_proj"]["kernel"].T, got)
 
 
 def test_gguf_llama3_rope_freqs(tmp_path):
@@ -365,7 +390,7 @@ def test_gguf_cache_used_and_rebuilt(tmp_path, monkeypatch):
     (entry,) = [p for p in (tmp_path / "cache").iterdir()]
     calls = []
     real = loading.read_gguf
-    monkeypatch.setattr(loading, "read_gguf", lambda p: calls.append(p) or real(p))
+    monkeypatch.setattr(loading, "read_gguf", lambda p, **kw: calls.append(p) or real(p, **kw))
     _, params, _ = load_model(tmp_path / "m.gguf", dtype="bfloat16")
     assert calls == []  # served from the cache
     assert params["layers_0"]["q_proj"]["kernel"].dtype == jnp.bfloat16
@@ -415,7 +440,8 @@ def test_default_model_matches_transformers_gguf():
     path = loading.default_model_path()
     directory, name = os.path.split(path)
     cfg, params, tok = load_model()  # cold: converts and fills the (per-test) cache
-    cfg2, params2, tok2 = load_model()  # warm: from the cache
+    cfg2, params2, tok2 = load_model(quantization="none")  # warm: from the cache, expanded to f32
+    params = expand_quantized(params)  # the GGUF-native form, expanded here in numpy
     assert cfg2 == cfg
     ref = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     ref_tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)

@@ -65,16 +65,20 @@ def test_tp_pallas_kernels_under_shard_map(tmp_path):
     assert out["kv"]["2"]["shard_shapes"] == [[2, 48, 4, 2, 16]] * 2
 
 
-def test_tp_int8_kv_cache_scales_split_with_the_pages(tmp_path):
-    """An int8 KV cache at tp 2 (K = 4 heads split 2 + 2): the scales are split on their K axis
-    like the pages, and the greedy tokens are tp 1's (each head's rows quantise the same way)."""
-    shape = dict(num_attention_heads=8, num_key_value_heads=4, vocab_size=128, intermediate_size=128)
-    save_tiny_hf(tmp_path, "llama", **shape)
-    out = run_json(["tests.parallel.tp_worker", str(tmp_path), "1,2", "6", "--int8"], timeout=420)
+def test_tp_int8_kv_cache_and_int8_weights(tmp_path):
+    """An int8 KV cache and int8 weights at tp 2 (K = 4 heads split 2 + 2): the KV scales are split
+    on their K axis like the pages, weight values split like the float kernels (per-channel scales
+    along the output axis), and the greedy tokens are tp 1's. tests/models/test_quant_loading.py
+    checks the one-device int8 model against HF on the dequantised weights."""
+    save_tiny_hf(tmp_path, "llama", num_attention_heads=8, num_key_value_heads=4, vocab_size=128,
+                 intermediate_size=128)
+    out = run_json(["tests.parallel.tp_worker", str(tmp_path), "1,2", "6", "--int8-kv", "--int8-weights"],
+                   timeout=420)
     assert out["greedy"]["2"] == out["greedy"]["1"]
     assert out["kv"]["2"]["shard_shapes"] == [[2, 48, 4, 2, 8]] * 2
     assert out["kv_scales"]["2"]["shard_shapes"] == [[2, 48, 4, 2]] * 2
     assert out["kv_scales"]["2"]["spec"] == [None, None, None, "model"]
+    assert out["params"]["2"]["q_proj"] == [[64, 32]] * 2  # kernel_q split on the heads
     assert out["recompiles"] == {"1": 0, "2": 0}
 
 

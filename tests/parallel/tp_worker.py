@@ -1,10 +1,12 @@
 """Runs in a subprocess with forced host devices (XLA_FLAGS set by the caller before jax starts):
 generates with several tensor-parallel sizes and prints one JSON object on its last line.
 
-    python -m tests.parallel.tp_worker MODEL_DIR_OR_default TP,TP,... MAX_TOKENS [--pallas] [--sampling] [--one] [--int8]
+    python -m tests.parallel.tp_worker MODEL_DIR_OR_default TP,TP,... MAX_TOKENS [--pallas] [--sampling] [--one] [--int8-kv] [--int8-weights]
 
 --one: only the second prompt (19 tokens), for the real model's shorter run.
---int8: an int8 KV cache ("kv" describes its pages, "kv_scales" its scales).
+--int8-kv: an int8 KV cache ("kv" describes its pages, "kv_scales" its scales).
+--int8-weights: load with quantization="int8" (quantised weights shard like float ones; weight_bytes then
+counts int8 values and f32 scales, so its "rules" figure, which assumes one float dtype, differs).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ def main(argv: list[str]) -> None:
     import paxpage
     from paxpage import compile_counter
 
-    model = paxpage.load(None if source == "default" else source)
+    model = paxpage.load(None if source == "default" else source,
+                         quantization="int8" if "--int8-weights" in argv else None)
     vocab = model.config.vocab_size
     prompts = [[(7 * i + 3) % vocab for i in range(n)] for n in ((19,) if "--one" in argv else (5, 19, 40))]
     impl = "pallas-interpret" if "--pallas" in argv else None
-    kv_cache_dtype = "int8" if "--int8" in argv else "auto"
+    kv_cache_dtype = "int8" if "--int8-kv" in argv else "auto"
     result = {"num_devices": jax.device_count(), "greedy": {}, "sampled": {}, "kv": {}, "kv_scales": {}, "params": {},
               "weight_bytes": {}, "recompiles": {}}
     for tp in sizes:
@@ -56,8 +59,8 @@ def main(argv: list[str]) -> None:
                                "shape": list(array.shape),
                                "shard_shapes": [list(s.data.shape) for s in array.addressable_shards],
                                "devices": len(array.sharding.device_set)}
-        q = runner.params["layers_0"]["q_proj"]["kernel"]
-        up = runner.params["layers_0"]["up_proj"]["kernel"]
+        layer = runner.params["layers_0"]
+        q, up = (layer[name].get("kernel", layer[name].get("kernel_q")) for name in ("q_proj", "up_proj"))
         from paxpage.mesh import bytes_per_device
         from paxpage.sharding import ShardingPlan, param_bytes_per_device
 

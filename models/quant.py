@@ -1,0 +1,180 @@
+"""Weight-only quantisation: one in-memory form for int8 per-channel weights and GGUF's block formats.
+
+A quantised weight is int8 values with one f32 scale (and, for the affine formats, one f32
+offset) per group of G consecutive weights along the contraction axis:
+
+    Linear kernel [I, O] (paxpage layout, x @ kernel):
+        kernel_q      i8[I, O]
+        kernel_scale  f32[I / G, O]
+        kernel_offset f32[I / G, O]   (only Q4_1 / Q4_K)
+        w[i, o] = kernel_q[i, o] * kernel_scale[i // G, o] (+ kernel_offset[i // G, o])
+    Embedding table [V, H] (rows gathered; the tied LM head contracts over H):
+        embedding_q i8[V, H], embedding_scale f32[V, H / G], embedding_offset f32[V, H / G]
+
+int8 per output channel (`quantization="int8"`) is the case G = I (one group: scale [1, O]; the
+tied embedding gets one scale per vocabulary row, i.e. per LM-head output channel); a GGUF
+file's Q8_0 / Q4_0 / Q4_1 / Q4_K tensors are G = 32 and Q6_K G = 16 (models/gguf_quants.py),
+held exactly. 4-bit values sit one per int8 byte (not packed two per byte): 1.25 bytes a weight
+for Q4_x, against 4 for f32.
+
+Scales and offsets stay f32 whatever the model dtype (a bf16 scale would round GGUF's exact
+products); the matmul dequantises on the fly: per-channel as (x @ q) * scale, grouped by
+expanding the weight to the compute dtype first (on GPU/TPU XLA fuses the expansion into the
+dot's operand; on CPU it is a separate pass, see README "Quantized weights").
+
+Why not Qwix: qwix 0.1.8 works with this jax and quantises flax Dense layers, but it wraps the
+model (`quantize_model`), stores each weight as a `WithAux(QArray)` pytree node, and expresses
+affine formats through a zero point ((q - zp) * scale), which cannot hold GGUF's Q4_1 / Q4_K
+minimums exactly; our sharding table, the on-disk cache and the checkpoint code all work on flat
+named arrays. This module is ~150 lines that keep all of those unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+QUANTIZATIONS = (None, "none", "gguf", "int8")
+# Quantised leaves: "<name>_q", "<name>_scale", "<name>_offset" replace the float leaf <name>.
+Q, SCALE, OFFSET = "_q", "_scale", "_offset"
+# The float leaves that may be quantised: Linear kernels and the embedding table.
+QUANTIZABLE = ("kernel", "embedding")
+
+
+def is_scale_path(path: str) -> bool:
+    return path.endswith(SCALE) or path.endswith(OFFSET)
+
+
+def base_name(path: str) -> str:
+    """"layers_0/q_proj/kernel_scale" -> "layers_0/q_proj/kernel"; other paths unchanged."""
+    for suffix in (Q, SCALE, OFFSET):
+        leaf = path.rsplit("/", 1)[-1]
+        if leaf in tuple(n + suffix for n in QUANTIZABLE):
+            return path[: -len(suffix)]
+    return path
+
+
+# ------------------------------------------------------------------ in the jitted step
+
+def dequantize_kernel(q, scale, offset, dtype):
+    """q i8[I, O], scale/offset f32[I / G, O] -> dtype[I, O]."""
+    num_groups, out = scale.shape
+    w = q.reshape(num_groups, -1, out).astype(jnp.float32) * scale[:, None, :]
+    if offset is not None:
+        w = w + offset[:, None, :]
+    return w.reshape(q.shape).astype(dtype)
+
+
+def quantized_matmul(x, q, scale, offset=None):
+    """x [..., I] @ the quantised kernel -> [..., O] in x's dtype."""
+    if scale.shape[0] == 1 and offset is None:  # per output channel: scale the product
+        y = jnp.dot(x, q.astype(x.dtype), preferred_element_type=jnp.float32) * scale[0]
+        return y.astype(x.dtype)
+    return jnp.dot(x, dequantize_kernel(q, scale, offset, x.dtype))
+
+
+def dequantize_rows(q, scale, offset, dtype):
+    """Rows of a quantised table: q i8[..., H], scale/offset f32[..., H / G] -> dtype[..., H]."""
+    group = q.shape[-1] // scale.shape[-1]
+    w = q.reshape(*scale.shape, group).astype(jnp.float32) * scale[..., None]
+    if offset is not None:
+        w = w + offset[..., None]
+    return w.reshape(q.shape).astype(dtype)
+
+
+def quantized_attend(x, q, scale, offset=None):
+    """x [R, H] against every row of the quantised table [V, H] -> [R, V] (the tied LM head)."""
+    if scale.shape[-1] == 1 and offset is None:  # one scale per row = per output channel
+        y = jnp.dot(x, q.astype(x.dtype).T, preferred_element_type=jnp.float32) * scale[:, 0]
+        return y.astype(x.dtype)
+    return jnp.dot(x, dequantize_rows(q, scale, offset, x.dtype).T)
+
+
+# ------------------------------------------------------------------ on the host, flat trees
+
+def quantize_int8(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 with one scale per slice along every axis but `axis` (the contraction
+    axis, which the scale's shape keeps as length 1): w ~ q * scale, |q| <= 127."""
+    w = np.asarray(w, dtype=np.float32)
+    amax = np.max(np.abs(w), axis=axis, keepdims=True)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def _contraction_axis(name: str) -> int:
+    return 0 if name.endswith("kernel") else -1  # kernels [I, O]; the embedding [V, H]
+
+
+def quantize_flat_int8(flat: dict[str, Any]) -> dict[str, Any]:
+    """Every 2-D float kernel and the embedding -> int8 per output channel (already quantised
+    leaves are expanded first). MoE expert tensors (3-D) and the router stay as they are."""
+    flat = dequantize_flat(flat)
+    out = {}
+    for path, x in flat.items():
+        if path.rsplit("/", 1)[-1] in QUANTIZABLE and np.ndim(x) == 2:
+            q, scale = quantize_int8(np.asarray(x, dtype=np.float32), _contraction_axis(path))
+            out[path + Q], out[path + SCALE] = q, scale
+        else:
+            out[path] = x
+    return out
+
+
+def dequantize_flat(flat: dict[str, Any]) -> dict[str, Any]:
+    """The f32 expansion of every quantised leaf (the `quantization="none"` form)."""
+    out = {}
+    for path, x in flat.items():
+        if path.endswith(SCALE) or path.endswith(OFFSET):
+            continue
+        base = base_name(path)
+        if base != path:  # a "_q" leaf (scales and offsets were skipped above)
+            q, scale, offset = (np.asarray(flat[base + s]) if base + s in flat else None for s in (Q, SCALE, OFFSET))
+            axis = _contraction_axis(base)
+            if axis == 0:  # kernel: groups along axis 0 -> work on the transpose
+                w = _expand(q.T, scale.T, None if offset is None else offset.T).T
+            else:
+                w = _expand(q, scale, offset)
+            out[base] = np.ascontiguousarray(w)
+        else:
+            out[path] = x
+    return out
+
+
+def _expand(q, scale, offset):  # row-major groups along the last axis, numpy f32
+    group = q.shape[-1] // scale.shape[-1]
+    w = q.reshape(*scale.shape, group).astype(np.float32) * scale[..., None]
+    if offset is not None:
+        w = w + offset[..., None]
+    return w.reshape(q.shape)
+
+
+def is_quantized(params) -> bool:
+    return any(leaf.dtype == jnp.int8 for leaf in jax.tree.leaves(params))
+
+
+def cast_params(params, dtype, to_array=jnp.asarray):
+    """Float leaves to `dtype`, except quantisation scales / offsets (f32) and int8 values."""
+    dt = jnp.dtype(dtype)
+
+    def cast(path, x):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        if np.dtype(x.dtype) == np.int8:
+            return to_array(x)
+        return to_array(x, jnp.float32 if is_scale_path(name) else dt)
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def bytes_by_dtype(params, per_device: bool = False) -> dict[str, int]:
+    """{dtype name: bytes} over the leaves of a params tree; `per_device`: what the first device
+    holds of each (sharded) jax array, rather than the whole."""
+    out: dict[str, int] = {}
+    for leaf in jax.tree.leaves(params):
+        name = np.dtype(leaf.dtype).name
+        shape = leaf.shape
+        if per_device and isinstance(leaf, jax.Array) and leaf.addressable_shards:
+            shape = leaf.addressable_shards[0].data.shape
+        out[name] = out.get(name, 0) + int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
+    return out

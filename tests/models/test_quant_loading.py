@@ -1,0 +1,110 @@
+"""`paxpage.load(..., quantization=...)`: int8 per-channel weights on a tiny HF Llama, and the
+default GGUF kept in its own quantised form, each against HF transformers.
+
+References: for int8, HF run on the int8 weights dequantised here in numpy (q * scale: the
+tight check of the quantised matmuls and lookups), and HF on the original f32 weights (the
+quantisation error itself, within a bound derived below). For the GGUF, transformers dequantises
+the file itself, so its model holds exactly the values our grouped form holds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import paxpage
+from models.param_layout import flatten, param_specs
+from tests.conftest import hf_greedy, random_prompts, save_tiny_hf
+
+
+def _logprobs(model, prompt, k):
+    out = paxpage.generate(model, [prompt], max_tokens=1, temperature=0, logprobs=k, ignore_eos=True,
+                           page_size=4, num_pages=32, use_tqdm=False)[0]
+    return out.outputs[0].logprobs[0]
+
+
+def _hf_logprobs(hf, prompt):
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1], -1).numpy()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_q")
+    hf = save_tiny_hf(path, "llama", tie_word_embeddings=True)  # the tied table is the LM head too
+    return path, hf
+
+
+def test_int8_tiny_llama_against_hf(tiny):
+    path, hf = tiny
+    model = paxpage.load(path, quantization="int8")
+    flat = flatten(model.params)
+    kernels = [p for p, (_, _, transpose) in param_specs(model.config).items() if transpose]
+    for p in kernels + ["embed_tokens/embedding"]:
+        assert p not in flat and flat[p + "_q"].dtype == np.int8 and flat[p + "_scale"].dtype == np.float32
+    assert flat["layers_0/q_proj/kernel_scale"].shape == (1, 64)  # one scale per output channel
+    assert flat["embed_tokens/embedding_scale"].shape == (128, 1)  # per vocabulary row = LM-head output
+
+    # HF on the dequantised int8 weights: what our quantised matmuls must compute, up to f32 rounding.
+    deq = {p[:-2]: np.asarray(flat[p], np.float32) * np.asarray(flat[p[:-2] + "_scale"])
+           for p in flat if p.endswith("_q")}
+    reference = save_tiny_hf(path.parent / "unused", "llama", tie_word_embeddings=True)
+    reference.load_state_dict(hf.state_dict())
+    specs = param_specs(model.config)
+    with torch.no_grad():
+        state = reference.state_dict()
+        for p, w in deq.items():
+            _, hf_name, transpose = specs[p]
+            state[hf_name].copy_(torch.from_numpy(w.T.copy() if transpose else w))
+    prompts = random_prompts(2, 128, [9, 23], seed=5)
+    spreads = []
+    for prompt in prompts:
+        ours = _logprobs(model, prompt, 5)
+        on_deq, on_f32 = _hf_logprobs(reference, prompt), _hf_logprobs(hf, prompt)
+        for token, logprob in ours.items():
+            np.testing.assert_allclose(logprob, on_deq[token], atol=1e-4)
+        # Against the f32 model: each weight moves by at most half a step, scale / 2 = max|w| / 254
+        # (0.4% of its channel's largest weight); an output of a matmul over I inputs moves by at
+        # most that times sum |x|, and the 2 x 7 matmuls plus the LM head on this tiny model are
+        # composed in series, so logits move by at most ~15 x 0.4% = 6% of their spread. Checked
+        # on the top-5 logprobs, relative to the spread of the reference logprobs.
+        spread = float(on_f32.max() - on_f32.min())
+        err = max(abs(logprob - on_f32[token]) for token, logprob in ours.items())
+        assert 0 < err <= 0.06 * spread, (err, spread)
+        spreads.append(err / spread)
+    assert hf_greedy(reference, prompts[0], 8) == paxpage.generate(
+        model, [prompts[0]], max_tokens=8, temperature=0, ignore_eos=True, page_size=4, num_pages=32,
+        use_tqdm=False)[0].token_ids
+
+
+def test_quantization_is_validated(tiny):
+    path, _ = tiny
+    with pytest.raises(ValueError, match=r"quantization 'int4' is not one of \(None, 'none', 'gguf', 'int8'\)"):
+        paxpage.load(path, quantization="int4")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        paxpage.load(path, quantization="gguf")
+
+
+def test_quantized_model_cannot_be_saved_as_float_checkpoint(tiny, tmp_path):
+    path, _ = tiny
+    with pytest.raises(ValueError, match="quantization='none'"):
+        paxpage.save(paxpage.load(path, quantization="int8"), tmp_path / "ck")
+
+
+@pytest.mark.slow
+def test_default_gguf_native_greedy_equals_hf_and_holds_less(smollm2, hf_smollm2):
+    """The default load keeps the GGUF's Q4_1 / Q8_0 weights as int8 + f32 scales: exactly what
+    transformers dequantises, so greedy continuations agree token for token."""
+    flat = flatten(smollm2.params)
+    assert flat["layers_0/q_proj/kernel_q"].dtype == np.int8
+    assert flat["layers_0/q_proj/kernel_scale"].shape == (576 // 32, 576)  # Q4_1: groups of 32
+    assert "layers_0/q_proj/kernel_offset" in flat and "embed_tokens/embedding_offset" not in flat  # Q8_0
+    held = sum(x.size * x.dtype.itemsize for x in flat.values())
+    expanded = sum(int(np.prod(shape)) * 4 for shape, _, _ in param_specs(smollm2.config).values())
+    assert held < 0.32 * expanded, (held, expanded)  # 1.25 bytes a 4-bit weight, 1.125 for Q8_0, vs 4
+    prompts = [smollm2.tokenizer.encode(text) for text in ("The capital of France is", "def fibonacci(n):")]
+    config = paxpage.EngineConfig(max_num_seqs=8, num_pages=256)  # test_smollm2.py's: its compiled steps
+    outs = paxpage.generate(smollm2, prompts, engine_config=config, max_tokens=16, temperature=0,
+                            ignore_eos=True, use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf_smollm2, ids, 16), smollm2.tokenizer.decode(ids)
