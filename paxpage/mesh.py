@@ -113,19 +113,24 @@ def bytes_per_device(tree) -> dict:
     return out
 
 
-def shard_runner_state(model_cfg, params, dtype, mesh: Mesh, attention, write_kv):
+def shard_runner_state(model_cfg, params, dtype, mesh: Mesh, attention, write_kv, stacked_pool: bool = False):
     """What ModelRunner needs on a tensor-parallel mesh: (model config the step runs, plan,
-    sharded params, the KV pool's sharding (each layer's pool: `zeros(shape, dtype, it)`),
-    attention and write_kv under shard_map, jit kwargs of the step, jit kwargs of the page copy)."""
+    sharded params, the KV pool's sharding (each layer's pool, or with stacked_pool the one
+    stacked [2, L, P, ...] pool: `zeros(shape, dtype, it)`), attention and write_kv under
+    shard_map, jit kwargs of the step, jit kwargs of the page copy). Stacked layer params
+    (models/layer_stack.py) keep their leading layer axis unsharded."""
     from paxpage.sharding import replicate_kv_heads
 
     plan = ShardingPlan.for_model(model_cfg, mesh.shape[MODEL_AXIS])
     params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
     params = place_params(replicate_kv_heads(plan, model_cfg, params), mesh, plan)
     model_cfg = plan.sharded_model_config(model_cfg)
-    pool = NamedSharding(mesh, plan.kv_pool_spec)
     attention, write_kv = shard_attention(attention, write_kv, mesh, plan)
-    pools = [pool] * model_cfg.num_layers
+    if stacked_pool:
+        pool = pools = NamedSharding(mesh, plan.stacked_kv_pool_spec)
+    else:
+        pool = NamedSharding(mesh, plan.kv_pool_spec)
+        pools = [pool] * model_cfg.num_layers
     replicated = NamedSharding(mesh, PartitionSpec())
     step = {"out_shardings": (pools, replicated, replicated)}
     copy = {"out_shardings": pools}

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
+from models import layer_stack
 from models.families import build_model
 from pallas_kernels import reference
 from pallas_kernels.xla_attention import paged_attention_xla
@@ -89,16 +90,28 @@ class ModelRunner:
         dtype = jnp.dtype(cfg.dtype)
         attention, write_kv = _attention_fns(cfg.attention_impl)
         self._pool_sharding = None  # None: the default device
+        # Scanned layers (models/layer_stack.py): the per-layer params are stacked once here and
+        # the pool is one stacked [2, L, P, ...] array instead of a list of L pools.
+        self.scanned = cfg.scan_period > 0
+        num_layers = model_cfg.num_layers
         if mesh is None:
-            self.params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+            if self.scanned:
+                self.params = layer_stack.stack_layers(
+                    params, num_layers, cfg.scan_period, stack=lambda xs: jnp.stack(xs).astype(dtype))
+                self.params = jax.tree.map(lambda x: jnp.asarray(x, dtype), self.params)
+            else:
+                self.params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
             step_shardings = copy_shardings = {}
         else:
             from paxpage import mesh as mesh_lib  # the sharded path only
 
+            if self.scanned:
+                params = layer_stack.host_stack(params, num_layers, cfg.scan_period)
             (model_cfg, self.plan, self.params, self._pool_sharding, attention, write_kv, step_shardings,
-             copy_shardings) = mesh_lib.shard_runner_state(model_cfg, params, dtype, mesh, attention, write_kv)
+             copy_shardings) = mesh_lib.shard_runner_state(model_cfg, params, dtype, mesh, attention, write_kv,
+                                                           stacked_pool=self.scanned)
         self.step_model_cfg = model_cfg  # the config the step runs (sharded: KV heads maybe replicated)
-        self.model = build_model(model_cfg, attention, write_kv, dtype)
+        self.model = build_model(model_cfg, attention, write_kv, dtype, scan_period=cfg.scan_period)
         # The model step and the sampler compile separately: sampler options (logprob widths,
         # penalty lists) then never recompile the model, and a new batch shape reuses the
         # sampler. Logits stay on device between the two calls.
@@ -109,13 +122,24 @@ class ModelRunner:
         # Sharded: the pool keeps its sharding across steps (out_shardings), so a step never
         # reshards it or recompiles; logits come back replicated for the sampler.
         self._step = jax.jit(self._forward, donate_argnums=(1,), **step_shardings)
-        self._copy = jax.jit(_copy_pages, donate_argnums=(0,), **copy_shardings)
+        self._copy = jax.jit(_copy_stacked_pages if self.scanned else _copy_pages, donate_argnums=(0,),
+                             **copy_shardings)
         self.memory_budget: kv_sizing.MemoryBudget | None = None  # when sized from device memory
         if cfg.num_pages is None:
             num_pages = self._pages_from_memory()
             self.cfg = cfg = dataclasses.replace(self.cfg, num_pages=num_pages)
-        shape = (2, cfg.num_pages, cfg.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-        self.kv_cache = [self._zeros(shape, dtype) for _ in range(model_cfg.num_layers)]
+        self.kv_cache = self._pool(cfg.num_pages, dtype)
+
+    def _pool(self, num_pages: int, dtype, make=None):
+        """The KV pool of num_pages pages per layer: a list of L arrays [2, P, page_size, K, D], or
+        when scanning one stacked [2, L, P, page_size, K, D]. `make(shape, dtype)` builds each
+        array (default: zeros where the step expects them)."""
+        m = self.step_model_cfg
+        make = make or self._zeros
+        shape = (2, num_pages, self.cfg.page_size, m.num_kv_heads, m.head_dim)
+        if self.scanned:
+            return make(layer_stack.stacked_pool_shape(shape, m.num_layers), dtype)
+        return [make(shape, dtype) for _ in range(m.num_layers)]
 
     def _zeros(self, shape, dtype) -> jax.Array:
         """One layer's zero pool, created where (and split as) the step expects it."""
@@ -150,10 +174,10 @@ class ModelRunner:
         m = self.step_model_cfg
         num_tokens = batch.token_ids.shape[0]
         estimate = num_tokens * (m.vocab_size + 4 * m.intermediate_size) * 4
-        pool = jax.ShapeDtypeStruct((2, self.cfg.pages_per_seq + 1, self.cfg.page_size, m.num_kv_heads,
-                                     m.head_dim), jnp.dtype(self.cfg.dtype), sharding=self._pool_sharding)
+        pool = self._pool(self.cfg.pages_per_seq + 1, jnp.dtype(self.cfg.dtype),
+                          lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=self._pool_sharding))
         try:
-            compiled = self._step.lower(self.params, [pool] * m.num_layers, batch,
+            compiled = self._step.lower(self.params, pool, batch,
                                         np.full(num_tokens, -1, np.int32), self._no_prev_tokens).compile()
             stats = compiled.memory_analysis()
         except Exception as e:  # a backend that cannot compile or analyse it: estimate
@@ -354,6 +378,10 @@ class ModelRunner:
 
 def _copy_pages(kv_cache, src, dst):  # src, dst: i32[C]
     return [pages.at[:, dst].set(pages[:, src], mode="drop") for pages in kv_cache]
+
+
+def _copy_stacked_pages(kv_cache, src, dst):  # the stacked pool [2, L, P, ...]; src, dst: i32[C]
+    return jax.tree.map(lambda pages: pages.at[:, :, dst].set(pages[:, :, src], mode="drop"), kv_cache)
 
 
 @functools.partial(jax.jit, static_argnums=(1,))

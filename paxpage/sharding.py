@@ -51,6 +51,8 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "down_proj/kernel": ("mlp", None),  # [F, H]
     "lm_head/kernel": (None, "vocab"),  # [H, V]
 }
+# The stacked layer params' subtree (models/layer_stack.STACKED_KEY).
+STACKED_LAYERS = "layers"
 # One layer's KV pool [2, P, page_size, K, D].
 KV_POOL_AXES: tuple[str | None, ...] = (None, None, None, "kv_heads", None)
 # Attention inputs inside the step: q [B, Tq, N, D], new k/v [T, K, D].
@@ -89,9 +91,13 @@ class ShardingPlan:
         return PartitionSpec(*(self.mesh_axis(a) for a in logical_axes))
 
     def param_spec(self, path: str, ndim: int) -> PartitionSpec:
-        """PartitionSpec of the parameter at flat `path` ("layers_0/q_proj/kernel")."""
+        """PartitionSpec of the parameter at flat `path` ("layers_0/q_proj/kernel"). Stacked
+        layer params ("layers/0/q_proj/kernel", models/layer_stack.py) have a leading layer
+        axis, never split."""
+        stacked = path.startswith(STACKED_LAYERS + "/")
         for suffix, axes in PARAM_AXES.items():
             if path == suffix or path.endswith("/" + suffix):
+                axes = ((None,) if stacked else ()) + axes
                 assert len(axes) == ndim, (path, axes, ndim)
                 return self.spec(axes)
         return PartitionSpec()
@@ -99,6 +105,11 @@ class ShardingPlan:
     @property
     def kv_pool_spec(self) -> PartitionSpec:
         return self.spec(KV_POOL_AXES)
+
+    @property
+    def stacked_kv_pool_spec(self) -> PartitionSpec:
+        """The stacked pool [2, L, P, page_size, K, D]: the layer axis is never split."""
+        return self.spec(KV_POOL_AXES[:1] + (None,) + KV_POOL_AXES[1:])
 
     def kv_heads_per_device(self, cfg: ModelConfig) -> int:
         """KV heads of the pool each device holds (its per-device pool bytes follow)."""
