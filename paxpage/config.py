@@ -27,6 +27,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # new tokens per step (prefill chunks + decodes)
     max_model_len: int | None = None  # prompt + output tokens; model's limit when None
     prefill_row_len: int = 32  # Tq: prefill tokens are packed in rows of this width
+    # Prefill rows per step; None: max_num_batched_tokens // prefill_row_len (at least 1). A cap
+    # keeps the step shapes few: without one every admitted short prompt is a row of its own, so
+    # a step could hold max_num_seqs + tokens // Tq mostly empty rows (runner.step_shapes).
+    max_prefill_rows: int | None = None
     dtype: str | None = None  # "float32" on CPU, "bfloat16" on GPU/TPU when None
     attention_impl: str | None = None  # "xla" on CPU, "pallas" on GPU/TPU when None
     enable_prefix_caching: bool = True
@@ -58,7 +62,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name in ("num_pages", "kv_cache_bytes", "max_model_len"):
+        for name in ("num_pages", "kv_cache_bytes", "max_model_len", "max_prefill_rows"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
@@ -163,6 +167,13 @@ class ResolvedConfig:
         if engine is None or name.startswith("__"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(engine, name)
+
+    @property
+    def prefill_rows(self) -> int:
+        """Prefill rows one step may hold (max_prefill_rows, or its default)."""
+        if self.engine.max_prefill_rows is not None:
+            return self.engine.max_prefill_rows
+        return max(1, self.engine.max_num_batched_tokens // self.engine.prefill_row_len)
 
     @property
     def pages_per_seq(self) -> int:

@@ -33,6 +33,12 @@ from paxpage.page_tables import PageTables
 log = logging.getLogger("paxpage")
 
 
+# Decode rows are padded to at least this many: a decode step's cost barely grows with its first
+# few rows (it reads every weight once either way), and 1 and 2 rows would be two more shapes
+# for every prefill-row count.
+MIN_DECODE_ROWS = 4
+
+
 def bucket(n: int, minimum: int = 1) -> int:
     """Shape bucket for n rows: powers of two up to 16, then also 1.5x steps (24, 48, 96, ...).
 
@@ -220,7 +226,7 @@ class ModelRunner:
         table = self.tables.table
         decode = [i for i, r in enumerate(rows) if r.num_new == 1]
         prefill = [i for i, r in enumerate(rows) if r.num_new > 1]
-        num_dec = bucket(len(decode))
+        num_dec = bucket(len(decode), MIN_DECODE_ROWS)
         pre_rows = [(i, a, min(a + row_len, rows[i].start + rows[i].num_new))
                     for i in prefill
                     for a in range(rows[i].start, rows[i].start + rows[i].num_new, row_len)]
@@ -286,16 +292,8 @@ class ModelRunner:
     def step_shapes(self) -> list[tuple[int, int]]:
         """Every (decode rows, prefill rows) bucket pair a step of this config can have: the
         step's shape depends on nothing else (the logits rows follow from the two)."""
-        cfg = self.cfg
-        seqs, tokens = cfg.max_num_seqs, cfg.max_num_batched_tokens
-        # each prefill row holds >= 1 token; a sequence's chunk adds at most one partial row
-        max_pre = min(tokens, seqs + tokens // cfg.prefill_row_len)
-        shapes = set()
-        for dec in range(seqs + 1):
-            for pre in range(max_pre + 1):
-                if (dec or pre) and dec + pre <= tokens and dec + (1 if pre else 0) <= seqs:
-                    shapes.add((bucket(dec), bucket(pre)))
-        return sorted(shapes)
+        return step_shapes(self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.cfg.prefill_row_len,
+                           self.cfg.prefill_rows)
 
     def precompile(self, sampling_for_rows, num_mask_words: int = 0) -> int:
         """Compiles (by running it on an all-padding batch, whose K/V writes are dropped) the
@@ -374,6 +372,21 @@ class ModelRunner:
     def run(self, batch: StepBatch, sampling, num_logprobs: int = 0, num_prompt_logprobs: int = 0):
         """Returns (SamplerOutput, PromptLogprobs) as numpy."""
         return jax.device_get(self.launch(batch, sampling, num_logprobs, num_prompt_logprobs)[:2])
+
+
+def step_shapes(max_num_seqs: int, max_num_batched_tokens: int, prefill_row_len: int,
+                max_prefill_rows: int) -> list[tuple[int, int]]:
+    """The (decode rows, prefill rows) bucket pairs of a config (see ModelRunner.step_shapes)."""
+    seqs, tokens = max_num_seqs, max_num_batched_tokens
+    # each prefill row holds >= 1 token; a sequence's chunk adds at most one partial row; the
+    # scheduler never schedules more than max_prefill_rows
+    max_pre = min(tokens, seqs + tokens // prefill_row_len, max_prefill_rows)
+    shapes = set()
+    for dec in range(seqs + 1):
+        for pre in range(max_pre + 1):
+            if (dec or pre) and dec + pre <= tokens and dec + (1 if pre else 0) <= seqs:
+                shapes.add((bucket(dec, MIN_DECODE_ROWS), bucket(pre)))
+    return sorted(shapes)
 
 
 def _copy_pages(kv_cache, src, dst):  # src, dst: i32[C]
