@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 from models.layers import Embedding, RMSNorm, gated_mlp, paged_attention_rows, qkv_heads
 from models.layers import dense as _dense
+from models.layer_stack import run_scanned
 from models.moe import SparseMoe
 from models.rope import apply_rope, inverse_frequencies
 
@@ -76,20 +77,28 @@ class LlamaModel(nn.Module):
     write_kv: WriteKvFn
     dtype: Any = jnp.float32
     moe_impl: str = "auto"  # "auto", "ragged_dot", "tiled" or "dense" (models/moe.py)
+    # > 0: the layers run as a scan over groups of this many (models/layer_stack.py); the params
+    # hold a stacked `layers` subtree and kv_cache is the stacked pool [2, L, P, ...].
+    scan_period: int = 0
 
     @nn.compact
-    def __call__(self, batch, kv_cache: list[jax.Array]):
+    def __call__(self, batch, kv_cache):
         """Returns (logits f32[R + Rp, V], updated kv_cache): the sampling rows, then the
-        prompt-logprob rows."""
+        prompt-logprob rows. kv_cache: one pool per layer, or the stacked pool when scanning."""
         cfg = self.cfg
         embed = Embedding(cfg.vocab_size, cfg.hidden_size, self.dtype, name="embed_tokens")
         x = embed(batch.token_ids)  # [T, H]
-        new_cache = []
-        for i in range(cfg.num_layers):
-            x, pages = DecoderLayer(cfg, self.attention, self.write_kv, self.dtype, cfg.layer_window(i),
-                                    cfg.is_moe_layer(i), self.moe_impl,
-                                    name=f"layers_{i}")(x, batch, kv_cache[i])
-            new_cache.append(pages)
+        def make_layer(i: int, name: str) -> DecoderLayer:
+            return DecoderLayer(cfg, self.attention, self.write_kv, self.dtype, cfg.layer_window(i),
+                                cfg.is_moe_layer(i), self.moe_impl, name=name)
+
+        if self.scan_period:
+            x, new_cache = run_scanned(make_layer, cfg.num_layers, self.scan_period, x, batch, kv_cache)
+        else:
+            new_cache = []
+            for i in range(cfg.num_layers):
+                x, pages = make_layer(i, f"layers_{i}")(x, batch, kv_cache[i])
+                new_cache.append(pages)
         # Only the rows that will be sampled pay for the final norm and the LM head.
         rows = jnp.concatenate([batch.logits_indices, batch.prompt_logits_indices])
         x = x[rows]  # [R + Rp, H]

@@ -12,9 +12,13 @@ import threading
 import jax
 
 _EVENT = "/jax/core/compile/backend_compile_duration"
+# jax's persistent compilation cache: an executable read from disk (no backend compile), or
+# a lookup that found nothing (the compile that follows is counted above).
+_CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "hits", "/jax/compilation_cache/cache_misses": "misses"}
 _lock = threading.Lock()
 _count = 0
 _seconds = 0.0
+_cache = {"hits": 0, "misses": 0}
 _installed = False
 
 
@@ -26,14 +30,22 @@ def _listener(event: str, duration: float, *args, **kwargs) -> None:
             _seconds += duration
 
 
+def _cache_listener(event: str, *args, **kwargs) -> None:
+    kind = _CACHE_EVENTS.get(event)
+    if kind is not None:
+        with _lock:
+            _cache[kind] += 1
+
+
 def install() -> None:
-    """Registers the listener once; later calls do nothing."""
+    """Registers the listeners once; later calls do nothing."""
     global _installed
     with _lock:
         if _installed:
             return
         _installed = True
     jax.monitoring.register_event_duration_secs_listener(_listener)
+    jax.monitoring.register_event_listener(_cache_listener)
 
 
 def compiles() -> int:
@@ -43,3 +55,13 @@ def compiles() -> int:
 
 def compile_seconds() -> float:
     return _seconds
+
+
+def cache_hits() -> int:
+    """Executables read from jax's persistent compilation cache since `install()`."""
+    return _cache["hits"]
+
+
+def cache_misses() -> int:
+    """Persistent-cache lookups that found nothing since `install()` (0 while the cache is off)."""
+    return _cache["misses"]

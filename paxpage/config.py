@@ -30,6 +30,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # new tokens per step (prefill chunks + decodes)
     max_model_len: int | None = None  # prompt + output tokens; model's limit when None
     prefill_row_len: int = 32  # Tq: prefill tokens are packed in rows of this width
+    # Prefill rows per step; None: max_num_batched_tokens // prefill_row_len (at least 1). A cap
+    # keeps the step shapes few: without one every admitted short prompt is a row of its own, so
+    # a step could hold max_num_seqs + tokens // Tq mostly empty rows (runner.step_shapes).
+    max_prefill_rows: int | None = None
     dtype: str | None = None  # "float32" on CPU, "bfloat16" on GPU/TPU when None
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     attention_impl: str | None = None  # "xla" on CPU, "pallas" on GPU/TPU when None
@@ -43,6 +47,11 @@ class EngineConfig:
     async_scheduling: bool = True
     # Compile every step shape when the engine is built (LLMEngine.precompile), not on first use.
     precompile: bool = False
+    # Run the decoder layers as one lax.scan over stacked params and a stacked KV pool
+    # (models/layer_stack.py): a step compiles in about the time of one layer instead of L.
+    # "auto": where the layer kinds repeat and attention is "xla"; True: also with Pallas
+    # attention (the kernels then see one pool of L * P pages); False: the unrolled loop.
+    scan_layers: bool | str = "auto"
     # Parallelism (paxpage/sharding.py, paxpage/mesh.py, README "Parallelism"): weights and the
     # KV pool split over tensor_parallel_size devices; data_parallel_size such engine replicas
     # behind one front door. `mesh`: an explicit jax.sharding.Mesh with a "model" axis (and a
@@ -57,7 +66,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name in ("num_pages", "kv_cache_bytes", "max_model_len"):
+        for name in ("num_pages", "kv_cache_bytes", "max_model_len", "max_prefill_rows"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
@@ -71,6 +80,8 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "precompile"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not (isinstance(self.scan_layers, bool) or self.scan_layers == "auto"):
+            raise ValueError(f"scan_layers must be True, False or 'auto', got {self.scan_layers!r}")
         if self.kv_allocation not in ("paged", "contiguous"):
             raise ValueError(f"kv_allocation must be 'paged' or 'contiguous', got {self.kv_allocation!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -124,7 +135,23 @@ class EngineConfig:
                 raise ValueError(
                     f"kv_cache_bytes {budget} is smaller than one page ({page_bytes} bytes)"
                 )
-        return ResolvedConfig(self, dtype, impl, max_model_len, num_pages, page_bytes, source)
+        return ResolvedConfig(self, dtype, impl, max_model_len, num_pages, page_bytes, source,
+                              self._scan_period(model, impl))
+
+    def _scan_period(self, model: ModelConfig, impl: str) -> int:
+        """Layers per scanned group (models/layer_stack.py), 0 for the unrolled loop."""
+        from models.layer_stack import scan_period
+
+        if self.scan_layers is False:
+            return 0
+        period = scan_period(model)
+        if self.scan_layers is True and period is None:
+            raise ValueError(f"scan_layers=True, but the {model.num_layers} layers of this "
+                             f"{model.model_type} model do not repeat one pattern (sliding windows "
+                             "or MoE / dense MLPs differ); use scan_layers='auto' or False")
+        if period is None or (self.scan_layers == "auto" and impl != "xla"):
+            return 0
+        return period
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +165,7 @@ class ResolvedConfig:
     num_pages: int | None  # None only until ModelRunner sizes the pool from device memory
     page_bytes: int  # one page's K and V over all layers, on one device
     kv_source: str = "num_pages"  # where num_pages came from, for the start-up line
+    scan_period: int = 0  # > 0: layers under a scan in groups of this many; 0: unrolled
 
     def __getattr__(self, name):
         # Only reached for names ResolvedConfig lacks. `copy` and `pickle` probe dunders on an
@@ -146,6 +174,13 @@ class ResolvedConfig:
         if engine is None or name.startswith("__"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(engine, name)
+
+    @property
+    def prefill_rows(self) -> int:
+        """Prefill rows one step may hold (max_prefill_rows, or its default)."""
+        if self.engine.max_prefill_rows is not None:
+            return self.engine.max_prefill_rows
+        return max(1, self.engine.max_num_batched_tokens // self.engine.prefill_row_len)
 
     @property
     def pages_per_seq(self) -> int:

@@ -91,6 +91,8 @@ class LLMEngine:
             allocation=cfg.kv_allocation,
             # Pages outside the window are released only when no layer is global (Gemma's are).
             sliding_window=model_cfg.max_window,
+            max_prefill_rows=cfg.prefill_rows,
+            prefill_row_len=cfg.prefill_row_len,
         ))
         # config.json's eos ids and generation_config.json's / the GGUF's end-of-turn ids
         self.eos_token_ids = model_cfg.end_token_ids or (

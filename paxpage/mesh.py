@@ -130,21 +130,24 @@ def _host_array(x, dtype=None):
     return np.asarray(x) if dtype is None else np.asarray(x).astype(dtype)
 
 
-def shard_runner_state(model_cfg, params, dtype, mesh: Mesh, attention, write_kv, kv_cache_dtype: str = "auto"):
+def shard_runner_state(model_cfg, params, dtype, mesh: Mesh, attention, write_kv, kv_cache_dtype: str = "auto",
+                       stacked_pool: bool = False):
     """What ModelRunner needs on a tensor-parallel mesh: (model config the step runs, plan,
     sharded params, the KV cache's sharding, a pytree like one layer's cache (each layer's
-    cache: `cache_zeros(shape, kv_cache_dtype, dtype, it)`),
-    attention and write_kv under shard_map, jit kwargs of the step, jit kwargs of the page copy)."""
+    cache: `cache_zeros(shape, kv_cache_dtype, dtype, it)`; with stacked_pool the one stacked
+    [2, L, P, ...] cache), attention and write_kv under shard_map, jit kwargs of the step, jit
+    kwargs of the page copy). Stacked layer params (models/layer_stack.py) keep their leading
+    layer axis unsharded."""
     from paxpage.sharding import replicate_kv_heads
 
     plan = ShardingPlan.for_model(model_cfg, mesh.shape[MODEL_AXIS])
     params = cast_params(params, dtype, to_array=_host_array)  # quantised: int8 values, f32 scales
     params = place_params(replicate_kv_heads(plan, model_cfg, params), mesh, plan)
     model_cfg = plan.sharded_model_config(model_cfg)
-    pool = jax.tree.map(lambda spec: NamedSharding(mesh, spec), plan.kv_cache_spec(kv_cache_dtype),
+    pool = jax.tree.map(lambda spec: NamedSharding(mesh, spec), plan.kv_cache_spec(kv_cache_dtype, stacked_pool),
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
     attention, write_kv = shard_attention(attention, write_kv, mesh, plan, kv_cache_dtype)
-    pools = [pool] * model_cfg.num_layers
+    pools = pool if stacked_pool else [pool] * model_cfg.num_layers
     replicated = NamedSharding(mesh, PartitionSpec())
     step = {"out_shardings": (pools, replicated, replicated)}
     copy = {"out_shardings": pools}

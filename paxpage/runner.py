@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
+from models import layer_stack
 from models.families import build_model
 from models.quant import cast_params
 from pallas_kernels import kv_quant, reference
@@ -31,6 +32,12 @@ from paxpage.page_tables import PageTables
 
 
 log = logging.getLogger("paxpage")
+
+
+# Decode rows are padded to at least this many: a decode step's cost barely grows with its first
+# few rows (it reads every weight once either way), and 1 and 2 rows would be two more shapes
+# for every prefill-row count.
+MIN_DECODE_ROWS = 4
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -90,17 +97,25 @@ class ModelRunner:
         dtype = jnp.dtype(cfg.dtype)
         attention, write_kv = _attention_fns(cfg.attention_impl)
         self._pool_sharding = None  # None: the default device
+        # Scanned layers (models/layer_stack.py): the per-layer params are stacked once here and
+        # the pool is one stacked [2, L, P, ...] array instead of a list of L pools.
+        self.scanned = cfg.scan_period > 0
+        num_layers = model_cfg.num_layers
         if mesh is None:
+            if self.scanned:
+                params = layer_stack.stack_layers(params, num_layers, cfg.scan_period)
             self.params = cast_params(params, dtype)  # quantised weights keep int8 values, f32 scales
             step_shardings = copy_shardings = {}
         else:
             from paxpage import mesh as mesh_lib  # the sharded path only
 
+            if self.scanned:
+                params = layer_stack.host_stack(params, num_layers, cfg.scan_period)
             (model_cfg, self.plan, self.params, self._pool_sharding, attention, write_kv, step_shardings,
              copy_shardings) = mesh_lib.shard_runner_state(model_cfg, params, dtype, mesh, attention, write_kv,
-                                                           cfg.kv_cache_dtype)
+                                                           cfg.kv_cache_dtype, stacked_pool=self.scanned)
         self.step_model_cfg = model_cfg  # the config the step runs (sharded: KV heads maybe replicated)
-        self.model = build_model(model_cfg, attention, write_kv, dtype)
+        self.model = build_model(model_cfg, attention, write_kv, dtype, scan_period=cfg.scan_period)
         # The model step and the sampler compile separately: sampler options (logprob widths,
         # penalty lists) then never recompile the model, and a new batch shape reuses the
         # sampler. Logits stay on device between the two calls.
@@ -111,15 +126,25 @@ class ModelRunner:
         # Sharded: the pool keeps its sharding across steps (out_shardings), so a step never
         # reshards it or recompiles; logits come back replicated for the sampler.
         self._step = jax.jit(self._forward, donate_argnums=(1,), **step_shardings)
-        self._copy = jax.jit(_copy_pages, donate_argnums=(0,), **copy_shardings)
+        self._copy = jax.jit(_copy_stacked_pages if self.scanned else _copy_pages, donate_argnums=(0,),
+                             **copy_shardings)
         self.memory_budget: kv_sizing.MemoryBudget | None = None  # when sized from device memory
         if cfg.num_pages is None:
             num_pages = self._pages_from_memory()
             self.cfg = cfg = dataclasses.replace(self.cfg, num_pages=num_pages)
-        shape = (2, cfg.num_pages, cfg.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-        # One entry per layer: the pool array, or kv_quant.QuantizedKV(pages, scales) for an
-        # int8 / fp8 cache. Code that moves pages maps over the pytree (jax.tree.map).
-        self.kv_cache = [self._zeros(shape, dtype) for _ in range(model_cfg.num_layers)]
+        self.kv_cache = self._pool(cfg.num_pages, dtype)
+
+    def _pool(self, num_pages: int, dtype, make=None):
+        """The KV cache of num_pages pages per layer: a list of L caches (each a [2, P, page_size, K, D]
+        array, or kv_quant.QuantizedKV(pages, scales) for an int8 / fp8 cache), or when scanning one
+        stacked cache of [2, L, P, ...] leaves. Code that moves pages maps over the pytree
+        (jax.tree.map). `make(shape, dtype)` builds one cache (default: zeros where the step expects them)."""
+        m = self.step_model_cfg
+        make = make or self._zeros
+        shape = (2, num_pages, self.cfg.page_size, m.num_kv_heads, m.head_dim)
+        if self.scanned:
+            return make(layer_stack.stacked_pool_shape(shape, m.num_layers), dtype)
+        return [make(shape, dtype) for _ in range(m.num_layers)]
 
     def _zeros(self, shape, dtype):
         """One layer's empty cache, created where (and split as) the step expects it."""
@@ -154,13 +179,16 @@ class ModelRunner:
         m = self.step_model_cfg
         num_tokens = batch.token_ids.shape[0]
         estimate = num_tokens * (m.vocab_size + 4 * m.intermediate_size) * 4
-        shape = (2, self.cfg.pages_per_seq + 1, self.cfg.page_size, m.num_kv_heads, m.head_dim)
-        pool = jax.eval_shape(lambda: kv_quant.zeros(shape, self.cfg.kv_cache_dtype, self.cfg.dtype))
-        if self._pool_sharding is not None:
-            pool = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                pool, self._pool_sharding)
+        def abstract(shape, dtype):
+            cache = jax.eval_shape(lambda: kv_quant.zeros(shape, self.cfg.kv_cache_dtype, dtype))
+            if self._pool_sharding is None:
+                return cache
+            return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                cache, self._pool_sharding)
+
+        pool = self._pool(self.cfg.pages_per_seq + 1, jnp.dtype(self.cfg.dtype), abstract)
         try:
-            compiled = self._step.lower(self.params, [pool] * m.num_layers, batch,
+            compiled = self._step.lower(self.params, pool, batch,
                                         np.full(num_tokens, -1, np.int32), self._no_prev_tokens).compile()
             stats = compiled.memory_analysis()
         except Exception as e:  # a backend that cannot compile or analyse it: estimate
@@ -203,7 +231,7 @@ class ModelRunner:
         table = self.tables.table
         decode = [i for i, r in enumerate(rows) if r.num_new == 1]
         prefill = [i for i, r in enumerate(rows) if r.num_new > 1]
-        num_dec = bucket(len(decode))
+        num_dec = bucket(len(decode), MIN_DECODE_ROWS)
         pre_rows = [(i, a, min(a + row_len, rows[i].start + rows[i].num_new))
                     for i in prefill
                     for a in range(rows[i].start, rows[i].start + rows[i].num_new, row_len)]
@@ -269,16 +297,8 @@ class ModelRunner:
     def step_shapes(self) -> list[tuple[int, int]]:
         """Every (decode rows, prefill rows) bucket pair a step of this config can have: the
         step's shape depends on nothing else (the logits rows follow from the two)."""
-        cfg = self.cfg
-        seqs, tokens = cfg.max_num_seqs, cfg.max_num_batched_tokens
-        # each prefill row holds >= 1 token; a sequence's chunk adds at most one partial row
-        max_pre = min(tokens, seqs + tokens // cfg.prefill_row_len)
-        shapes = set()
-        for dec in range(seqs + 1):
-            for pre in range(max_pre + 1):
-                if (dec or pre) and dec + pre <= tokens and dec + (1 if pre else 0) <= seqs:
-                    shapes.add((bucket(dec), bucket(pre)))
-        return sorted(shapes)
+        return step_shapes(self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.cfg.prefill_row_len,
+                           self.cfg.prefill_rows)
 
     def precompile(self, sampling_for_rows, num_mask_words: int = 0) -> int:
         """Compiles (by running it on an all-padding batch, whose K/V writes are dropped) the
@@ -359,10 +379,29 @@ class ModelRunner:
         return jax.device_get(self.launch(batch, sampling, num_logprobs, num_prompt_logprobs)[:2])
 
 
+def step_shapes(max_num_seqs: int, max_num_batched_tokens: int, prefill_row_len: int,
+                max_prefill_rows: int) -> list[tuple[int, int]]:
+    """The (decode rows, prefill rows) bucket pairs of a config (see ModelRunner.step_shapes)."""
+    seqs, tokens = max_num_seqs, max_num_batched_tokens
+    # each prefill row holds >= 1 token; a sequence's chunk adds at most one partial row; the
+    # scheduler never schedules more than max_prefill_rows
+    max_pre = min(tokens, seqs + tokens // prefill_row_len, max_prefill_rows)
+    shapes = set()
+    for dec in range(seqs + 1):
+        for pre in range(max_pre + 1):
+            if (dec or pre) and dec + pre <= tokens and dec + (1 if pre else 0) <= seqs:
+                shapes.add((bucket(dec, MIN_DECODE_ROWS), bucket(pre)))
+    return sorted(shapes)
+
+
 def _copy_pages(kv_cache, src, dst):  # src, dst: i32[C]
     # Every array of a layer's cache has the pool's leading [2, P] axes (pages, and the scales
     # of a quantised cache), so one map copies a page's values and scales together.
     return jax.tree.map(lambda pages: pages.at[:, dst].set(pages[:, src], mode="drop"), kv_cache)
+
+
+def _copy_stacked_pages(kv_cache, src, dst):  # the stacked pool [2, L, P, ...]; src, dst: i32[C]
+    return jax.tree.map(lambda pages: pages.at[:, :, dst].set(pages[:, :, src], mode="drop"), kv_cache)
 
 
 @functools.partial(jax.jit, static_argnums=(1,))

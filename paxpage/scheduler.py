@@ -17,6 +17,10 @@ Decisions (see tests/engine/test_scheduler.py):
   unfinished prefill gets min(remaining, budget left). Without it a prefill runs whole or waits; the config then
   requires max_num_batched_tokens >= max_model_len, so any admissible sequence fits one step alone.
 - At most max_num_seqs sequences are scheduled per step; admission also stops at max_num_seqs running.
+- Prefill rows (`max_prefill_rows` set): the runner lays a chunk of q > 1 tokens out as cdiv(q, prefill_row_len)
+  rows of prefill_row_len tokens, and a step holds at most max_prefill_rows of them, so the step shapes stay
+  few (each short prompt is its own row). A chunk is cut to the rows left; a running prefill that gets no row
+  waits for the next step (decodes behind it still run); admission stops at the first prompt that gets none.
 - Preemption (recompute): when a running sequence cannot get its pages, the most recently admitted running
   sequence (the last in order, possibly itself) is preempted: pages freed (cached full pages stay evictable),
   num_computed_tokens = 0, tokens kept, put at the FRONT of the waiting queue. A step that preempted admits
@@ -55,12 +59,20 @@ class SchedulerConfig:
     allocation: str = "paged"  # "paged" | "contiguous" (reserve max_model_len tokens at admission)
     # W when every model layer attends only to its last W keys: pages before it are released.
     sliding_window: int | None = None
+    # Prefill rows per step (None: no limit); a chunk of q > 1 tokens takes cdiv(q, prefill_row_len).
+    max_prefill_rows: int | None = None
+    prefill_row_len: int = 1
 
     def __post_init__(self):
         for name in _POSITIVE_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} is {value!r}; must be an int >= 1")
+        rows = self.max_prefill_rows
+        if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
+            raise ValueError(f"max_prefill_rows is {rows!r}; must be None or an int >= 1")
+        if not isinstance(self.prefill_row_len, int) or self.prefill_row_len < 1:
+            raise ValueError(f"prefill_row_len is {self.prefill_row_len!r}; must be an int >= 1")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"sliding_window is {self.sliding_window!r}; must be None or an int >= 1")
         if self.allocation not in ("paged", "contiguous"):
@@ -271,9 +283,19 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def _fit_rows(self, q: int, rows_left: int) -> int:
+        """q cut to the prefill rows left (0: it needs a row and none is left); 1 takes none."""
+        if q == 1 or self.config.max_prefill_rows is None:
+            return q
+        return min(q, rows_left * self.config.prefill_row_len)
+
+    def _rows(self, q: int) -> int:
+        return cdiv(q, self.config.prefill_row_len) if q > 1 else 0
+
     def schedule(self) -> SchedulerOutput:
         cfg, pm = self.config, self.page_manager
         budget = cfg.max_num_batched_tokens
+        rows_left = cfg.max_prefill_rows or 0  # only read when max_prefill_rows is set
         scheduled: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
@@ -288,6 +310,10 @@ class Scheduler:
                     i += 1  # runs whole in a later step
                     continue
                 q = budget
+            q = self._fit_rows(q, rows_left)
+            if q == 0:
+                i += 1  # no prefill row left: continues in a later step
+                continue
             while not pm.can_allocate(pm.num_pages_to_write(seq, q)):
                 victim = self.running[-1]  # most recently admitted; index >= i, so not yet scheduled
                 self._preempt(victim)
@@ -299,6 +325,7 @@ class Scheduler:
             copies += pm.prepare_write(seq, q)
             scheduled.append(ScheduledSeq(seq, q, seq.num_computed_tokens, q == seq.num_uncomputed_tokens))
             budget -= q
+            rows_left -= self._rows(q)
             i += 1
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
@@ -310,6 +337,9 @@ class Scheduler:
                 if not cfg.enable_chunked_prefill:
                     break
                 q = budget
+            q = self._fit_rows(q, rows_left)
+            if q == 0:
+                break
             num_new = max(0, pm.num_pages_for(max(num_hit + q, self._reserve_tokens)) - len(hits))
             if not pm.can_allocate(pm.num_revived(hits) + num_new):
                 break
@@ -320,6 +350,7 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, q, num_hit, q == seq.num_uncomputed_tokens))
             budget -= q
+            rows_left -= self._rows(q)
 
         if not scheduled and not preempted and self.has_unfinished():
             raise RuntimeError(f"scheduler made no progress: {self._describe()}")

@@ -52,6 +52,8 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "down_proj/kernel": ("mlp", None),  # [F, H]
     "lm_head/kernel": (None, "vocab"),  # [H, V]
 }
+# The stacked layer params' subtree (models/layer_stack.STACKED_KEY).
+STACKED_LAYERS = "layers"
 # One layer's KV pool [2, P, page_size, K, D]; a quantised pool's scales [2, P, page_size, K].
 KV_POOL_AXES: tuple[str | None, ...] = (None, None, None, "kv_heads", None)
 KV_SCALE_AXES: tuple[str | None, ...] = (None, None, None, "kv_heads")
@@ -96,12 +98,15 @@ class ShardingPlan:
         A quantised weight (models/quant.py) shards as its float one: "kernel_q" exactly so, its
         scale / offset the same way along the output axis; along the contraction axis they hold
         one row per group, split only when `shape` says the groups divide evenly (per-channel
-        int8 has one group: replicated there)."""
+        int8 has one group: replicated there). Stacked layer params ("layers/0/q_proj/kernel",
+        models/layer_stack.py) have a leading layer axis, never split."""
         from models import quant
 
         base = quant.base_name(path)
+        stacked = path.startswith(STACKED_LAYERS + "/")
         for suffix, axes in PARAM_AXES.items():
             if base == suffix or base.endswith("/" + suffix):
+                axes = ((None,) if stacked else ()) + axes
                 assert len(axes) == ndim, (path, axes, ndim)
                 if base != path and not path.endswith(quant.Q) and shape is not None:
                     axes = tuple(a if d % self.tensor_parallel_size == 0 else None for a, d in zip(axes, shape))
@@ -112,12 +117,16 @@ class ShardingPlan:
     def kv_pool_spec(self) -> PartitionSpec:
         return self.spec(KV_POOL_AXES)
 
-    def kv_cache_spec(self, kv_cache_dtype: str = "auto"):
+    def kv_cache_spec(self, kv_cache_dtype: str = "auto", stacked: bool = False):
         """One layer's cache spec as a pytree like the cache: the pool's spec, or for a quantised
-        cache QuantizedKV(pool spec, scales spec), both split on their K axis."""
+        cache QuantizedKV(pool spec, scales spec), both split on their K axis. stacked: the
+        stacked [2, L, P, ...] cache of scanned layers, whose layer axis is never split."""
+        pages, scales = self.kv_pool_spec, self.spec(KV_SCALE_AXES)
+        if stacked:
+            pages, scales = (PartitionSpec(s[0], None, *s[1:]) for s in (pages, scales))
         if kv_cache_dtype == "auto":
-            return self.kv_pool_spec
-        return kv_quant.QuantizedKV(self.kv_pool_spec, self.spec(KV_SCALE_AXES))
+            return pages
+        return kv_quant.QuantizedKV(pages, scales)
 
     def kv_heads_per_device(self, cfg: ModelConfig) -> int:
         """KV heads of the pool each device holds (its per-device pool bytes follow)."""

@@ -363,10 +363,18 @@ def main(argv=None) -> int:
                         help="do not fail when the measured pass compiles")
     parser.add_argument("--no-profile", action="store_true", help="skip the decode-step profile")
     parser.add_argument("--profile-iters", type=int, default=5)
+    parser.add_argument("--precompile", action="store_true",
+                        help="compile every step shape when the engine is built (EngineConfig.precompile)")
+    parser.add_argument("--xla-cache", metavar="DIR", default=None,
+                        help="jax's persistent compilation cache directory (paxpage/xla_cache.py); off by default")
     parser.add_argument("--json", metavar="PATH", help="write every figure here")
     args = parser.parse_args(argv)
 
     compile_counter.install()
+    if args.xla_cache:
+        from paxpage import xla_cache
+
+        print(f"persistent compilation cache: {xla_cache.enable(args.xla_cache)}", flush=True)
     t = time.perf_counter()
     model = paxpage.load(args.model)
     print(f"loaded {args.model or 'SmolLM2-135M-Instruct'} in {time.perf_counter() - t:.1f} s "
@@ -379,7 +387,7 @@ def main(argv=None) -> int:
                                max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=args.max_num_batched_tokens,
                                max_model_len=max_model_len, kv_cache_bytes=args.kv_cache_bytes,
-                               num_pages=args.num_pages)
+                               num_pages=args.num_pages, precompile=args.precompile)
     summary = work.summary()
     print(f"workload: {summary['num_requests']} requests, {summary['prompt_tokens']} prompt + "
           f"{summary['output_tokens']} output tokens; prompt len median {summary['prompt_len']['median']:.0f} "
@@ -387,11 +395,17 @@ def main(argv=None) -> int:
           f"(max {summary['output_len']['max']})", flush=True)
 
     t = time.perf_counter()
-    c0 = compile_counter.compiles()
+    c0, s0 = compile_counter.compiles(), compile_counter.compile_seconds()
+    h0, m0 = compile_counter.cache_hits(), compile_counter.cache_misses()
     run_paxpage(model, work.with_fresh_prompts(model.config.vocab_size, args.seed + 7919), cfg)
     warm = {"wall_s": time.perf_counter() - t, "compiles": compile_counter.compiles() - c0,
-            "compile_s": compile_counter.compile_seconds()}
-    print(f"paxpage warm-up: {warm['wall_s']:.1f} s, {warm['compiles']} compiles", flush=True)
+            "compile_s": compile_counter.compile_seconds() - s0,
+            "cache_hits": compile_counter.cache_hits() - h0, "cache_misses": compile_counter.cache_misses() - m0,
+            "precompiled": model.engine(cfg).precompiled}
+    print(f"paxpage warm-up: {warm['wall_s']:.1f} s (engine build included), {warm['compiles']} compiles "
+          f"({warm['compile_s']:.1f} s), persistent cache {warm['cache_hits']} hits / {warm['cache_misses']} "
+          f"misses" + (f", precompiled {warm['precompiled'][0]} shapes in {warm['precompiled'][1]:.1f} s"
+                       if warm["precompiled"] else ""), flush=True)
 
     def measured_pass(k: int) -> dict:
         # Pass k > 0 gets fresh prompts of the same lengths: no prefix-cache hits on earlier passes.

@@ -421,3 +421,21 @@ def test_sliding_window_preemption_recomputes_from_zero():
     assert a.output_token_ids == [100 + n for n in range(8, 28)]
     assert b.output_token_ids == [200 + n for n in range(8, 28)]
     assert c.output_token_ids == [300 + n for n in range(5, 25)]
+
+
+def test_prefill_rows_cap_cuts_chunks_and_stops_admission():
+    """max_prefill_rows 2 of 4 tokens: a chunk is cut to the rows left; a 1-token prompt needs no
+    prefill row (it is laid out as a decode row), so it is admitted after one that got none."""
+    s = make(max_num_batched_tokens=16, num_pages=32, max_prefill_rows=2, prefill_row_len=4)
+    for x in (seq(1, 10, 3), seq(2, 3, 3), seq(3, 1, 3), seq(4, 2, 3)):
+        s.add(x)
+    assert rows(step(s)) == [(1, 8, 0, False)]  # two rows of a's 10 tokens; b gets none and waits
+    # a's last 2 tokens take one row, b's 3 the other; c's single token none; d must wait
+    assert rows(step(s)) == [(1, 2, 8, True), (2, 3, 0, True), (3, 1, 0, True)]
+    assert rows(step(s)) == [(1, 1, 10, True), (2, 1, 3, True), (3, 1, 1, True), (4, 2, 0, True)]
+
+
+@pytest.mark.parametrize("rows_cap", [0, True, 2.0])
+def test_prefill_rows_cap_validation(rows_cap):
+    with pytest.raises(ValueError, match=f"max_prefill_rows is {rows_cap!r}"):
+        make(max_prefill_rows=rows_cap)

@@ -70,4 +70,5 @@ def test_batched_equals_alone_and_pages_return(tiny_llama_dir):
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf, prompt, 20)
     engine = model.engine(config)
+    assert engine.runner.scanned  # the CPU default: layers under a scan (models/layer_stack.py)
     assert engine.scheduler.page_manager.num_free_pages == config.num_pages

@@ -51,6 +51,9 @@ def test_tp_greedy_matches_hf_and_pool_is_split(tmp_path, shape):
         assert out["params"][t]["q_proj"] == [[hidden, q_cols]] * tp
         assert out["params"][t]["up_proj"] == [[hidden, f // tp]] * tp
     assert out["recompiles"] == {"1": 0, "2": 0, "4": 0}
+    for t in ("1", "2", "4"):  # the XLA path scans its layers: the stacked layer axis is never split
+        assert out["kv"][t]["scanned"] and out["kv"][t]["layer_axis_split"] is None, t
+        assert out["params"][t]["layer_axis_split"] is None, t
     for t, sizes in out["weight_bytes"].items():  # every device the same; the rules' figure
         assert sizes["measured"] == [sizes["rules"]], t
 
@@ -63,6 +66,7 @@ def test_tp_pallas_kernels_under_shard_map(tmp_path):
     out = run_json(["tests.parallel.tp_worker", str(tmp_path), "2", "3", "--pallas"], timeout=420)
     assert out["greedy"]["2"] == [hf_greedy(hf, p, 3) for p in _prompts(128)]
     assert out["kv"]["2"]["shard_shapes"] == [[2, 48, 4, 2, 16]] * 2
+    assert not out["kv"]["2"]["scanned"]  # Pallas attention keeps the unrolled layers by default
 
 
 def test_tp_int8_kv_cache_and_int8_weights(tmp_path):

@@ -48,19 +48,29 @@ def main(argv: list[str]) -> None:
                                     temperature=0.9, top_p=0.95, seed=11, ignore_eos=True, use_tqdm=False)
             result["sampled"][tp] = [o.outputs[0].token_ids for o in outs]
         runner = model.engine(config).runner
+        # Scanned layers (the XLA path's default): the cache is one stacked [2, L, P, ...] pytree and
+        # the layer params are stacked [L, ...]; report one layer's view of both, and the layer
+        # axis's own split (it must be none).
         from pallas_kernels.kv_quant import split
 
-        pool, scales = split(runner.kv_cache[0])
+        layer_axis = 1 if runner.scanned else None
+
+        def drop(dims, axis):
+            return [d for i, d in enumerate(dims) if i != axis]
+
+        pool, scales = split(runner.kv_cache if runner.scanned else runner.kv_cache[0])
         for key, array in (("kv", pool), ("kv_scales", scales)):
             if array is None:
                 continue
             spec = list(getattr(array.sharding, "spec", ()))
-            result[key][tp] = {"spec": spec + [None] * (array.ndim - len(spec)),
-                               "shape": list(array.shape),
-                               "shard_shapes": [list(s.data.shape) for s in array.addressable_shards],
-                               "devices": len(array.sharding.device_set)}
-        layer = runner.params["layers_0"]
-        q, up = (layer[name].get("kernel", layer[name].get("kernel_q")) for name in ("q_proj", "up_proj"))
+            spec += [None] * (array.ndim - len(spec))
+            result[key][tp] = {"spec": drop(spec, layer_axis), "shape": drop(array.shape, layer_axis),
+                               "shard_shapes": [drop(s.data.shape, layer_axis) for s in array.addressable_shards],
+                               "devices": len(array.sharding.device_set), "scanned": runner.scanned,
+                               "layer_axis_split": None if layer_axis is None else spec[layer_axis]}
+        layer0 = runner.params["layers"]["0"] if runner.scanned else runner.params["layers_0"]
+        param_axis = 0 if runner.scanned else None
+        q, up = (layer0[name].get("kernel", layer0[name].get("kernel_q")) for name in ("q_proj", "up_proj"))
         from paxpage.mesh import bytes_per_device
         from paxpage.sharding import ShardingPlan, param_bytes_per_device
 
@@ -68,8 +78,9 @@ def main(argv: list[str]) -> None:
         result["weight_bytes"][tp] = {
             "measured": sorted(set(bytes_per_device(runner.params).values())),
             "rules": param_bytes_per_device(model.config, ShardingPlan.for_model(model.config, tp), itemsize)}
-        result["params"][tp] = {"q_proj": [list(s.data.shape) for s in q.addressable_shards],
-                                "up_proj": [list(s.data.shape) for s in up.addressable_shards]}
+        result["params"][tp] = {"q_proj": [drop(s.data.shape, param_axis) for s in q.addressable_shards],
+                                "up_proj": [drop(s.data.shape, param_axis) for s in up.addressable_shards],
+                                "layer_axis_split": (list(getattr(q.sharding, "spec", ())) + [None])[0]}
         model.close()
     print(json.dumps(result))
 

@@ -1,0 +1,141 @@
+"""Decoder layers under one `lax.scan`: stacked per-layer params and a stacked KV pool.
+
+An unrolled stack of L layers traces, lowers and compiles L copies of the layer, so a step
+shape's compile time grows with depth (SmolLM2, 30 layers: ~12 s on CPU against ~2.7 s for one
+layer). Under a scan the layer is compiled once and the loop runs it L times.
+
+Layers are scanned in groups of `period` consecutive layers when the layer kinds repeat with
+that period (Llama / Mistral / Qwen: period 1; Gemma's local/global pattern: its period), so
+every static choice inside a layer (its window, its RoPE base, dense or sparse MLP) is fixed
+within the scanned body. Models whose kinds do not repeat (MoE models mixing dense and sparse
+MLPs, a window pattern that does not divide the depth) keep the unrolled loop.
+
+Layout:
+- params: `layers_{i}` subtrees are replaced by one `layers` subtree {"0": ..., "period-1": ...},
+  whose entry j stacks layers j, j + period, ... on a new leading axis [G, ...] (G = L / period
+  groups). Any leaf a layer has stacks the same way (tree_map), quantized scales included.
+- KV pool: every leaf of one layer's pool [2, P, ...] becomes [2, L, P, ...]. The scanned step
+  views it as [2, L * P, ...] (a free reshape) and shifts layer l's page ids by l * P, so the
+  attention and the KV write index one big pool with unchanged signatures and no layer's pages
+  are ever sliced out (a per-layer dynamic slice would copy the layer's pages every layer).
+
+Axis legend: L layers, G groups of `period` layers, P pages per layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+
+STACKED_KEY = "layers"
+
+
+def _layer_kind(cfg: ModelConfig, layer: int) -> tuple:
+    """Every static property that makes one layer's traced code differ from another's."""
+    return (cfg.layer_window(layer), cfg.is_moe_layer(layer))
+
+
+def scan_period(cfg: ModelConfig) -> int | None:
+    """The shortest period p (dividing L) with which the layer kinds repeat, or None when the
+    stack cannot be scanned: no such p with at least two groups."""
+    num_layers = cfg.num_layers
+    kinds = [_layer_kind(cfg, i) for i in range(num_layers)]
+    for period in range(1, num_layers // 2 + 1):
+        if num_layers % period == 0 and all(kinds[i] == kinds[i % period] for i in range(num_layers)):
+            return period
+    return None
+
+
+def stack_layers(params: dict, num_layers: int, period: int, stack: Callable = jnp.stack) -> dict:
+    """params with `layers_{i}` replaced by the stacked `layers` subtree (see the module doc).
+    `stack`: jnp.stack (device arrays) or np.stack (host arrays, before sharding)."""
+    assert num_layers % period == 0, (num_layers, period)
+    out = {k: v for k, v in params.items() if not k.startswith("layers_")}
+    assert len(out) + num_layers == len(params), "unexpected layers_* keys"
+    out[STACKED_KEY] = {
+        str(j): jax.tree.map(lambda *xs: stack(xs), *[params[f"layers_{i}"]
+                                                     for i in range(j, num_layers, period)])
+        for j in range(period)}
+    return out
+
+
+def unstack_layers(params: dict, num_layers: int) -> dict:
+    """The inverse of `stack_layers`: per-layer `layers_{i}` subtrees again (copies)."""
+    stacked = params[STACKED_KEY]
+    period = len(stacked)
+    out = {k: v for k, v in params.items() if k != STACKED_KEY}
+    for i in range(num_layers):
+        out[f"layers_{i}"] = jax.tree.map(lambda x: x[i // period], stacked[str(i % period)])
+    return out
+
+
+def stacked_pool_shape(layer_shape: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """[2, P, ...] of one layer's pool leaf -> [2, L, P, ...] of the stacked pool."""
+    return (layer_shape[0], num_layers) + tuple(layer_shape[1:])
+
+
+def merge_pool(pool):
+    """[2, L, P, ...] -> [2, L * P, ...] for every leaf (a reshape: no copy)."""
+    return jax.tree.map(lambda a: a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:]), pool)
+
+
+def split_pool(pool, num_layers: int):
+    """The inverse of `merge_pool`."""
+    return jax.tree.map(lambda a: a.reshape(a.shape[0], num_layers, a.shape[1] // num_layers,
+                                            *a.shape[2:]), pool)
+
+
+def shift_pages(batch, page_offset, page_size: int):
+    """The batch as layer l sees the merged pool: page ids + l * P, slots + l * P * page_size
+    (padding slots, -1, stay -1 so their writes are still dropped)."""
+    slots = batch.slot_mapping
+    return dataclasses.replace(
+        batch,
+        slot_mapping=jnp.where(slots < 0, slots, slots + page_offset * page_size),
+        dec_page_indices=batch.dec_page_indices + page_offset,
+        pre_page_indices=batch.pre_page_indices + page_offset)
+
+
+class _LayerGroup(nn.Module):
+    """`period` consecutive layers: the body of the scan. `make_layer(j, name)` builds the
+    group's j-th layer module (called inside this module, so it becomes its child)."""
+
+    make_layer: Callable[[int, str], nn.Module]
+    period: int
+    pages_per_layer: int
+    page_size: int
+
+    @nn.compact
+    def __call__(self, carry, group, batch):  # carry: (x [T, H], merged pool); group: i32[]
+        x, pool = carry
+        for j in range(self.period):
+            layer_batch = shift_pages(batch, (group * self.period + j) * self.pages_per_layer, self.page_size)
+            x, pool = self.make_layer(j, str(j))(x, layer_batch, pool)
+        return (x, pool), None
+
+
+def run_scanned(make_layer: Callable[[int, str], nn.Module], num_layers: int, period: int,
+                x: jax.Array, batch: Any, kv_cache: Any):
+    """Runs the layers as a scan over L / period groups. Call inside a compact method; the params
+    are the caller's `layers` subtree. kv_cache: the stacked pool [2, L, P, ...] (any pytree of
+    such leaves). Returns (x, kv_cache)."""
+    leaf = jax.tree.leaves(kv_cache)[0]
+    pages_per_layer, page_size = leaf.shape[2], leaf.shape[3]
+    scanned = nn.scan(_LayerGroup, variable_axes={"params": 0}, split_rngs={"params": True},
+                      in_axes=(0, nn.broadcast), length=num_layers // period)
+    groups = jnp.arange(num_layers // period, dtype=jnp.int32)
+    (x, pool), _ = scanned(make_layer, period, pages_per_layer, page_size, name=STACKED_KEY)(
+        (x, merge_pool(kv_cache)), groups, batch)
+    return x, split_pool(pool, num_layers)
+
+
+def host_stack(params: dict, num_layers: int, period: int) -> dict:
+    """`stack_layers` on host arrays (the sharded path stacks before placing)."""
+    return stack_layers(params, num_layers, period, stack=lambda xs: np.stack([np.asarray(x) for x in xs]))
