@@ -109,7 +109,11 @@ def test_quantized_pool_holds_more_tokens_at_one_budget():
     assert pages["int8"] / pages["float32"] == pytest.approx(4 * 64 / 68, rel=1e-3)
 
 
-def test_runner_builds_and_copies_a_quantized_pool(tiny_params):
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_runner_builds_and_copies_a_quantized_pool(tiny_params, scan_layers):
+    """Per-layer caches or the scanned layers' one stacked cache [2, L, P, ...]: fp8 pages with
+    f32 scales, and a page copy moves a page's scales with its values in every layer."""
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -117,21 +121,26 @@ def test_runner_builds_and_copies_a_quantized_pool(tiny_params):
     from paxpage.runner import ModelRunner
 
     cfg, params = tiny_params
-    resolved = EngineConfig(page_size=8, num_pages=6, dtype="float32", kv_cache_dtype="fp8",
+    resolved = EngineConfig(page_size=8, num_pages=6, dtype="float32", kv_cache_dtype="fp8", scan_layers=scan_layers,
                             max_num_seqs=4, max_num_batched_tokens=32).resolve(cfg, backend="cpu")
     runner = ModelRunner(cfg, params, resolved)
-    layer = runner.kv_cache[0]
-    assert isinstance(layer, QuantizedKV) and len(runner.kv_cache) == cfg.num_layers
-    assert layer.pages.shape == (2, 6, 8, cfg.num_kv_heads, cfg.head_dim) and layer.pages.dtype == jnp.float8_e4m3fn
-    assert layer.scales.shape == (2, 6, 8, cfg.num_kv_heads) and layer.scales.dtype == jnp.float32
-    filled = [QuantizedKV(jnp.asarray(np.arange(c.pages.size).reshape(c.pages.shape) % 7, c.pages.dtype),
-                          jnp.asarray(np.arange(c.scales.size).reshape(c.scales.shape), jnp.float32))
-              for c in runner.kv_cache]
-    runner.kv_cache = filled
-    before = [(np.array(c.pages, np.float32), np.array(c.scales)) for c in filled]
+    assert runner.scanned == scan_layers
+    caches = [runner.kv_cache] if scan_layers else runner.kv_cache
+    lead = (2, cfg.num_layers) if scan_layers else (2,)
+    assert len(caches) == (1 if scan_layers else cfg.num_layers)
+    for layer in caches:
+        assert isinstance(layer, QuantizedKV)
+        assert layer.pages.shape == (*lead, 6, 8, cfg.num_kv_heads, cfg.head_dim)
+        assert layer.pages.dtype == jnp.float8_e4m3fn
+        assert layer.scales.shape == (*lead, 6, 8, cfg.num_kv_heads) and layer.scales.dtype == jnp.float32
+    leaves, tree = jax.tree.flatten(runner.kv_cache)
+    filled = [jnp.asarray(np.arange(x.size).reshape(x.shape) % 7, x.dtype) for x in leaves]
+    runner.kv_cache = jax.tree.unflatten(tree, filled)
+    before = [np.array(x, np.float32) for x in filled]
     runner.copy_pages([(1, 4), (2, 0)])  # copy-on-write moves a page's scales with its values
-    for (pages, scales), c in zip(before, runner.kv_cache):
+    page_axis = len(lead)
+    for want, got in zip(before, jax.tree.leaves(runner.kv_cache)):
+        view = np.moveaxis(want, page_axis, 0)  # a view: assignments land in `want`
         for src, dst in ((1, 4), (2, 0)):
-            pages[:, dst], scales[:, dst] = pages[:, src], scales[:, src]
-        np.testing.assert_array_equal(np.asarray(c.pages, np.float32), pages)
-        np.testing.assert_array_equal(np.asarray(c.scales), scales)
+            view[dst] = view[src]
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want)

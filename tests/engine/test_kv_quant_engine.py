@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -89,7 +90,7 @@ def test_quantised_kv_logprobs_against_references(models, unquantised, name):
     plain_scored = paxpage.generate(model, seqs, max_tokens=1, prompt_logprobs=0, **GREEDY, **SMALL)
     quant = paxpage.generate(model, seqs, max_tokens=1, prompt_logprobs=0, kv_cache_dtype=name, **GREEDY, **SMALL)
     engine = model.engine(paxpage.EngineConfig(kv_cache_dtype=name, **SMALL))
-    assert str(engine.runner.kv_cache[0].pages.dtype) == {"int8": "int8", "fp8": "float8_e4m3fn"}[name]
+    assert str(jax.tree.leaves(engine.runner.kv_cache)[0].dtype) == {"int8": "int8", "fp8": "float8_e4m3fn"}[name]
     vs_hf, vs_plain, agree, total = 0.0, 0.0, 0, 0
     for prompt, ids, q_out, p_out in zip(prompts, seqs, quant, plain_scored):
         with _hf_quantised_kv(hf, name):
