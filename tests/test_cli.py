@@ -145,3 +145,20 @@ def test_generate_leaves_unset_options_to_the_model(monkeypatch, capsys, argv, m
     monkeypatch.setattr(paxpage, "generate", generate)
     assert main(["generate", "hi", *argv]) == 0
     assert (seen[0].temperature, seen[0].top_k) == want
+
+
+def test_kv_cache_dtype_flag_reaches_the_engine_config(monkeypatch):
+    import types
+
+    from models.generation_config import GenerationConfig
+    from paxpage.server.cli import engine_config_from_args
+
+    model = types.SimpleNamespace(config=types.SimpleNamespace(generation=GenerationConfig()))
+    monkeypatch.setattr(paxpage, "load", lambda source=None: model)
+    seen = []
+    monkeypatch.setattr(paxpage, "generate", lambda model, inputs, sampling_params, engine_config=None:
+                        seen.append(engine_config) or [])
+    assert main(["generate", "hi", "--kv-cache-dtype", "fp8"]) == 0
+    assert seen[0].kv_cache_dtype == "fp8"
+    args = types.SimpleNamespace(kv_cache_dtype="int8", no_prefix_caching=False, no_chunked_prefill=False)
+    assert engine_config_from_args(args).kv_cache_dtype == "int8"  # paxpage serve's engine options

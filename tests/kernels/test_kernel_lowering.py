@@ -79,3 +79,25 @@ def test_kernel_lowers_for_platform(backend, dtype, kernel):
     fn, args = _cases(dtype, backend)[kernel]
     text = _export(fn, args, PLATFORMS[backend]).mlir_module()
     assert ("triton" if backend == "gpu" else "tpu_custom_call") in text
+
+
+def _quantized_cases(kv_dtype, backend):
+    """The same kernels on a quantised pool: QuantizedKV(values [2, P, page, K, D], f32 scales)."""
+    from pallas_kernels.kv_quant import QuantizedKV
+
+    pool = QuantizedKV(S((2, P, PAGE, K, D), kv_dtype), S((2, P, PAGE, K), jnp.float32))
+    cases = _cases(jnp.bfloat16, backend)
+    return {name: (fn, (args[0], pool, *args[2:]) if name != "kv_write" else (pool, *args[1:]))
+            for name, (fn, args) in cases.items()}
+
+
+@pytest.mark.parametrize("kernel", ["decode", "ragged", "kv_write"])
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_quantized_kernel_lowers_for_platform(backend, kv_dtype, kernel):
+    reason = _platform_unavailable(backend)
+    if reason:
+        pytest.skip(f"this jax cannot lower Pallas for {PLATFORMS[backend]}: {reason}")
+    fn, args = _quantized_cases(kv_dtype, backend)[kernel]
+    text = _export(fn, args, PLATFORMS[backend]).mlir_module()
+    assert ("triton" if backend == "gpu" else "tpu_custom_call") in text
