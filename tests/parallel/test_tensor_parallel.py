@@ -71,7 +71,7 @@ def test_tp_int8_weights_shard_like_float_ones(tmp_path):
     checks the one-device int8 model against HF on the dequantised weights."""
     save_tiny_hf(tmp_path, "llama", num_attention_heads=8, num_key_value_heads=4, vocab_size=128,
                  intermediate_size=128)
-    out = run_json(["tests.parallel.tp_worker", str(tmp_path), "1,2,4", "6", "--int8"], timeout=420)
+    out = run_json(["tests.parallel.tp_worker", str(tmp_path), "1,2,4", "6", "--int8-weights"], timeout=420)
     assert out["greedy"]["2"] == out["greedy"]["1"] and out["greedy"]["4"] == out["greedy"]["1"]
     assert out["params"]["2"]["q_proj"] == [[64, 32]] * 2  # kernel_q split on the heads
     assert out["recompiles"] == {"1": 0, "2": 0, "4": 0}

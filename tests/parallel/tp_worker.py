@@ -1,10 +1,10 @@
 """Runs in a subprocess with forced host devices (XLA_FLAGS set by the caller before jax starts):
 generates with several tensor-parallel sizes and prints one JSON object on its last line.
 
-    python -m tests.parallel.tp_worker MODEL_DIR_OR_default TP,TP,... MAX_TOKENS [--pallas] [--sampling] [--one] [--int8]
+    python -m tests.parallel.tp_worker MODEL_DIR_OR_default TP,TP,... MAX_TOKENS [--pallas] [--sampling] [--one] [--int8-weights]
 
 --one: only the second prompt (19 tokens), for the real model's shorter run.
---int8: load with quantization="int8" (quantised weights shard like float ones; weight_bytes then
+--int8-weights: load with quantization="int8" (quantised weights shard like float ones; weight_bytes then
 counts int8 values and f32 scales, so its "rules" figure, which assumes one float dtype, differs).
 """
 
@@ -22,7 +22,7 @@ def main(argv: list[str]) -> None:
     from paxpage import compile_counter
 
     model = paxpage.load(None if source == "default" else source,
-                         quantization="int8" if "--int8" in argv else None)
+                         quantization="int8" if "--int8-weights" in argv else None)
     vocab = model.config.vocab_size
     prompts = [[(7 * i + 3) % vocab for i in range(n)] for n in ((19,) if "--one" in argv else (5, 19, 40))]
     impl = "pallas-interpret" if "--pallas" in argv else None
