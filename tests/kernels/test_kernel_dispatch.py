@@ -91,13 +91,13 @@ def test_impl_selection():
 def test_gpu_decode_selection():
     kv = (2, 4, 16, 2, 64)  # [2, P, page_size, K, D]
     assert dispatch.select_gpu_decode("triton", jnp.bfloat16, kv, jnp.bfloat16, 4, interpret=True) == "triton"
-    # Shapes the Mosaic kernel does not take fall back to Triton under "auto", raise under "mosaic".
+    # "auto" is Triton (Mosaic GPU measured 14x slower natively); shapes Mosaic cannot take raise.
     odd = (2, 4, 16, 2, 96)
     assert dispatch.select_gpu_decode("auto", jnp.bfloat16, odd, jnp.bfloat16, 4, interpret=True) == "triton"
     with pytest.raises(ValueError, match="head_dim 96"):
         dispatch.select_gpu_decode("mosaic", jnp.bfloat16, odd, jnp.bfloat16, 4, interpret=True)
     with pytest.raises(ValueError, match="gpu_decode"):
         dispatch.select_gpu_decode("pallas", jnp.bfloat16, kv, jnp.bfloat16, 4, interpret=True)
-    want = "triton" if dispatch.decode_attention_mgpu.unsupported_reason(
-        jnp.bfloat16, jnp.bfloat16, 16, 4, 2, 64, interpret=True) else "mosaic"
-    assert dispatch.select_gpu_decode("auto", jnp.bfloat16, kv, jnp.bfloat16, 4, interpret=True) == want
+    assert dispatch.select_gpu_decode("auto", jnp.bfloat16, kv, jnp.bfloat16, 4, interpret=True) == "triton"
+    if dispatch.decode_attention_mgpu.unsupported_reason(jnp.bfloat16, jnp.bfloat16, 16, 4, 2, 64, interpret=True) is None:
+        assert dispatch.select_gpu_decode("mosaic", jnp.bfloat16, kv, jnp.bfloat16, 4, interpret=True) == "mosaic"
