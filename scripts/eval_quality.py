@@ -118,7 +118,8 @@ def engine_config(variant: Variant, args, max_len: int) -> paxpage.EngineConfig:
     # All prompts prefill in one step and then decode together, and the speed run reuses those
     # shapes: each variant compiles ~4 step shapes (a 30-layer step takes tens of CPU seconds).
     kw = dict(dtype=variant.dtype, page_size=16, max_num_seqs=args.prompts,
-              num_pages=args.prompts * (-(-max_len // 16)) + 8, max_model_len=max_len,
+              num_pages=args.prompts * (-(-(args.prompt_tokens + args.tokens) // 16)) + max_len // 16 + 8,
+              max_model_len=max_len,
               max_num_batched_tokens=max(512, max_len, args.prompts * args.prompt_tokens),
               enable_prefix_caching=False)
     if variant.kv_cache_dtype is not None:
