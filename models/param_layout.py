@@ -16,6 +16,9 @@ Tree (nested dicts of arrays; kernels are [in, out] like flax Dense):
     lm_head/kernel [H, V]                           (unless cfg.tie_word_embeddings)
 Axis legend: H hidden, N query heads, K kv heads, D head dim, F MLP width, V vocabulary,
 E experts, Fe one expert's MLP width (cfg.moe_intermediate_size).
+Quantised weights (models/quant.py) replace a `kernel` leaf by `kernel_q` (int8, same shape),
+`kernel_scale` and optionally `kernel_offset` (f32, one row per group of inputs), and likewise
+`embedding` by `embedding_q` / `embedding_scale` [/ `embedding_offset`] (groups along H).
 
 Expert tensors are named here as transformers 5 holds them in memory (fused 3-D tensors,
 `mlp.experts.gate_up_proj` [E, 2*Fe, H]); models/moe_layout.py also assembles them from the

@@ -26,7 +26,7 @@ Why not Qwix: qwix 0.1.8 works with this jax and quantises flax Dense layers, bu
 model (`quantize_model`), stores each weight as a `WithAux(QArray)` pytree node, and expresses
 affine formats through a zero point ((q - zp) * scale), which cannot hold GGUF's Q4_1 / Q4_K
 minimums exactly; our sharding table, the on-disk cache and the checkpoint code all work on flat
-named arrays. This module is ~150 lines that keep all of those unchanged.
+named arrays. This module keeps all of those unchanged.
 """
 
 from __future__ import annotations
@@ -149,10 +149,6 @@ def _expand(q, scale, offset):  # row-major groups along the last axis, numpy f3
     if offset is not None:
         w = w + offset[..., None]
     return w.reshape(q.shape)
-
-
-def is_quantized(params) -> bool:
-    return any(leaf.dtype == jnp.int8 for leaf in jax.tree.leaves(params))
 
 
 def cast_params(params, dtype, to_array=jnp.asarray):

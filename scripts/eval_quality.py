@@ -20,7 +20,7 @@ Figures, each variant against the reference:
     finite   no NaN / inf in any logit of the teacher-forced passes
     weights  bytes the weights hold (int8 values + f32 scales for quantised ones)
     KV/token bytes of K and V per token, all layers (the engine's page bytes / page size)
-    tok/s    generation throughput, --speed-seqs sequences x T tokens greedy, prefill included,
+    tok/s    generation throughput, --speed-seqs (default P) sequences x T tokens greedy, prefill included,
              best of --repeats rounds; variants measured one after another in each round, in
              this one process, so the ratios are the figure to read
 Prompts: the first --prompt-tokens tokens of P docstrings of other stdlib modules (os, shutil,
@@ -115,9 +115,13 @@ def forced_logprobs(engine, token_ids: list[int]) -> np.ndarray:
 
 
 def engine_config(variant: Variant, args, max_len: int) -> paxpage.EngineConfig:
+    # All prompts prefill in one step and then decode together, and the speed run reuses those
+    # shapes: each variant compiles ~4 step shapes (a 30-layer step takes tens of CPU seconds).
     kw = dict(dtype=variant.dtype, page_size=16, max_num_seqs=args.prompts,
-              num_pages=args.prompts * (-(-max_len // 16)) + 8, max_model_len=max_len,
-              max_num_batched_tokens=max(512, max_len), enable_prefix_caching=False)
+              num_pages=args.prompts * (-(-(args.prompt_tokens + args.tokens) // 16)) + max_len // 16 + 8,
+              max_model_len=max_len,
+              max_num_batched_tokens=max(512, max_len, args.prompts * args.prompt_tokens),
+              enable_prefix_caching=False)
     if variant.kv_cache_dtype is not None:
         kw["kv_cache_dtype"] = variant.kv_cache_dtype
     return paxpage.EngineConfig(**kw)
@@ -152,8 +156,8 @@ def run(args) -> dict:
     models, skipped, load_s = load_variants(args)
     assert "f32" in models, "the f32 reference is always run"
     ref = models["f32"]
-    prompt_texts = [d for d in docstrings(PROMPT_MODULES) if len(d) >= 200][: args.prompts]
-    prompts = [encode(ref, t)[: args.prompt_tokens] for t in prompt_texts]
+    encoded = (encode(ref, d) for d in docstrings(PROMPT_MODULES))
+    prompts = [ids[: args.prompt_tokens] for ids in encoded if len(ids) >= args.prompt_tokens][: args.prompts]
     text_ids = encode(ref, "\n\n".join(docstrings(PPL_MODULES)))
     chunks = [text_ids[i * args.ppl_chunk:(i + 1) * args.ppl_chunk] for i in range(args.ppl_chunks)]
     max_len = max(args.prompt_tokens + args.tokens, args.ppl_chunk) + 1
@@ -189,9 +193,10 @@ def run(args) -> dict:
             finite[name] &= bool(np.isfinite(lp).all())
             nll[name].extend((-lp[np.arange(len(chunk) - 1), chunk[1:]]).tolist())
     speed = {name: math.inf for name in models}
-    speed_prompts = prompts[: args.speed_seqs]
-    for name, model in models.items():  # warm-up: compiles the timing run's shapes
-        paxpage.generate(model, speed_prompts, engine_config=configs[name], **dict(greedy, max_tokens=4))
+    speed_prompts = prompts[: args.speed_seqs or len(prompts)]
+    for name, model in models.items():  # warm-up: compiles the timing run's shapes, if new
+        if len(speed_prompts) != len(prompts):
+            paxpage.generate(model, speed_prompts, engine_config=configs[name], **dict(greedy, max_tokens=4))
     for _ in range(args.repeats):
         for name, model in models.items():
             start = time.perf_counter()
@@ -236,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=24)
     p.add_argument("--ppl-chunk", type=int, default=256)
     p.add_argument("--ppl-chunks", type=int, default=8)
-    p.add_argument("--speed-seqs", type=int, default=8)
+    p.add_argument("--speed-seqs", type=int, default=None, help="default: all the prompts (no new shapes)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--variants", nargs="*", default=None, help=f"subset of {[v.name for v in VARIANTS]}")
     p.add_argument("--quick", action="store_true", help="smoke test sizes")
@@ -245,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.tokens, args.prompt_tokens = 4, 8, 12
-        args.ppl_chunk, args.ppl_chunks, args.speed_seqs, args.repeats = 32, 1, 4, 1
+        args.ppl_chunk, args.ppl_chunks, args.repeats = 32, 1, 1
     if args.variants is not None and "f32" not in args.variants:
         args.variants = ["f32", *args.variants]
     result = run(args)

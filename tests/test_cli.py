@@ -135,7 +135,7 @@ def test_generate_leaves_unset_options_to_the_model(monkeypatch, capsys, argv, m
 
     generation = GenerationConfig(temperature=model_temperature, top_k=20 if model_temperature else None)
     model = types.SimpleNamespace(config=types.SimpleNamespace(generation=generation))
-    monkeypatch.setattr(paxpage, "load", lambda source=None: model)
+    monkeypatch.setattr(paxpage, "load", lambda source=None, quantization=None: model)
     seen = []
 
     def generate(model, inputs, sampling_params, engine_config=None):  # what the engine does with the params

@@ -8,6 +8,8 @@ the file itself, so its model holds exactly the values our grouped form holds.""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -108,3 +110,46 @@ def test_default_gguf_native_greedy_equals_hf_and_holds_less(smollm2, hf_smollm2
                             ignore_eos=True, use_tqdm=False)
     for ids, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf_smollm2, ids, 16), smollm2.tokenizer.decode(ids)
+
+
+@pytest.fixture(scope="module")
+def outlier_dir(tmp_path_factory):
+    """A tiny Llama whose residual stream carries a few huge channels (embedding columns x 30000,
+    as real LLMs' massive activations) and whose layer-0 K/V projections are scaled x 100, so
+    K and V reach the thousands: past fp8 e4m3's 448 and where bf16 keeps ~3 digits."""
+    path = tmp_path_factory.mktemp("tiny_outliers")
+    hf = save_tiny_hf(path, "llama")
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[:, :3] *= 30000.0
+        hf.model.layers[0].self_attn.k_proj.weight.mul_(100.0)
+        hf.model.layers[0].self_attn.v_proj.weight.mul_(100.0)
+    hf.save_pretrained(path)
+    return path, hf
+
+
+def _kv_variants():
+    fields = paxpage.EngineConfig.field_names()
+    return [{}] + ([{"kv_cache_dtype": d} for d in ("int8", "fp8")] if "kv_cache_dtype" in fields else [])
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_large_activation_outliers_stay_finite(outlier_dir, quantization):
+    """No NaN / inf and logprobs near HF f32's with outliers of ~1e4 in the residual stream and in
+    K / V, computing in bf16 with float or int8 weights and (where the engine has them) int8 / fp8
+    KV caches. Near: within 10% of the reference's logprob spread (bf16 keeps 8 mantissa bits)."""
+    path, hf = outlier_dir
+    model = paxpage.load(path, quantization=quantization)
+    prompt = random_prompts(1, 128, [21], seed=8)[0]
+    with torch.no_grad():
+        hidden = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    assert max(float(h.abs().max()) for h in hidden) > 5000  # the outliers are there
+    ref = _hf_logprobs(hf, prompt)
+    spread = float(ref.max() - ref.min())
+    for extra in _kv_variants():
+        out = paxpage.generate(model, [prompt], max_tokens=3, temperature=0, logprobs=5, ignore_eos=True,
+                               page_size=4, num_pages=32, dtype="bfloat16", use_tqdm=False, **extra)[0]
+        for step in out.outputs[0].logprobs:
+            assert all(math.isfinite(v) for v in step.values()), (extra, step)
+        first = out.outputs[0].logprobs[0]
+        err = max(abs(v - ref[t]) for t, v in first.items())
+        assert err < 0.1 * spread, (extra, err, spread)
