@@ -26,7 +26,9 @@ def enable(directory: str | None = None) -> str | None:
     try:
         os.makedirs(directory, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", directory)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        # Every executable, however quick to compile: the sampler variants and small helpers are
+        # each < 0.5 s but dozens of them, and a warm start should compile nothing.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     except (OSError, AttributeError):
         return None
     return directory

@@ -8,8 +8,8 @@ same weights and pool size, then for each step shape (decode rows, prefill rows)
     temp     the executable's temporary bytes (memory_analysis): a step that copied a layer's
              pages (or the pool) would show it here
     step     median ms of the compiled step on a filled batch: decode rows at context
-             --context over permuted page tables with real KV writes; prefill rows of full
-             prefill_row_len chunks at the same context
+             --context over permuted page tables with real KV writes; prefill rows of
+             prefill_row_len new tokens (the context's last ones) at the same context
 Both settings' steps are compiled, then timed in turns (unrolled, scan, unrolled, scan ...) so
 machine noise hits both alike; the ratio rows compare them.
 
@@ -54,9 +54,10 @@ def filled_batch(runner, dec: int, pre: int, context: int, seed: int = 0):
     for r in range(dec):
         p = context - 1
         slots[r], positions[r] = tables[r, p // page_size] * page_size + p % page_size, p
+    num_q = min(row_len, context)  # a prefill row's new tokens: the context's last ones
     for r in range(pre):
-        lo = context - row_len
-        for t in range(row_len):
+        lo = context - num_q
+        for t in range(num_q):
             p = lo + t
             i = dec + r * row_len + t
             slots[i], positions[i] = tables[dec + r, p // page_size] * page_size + p % page_size, p
@@ -64,7 +65,7 @@ def filled_batch(runner, dec: int, pre: int, context: int, seed: int = 0):
         batch, slot_mapping=slots, positions=positions,
         dec_page_indices=tables[:dec], dec_kv_lens=np.full(dec, context, np.int32),
         pre_page_indices=tables[dec:], pre_kv_lens=np.full(pre, context, np.int32),
-        pre_q_lens=np.full(pre, row_len, np.int32))
+        pre_q_lens=np.full(pre, num_q, np.int32))
 
 
 def compile_step(engine: LLMEngine, dec: int, pre: int, context: int) -> dict:

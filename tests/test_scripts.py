@@ -69,6 +69,16 @@ def test_bench_throughput_smoke(tiny_model_dir, tmp_path, capsys):
     assert "ratio paxpage / HF" in capsys.readouterr().out
 
 
+def test_bench_compile_smoke(tiny_model_dir, tmp_path):
+    bench = _load_script("bench_compile")
+    out = tmp_path / "compile.json"
+    assert bench.main(["--model", tiny_model_dir, "--num-pages", "32", "--context", "9", "--shapes", "4,1",
+                       "--iters", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data) == {"4,1,unrolled", "4,1,scan"}
+    assert all(r["compile_s"] > 0 and r["step_ms"] > 0 for r in data.values())
+
+
 def test_bench_moe_smoke(tmp_path, capsys):
     bench = _load_script("bench_moe")
     out = tmp_path / "moe.json"

@@ -33,8 +33,11 @@ def main(argv: list[str]) -> None:
         model.engine(config).runner.stop_followers()
     else:
         result["followed_steps"] = model.engine(config).runner.follow()
-    pool = model.engine(config).runner.kv_cache[0]
-    result["kv_local_shards"] = [list(s.data.shape) for s in pool.addressable_shards]
+    runner = model.engine(config).runner
+    # one layer's view: the scanned path's stacked pool [2, L, P, ...] less its (unsplit) layer axis
+    pool = runner.kv_cache if runner.scanned else runner.kv_cache[0]
+    result["kv_local_shards"] = [[d for i, d in enumerate(s.data.shape) if not (runner.scanned and i == 1)]
+                                 for s in pool.addressable_shards]
     print(json.dumps(result), flush=True)
     model.close()
     jax.distributed.shutdown()
