@@ -28,7 +28,7 @@ functools, ...), in a fixed order.
 
 Usage:
     python scripts/eval_quality.py                     # the default model, full table (CPU: ~30 min)
-    python scripts/eval_quality.py --model DIR --json out.json --markdown out.md
+    python scripts/eval_quality.py --model DIR --json /tmp/quality.json --markdown /tmp/quality.table
     python scripts/eval_quality.py --quick             # smoke: 4 prompts x 8 tokens, one short chunk
 """
 
