@@ -2,7 +2,10 @@
 
 A GGUF file is decoded once and kept in the on-disk cache of models/cache.py, its quantised weights
 in their exact int8 form (models/gguf_quants.py). `quantization` then picks what the model holds:
-    None    the source's own form: a GGUF's quantised weights stay quantised, float sources stay float
+    None    the source's own form where it pays: on a GPU / TPU a GGUF's quantised weights stay
+            quantised (XLA fuses the dequantisation into the matmul); on CPU, where XLA dequantises
+            in a separate pass every step (measured: decode ~2.8x slower, README "Quantized
+            weights"), the f32 expansion, as "none". Float sources stay float.
     "gguf"  the same, but only for GGUF files (ValueError for other sources)
     "none"  every weight in `dtype` (a GGUF's f32 expansion, what paxpage held before)
     "int8"  every Linear kernel and the embedding / LM head as int8 per output channel
@@ -103,7 +106,19 @@ def load_model(source: str | os.PathLike | None = None, *, dtype: Any = "float32
     )
 
 
+def default_gguf_quantization(backend: str | None = None) -> str:
+    """What quantization=None means for a GGUF file on `backend` (default: jax's): "gguf" on an
+    accelerator, "none" on CPU (module docstring)."""
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
+    return "none" if backend == "cpu" else "gguf"
+
+
 def _load_gguf_cached(gguf_path: str, dtype: Any, quantization: str | None) -> tuple[ModelConfig, dict, Any]:
+    if quantization is None:
+        quantization = default_gguf_quantization()
     check = lambda cfg, flat: check_flat(cfg, flat, source=gguf_path)  # noqa: E731
     cached = cache.read_entry(gguf_path, check)
     if cached is not None:

@@ -2,7 +2,7 @@
 
 Variants: f32 (the reference), bf16, int8 weights (`quantization="int8"`), int8 KV and fp8 KV
 (`EngineConfig(kv_cache_dtype=...)`, rows marked unavailable where EngineConfig has no such
-field), and GGUF-native (`quantization=None` on a GGUF file: its own Q4_1 / Q8_0 weights). For
+field), and GGUF-native (`quantization="gguf"`: the GGUF file's own Q4_1 / Q8_0 weights). For
 the default model the reference is the f32 expansion of the GGUF (`quantization="none"`).
 
 Figures, each variant against the reference:
@@ -73,7 +73,7 @@ VARIANTS = (
     Variant("int8 weights", quantization="int8"),
     Variant("int8 KV", kv_cache_dtype="int8"),
     Variant("fp8 KV", kv_cache_dtype="fp8"),
-    Variant("GGUF-native", quantization=None),
+    Variant("GGUF-native", quantization="gguf"),
 )
 
 
@@ -139,7 +139,7 @@ def load_variants(args) -> tuple[dict[str, Model], dict[str, str], dict[str, flo
         if v.kv_cache_dtype is not None and not kv_field:
             skipped[v.name] = "unavailable: EngineConfig has no kv_cache_dtype in this checkout"
             continue
-        if v.quantization is None and not is_gguf:
+        if v.quantization == "gguf" and not is_gguf:
             skipped[v.name] = "n/a: the source is not a GGUF file"
             continue
         if v.quantization == "none" and "f32" in models:

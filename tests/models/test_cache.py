@@ -181,15 +181,15 @@ def test_default_model_twice_one_entry_and_truncation_rebuilt(default_model_cach
     adds no entry, and a truncated tokenizer file is caught and rebuilt."""
     monkeypatch.setenv("PAXPAGE_CACHE_DIR", str(default_model_cache))
     root = default_model_cache
-    _, params, tok = load_model()
-    _, params2, tok2 = load_model()
+    _, params, tok = load_model(quantization="gguf")  # the entry's own form
+    _, params2, tok2 = load_model(quantization="gguf")
     entry_names = [n for n in entries(root) if n.startswith("gguf-")]
     assert len(entry_names) == 1 and len(conversions) <= 1
     assert not [n for n in entries(root) if n.startswith((".building-", ".stale-"))]
     f = root / entry_names[0] / "tokenizer.json"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     n_before = len(conversions)
-    _, params3, tok3 = load_model()
+    _, params3, tok3 = load_model(quantization="gguf")
     assert len(conversions) == n_before + 1  # detected and converted again
     assert [n for n in entries(root) if n.startswith("gguf-")] == entry_names
     text = "What is the capital of France? <|im_start|>ünïcödé"

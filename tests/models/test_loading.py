@@ -364,7 +364,7 @@ def test_gguf_quantized_q8_0(tmp_path):
     got = np.asarray(params["layers_1"]["k_proj"]["kernel"]).T
     # Q8_0 rounds each 32-block to 1/127 of its max; permutation must not scramble rows
     np.testing.assert_allclose(got, want, atol=np.abs(want).max() / 100)
-    _, native, _ = load_model(tmp_path / "m.gguf")  # the default keeps Q8_0 as int8 + a scale per 32
+    _, native, _ = load_model(tmp_path / "m.gguf", quantization="gguf")  # Q8_0 as int8 + a scale per 32
     k_proj = native["layers_1"]["k_proj"]
     assert k_proj["kernel_q"].dtype == np.int8 and k_proj["kernel_scale"].shape == (64 // 32, 32)
     np.testing.assert_array_equal(expand_quantized(native)["layers_1"]["k_proj"]["kernel"].T, got)
@@ -439,7 +439,7 @@ def test_default_model_missing_package(monkeypatch):
 def test_default_model_matches_transformers_gguf():
     path = loading.default_model_path()
     directory, name = os.path.split(path)
-    cfg, params, tok = load_model()  # cold: converts and fills the (per-test) cache
+    cfg, params, tok = load_model(quantization="gguf")  # cold: converts and fills the (per-test) cache
     cfg2, params2, tok2 = load_model(quantization="none")  # warm: from the cache, expanded to f32
     params = expand_quantized(params)  # the GGUF-native form, expanded here in numpy
     assert cfg2 == cfg

@@ -93,10 +93,19 @@ def test_quantized_model_cannot_be_saved_as_float_checkpoint(tiny, tmp_path):
         paxpage.save(paxpage.load(path, quantization="int8"), tmp_path / "ck")
 
 
+def test_gguf_default_form_per_backend():
+    """quantization=None keeps a GGUF's own form on accelerators, the f32 expansion on CPU."""
+    from models.loading import default_gguf_quantization
+
+    assert default_gguf_quantization("cpu") == "none"
+    assert default_gguf_quantization("gpu") == default_gguf_quantization("tpu") == "gguf"
+
+
 @pytest.mark.slow
-def test_default_gguf_native_greedy_equals_hf_and_holds_less(smollm2, hf_smollm2):
-    """The default load keeps the GGUF's Q4_1 / Q8_0 weights as int8 + f32 scales: exactly what
+def test_gguf_native_greedy_equals_hf_and_holds_less(hf_smollm2):
+    """quantization="gguf" keeps the GGUF's Q4_1 / Q8_0 weights as int8 + f32 scales: exactly what
     transformers dequantises, so greedy continuations agree token for token."""
+    smollm2 = paxpage.load(quantization="gguf")
     flat = flatten(smollm2.params)
     assert flat["layers_0/q_proj/kernel_q"].dtype == np.int8
     assert flat["layers_0/q_proj/kernel_scale"].shape == (576 // 32, 576)  # Q4_1: groups of 32
