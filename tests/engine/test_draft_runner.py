@@ -1,0 +1,116 @@
+"""The draft model of draft-model speculation, alone: a truncated copy of a tiny random llama
+(models/truncate.py) proposes what HF transformers' own truncated model (the same checkpoint
+loaded with fewer layers) generates, reading K/V its pool got from a target-shaped prefill."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tests.conftest import hf_greedy
+
+K = 5  # proposed tokens per row
+
+
+@pytest.fixture(scope="module")
+def models(tiny_llama_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import paxpage
+
+    target = paxpage.load(tiny_llama_dir)
+    hf_draft = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, num_hidden_layers=1, dtype=torch.float32)
+    return target, target.truncated(1), hf_draft.eval()
+
+
+def _runner(target, draft):
+    from paxpage.config import EngineConfig
+    from paxpage.draft_runner import DraftRunner
+
+    cfg = EngineConfig(num_pages=40, page_size=4, max_model_len=64).resolve(target.config)
+    return DraftRunner(draft.config, draft.params, cfg, K)
+
+
+def _prefill(runner, rows):
+    """The draft's K/V of each (prompt, pages) but its last token, as the target's step writes it."""
+    from paxpage.runner import RowPlan
+
+    batch, *_ = runner.runner.pack([RowPlan(p, pages, 0, len(p) - 1, 0) for p, pages in rows])
+    runner.fill(batch)
+
+
+def test_truncate_keeps_first_layers(models):
+    target, draft, _ = models
+    assert draft.config.num_layers == 1 and target.config.num_layers == 2
+    assert sorted(draft.params) == ["embed_tokens", "layers_0", "lm_head", "norm"]
+    assert draft.params["layers_0"] is target.params["layers_0"]
+    assert draft.tokenizer is target.tokenizer
+    with pytest.raises(ValueError, match="num_layers must be in 1..2"):
+        target.truncated(3)
+    with pytest.raises(ValueError, match="num_layers must be in 1..2"):
+        target.truncated(0)
+
+
+def test_greedy_proposals_match_hf_truncated_model(models):
+    """Rows of different lengths on permuted pages, proposals crossing page boundaries."""
+    from paxpage.draft_runner import DraftRow
+
+    target, draft, hf_draft = models
+    runner = _runner(target, draft)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (7, 12, 3)]
+    tables = [[31, 2, 17, 8], [5, 29, 11, 23, 0], [14, 36]]  # enough pages for prompt + K - 1
+    _prefill(runner, list(zip(prompts, tables)))
+    proposal = runner.propose([DraftRow(p[-1], len(p) - 1, t) for p, t in zip(prompts, tables)])
+    assert proposal.probs is None
+    got = np.asarray(proposal.token_ids)
+    assert got.shape == (4, K)  # 3 rows padded to a bucket
+    for i, prompt in enumerate(prompts):
+        assert got[i].tolist() == hf_greedy(hf_draft, prompt, K), i
+    # The proposals' K/V landed in the pool: proposing again from the 3rd token on continues
+    # the same sequence without refilling.
+    p = prompts[0] + got[0, :2].tolist()
+    again = runner.propose([DraftRow(p[-1], len(p) - 1, tables[0])], num_steps=2)
+    assert np.asarray(again.token_ids)[0].tolist() == got[0, 2:4].tolist()
+
+
+def test_sampled_rows_return_their_distribution(models):
+    """q of a sampled row's first proposal is softmax(HF logits / T); every drawn token has q > 0;
+    a greedy row in the same batch keeps its argmax and a one-hot q."""
+    import torch
+
+    from paxpage.draft_runner import DraftRow
+    from paxpage.sampling_params import SamplingParams
+
+    target, draft, hf_draft = models
+    runner = _runner(target, draft)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (9, 6)]
+    tables = [[4, 19, 33, 7], [21, 1, 38]]
+    _prefill(runner, list(zip(prompts, tables)))
+    params = SamplingParams(temperature=0.7, max_tokens=8)
+    proposal = runner.propose([DraftRow(prompts[0][-1], 8, tables[0], params, seed=3, step=0),
+                               DraftRow(prompts[1][-1], 5, tables[1])])
+    tokens, q = np.asarray(proposal.token_ids), np.asarray(proposal.probs)
+    assert q.shape == (2, K, 128)
+    np.testing.assert_allclose(q[:2].sum(-1), 1.0, atol=1e-5)
+    with torch.no_grad():
+        logits = hf_draft(torch.tensor([prompts[0]])).logits[0, -1].double()
+    want = torch.softmax(logits / 0.7, -1).numpy()
+    np.testing.assert_allclose(q[0, 0], want, atol=2e-5)
+    assert np.all(q[0, np.arange(K), tokens[0]] > 0)
+    assert tokens[1].tolist() == hf_greedy(hf_draft, prompts[1], K)
+    np.testing.assert_array_equal(q[1], np.eye(128)[tokens[1]])
+
+
+def test_incompatible_draft_is_rejected(models):
+    from paxpage.draft_runner import check_compatible
+
+    target, draft, _ = models
+    other = dataclasses.replace(draft.config, vocab_size=64)
+    with pytest.raises(ValueError, match="64 tokens; the target's has 128"):
+        check_compatible(target.config, None, other, None)
+    check_compatible(target.config, None, draft.config, None)
