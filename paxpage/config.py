@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 
@@ -13,6 +14,11 @@ from paxpage.kv_sizing import DEFAULT_KV_CACHE_BYTES
 
 ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret")
 DTYPES = ("float32", "bfloat16")
+SPECULATIVE_METHODS = (None, "ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
+# Decoding sequences up to which a step speculates by default; measured on CPU with
+# scripts/bench_speculative.py (README "Speculative decoding").
+AUTO_SPECULATIVE_MAX_BATCH = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +52,20 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     mesh: jax.sharding.Mesh | None = None
+    # Speculative decoding (paxpage/spec/, README "Speculative decoding"): None, "ngram" (prompt
+    # lookup of the sequence's own earlier tokens) or "draft" (a smaller paxpage model,
+    # `draft_model`). Each decoding sequence proposes up to num_speculative_tokens tokens that
+    # the target verifies in one step; outputs keep the target's distribution (greedy: token for
+    # token). ngram_min / ngram_max: the n-gram lengths looked up, longest first.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 4
+    draft_model: Any = None
+    # Adaptive: a step speculates only while at most this many sequences decode ("auto": the
+    # threshold measured with scripts/bench_speculative.py, AUTO_SPECULATIVE_MAX_BATCH); past
+    # it verification costs more than it saves.
+    speculative_max_batch: int | str = "auto"
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_row_len",
@@ -75,8 +95,34 @@ class EngineConfig:
             raise ValueError(
                 f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}"
             )
+        self._validate_speculative()
         if self.mesh is not None and not isinstance(self.mesh, jax.sharding.Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(self.mesh).__name__}")
+
+    def _validate_speculative(self) -> None:
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {SPECULATIVE_METHODS}, "
+                             f"got {self.speculative_method!r}")
+        for name in ("num_speculative_tokens", "ngram_min", "ngram_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens is {self.num_speculative_tokens}; "
+                             f"at most {MAX_SPECULATIVE_TOKENS}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        limit = self.speculative_max_batch
+        if limit != "auto" and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
+            raise ValueError(f"speculative_max_batch must be 'auto' or an int >= 0, got {limit!r}")
+        if (self.speculative_method == "draft") != (self.draft_model is not None):
+            raise ValueError("draft_model is given exactly when speculative_method is 'draft'; got "
+                             f"speculative_method={self.speculative_method!r}, draft_model={self.draft_model!r}")
+
+    @property
+    def resolved_speculative_max_batch(self) -> int:
+        limit = self.speculative_max_batch
+        return AUTO_SPECULATIVE_MAX_BATCH if limit == "auto" else limit
 
     @property
     def is_parallel(self) -> bool:
