@@ -10,6 +10,13 @@ same pairs) and rollback (lengths are cut; K/V past a sequence's length is never
 to both pools at once. The price is pool bytes: `draft_page_bytes` per page on top of the
 target's, which the pool sizing counts (paxpage/config.py).
 
+Proposing runs before the scheduler gives the step's draft tokens their pages, so the draft's
+pool has a few scratch pages past the target's: `scratch_pages_per_row` for each row of a
+proposal batch. Row b's proposals past its last allocated page go to row b's scratch pages,
+which only `propose` reads and writes (the target's page ids never reach them, so copies and
+rollback leave them alone); proposals inside allocated pages land where the verify step writes
+the same positions again.
+
 Two jitted calls, both with the pool donated:
   `fill`     the draft over the target's StepBatch (same tokens, positions, slots, tables),
              writing K/V only (no logits are computed), so after every step the draft's pool
@@ -52,7 +59,7 @@ class DraftRow(NamedTuple):
 
     last_token: int  # the sequence's last token: its K/V is in neither pool yet
     position: int  # that token's position (the sequence's length - 1)
-    page_table: Sequence[int]  # pages holding positions up to position + k - 1 at least
+    page_table: Sequence[int]  # the sequence's pages now (later positions use scratch pages)
     params: SamplingParams | None = None  # None: greedy
     seed: int = 0  # the request's sample seed (sampled rows)
     step: int = 0  # output tokens so far (sampled rows: with the seed, picks the row's key)
@@ -105,7 +112,12 @@ class DraftRunner:
                 or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be a positive int, got {num_speculative_tokens!r}")
         self.num_speculative_tokens = num_speculative_tokens
-        self.runner = ModelRunner(draft_cfg, params, cfg)
+        # k proposals write positions n-1 .. n+k-2: past the last allocated page they span at most this many pages
+        self.scratch_pages_per_row = (num_speculative_tokens - 1) // cfg.page_size + 2
+        self.max_rows = bucket(cfg.max_num_seqs)
+        self.first_scratch_page = cfg.num_pages
+        pool_cfg = dataclasses.replace(cfg, num_pages=cfg.num_pages + self.max_rows * self.scratch_pages_per_row)
+        self.runner = ModelRunner(draft_cfg, params, pool_cfg)
         self.model_cfg = draft_cfg
         self.cfg = cfg
         self._fill = jax.jit(self._fill_fn, donate_argnums=(1,))
@@ -135,6 +147,9 @@ class DraftRunner:
         assert rows and k >= 1, (len(rows), k)
         page_size, pages_per_seq = self.cfg.page_size, self.cfg.pages_per_seq
         num_rows = bucket(len(rows))
+        per_row = self.scratch_pages_per_row
+        if num_rows > self.max_rows:
+            raise ValueError(f"{len(rows)} rows to propose for; at most max_num_seqs ({self.cfg.max_num_seqs})")
         tokens = np.zeros(num_rows, np.int32)
         positions = np.zeros(num_rows, np.int32)
         limits = np.zeros(num_rows, np.int32)  # positions below this have a page; 0: padding row
@@ -147,9 +162,12 @@ class DraftRunner:
         vocab = self.model_cfg.vocab_size
         for i, r in enumerate(rows):
             n = len(r.page_table)
-            assert 0 <= r.position < n * page_size, (r.position, n)
-            tokens[i], positions[i], limits[i] = r.last_token, r.position, n * page_size
+            assert 0 <= r.position < (n + 1) * page_size, (r.position, n)  # at most its next page is missing
             tables[i, :n] = r.page_table
+            scratch = min(per_row, pages_per_seq - n)  # none past max_model_len
+            first = self.first_scratch_page + i * per_row
+            tables[i, n:n + scratch] = np.arange(first, first + scratch)
+            tokens[i], positions[i], limits[i] = r.last_token, r.position, (n + scratch) * page_size
             p = r.params
             if p is not None and p.temperature > GREEDY_TEMPERATURE:
                 temperature[i], top_p[i], min_p[i] = p.temperature, p.top_p, p.min_p
@@ -188,7 +206,7 @@ class DraftRunner:
             pos = positions + i
             has_page = pos < limits
             page = tables[rows, jnp.minimum(pos // page_size, tables.shape[1] - 1)]
-            # A position past the row's pages (a proposal the engine will not use) writes nothing.
+            # A position past max_model_len (a proposal the engine will not use) writes nothing.
             slot = jnp.where(has_page, page * page_size + pos % page_size, -1)
             batch = StepBatch(token, pos, slot, tables, jnp.where(limits > 0, pos + 1, 0),
                               empty_pages, empty, empty, rows.astype(jnp.int32), empty, empty)

@@ -28,7 +28,7 @@ def models(tiny_llama_dir):
 
 def _runner(target, draft):
     from paxpage.config import EngineConfig
-    from paxpage.draft_runner import DraftRunner
+    from paxpage.spec.draft_runner import DraftRunner
 
     cfg = EngineConfig(num_pages=40, page_size=4, max_model_len=64).resolve(target.config)
     return DraftRunner(draft.config, draft.params, cfg, K)
@@ -55,14 +55,17 @@ def test_truncate_keeps_first_layers(models):
 
 
 def test_greedy_proposals_match_hf_truncated_model(models):
-    """Rows of different lengths on permuted pages, proposals crossing page boundaries."""
-    from paxpage.draft_runner import DraftRow
+    """Rows of different lengths on permuted pages, proposals crossing page boundaries into
+    pages the rows do not have yet."""
+    from paxpage.spec.draft_runner import DraftRow
 
     target, draft, hf_draft = models
     runner = _runner(target, draft)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 128, n).tolist() for n in (7, 12, 3)]
-    tables = [[31, 2, 17, 8], [5, 29, 11, 23, 0], [14, 36]]  # enough pages for prompt + K - 1
+    # Pages for the prompts only, as before the scheduler books the drafts: proposals past
+    # them run in the draft's scratch pages.
+    tables = [[31, 2], [5, 29, 11], [14]]
     _prefill(runner, list(zip(prompts, tables)))
     proposal = runner.propose([DraftRow(p[-1], len(p) - 1, t) for p, t in zip(prompts, tables)])
     assert proposal.probs is None
@@ -82,14 +85,14 @@ def test_sampled_rows_return_their_distribution(models):
     a greedy row in the same batch keeps its argmax and a one-hot q."""
     import torch
 
-    from paxpage.draft_runner import DraftRow
+    from paxpage.spec.draft_runner import DraftRow
     from paxpage.sampling_params import SamplingParams
 
     target, draft, hf_draft = models
     runner = _runner(target, draft)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 128, n).tolist() for n in (9, 6)]
-    tables = [[4, 19, 33, 7], [21, 1, 38]]
+    tables = [[4, 19, 33], [21, 1]]
     _prefill(runner, list(zip(prompts, tables)))
     params = SamplingParams(temperature=0.7, max_tokens=8)
     proposal = runner.propose([DraftRow(prompts[0][-1], 8, tables[0], params, seed=3, step=0),
@@ -107,10 +110,43 @@ def test_sampled_rows_return_their_distribution(models):
 
 
 def test_incompatible_draft_is_rejected(models):
-    from paxpage.draft_runner import check_compatible
+    from paxpage.spec.draft_runner import check_compatible
 
     target, draft, _ = models
     other = dataclasses.replace(draft.config, vocab_size=64)
     with pytest.raises(ValueError, match="64 tokens; the target's has 128"):
         check_compatible(target.config, None, other, None)
     check_compatible(target.config, None, draft.config, None)
+
+
+def test_proposer_on_target_steps_and_pool_sizing(models):
+    """DraftProposer through the engine's calls: on_step with the target runner's own batch, then
+    propose from SpecInputs; a kv_cache_bytes budget pays for both pools' bytes per page."""
+    from paxpage.config import EngineConfig
+    from paxpage.runner import ModelRunner, RowPlan
+    from paxpage.spec import make_proposer
+    from paxpage.spec.proposer import SpecInput
+
+    target, draft, hf_draft = models
+    t, d = target.config, draft.config
+    per_page = 2 * 4 * 4 * (t.num_layers * t.num_kv_heads * t.head_dim + d.num_layers * d.num_kv_heads * d.head_dim)
+    config = EngineConfig(page_size=4, max_model_len=64, kv_cache_bytes=per_page * 30 + 5, max_num_seqs=4,
+                          speculative_method="draft", num_speculative_tokens=K, draft_model=draft)
+    cfg = config.resolve(t)
+    assert (cfg.num_pages, cfg.page_bytes) == (30, per_page)
+    target_runner = ModelRunner(t, target.params, cfg)
+    proposer = make_proposer(cfg, t, target.tokenizer)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (10, 5)]
+    tables = [[12, 3, 25], [7, 29]]
+    batch, *_ = target_runner.pack([RowPlan(p, pages, 0, len(p) - 1, 0) for p, pages in zip(prompts, tables)])
+    target_runner.forward(batch)
+    proposer.on_step(batch)
+    inputs = [SpecInput(seq_id=i, token_ids=p, num_prompt_tokens=len(p), max_drafts=K - i, greedy=True,
+                        page_table=pages) for i, (p, pages) in enumerate(zip(prompts, tables))]
+    out = proposer.propose(inputs)
+    assert out.draft_dists is None and out.num_drafts.tolist() == [K, K - 1]
+    for i, p in enumerate(prompts):
+        assert out.drafts(i) == hf_greedy(hf_draft, p, K)[:K - i], i
+    with pytest.raises(TypeError, match="draft_model must be a paxpage Model"):
+        EngineConfig(speculative_method="draft", draft_model="tiny").resolve(t)
