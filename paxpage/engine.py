@@ -17,16 +17,18 @@ import os
 import time
 
 import jax
+import numpy as np
 
 from models.config import ModelConfig
 from paxpage import beam as beam_lib
 from paxpage import compile_counter, kv_sizing
+from paxpage import spec as spec_lib
 from paxpage.config import EngineConfig
 from paxpage.output_processor import NewToken, OutputProcessor, Request
 from paxpage.outputs import RequestOutput, StreamDelta
 from paxpage.runner import ModelRunner, RowPlan
 from paxpage.sampler import RowInfo, SamplingTensors
-from paxpage.sampling_params import SamplingParams
+from paxpage.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from paxpage.scheduler import Scheduler, SchedulerConfig
 from paxpage.sequence import Sequence
 from paxpage.structured_backend import GrammarBackend, bitmask_words
@@ -46,6 +48,21 @@ class EngineStats:
     # KV utilisation sampled every KV_SAMPLE_EVERY steps (the exact count scans every page table)
     kv_utilisation_sum: float = 0.0
     kv_utilisation_samples: int = 0
+    # speculative decoding: steps with drafts, sequence rows that carried drafts, drafts
+    # proposed and accepted, and tokens those rows emitted (accepted + one each)
+    spec_steps: int = 0
+    spec_rows: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / max(1, self.draft_tokens)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a speculating row emits per step: accepted drafts + the target's token."""
+        return (self.accepted_tokens + self.spec_rows) / max(1, self.spec_rows)
 
     @property
     def mean_kv_utilisation(self) -> float:
@@ -103,6 +120,11 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._beams = beam_lib.BeamCoordinator(self.scheduler, self.outputs, self.new_sequence)
         self._inflight: _Launched | None = None  # async scheduling: the step still on the device
+        self._proposer = spec_lib.make_proposer(cfg, model_cfg)
+        if self._proposer is not None and jax.process_count() > 1:
+            raise ValueError("speculative decoding is not supported on multi-host engines")
+        self._spec_max_batch = cfg.resolved_speculative_max_batch
+        self._draft_dists = None  # this step's Proposals.draft_dists, when the proposer gives them
         self._grammars: GrammarBackend | None = None  # built by the first structured request
 
         self.precompiled: tuple[int, float] | None = None  # (shapes, seconds) once precompile() ran
@@ -184,6 +206,8 @@ class LLMEngine:
             if seq.output_token_ids and seq.output_token_ids[-1] == PENDING_TOKEN:
                 seq.output_token_ids.pop()  # its in-flight token is discarded
             self.scheduler.abort(seq.seq_id)
+            if self._proposer is not None:
+                self._proposer.on_free(seq.seq_id)
 
     def request(self, request_id: int) -> Request | None:
         """A live request (None once it finished or was aborted)."""
@@ -205,7 +229,9 @@ class LLMEngine:
         Finished requests leave the engine (`request.finished`); read them via `output(request)`."""
         t0, waited = time.perf_counter(), self.stats.device_seconds
         launched = None
-        sched = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
+        sched = None
+        if self.scheduler.has_unfinished():
+            sched = self.scheduler.schedule(self._propose() if self._proposer is not None else None)
         if sched is not None and sched.scheduled:
             self.runner.copy_pages(sched.copies)
             # a beam request runs all its live beams in a step or none
@@ -232,6 +258,65 @@ class LLMEngine:
         # An in-flight step with no live request left carries only tokens to discard.
         return len(self.outputs) > 0
 
+    # ------------------------------------------------------------------ speculation
+    def _speculating(self) -> bool:
+        """Adaptive: a step speculates only while few enough sequences run (past the threshold,
+        verifying k + 1 tokens per sequence costs more than the accepted drafts save)."""
+        return self._proposer is not None and 0 < self.scheduler.num_running <= self._spec_max_batch
+
+    def _propose(self) -> dict[int, tuple[int, ...]] | None:
+        """Drafts for this step's decoding sequences (paxpage/spec/proposer.py), or None. Beams,
+        structured outputs and sequences whose last token is still in flight do not speculate."""
+        self._draft_dists = None
+        if not self._speculating():
+            return None
+        k, max_len = self._proposer.num_speculative_tokens, self.config.max_model_len
+        inputs = []
+        for seq in self.scheduler.running:
+            if seq.num_uncomputed_tokens != 1 or seq.last_token_id == PENDING_TOKEN:
+                continue
+            request, sample = self.outputs.lookup(seq.seq_id)
+            if request.beam is not None or sample.matcher is not None or sample.finish_reason is not None \
+                    or not request.forked:
+                continue
+            # one more token than the accepted drafts comes from the target
+            room = min(k, request.params.max_tokens - seq.num_output_tokens - 1, max_len - seq.num_tokens - 1)
+            if room >= 1:
+                inputs.append(spec_lib.SpecInput(seq.seq_id, seq.tokens, seq.num_prompt_tokens, room,
+                                                 request.params.temperature <= GREEDY_TEMPERATURE,
+                                                 request.params, sample.seed))
+        if not inputs:
+            return None
+        proposals = self._proposer.propose(inputs)
+        drafts = {}
+        for r, spec in enumerate(inputs):
+            n = int(proposals.num_drafts[r])
+            assert 0 <= n <= spec.max_drafts, (n, spec.max_drafts)
+            if n:
+                drafts[spec.seq_id] = tuple(int(t) for t in proposals.token_ids[r, :n])
+        if proposals.draft_dists is not None:
+            self._draft_dists = ({spec.seq_id: r for r, spec in enumerate(inputs)}, proposals.draft_dists)
+        return drafts
+
+    def _draft_rows(self, step: "_Launched", num_rows: int):
+        """i32[R] draft token per logits row (-1: none) and, from a proposer with distributions,
+        f32[R, V] q per row (device), for spec/verify.py."""
+        draft_ids = np.full(num_rows, -1, np.int32)
+        source = np.full(num_rows, -1, np.int64)  # flat (proposal row, j) of each row's q
+        index, dists = self._draft_dists or ({}, None)
+        for (_, sample, row), drafts in zip(step.rows, step.drafts):
+            draft_ids[row:row + len(drafts)] = drafts
+            if dists is not None and drafts:
+                r = index[sample.seq.seq_id]
+                source[row:row + len(drafts)] = r * dists.shape[1] + np.arange(len(drafts))
+        if dists is None:
+            return draft_ids, None
+        import jax.numpy as jnp
+
+        flat = jnp.asarray(dists, jnp.float32).reshape(-1, dists.shape[-1])
+        q = jnp.take(flat, jnp.asarray(np.maximum(source, 0)), axis=0)
+        return draft_ids, q
+
     def _launch(self, sched) -> "_Launched":
         """Packs the scheduled rows and dispatches the step; returns without waiting. With
         structured rows and a step in flight only the model is dispatched here: `step()`
@@ -243,6 +328,12 @@ class LLMEngine:
             fork_now = item.samples and not request.forked
             wants_prompt = sample.prompt_logprobs is not None and item.start < item.seq.num_prompt_tokens
             pending = item.num_new_tokens == 1 and item.seq.last_token_id == PENDING_TOKEN
+            drafts = item.draft_token_ids
+            if drafts:  # verify row: its last token and drafts, a logits row at each
+                plans.append(RowPlan(item.seq.token_ids + list(drafts), item.seq.page_table, item.start,
+                                     item.num_new_tokens, 1 + len(drafts), 0, item.seq.seq_id,
+                                     item.seq.num_preemptions, num_drafts=len(drafts)))
+                continue
             plans.append(RowPlan(item.seq.tokens, item.seq.page_table, item.start,
                                  item.num_new_tokens,
                                  (request.params.n if fork_now else 1) if item.samples else 0,
@@ -253,16 +344,25 @@ class LLMEngine:
             self.runner.tables.retain({s.seq_id for s in self.scheduler.running})
         batch, logits_plan, prompt_plan, prev_rows = self.runner.pack(plans)
         # Rows of one request's first sample draw its n samples with seeds seed + i.
-        infos, rows, row_params, row_counter = [], [], [], {}
+        # A verify row's j-th logits row sees its first j drafts as outputs (penalties, min_tokens).
+        infos, rows, row_params, row_counter, row_drafts = [], [], [], {}, []
         for row, plan_index in enumerate(logits_plan):
-            request, sample = self.outputs.lookup(sched.scheduled[plan_index].seq.seq_id)
+            item = sched.scheduled[plan_index]
+            request, sample = self.outputs.lookup(item.seq.seq_id)
             i = row_counter.get(plan_index, 0)
             row_counter[plan_index] = i + 1
             if i == 0:
                 rows.append((request, sample, row))
+                row_drafts.append(item.draft_token_ids)
             row_params.append(request.params)
-            infos.append(RowInfo(request.params, request.prompt_ids, sample.seq.output_token_ids,
-                                 sample.seed + i))
+            if item.draft_token_ids:
+                out = sample.seq.output_token_ids
+                infos.append(RowInfo(request.params, request.prompt_ids,
+                                     out + list(item.draft_token_ids[:i]) if i else out,
+                                     sample.seed, len(out) + i))
+            else:
+                infos.append(RowInfo(request.params, request.prompt_ids, sample.seq.output_token_ids,
+                                     sample.seed + i))
         tensors = SamplingTensors.build(infos, self.model_cfg.vocab_size,
                                         pad_rows_to=len(batch.logits_indices),
                                         eos_token_ids=self.eos_token_ids,
@@ -276,7 +376,8 @@ class LLMEngine:
         logits = self.runner.forward(batch, prev_rows, prev_tokens)
         counts = [row_counter[logits_plan[row]] for _, _, row in rows]
         step = _Launched(sched, rows, counts, prompt_plan, None, None, None,
-                         sampler_args=(batch, logits, tensors, num_logprobs, num_prompt_logprobs))
+                         sampler_args=(batch, logits, tensors, num_logprobs, num_prompt_logprobs),
+                         drafts=row_drafts)
         # Structured rows' bitmasks follow from every earlier token: with a step in flight they
         # are built once its tokens are read (step() does it), while the device runs this step's
         # model, and only its sampler waits for them.
@@ -294,8 +395,13 @@ class LLMEngine:
             allowed = self._grammars.bitmask([(m, row) for m, row, _ in step.constrained], num_rows)
             for _, row, count in step.constrained:  # a forking request's n rows share one state
                 allowed[row + 1:row + count] = allowed[row]
-        step.result, step.prompt_result, step.next_tokens = self.runner.sample(
-            batch, logits, tensors, num_logprobs, num_prompt_logprobs, allowed)
+        if step.speculates:
+            draft_ids, draft_dists = self._draft_rows(step, len(batch.logits_indices))
+            step.result, step.prompt_result, step.accepted = self.runner.verify(
+                batch, logits, tensors, draft_ids, draft_dists, num_logprobs, num_prompt_logprobs, allowed)
+        else:
+            step.result, step.prompt_result, step.next_tokens = self.runner.sample(
+                batch, logits, tensors, num_logprobs, num_prompt_logprobs, allowed)
         step.sampler_args = None
 
     def _can_overlap(self, step: "_Launched") -> bool:
@@ -303,8 +409,9 @@ class LLMEngine:
         sampling rows only (no beams, no forks, no penalties, which read the tokens; no prompt
         logprobs). Rows that reach their length limit finish early (see `_advance`). Structured
         rows overlap too: the next step's bitmasks wait for these tokens, but only its sampler
-        does (see `_launch`), not its model."""
-        if not self.config.async_scheduling or step.prompt_plan:
+        does (see `_launch`), not its model. While speculation is on (few sequences run, see
+        `_speculating`) no step stays in flight: proposals need every last token on the host."""
+        if not self.config.async_scheduling or step.prompt_plan or step.speculates or self._speculating():
             return False
         for (request, _, _), count in zip(step.rows, step.counts):
             p = request.params
@@ -327,6 +434,8 @@ class LLMEngine:
                 continue
             if seq.num_output_tokens >= request.params.max_tokens or seq.num_tokens >= max_len:
                 self.scheduler.finish(seq, "length")
+                if self._proposer is not None:
+                    self._proposer.on_free(seq.seq_id)
 
     def _resolve(self, step: "_Launched") -> list[tuple[Request, list[StreamDelta]]]:
         """Reads an in-flight step's tokens and hands them to the output processor."""
@@ -347,7 +456,7 @@ class LLMEngine:
     def _complete(self, step: "_Launched") -> list[tuple[Request, list[StreamDelta]]]:
         """The synchronous path: waits for the step's tokens, then books them."""
         t = time.perf_counter()
-        result, prompt_result = jax.device_get((step.result, step.prompt_result))
+        result, prompt_result, accepted = jax.device_get((step.result, step.prompt_result, step.accepted))
         self.stats.device_seconds += time.perf_counter() - t
         sched = step.sched
         for j, (plan_index, position) in enumerate(step.prompt_plan):
@@ -358,11 +467,25 @@ class LLMEngine:
         forks: list[tuple[Request, object, int]] = []  # (request, parent sample, first row)
         new_tokens: list[NewToken] = []
         beam_rows: list[tuple[Request, object, int]] = []  # beam.py picks their tokens
-        for (request, sample, row), count in zip(step.rows, step.counts):
+        verified = []  # sequences that speculated, for the proposer
+        for (request, sample, row), count, drafts in zip(step.rows, step.counts, step.drafts):
             if request.beam is not None:
                 beam_rows.append((request, sample, row))
                 continue
             if sample.finish_reason is not None:  # stopped while the previous step was in flight
+                continue
+            if drafts:  # the accepted drafts, then the target's token at the first rejection
+                num_accepted = 0
+                while num_accepted < len(drafts) and accepted[row + num_accepted]:
+                    num_accepted += 1
+                first = sample.seq.num_output_tokens
+                tokens = [int(t) for t in result.token_ids[row:row + num_accepted + 1]]
+                sampled[sample.seq.seq_id] = tokens
+                new_tokens += [NewToken(request, sample, t, row + j, first + j) for j, t in enumerate(tokens)]
+                verified.append(sample.seq)
+                self.stats.spec_rows += 1
+                self.stats.draft_tokens += len(drafts)
+                self.stats.accepted_tokens += num_accepted
                 continue
             token = int(result.token_ids[row])
             sampled[sample.seq.seq_id] = token
@@ -386,7 +509,12 @@ class LLMEngine:
                 self.scheduler.fork(parent.seq, seq)
                 request.samples.append(child)
                 new_tokens.append(NewToken(request, child, token, first_row + extra))
+        if verified:
+            self.stats.spec_steps += 1
         deltas = self._process(new_tokens, result)
+        for seq in verified:
+            if not seq.is_finished:
+                self._proposer.on_verified(seq.seq_id, seq.num_tokens)
         deltas += self._beams.apply(self.tokenizer)  # forks, dropped beams, finished beam requests
         return deltas
 
@@ -395,6 +523,8 @@ class LLMEngine:
         for seq, reason in to_finish:
             if not seq.is_finished:  # a sequence finished early by length already left
                 self.scheduler.finish(seq, reason)
+                if self._proposer is not None:
+                    self._proposer.on_free(seq.seq_id)
         self.stats.generated_tokens += len(new_tokens)
         return deltas
 
@@ -424,6 +554,14 @@ class _Launched:
     # (matcher, first row, rows) whose bitmasks it waits for.
     sampler_args: tuple | None = None
     constrained: list = dataclasses.field(default_factory=list)
+    # speculative decoding: the drafts of each entry of `rows` (() for none; its logits rows are
+    # then row .. row + len(drafts)), and accepted bool[R] (device) from spec/verify.py
+    drafts: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    accepted: object = None
+
+    @property
+    def speculates(self) -> bool:
+        return any(self.drafts)
 
 
 def _logprob_bucket(n: int) -> int:

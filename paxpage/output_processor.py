@@ -68,12 +68,15 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class NewToken:
-    """One token sampled this step for one (non-beam) sample, at logits row `row`."""
+    """One token sampled this step for one (non-beam) sample, at logits row `row`. A sample
+    may get several in one step (speculative decoding: accepted drafts + one), in order, each
+    with `index`, its position among the sample's output tokens (None: the last one)."""
 
     request: Request
     sample: Sample
     token: int
     row: int
+    index: int | None = None
 
 
 class OutputProcessor:
@@ -144,12 +147,16 @@ class OutputProcessor:
     def process(self, new_tokens: Seq[NewToken], result
                 ) -> tuple[list[tuple[Request, list[StreamDelta]]], list[tuple[Sequence, str]]]:
         """Logprobs, text and stop checks for the step's tokens (already appended to their
-        sequences). Returns each request's deltas and the (sequence, reason) pairs to finish."""
+        sequences). Returns each request's deltas and the (sequence, reason) pairs to finish.
+        A sample that stops at a token with more after it in this step (speculative decoding)
+        has those later tokens cut from its sequence, as if never generated."""
         now = time.monotonic()
-        by_request: dict[int, tuple[Request, list[StreamDelta]]] = {}
+        touched: dict[int, tuple[Request, Sample]] = {}  # one delta per sample, in first-token order
         to_finish: list[tuple[Sequence, str]] = []
         for new in new_tokens:
             request, sample, token, row = new.request, new.sample, new.token, new.row
+            if new.index is not None and sample.finish_reason is not None:
+                continue  # after a stop inside this step's accepted tokens
             if request.first_token_time is None:
                 request.first_token_time = now
             if sample.logprobs is not None:
@@ -160,22 +167,27 @@ class OutputProcessor:
                 sample.detok.add(token)
             if sample.matcher is not None and not sample.grammar_refused:
                 sample.grammar_refused = not accept(sample.matcher, token)
-            reason, stop = self._stop(request.params, sample, token)
+            reason, stop = self._stop(request.params, sample, token, new.index)
             if reason is not None:
                 sample.finish_reason, sample.stop_reason = reason, stop
                 to_finish.append((sample.seq, reason))
+                if new.index is not None:
+                    del sample.seq.output_token_ids[new.index + 1:]
                 if sample.detok is not None:
                     sample.detok.finish()  # flush text held back as a possible stop-string start
-            by_request.setdefault(request.request_id, (request, []))[1].append(
-                self._delta(request, sample))
+            touched[id(sample)] = (request, sample)
+        by_request: dict[int, tuple[Request, list[StreamDelta]]] = {}
+        for request, sample in touched.values():
+            by_request.setdefault(request.request_id, (request, []))[1].append(self._delta(request, sample))
         for request, _ in by_request.values():
             if request.finished:
                 self.remove(request.request_id)
         return list(by_request.values()), to_finish
 
-    def _stop(self, p: SamplingParams, sample: Sample, token: int) -> tuple[str | None, Any]:
+    def _stop(self, p: SamplingParams, sample: Sample, token: int, index: int | None = None
+              ) -> tuple[str | None, Any]:
         seq = sample.seq
-        num_out = seq.num_output_tokens
+        num_out = seq.num_output_tokens if index is None else index + 1  # outputs up to this token
         # A complete grammar allows nothing but EOS: stop now rather than spend a step on it.
         # min_tokens cannot hold it back (EOS is banned below it, so no token would be left).
         if sample.matcher is not None and (sample.grammar_refused or sample.matcher.is_stopped()):
@@ -187,7 +199,7 @@ class OutputProcessor:
                 return "stop", token
             if sample.detok is not None and sample.detok.stopped_by is not None:
                 return "stop", sample.detok.stopped_by
-        if num_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_out >= p.max_tokens or seq.num_prompt_tokens + num_out >= self.max_model_len:
             return "length", None
         return None, None
 

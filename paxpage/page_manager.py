@@ -190,6 +190,17 @@ class PageManager:
         self.free(released)
         return released
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Speculative rollback: frees seq's pages wholly past its first num_tokens positions (last page
+        first; they hold only rejected drafts' K/V, so none is cached) and returns them."""
+        keep = self.num_pages_for(num_tokens)
+        assert num_tokens >= seq.num_computed_tokens, (num_tokens, seq)
+        dropped = seq.page_table[keep:]
+        assert not any(page in self._page_key for page in dropped), f"rollback of a cached page in {seq}"
+        del seq.page_table[keep:]
+        self.free(reversed(held(dropped)))
+        return dropped
+
     def num_pages_to_write(self, seq: Sequence, num_new_tokens: int, reserve_tokens: int = 0) -> int:
         """Pages `prepare_write(seq, num_new_tokens, reserve_tokens)` will allocate: new pages to cover
         max(num_computed + num_new_tokens, reserve_tokens) tokens, plus one per shared page the write touches."""

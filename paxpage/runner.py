@@ -64,6 +64,9 @@ class RowPlan:
     # Async scheduling: the token at `start` is not on the host yet; it is row `prev_row` of
     # the previous (still running) step's sampled tokens. -1: the host has it.
     prev_row: int = -1
+    # Speculative decoding: the last num_drafts tokens are drafts; each of the row's last
+    # num_drafts + 1 positions gets a logits row (num_samples == num_drafts + 1), in order.
+    num_drafts: int = 0
 
 
 def _attention_fns(impl: str):
@@ -211,6 +214,7 @@ class ModelRunner:
         pre_lens = np.zeros(num_pre, np.int32)
         pre_q = np.zeros(num_pre, np.int32)
         last_token_index = {}
+        verify_index: dict[int, list[int]] = {}  # plan -> flat index of each verify position
         prompt_rows: list[tuple[int, int, int, int]] = []  # (plan, position, flat index, target)
 
         prev_rows = np.full(total, -1, np.int32)
@@ -242,6 +246,10 @@ class ModelRunner:
             pre_lens[row] = hi
             pre_q[row] = k
             last_token_index[i] = flat + k - 1
+            if plan.num_drafts:  # verify rows: every position from the sequence's last token on
+                first = plan.start + plan.num_new - 1 - plan.num_drafts
+                verify_index.setdefault(i, []).extend(
+                    flat + p - lo for p in range(max(lo, first), hi))
         self.tables.release(transient)
 
         logits_plan = [i for i, r in enumerate(rows) for _ in range(r.num_samples)]
@@ -249,7 +257,9 @@ class ModelRunner:
         # samples can need more), and stays a power of two so the sampler is shared.
         num_logits = bucket(max(num_dec + num_pre, len(logits_plan)))
         logits_indices = np.zeros(num_logits, np.int32)
-        logits_indices[:len(logits_plan)] = [last_token_index[i] for i in logits_plan]
+        logits_indices[:len(logits_plan)] = [
+            j for i, r in enumerate(rows)
+            for j in (verify_index[i] if r.num_drafts else [last_token_index[i]] * r.num_samples)]
         num_prompt_rows = bucket(len(prompt_rows))
         prompt_indices = np.zeros(num_prompt_rows, np.int32)
         prompt_targets = np.zeros(num_prompt_rows, np.int32)
@@ -346,6 +356,20 @@ class ModelRunner:
         if batch.prompt_targets.shape[0]:
             prompt = sampler_lib.score_prompt(prompt_logits, batch.prompt_targets, num_prompt_logprobs)
         return out, prompt, _fixed_rows(out.token_ids, self.max_logits_rows)
+
+    def verify(self, batch: StepBatch, logits, sampling, draft_ids: np.ndarray, draft_dists=None,
+               num_logprobs: int = 0, num_prompt_logprobs: int = 0, allowed: np.ndarray | None = None):
+        """`sample` for a step with speculative drafts (paxpage/spec/verify.py): draft_ids i32[R]
+        (-1: none), draft_dists f32[R, V] or None (one-hot). Returns (SamplerOutput, prompt
+        logprobs | None, accepted bool[R]) as device arrays; the step cannot stay in flight."""
+        from paxpage.spec import verify as verify_lib
+
+        logits, prompt_logits = logits
+        out, accepted = verify_lib.verify(logits, sampling, draft_ids, draft_dists, num_logprobs, allowed)
+        prompt = None
+        if batch.prompt_targets.shape[0]:
+            prompt = sampler_lib.score_prompt(prompt_logits, batch.prompt_targets, num_prompt_logprobs)
+        return out, prompt, accepted
 
     def run(self, batch: StepBatch, sampling, num_logprobs: int = 0, num_prompt_logprobs: int = 0):
         """Returns (SamplerOutput, PromptLogprobs) as numpy."""

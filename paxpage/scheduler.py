@@ -27,6 +27,13 @@ Decisions (see tests/engine/test_scheduler.py):
   allocation only): after each step a sequence's pages wholly before the window of its next token are
   released (PageManager.release_outside_window), so it holds at most cdiv(W - 1 + chunk, page_size) + 1
   pages, and a sequence fits the pool when that bound does, however long it is.
+- Speculative decoding: schedule(drafts={seq_id: draft tokens}) runs a decoding sequence with drafts as one
+  row of 1 + d tokens (its last token, then the drafts), pages allocated for all of them. Drafts are cut to the
+  token budget and dropped when their pages do not fit (a draft never preempts anything). update() then gets
+  the accepted tokens of that row (a list: accepted drafts + one target token): num_computed_tokens counts the
+  last token and the accepted drafts only, and pages wholly past it, which hold only rejected K/V, are freed
+  (rollback). K/V of rejected positions in a kept page lies past the sequence's length, is never read and is
+  overwritten next step; such a page is not full-and-computed, so the prefix cache never registers it.
 - Progress: if nothing was scheduled or preempted while work remains, that is a bug -> RuntimeError.
 """
 
@@ -35,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence as Seq
 
 from paxpage.page_manager import RELEASED, PageManager, cdiv
 from paxpage.sequence import Sequence, SequenceStatus
@@ -100,6 +107,8 @@ class ScheduledSeq:
     num_new_tokens: int  # q_len: tokens computed this step, positions [start, start + num_new_tokens)
     start: int  # seq.num_computed_tokens before this step
     samples: bool  # this chunk reaches the end of seq's tokens: sample the next token from its last row
+    # speculative decoding: draft tokens computed after seq's last token (positions num_tokens ...)
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -271,8 +280,10 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[int, Seq[int]] | None = None) -> SchedulerOutput:
+        """drafts: speculative decoding's draft tokens per decoding seq_id (see the module docstring)."""
         cfg, pm = self.config, self.page_manager
+        drafts = drafts or {}
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
@@ -283,6 +294,13 @@ class Scheduler:
             seq = self.running[i]
             q = seq.num_uncomputed_tokens
             assert q >= 1, f"running {seq} has nothing to compute; update() must append its sampled token"
+            draft = tuple(drafts.get(seq.seq_id, ()))[:budget - 1] if q == 1 else ()
+            if draft and pm.can_allocate(pm.num_pages_to_write(seq, 1 + len(draft))):
+                copies += pm.prepare_write(seq, 1 + len(draft))
+                scheduled.append(ScheduledSeq(seq, 1 + len(draft), seq.num_computed_tokens, True, draft))
+                budget -= 1 + len(draft)
+                i += 1
+                continue
             if q > budget:
                 if not cfg.enable_chunked_prefill:
                     i += 1  # runs whole in a later step
@@ -325,10 +343,11 @@ class Scheduler:
             raise RuntimeError(f"scheduler made no progress: {self._describe()}")
         return SchedulerOutput(scheduled, copies, preempted, cfg.max_num_batched_tokens - budget)
 
-    def update(self, output: SchedulerOutput, sampled_tokens: Mapping[int, int]) -> None:
+    def update(self, output: SchedulerOutput, sampled_tokens: Mapping[int, int | Seq[int]]) -> None:
         """After the device step: advance num_computed_tokens, cache newly full pages, and append the sampled
         token of every scheduled sequence with samples=True (sampled_tokens[seq_id]). Sequences finished or
         aborted since schedule() are skipped. Validates everything before changing anything."""
+        """A row that carried drafts gets a list: its accepted drafts, then the target's token."""
         sampling = {s.seq.seq_id for s in output.scheduled if s.samples}
         unexpected = sorted(set(sampled_tokens) - sampling)
         if unexpected:
@@ -340,19 +359,34 @@ class Scheduler:
                 raise ValueError(f"stale output for {seq} (start {s.start}); update() called twice?")
             if s.samples and seq.seq_id not in sampled_tokens:
                 raise ValueError(f"no sampled token for seq_id {seq.seq_id}")
-            if s.samples and seq.num_output_tokens >= seq.max_tokens:
+            if s.draft_token_ids:
+                tokens = sampled_tokens[seq.seq_id]
+                if not 1 <= len(tokens) <= 1 + len(s.draft_token_ids) or \
+                        list(tokens[:-1]) != list(s.draft_token_ids[:len(tokens) - 1]):
+                    raise ValueError(f"seq_id {seq.seq_id}: tokens {tokens} are no accepted prefix of its drafts "
+                                     f"{s.draft_token_ids} plus one token")
+                if seq.num_output_tokens + len(tokens) > seq.max_tokens:
+                    raise ValueError(f"sequence {seq.seq_id}: {len(tokens)} more tokens pass max_tokens {seq.max_tokens}")
+            elif s.samples and seq.num_output_tokens >= seq.max_tokens:
                 raise ValueError(
                     f"sequence {seq.seq_id} already has {seq.num_output_tokens} output tokens; max_tokens is "
                     f"{seq.max_tokens}; finish() it"
                 )
         for s in live:
             seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
+            if s.draft_token_ids:  # the last token and the accepted drafts have their K/V now
+                tokens = sampled_tokens[seq.seq_id]
+                seq.num_computed_tokens += len(tokens)
+                seq.output_token_ids.extend(int(t) for t in tokens)
+                if self.config.allocation == "paged":  # rollback: pages holding only rejected K/V
+                    self.page_manager.truncate(seq, seq.num_computed_tokens)
+            else:
+                seq.num_computed_tokens += s.num_new_tokens
+                if s.samples:
+                    seq.append_token(sampled_tokens[seq.seq_id])
             self.page_manager.cache_full_pages(seq)
             if self.config.releases_pages:
                 self.page_manager.release_outside_window(seq, self.config.sliding_window)
-            if s.samples:
-                seq.append_token(sampled_tokens[seq.seq_id])
 
     # ---- invariants ---------------------------------------------------------------------------------
     def check_invariants(self) -> None:
