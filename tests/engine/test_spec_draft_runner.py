@@ -150,3 +150,35 @@ def test_proposer_on_target_steps_and_pool_sizing(models):
         assert out.drafts(i) == hf_greedy(hf_draft, p, K)[:K - i], i
     with pytest.raises(TypeError, match="draft_model must be a paxpage Model"):
         EngineConfig(speculative_method="draft", draft_model="tiny").resolve(t)
+
+
+def test_sampled_drafts_are_drawn_from_q(models):
+    """Rejection sampling is exact only if each draft is a draw from the q it reports: 1024 first
+    drafts (one prefix, 1024 seeds) against q by a chi-square test (cells with expected count
+    >= 5, the rest pooled; threshold p = 1e-4 by the Wilson-Hilferty approximation). Seeds are
+    fixed, so the test is deterministic."""
+    from paxpage.spec.draft_runner import DraftRow
+    from paxpage.sampling_params import SamplingParams
+
+    target, draft, _ = models
+    runner = _runner(target, draft)
+    prompt, table = [3, 77, 12, 90, 41, 8], [6, 13]
+    _prefill(runner, [(prompt, table)])
+    params = SamplingParams(temperature=1.3, top_k=40, max_tokens=8)
+    counts, q = np.zeros(128), None
+    for call in range(16):
+        rows = [DraftRow(prompt[-1], len(prompt) - 1, table, params, seed=call * 64 + i) for i in range(64)]
+        proposal = runner.propose(rows, num_steps=1)
+        np.add.at(counts, np.asarray(proposal.token_ids)[:, 0], 1)
+        q = np.asarray(proposal.probs)[0, 0]
+    assert np.count_nonzero(q) == 40  # top_k kept 40 tokens
+    expected = q * counts.sum()
+    big = expected >= 5
+    observed_cells = np.append(counts[big], counts[~big].sum())
+    expected_cells = np.append(expected[big], expected[~big].sum())
+    chi2 = np.sum((observed_cells - expected_cells) ** 2 / np.maximum(expected_cells, 1e-9))
+    df = len(observed_cells) - 1
+    z = 3.72  # one-sided p = 1e-4
+    critical = df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+    assert df >= 5 and chi2 < critical, (chi2, critical, df)
+    assert counts[q == 0].sum() == 0
