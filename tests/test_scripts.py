@@ -322,3 +322,17 @@ def test_bench_structured_smoke(tiny_text_dir, tmp_path, capsys, monkeypatch):
     data = json.loads(out.read_text())
     assert set(data["tok_s"]) == {"none", "quarter", "all"}
     assert data["masks"]["all"]["steps"] >= 6 and data["masks"]["all"]["us_per_row"] > 0
+
+
+def test_bench_speculative_quick(tiny_model_dir, tmp_path, capsys):
+    bench = _load_script("bench_speculative")
+    out = tmp_path / "spec.json"
+    assert bench.main(["--model", tiny_model_dir, "--quick", "-k", "4", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["workload"], r["batch"], r["method"]) for r in rows] == [
+        (w, b, m) for w in ("grounded", "random") for b in (1, 8) for m in ("none", "ngram")]
+    assert all(r["identical"] for r in rows)  # greedy: the same tokens with and without
+    grounded = rows[1]  # batch 1, n-gram, on repetitive prompts: drafts proposed and accepted
+    assert grounded["draft_tokens"] > 0 and 0 < grounded["acceptance_rate"] <= 1
+    assert rows[3]["spec_steps"] == 0  # saturation: past the adaptive threshold
+    assert "| grounded | 1 | ngram |" in capsys.readouterr().out

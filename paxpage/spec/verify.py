@@ -2,15 +2,18 @@
 
 Every logits row r of a verify step carries the draft token the target is asked to judge there,
 `draft_ids[r]` (-1: no draft, e.g. a plain decode row or the bonus row after a sequence's last
-draft). Row r computes, independently of every other row:
-  * target  the token the plain sampler draws from the row (paxpage/sampler.py, unchanged:
-            penalties, temperature, top-k / top-p / min-p, the row's key)
-  * accept  greedy rows: draft == target (the argmax). Sampled rows: u < p(x) / q(x), with p the
-            request's processed distribution (the sampler's `apply_penalties` and
-            `filter_logits`, softmax at the temperature) and q the draft's (one-hot for
-            deterministic drafts, so u < p(x)), u a uniform from the row's own key
-  * token   accept: the draft. Rejected sampled rows: a draw from the residual
-            norm(max(p - q, 0)). Everything else (no draft, greedy rejection): target.
+draft). Row r computes, independently of every other row, `target`: the token the plain sampler
+draws from the row (paxpage/sampler.py, unchanged: penalties, temperature, top-k / top-p /
+min-p, the row's key), then `accept` and `token`:
+  * deterministic drafts (q one-hot on the draft x; n-gram): accept iff target == x, and
+    token = target. Drawing target ~ p and accepting when it equals x accepts with probability
+    p(x) = min(1, p(x) / q(x)) and, on rejection, emits target given target != x, which is the
+    residual norm(max(p - q, 0)): this is rejection sampling, coupled to the plain sampler's
+    draw, so a seeded request emits exactly the tokens it emits without speculation.
+  * drafts with a distribution q (a draft model): greedy rows as above (q plays no part); sampled
+    rows accept iff u < p(x) / q(x), with p the request's processed distribution (the sampler's
+    `apply_penalties` and `filter_logits`, softmax at the temperature) and u a uniform from the
+    row's key; token = x when accepted, else a draw from norm(max(p - q, 0)).
 The host then keeps, per sequence, the drafts up to its first rejected row and one more token:
 the `token` of that row (a correction, or the bonus row's target when all were accepted). This
 is standard speculative rejection sampling (Leviathan et al., Chen et al.): each emitted token
@@ -81,22 +84,25 @@ def verify(logits: jax.Array, t: sampler_lib.SamplingTensors, draft_ids: jax.Arr
         logits = sampler_lib.apply_bitmask(logits, allowed)
     out = sampler_lib.sample(logits, t, num_logprobs)
     has_draft = draft_ids >= 0
-    greedy = t.temperature <= GREEDY_TEMPERATURE
+    drafts = jnp.maximum(draft_ids, 0)
     modifies = jnp.any(t.banned_ids >= 0) | jnp.any(
         (t.repetition_penalty != 1.0) | (t.presence_penalty != 0.0) | (t.frequency_penalty != 0.0))
     penalised = jax.lax.cond(modifies, lambda x: sampler_lib.apply_penalties(x, t), lambda x: x, logits)
-    drafts = jnp.maximum(draft_ids, 0)
-    keys = jax.random.wrap_key_data(t.keys, impl="threefry2x32")
+    accepted = has_draft & (drafts == out.token_ids)
+    tokens = out.token_ids
+    if draft_dists is not None:  # rejection sampling against the draft's q
+        greedy = t.temperature <= GREEDY_TEMPERATURE
+        keys = jax.random.wrap_key_data(t.keys, impl="threefry2x32")
 
-    def sampled_rows(penalised):
-        return accept_rows(target_probs(penalised, t), drafts, draft_dists, keys)
+        def sampled_rows(penalised):
+            return accept_rows(target_probs(penalised, t), drafts, draft_dists, keys)
 
-    no_rows = (jnp.zeros(has_draft.shape, bool), jnp.zeros(has_draft.shape, jnp.int32))
-    accepted_s, residual = jax.lax.cond(jnp.any(has_draft & ~greedy), sampled_rows,
-                                        lambda _: no_rows, penalised)
-    accepted = has_draft & jnp.where(greedy, drafts == out.token_ids, accepted_s)
-    rejected_sampled = has_draft & ~greedy & ~accepted
-    tokens = jnp.where(accepted, drafts, jnp.where(rejected_sampled, residual, out.token_ids))
+        no_rows = (jnp.zeros(has_draft.shape, bool), jnp.zeros(has_draft.shape, jnp.int32))
+        accepted_s, residual = jax.lax.cond(jnp.any(has_draft & ~greedy), sampled_rows,
+                                            lambda _: no_rows, penalised)
+        sampled = has_draft & ~greedy
+        accepted = jnp.where(sampled, accepted_s, accepted)
+        tokens = jnp.where(sampled, jnp.where(accepted_s, drafts, residual), tokens)
     best = jnp.max(penalised, axis=-1)
     log_total = jnp.log(jnp.sum(jnp.exp(penalised - best[:, None]), axis=-1))
     chosen = (jnp.take_along_axis(penalised, tokens[:, None], -1)[:, 0] - best) - log_total
