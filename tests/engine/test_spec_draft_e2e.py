@@ -60,7 +60,8 @@ def _prompts():
 
 def test_greedy_outputs_equal_no_speculation(models):
     """One tight pool (preemptions), stop tokens, max_tokens, a prefix shared with a finished
-    request, n = 2: token for token HF's greedy outputs."""
+    request, n = 2: token for token HF's greedy outputs. Two sampled requests share the run (their
+distribution is checked at unit level: test_spec_verify.py, test_spec_draft_runner.py)."""
     from paxpage import SamplingParams
 
     target, draft, hf = models
@@ -75,10 +76,14 @@ def test_greedy_outputs_equal_no_speculation(models):
     params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
     params[3] = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop])
     params[5] = SamplingParams(temperature=0, max_tokens=12, n=2)
-    outputs, engine = _run(target, prompts, params, num_pages=16, max_num_seqs=2, speculative_method="draft",
+    # sampled requests in the same run: their drafts come with q and go through rejection sampling
+    sampled = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=s) for s in (1, 2)]
+    outputs, engine = _run(target, prompts + prompts[:2], params + sampled, num_pages=16, max_num_seqs=2, speculative_method="draft",
                            draft_model=draft, num_speculative_tokens=K, speculative_max_batch=2)
     for i, (want, p) in enumerate(zip(wants, params)):
         assert outputs[i] == [want] * p.n, i
+    assert [len(o[0]) for o in outputs[len(params):]] == [20, 20]
+    assert all(0 <= t < 128 for o in outputs[len(params):] for t in o[0])
     stats, sched = engine.stats, engine.scheduler.stats()
     assert stats.spec_steps > 5, stats
     assert 0.5 < stats.acceptance_rate < 1.0, stats
