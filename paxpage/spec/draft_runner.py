@@ -44,7 +44,6 @@ import numpy as np
 from models.config import ModelConfig
 from paxpage.batch import StepBatch
 from paxpage.config import ResolvedConfig
-from paxpage.page_manager import RELEASED
 from paxpage.runner import ModelRunner, bucket
 from paxpage.sampler import filter_logits, row_key
 from paxpage.sampling_params import GREEDY_TEMPERATURE, SamplingParams
@@ -120,6 +119,8 @@ class DraftRunner:
         self.runner = ModelRunner(draft_cfg, params, pool_cfg)
         self.model_cfg = draft_cfg
         self.cfg = cfg
+        # the shape the engine's in-flight tokens have (the target's steps have the same shapes): one compile
+        self._no_prev_tokens = jnp.zeros(self.runner.max_logits_rows, jnp.int32)
         self._fill = jax.jit(self._fill_fn, donate_argnums=(1,))
         self._propose = jax.jit(self._propose_fn, donate_argnums=(1,), static_argnames=("num_steps", "sampled"))
 
@@ -134,7 +135,7 @@ class DraftRunner:
         if prev_rows is None:
             prev_rows = np.full(batch.token_ids.shape[0], -1, np.int32)
         if prev_tokens is None:
-            prev_tokens = self.runner._no_prev_tokens
+            prev_tokens = self._no_prev_tokens
         self.runner.kv_cache = self._fill(self.runner.params, self.runner.kv_cache, batch, prev_rows, prev_tokens)
 
     def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
