@@ -286,7 +286,7 @@ class LLMEngine:
             # one more token than the accepted drafts comes from the target
             room = min(k, request.params.max_tokens - seq.num_output_tokens - 1, max_len - seq.num_tokens - 1)
             if room >= 1:
-                inputs.append(spec_lib.SpecInput(seq.seq_id, seq.tokens, seq.num_prompt_tokens, room,
+                inputs.append(spec_lib.SpecInput(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, room,
                                                  request.params.temperature <= GREEDY_TEMPERATURE,
                                                  request.params, sample.seed, seq.page_table))
         if not inputs:
