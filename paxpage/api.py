@@ -78,6 +78,14 @@ class Model:
                 slot.loop = make_loop(slot.engine)
             return slot.loop
 
+    def truncated(self, num_layers: int) -> "Model":
+        """This model cut to its first `num_layers` layers (same embeddings, final norm, LM head
+        and tokenizer; weights shared, not copied): a draft model for speculative decoding."""
+        from models.truncate import truncate_layers
+
+        config, params = truncate_layers(self.config, self.params, num_layers)
+        return Model(config, params, self.tokenizer, self.source)
+
     def close(self) -> None:
         """Stops every engine loop of this model (live requests end with an error) and frees
         the engines' KV pools."""

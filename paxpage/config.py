@@ -169,6 +169,14 @@ class EngineConfig:
         # A quantised pool counts its 1-byte values and its scales.
         plan = ShardingPlan.for_model(model, self.tensor_parallel_size)
         page_bytes = kv_page_bytes_per_device(model, plan, self.page_size, itemsize, self.kv_cache_dtype)
+        if self.speculative_method == "draft":
+            # The draft's pool has a page for each of the target's (paxpage/spec/draft.py): one
+            # budget pays for both, so a page costs the two models' K/V bytes.
+            from paxpage.spec.draft import draft_page_bytes, validate_draft_model
+
+            validate_draft_model(self.draft_model, model)
+            page_bytes += draft_page_bytes(self.draft_model.config, self.page_size, itemsize,
+                                           self.kv_cache_dtype)
         if self.num_pages is not None:
             num_pages, source = self.num_pages, "num_pages"
         elif self.kv_cache_bytes is None and not on_cpu:
@@ -209,7 +217,7 @@ class ResolvedConfig:
     attention_impl: str
     max_model_len: int
     num_pages: int | None  # None only until ModelRunner sizes the pool from device memory
-    page_bytes: int  # one page's K and V over all layers, on one device
+    page_bytes: int  # one page's K and V over all layers, on one device (+ the draft model's, if any)
     kv_source: str = "num_pages"  # where num_pages came from, for the start-up line
     scan_period: int = 0  # > 0: layers under a scan in groups of this many; 0: unrolled
 

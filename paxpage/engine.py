@@ -123,7 +123,9 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._beams = beam_lib.BeamCoordinator(self.scheduler, self.outputs, self.new_sequence)
         self._inflight: _Launched | None = None  # async scheduling: the step still on the device
-        self._proposer = spec_lib.make_proposer(cfg, model_cfg)
+        self._proposer = spec_lib.make_proposer(cfg, model_cfg, tokenizer)
+        # a draft model's K/V pool follows the target's (paxpage/spec/draft.py): every step and page copy
+        self._draft_hooks = self._proposer if hasattr(self._proposer, "on_step") else None
         if self._proposer is not None and jax.process_count() > 1:
             raise ValueError("speculative decoding is not supported on multi-host engines")
         self._spec_max_batch = cfg.resolved_speculative_max_batch
@@ -249,6 +251,8 @@ class LLMEngine:
             sched = self.scheduler.schedule(self._propose() if self._proposer is not None else None)
         if sched is not None and sched.scheduled:
             self.runner.copy_pages(sched.copies)
+            if self._draft_hooks is not None:
+                self._draft_hooks.on_copy_pages(sched.copies)
             # a beam request runs all its live beams in a step or none
             if not self._beams.hold_back(sched):
                 launched = self._launch(sched)
@@ -297,9 +301,9 @@ class LLMEngine:
             # one more token than the accepted drafts comes from the target
             room = min(k, request.params.max_tokens - seq.num_output_tokens - 1, max_len - seq.num_tokens - 1)
             if room >= 1:
-                inputs.append(spec_lib.SpecInput(seq.seq_id, seq.tokens, seq.num_prompt_tokens, room,
+                inputs.append(spec_lib.SpecInput(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, room,
                                                  request.params.temperature <= GREEDY_TEMPERATURE,
-                                                 request.params, sample.seed))
+                                                 request.params, sample.seed, seq.page_table))
         if not inputs:
             return None
         proposals = self._proposer.propose(inputs)
@@ -389,6 +393,8 @@ class LLMEngine:
              for i, _ in prompt_plan), default=0))
         prev_tokens = self._inflight.next_tokens if self._inflight is not None else None
         logits = self.runner.forward(batch, prev_rows, prev_tokens)
+        if self._draft_hooks is not None:
+            self._draft_hooks.on_step(batch, prev_rows, prev_tokens)
         counts = [row_counter[logits_plan[row]] for _, _, row in rows]
         step = _Launched(sched, rows, counts, prompt_plan, None, None, None,
                          sampler_args=(batch, logits, tensors, num_logprobs, num_prompt_logprobs),

@@ -19,6 +19,13 @@ Speculation runs with its default adaptive threshold (`speculative_max_batch="au
 saturation it switches itself off. --sweep forces it on at each given batch size (grounded
 workload) to show where verification starts to cost more than it saves: that is how the
 default threshold was chosen. Greedy outputs are checked identical to no speculation.
+
+`--methods draft` drafts with the target truncated to its first --draft-layers layers
+(`Model.truncated`, no download). Its K/V pool is filled on every step, speculating or not, so
+at saturation (speculation off) it still costs one draft forward per step. On SmolLM2-135M a
+truncated copy is a poor draft (its early layers are not aligned with the LM head: the first
+24 of 30 layers pick the full model's greedy token ~12% of the time), so expect acceptance
+near 0 there.
 """
 
 from __future__ import annotations
@@ -71,7 +78,9 @@ def grounded_prompts(num: int) -> list[list[dict]]:
 
 def _run(model, prompts, params, config: EngineConfig) -> dict:
     """Compiles with one pass, then measures one; returns tok/s and the engine's spec figures."""
+    t = time.perf_counter()
     paxpage.generate(model, prompts, sampling_params=params, engine_config=config, use_tqdm=False)
+    print(f"  (compile pass: {time.perf_counter() - t:.0f} s)", flush=True)
     engine = model.engine(config)
     before = dict(vars(engine.stats))
     start = time.perf_counter()
@@ -91,7 +100,10 @@ def compare(model, name, prompts, params, batch, methods, args, **spec_overrides
     base = None
     for method in methods:
         extra = dict(speculative_method=method, num_speculative_tokens=args.k, **spec_overrides) if method else {}
-        config = EngineConfig(max_num_seqs=batch, enable_prefix_caching=False, **extra)
+        if method == "draft":
+            extra["draft_model"] = args.draft_model
+        config = EngineConfig(max_num_seqs=batch, enable_prefix_caching=False, kv_cache_bytes=args.kv_cache_bytes,
+                              **extra)
         r = _run(model, prompts, params, config)
         tokens = r.pop("tokens")
         if base is None:
@@ -113,7 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--random-prompt-len", type=int, default=64)
     parser.add_argument("-k", type=int, default=8, help="num_speculative_tokens")
-    parser.add_argument("--methods", nargs="+", default=["ngram"])
+    parser.add_argument("--methods", nargs="+", default=["ngram"], help="ngram and / or draft")
+    parser.add_argument("--kv-cache-bytes", type=int, default=None,
+                        help="KV pool per engine (default: the engine's; on CPU a 1 GiB pool makes every step "
+                             "~10x slower than a 64 MiB one on a loaded machine)")
+    parser.add_argument("--draft-layers", type=int, default=8,
+                        help="--methods draft: the draft is the target's first N layers")
     parser.add_argument("--sweep", type=int, nargs="*", default=None,
                         help="batch sizes at which to force speculation on (grounded workload)")
     parser.add_argument("--quick", action="store_true", help="2 requests, 16 tokens, saturation 8")
@@ -124,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         args.num_requests, args.max_tokens, args.saturation, args.random_prompt_len = 2, 16, 8, 16
     model = paxpage.load(args.model)
     methods = [None] + args.methods
+    # one Model object for every draft engine (an EngineConfig is keyed by it)
+    args.draft_model = model.truncated(min(args.draft_layers, model.config.num_layers)) if "draft" in methods else None
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     fixed = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     vocab = model.config.vocab_size
@@ -158,4 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from paxpage import xla_cache
+
+    xla_cache.enable()  # every engine here compiles the same steps: later ones load them
     sys.exit(main())

@@ -17,9 +17,10 @@ from paxpage.spec.proposer import Proposals, Proposer, SpecInput
 __all__ = ["Proposals", "Proposer", "SpecInput", "make_proposer"]
 
 
-def make_proposer(config, target_model_cfg=None) -> Proposer | None:
+def make_proposer(config, target_model_cfg=None, target_tokenizer=None) -> Proposer | None:
     """The proposer for `config` (an EngineConfig or ResolvedConfig), None without speculation.
-    `target_model_cfg`: the target's ModelConfig (a draft model checks its vocabulary)."""
+    `target_model_cfg` / `target_tokenizer`: the target's (a draft model checks its vocabulary;
+    its pool follows the target's, so "draft" needs the ResolvedConfig with num_pages set)."""
     method = config.speculative_method
     if method is None:
         return None
@@ -32,4 +33,4 @@ def make_proposer(config, target_model_cfg=None) -> Proposer | None:
         from paxpage.spec.draft import DraftProposer
     except ImportError as e:  # the draft method lands on its own branch
         raise ValueError("speculative_method='draft' is not available in this build") from e
-    return DraftProposer(config, target_model_cfg)
+    return DraftProposer(config, target_model_cfg, target_tokenizer)

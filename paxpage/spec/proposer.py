@@ -69,6 +69,9 @@ class SpecInput:
     greedy: bool  # the request samples greedily (temperature 0)
     params: Any = None  # the request's SamplingParams (a draft model may sample with them)
     seed: int = 0  # the request sample's seed (for a proposer that samples)
+    # The sequence's pages before this step's scheduling (a draft model addresses its own K/V
+    # pool with the target's page ids: paxpage/spec/draft.py)
+    page_table: Sequence[int] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -106,3 +109,10 @@ class Proposer(Protocol):
 
     def on_free(self, seq_id: int) -> None:
         """The sequence left the engine (finished or aborted): drop its state."""
+
+    # Optional hooks (a draft model keeping a K/V pool parallel to the target's, paxpage/spec/
+    # draft.py; the engine calls them when the proposer has them):
+    #   on_step(batch, prev_rows, prev_tokens)  after each target step is dispatched, with the
+    #       same StepBatch and async-scheduling arguments as ModelRunner.forward;
+    #   on_copy_pages(copies)  the scheduler's copy-on-write (src, dst) page pairs, when the
+    #       target's pool copies them.
