@@ -19,8 +19,8 @@ DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
-# Decoding sequences up to which a step speculates by default; measured on CPU with
-# scripts/bench_speculative.py (README "Speculative decoding").
+# Decoding sequences up to which a step speculates by default. Provisional: to be measured
+# with scripts/bench_speculative.py --sweep on a quiet machine (README "Speculative decoding").
 AUTO_SPECULATIVE_MAX_BATCH = 4
 
 
@@ -75,9 +75,8 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     draft_model: Any = None
-    # Adaptive: a step speculates only while at most this many sequences decode ("auto": the
-    # threshold measured with scripts/bench_speculative.py, AUTO_SPECULATIVE_MAX_BATCH); past
-    # it verification costs more than it saves.
+    # Adaptive: a step speculates only while at most this many sequences run ("auto":
+    # AUTO_SPECULATIVE_MAX_BATCH); past it verification costs more than it saves.
     speculative_max_batch: int | str = "auto"
 
     def __post_init__(self):
