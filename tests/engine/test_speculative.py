@@ -39,7 +39,7 @@ KINDS = [
 ]
 # A pool a third of what the workload holds at once: preemptions; shared prefixes: cache hits.
 # Few sequences and tokens per step: few step shapes to compile.
-TIGHT = dict(page_size=8, num_pages=24, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32,
+TIGHT = dict(page_size=8, num_pages=24, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, max_prefill_rows=4,
              enable_prefix_caching=True)
 
 
