@@ -234,6 +234,10 @@ class ModelRunner:
         table = self.tables.table
         decode = [i for i, r in enumerate(rows) if r.num_new == 1]
         prefill = [i for i, r in enumerate(rows) if r.num_new > 1]
+        if prefill and all(rows[i].num_drafts for i in prefill):
+            # Only speculative verify rows (1 + k tokens): rows as wide as the longest, bucketed,
+            # instead of prefill_row_len, so a verify step costs little more than a decode step.
+            row_len = min(row_len, bucket(max(rows[i].num_new for i in prefill), 4))
         num_dec = bucket(len(decode), MIN_DECODE_ROWS)
         pre_rows = [(i, a, min(a + row_len, rows[i].start + rows[i].num_new))
                     for i in prefill

@@ -64,6 +64,8 @@ def tiny_params(tiny_llama_dir):
 
 
 def test_runner_sizes_pool_from_device_memory(tiny_params, monkeypatch):
+    import jax
+
     from paxpage.runner import ModelRunner
 
     cfg, params = tiny_params
@@ -77,14 +79,15 @@ def test_runner_sizes_pool_from_device_memory(tiny_params, monkeypatch):
     # the step's outputs alone hold f32 logits for up to 64 rows x the vocabulary
     assert step >= 64 * cfg.vocab_size * 4
     assert runner.cfg.num_pages == (int(128 * mib * 0.9) - 16 * mib - step) // resolved.page_bytes > 1000
-    assert runner.kv_cache[0].shape[1] == runner.cfg.num_pages
+    page_axis = 2 if runner.scanned else 1  # [2, L, P, ...] stacked (scanned layers) or [2, P, ...]
+    assert jax.tree.leaves(runner.kv_cache)[0].shape[page_axis] == runner.cfg.num_pages
     # An int8 cache: the step is measured against a quantised pool, and pages are smaller.
     quant = dataclasses.replace(resolved, engine=dataclasses.replace(resolved.engine, kv_cache_dtype="int8"),
                                 page_bytes=2 * cfg.num_layers * 8 * cfg.num_kv_heads * (cfg.head_dim + 4))
     runner_q = ModelRunner(cfg, params, quant)
     step_q = runner_q.memory_budget.step_bytes
     assert runner_q.cfg.num_pages == (int(128 * mib * 0.9) - 16 * mib - step_q) // quant.page_bytes
-    assert runner_q.kv_cache[0].scales.shape[1] == runner_q.cfg.num_pages
+    assert jax.tree.leaves(runner_q.kv_cache)[1].shape[page_axis] == runner_q.cfg.num_pages  # the scales
     monkeypatch.setattr(kv_sizing, "device_memory_stats", lambda device=None: None)
     monkeypatch.setattr(kv_sizing, "DEFAULT_KV_CACHE_BYTES", 4 * mib)
     runner = ModelRunner(cfg, params, resolved)  # no statistics: the fixed default
