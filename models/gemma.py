@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig, RopeScaling
 from models.layers import Embedding, RMSNorm, dense, gated_mlp, paged_attention_rows, qkv_heads
-from models.layer_stack import run_scanned
+from models.layer_stack import run_layers
 from models.llama import AttentionFn, WriteKvFn
 from models.rope import apply_rope, inverse_frequencies
 
@@ -94,17 +94,12 @@ class GemmaModel(nn.Module):
         cfg = self.cfg
         embed = Embedding(cfg.vocab_size, cfg.hidden_size, self.dtype, name="embed_tokens")
         x = embed(batch.token_ids) * jnp.asarray(math.sqrt(cfg.hidden_size), self.dtype)  # [T, H]
+
         def make_layer(i: int, name: str) -> GemmaDecoderLayer:
             return GemmaDecoderLayer(cfg, self.attention, self.write_kv, self.dtype, cfg.layer_window(i),
                                      name=name)
 
-        if self.scan_period:
-            x, new_cache = run_scanned(make_layer, cfg.num_layers, self.scan_period, x, batch, kv_cache)
-        else:
-            new_cache = []
-            for i in range(cfg.num_layers):
-                x, pages = make_layer(i, f"layers_{i}")(x, batch, kv_cache[i])
-                new_cache.append(pages)
+        x, new_cache = run_layers(make_layer, cfg.num_layers, self.scan_period, x, batch, kv_cache)
         rows = jnp.concatenate([batch.logits_indices, batch.prompt_logits_indices])
         x = _norm(cfg, self.dtype, "norm")(x[rows])  # [R + Rp, H]
         if cfg.tie_word_embeddings:

@@ -139,3 +139,17 @@ def run_scanned(make_layer: Callable[[int, str], nn.Module], num_layers: int, pe
 def host_stack(params: dict, num_layers: int, period: int) -> dict:
     """`stack_layers` on host arrays (the sharded path stacks before placing)."""
     return stack_layers(params, num_layers, period, stack=lambda xs: np.stack([np.asarray(x) for x in xs]))
+
+
+def run_layers(make_layer: Callable[[int, str], nn.Module], num_layers: int, period: int,
+               x: jax.Array, batch: Any, kv_cache: Any):
+    """The decoder stack: `run_scanned` when period > 0, else the unrolled loop over layers
+    `layers_{i}` with kv_cache a list of per-layer caches. Call inside a compact method.
+    Returns (x, kv_cache)."""
+    if period:
+        return run_scanned(make_layer, num_layers, period, x, batch, kv_cache)
+    new_cache = []
+    for i in range(num_layers):
+        x, pages = make_layer(i, f"layers_{i}")(x, batch, kv_cache[i])
+        new_cache.append(pages)
+    return x, new_cache

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 from models.layers import Embedding, RMSNorm, gated_mlp, paged_attention_rows, qkv_heads
 from models.layers import dense as _dense
-from models.layer_stack import run_scanned
+from models.layer_stack import run_layers
 from models.moe import SparseMoe
 from models.rope import apply_rope, inverse_frequencies
 
@@ -88,17 +88,12 @@ class LlamaModel(nn.Module):
         cfg = self.cfg
         embed = Embedding(cfg.vocab_size, cfg.hidden_size, self.dtype, name="embed_tokens")
         x = embed(batch.token_ids)  # [T, H]
+
         def make_layer(i: int, name: str) -> DecoderLayer:
             return DecoderLayer(cfg, self.attention, self.write_kv, self.dtype, cfg.layer_window(i),
                                 cfg.is_moe_layer(i), self.moe_impl, name=name)
 
-        if self.scan_period:
-            x, new_cache = run_scanned(make_layer, cfg.num_layers, self.scan_period, x, batch, kv_cache)
-        else:
-            new_cache = []
-            for i in range(cfg.num_layers):
-                x, pages = make_layer(i, f"layers_{i}")(x, batch, kv_cache[i])
-                new_cache.append(pages)
+        x, new_cache = run_layers(make_layer, cfg.num_layers, self.scan_period, x, batch, kv_cache)
         # Only the rows that will be sampled pay for the final norm and the LM head.
         rows = jnp.concatenate([batch.logits_indices, batch.prompt_logits_indices])
         x = x[rows]  # [R + Rp, H]
