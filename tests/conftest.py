@@ -25,6 +25,21 @@ def _no_persistent_compilation_cache():
     patch.undo()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _drop_compiled_executables():
+    """After each test module: collect dropped models and clear jax's caches, so the process does not
+    keep every executable the whole session compiled. The CI run (~900 tests in one process)
+    segfaulted inside XLA CPU's compiler late in the session, in tests that pass on their own:
+    the live JIT-compiled code only grows otherwise."""
+    yield
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     import paxpage
