@@ -154,7 +154,7 @@ def test_kv_cache_dtype_flag_reaches_the_engine_config(monkeypatch):
     from paxpage.server.cli import engine_config_from_args
 
     model = types.SimpleNamespace(config=types.SimpleNamespace(generation=GenerationConfig()))
-    monkeypatch.setattr(paxpage, "load", lambda source=None: model)
+    monkeypatch.setattr(paxpage, "load", lambda source=None, quantization=None: model)
     seen = []
     monkeypatch.setattr(paxpage, "generate", lambda model, inputs, sampling_params, engine_config=None:
                         seen.append(engine_config) or [])
