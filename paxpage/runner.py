@@ -129,8 +129,8 @@ class ModelRunner:
         # Sharded: the pool keeps its sharding across steps (out_shardings), so a step never
         # reshards it or recompiles; logits come back replicated for the sampler.
         self._step = jax.jit(self._forward, donate_argnums=(1,), **step_shardings)
-        self._copy = jax.jit(_copy_stacked_pages if self.scanned else _copy_pages, donate_argnums=(0,),
-                             **copy_shardings)
+        self._copy = jax.jit(functools.partial(_copy_pages, page_axis=2 if self.scanned else 1),
+                             donate_argnums=(0,), **copy_shardings)
         self.memory_budget: kv_sizing.MemoryBudget | None = None  # when sized from device memory
         if cfg.num_pages is None:
             num_pages = self._pages_from_memory()
@@ -422,14 +422,12 @@ def step_shapes(max_num_seqs: int, max_num_batched_tokens: int, prefill_row_len:
     return sorted(shapes)
 
 
-def _copy_pages(kv_cache, src, dst):  # src, dst: i32[C]
-    # Every array of a layer's cache has the pool's leading [2, P] axes (pages, and the scales
-    # of a quantised cache), so one map copies a page's values and scales together.
-    return jax.tree.map(lambda pages: pages.at[:, dst].set(pages[:, src], mode="drop"), kv_cache)
-
-
-def _copy_stacked_pages(kv_cache, src, dst):  # the stacked pool [2, L, P, ...]; src, dst: i32[C]
-    return jax.tree.map(lambda pages: pages.at[:, :, dst].set(pages[:, :, src], mode="drop"), kv_cache)
+def _copy_pages(kv_cache, src, dst, page_axis: int):  # src, dst: i32[C]
+    """Copies pages src -> dst in every array of the cache: per-layer caches [2, P, ...]
+    (page_axis 1) or the scanned layers' stacked cache [2, L, P, ...] (page_axis 2). A quantised
+    cache's scales have the same leading axes, so one map copies a page's values and scales."""
+    lead = (slice(None),) * page_axis
+    return jax.tree.map(lambda pages: pages.at[lead + (dst,)].set(pages[lead + (src,)], mode="drop"), kv_cache)
 
 
 @functools.partial(jax.jit, static_argnums=(1,))

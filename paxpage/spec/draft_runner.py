@@ -42,7 +42,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from pallas_kernels import kv_quant
 from paxpage.batch import StepBatch
 from paxpage.config import ResolvedConfig
 from paxpage.runner import ModelRunner, bucket
@@ -99,10 +98,12 @@ def check_compatible(target_cfg: ModelConfig, target_tokenizer, draft_cfg: Model
 
 
 def draft_page_bytes(draft_cfg: ModelConfig, page_size: int, itemsize: int, kv_cache_dtype: str = "auto") -> int:
-    """Bytes one page takes in the draft's pool (K and V, all draft layers); the draft's pool has
-    the target's kv_cache_dtype (an int8 / fp8 row: 1-byte values and an f32 scale)."""
-    row = kv_quant.bytes_per_row(kv_cache_dtype, itemsize, draft_cfg.head_dim)
-    return 2 * draft_cfg.num_layers * page_size * draft_cfg.num_kv_heads * row
+    """Bytes one page takes in the draft's pool (K and V, all draft layers, on one device: the
+    draft is not sharded); the draft's pool has the target's kv_cache_dtype."""
+    from paxpage.sharding import ShardingPlan, kv_page_bytes_per_device
+
+    return kv_page_bytes_per_device(draft_cfg, ShardingPlan.for_model(draft_cfg, 1), page_size, itemsize,
+                                    kv_cache_dtype)
 
 
 class DraftRunner:

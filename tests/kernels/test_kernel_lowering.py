@@ -73,10 +73,15 @@ def _cases(dtype, backend):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
 def test_kernel_lowers_for_platform(backend, dtype, kernel):
+    _assert_lowers(backend, lambda: _cases(dtype, backend)[kernel])
+
+
+def _assert_lowers(backend, case):
+    """Exports case() = (fn, args) for the backend's platform: a Triton / Mosaic TPU custom call."""
     reason = _platform_unavailable(backend)
     if reason:
         pytest.skip(f"this jax cannot lower Pallas for {PLATFORMS[backend]}: {reason}")
-    fn, args = _cases(dtype, backend)[kernel]
+    fn, args = case()
     text = _export(fn, args, PLATFORMS[backend]).mlir_module()
     assert ("triton" if backend == "gpu" else "tpu_custom_call") in text
 
@@ -95,9 +100,4 @@ def _quantized_cases(kv_dtype, backend):
 @pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
 def test_quantized_kernel_lowers_for_platform(backend, kv_dtype, kernel):
-    reason = _platform_unavailable(backend)
-    if reason:
-        pytest.skip(f"this jax cannot lower Pallas for {PLATFORMS[backend]}: {reason}")
-    fn, args = _quantized_cases(kv_dtype, backend)[kernel]
-    text = _export(fn, args, PLATFORMS[backend]).mlir_module()
-    assert ("triton" if backend == "gpu" else "tpu_custom_call") in text
+    _assert_lowers(backend, lambda: _quantized_cases(kv_dtype, backend)[kernel])
