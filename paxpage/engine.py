@@ -125,7 +125,7 @@ class LLMEngine:
         self._inflight: _Launched | None = None  # async scheduling: the step still on the device
         self._proposer = spec_lib.make_proposer(cfg, model_cfg, tokenizer)
         # a draft model's K/V pool follows the target's (paxpage/spec/draft.py): every step and page copy
-        self._draft_hooks = self._proposer if hasattr(self._proposer, "on_step") else None
+        self._draft_hooks = self._proposer.pool_hooks() if self._proposer is not None else None
         if self._proposer is not None and jax.process_count() > 1:
             raise ValueError("speculative decoding is not supported on multi-host engines")
         self._spec_max_batch = cfg.resolved_speculative_max_batch

@@ -12,9 +12,9 @@
 
 from __future__ import annotations
 
-from paxpage.spec.proposer import Proposals, Proposer, SpecInput
+from paxpage.spec.proposer import PoolHooks, Proposals, Proposer, SpecInput
 
-__all__ = ["Proposals", "Proposer", "SpecInput", "make_proposer"]
+__all__ = ["PoolHooks", "Proposals", "Proposer", "SpecInput", "make_proposer"]
 
 
 def make_proposer(config, target_model_cfg=None, target_tokenizer=None) -> Proposer | None:
@@ -29,8 +29,6 @@ def make_proposer(config, target_model_cfg=None, target_tokenizer=None) -> Propo
 
         return NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
     assert method == "draft", method
-    try:
-        from paxpage.spec.draft import DraftProposer
-    except ImportError as e:  # the draft method lands on its own branch
-        raise ValueError("speculative_method='draft' is not available in this build") from e
+    from paxpage.spec.draft import DraftProposer  # imported lazily: only the draft method needs it
+
     return DraftProposer(config, target_model_cfg, target_tokenizer)

@@ -10,7 +10,8 @@ prefix-cached sequence would need a separate draft prefill; sharing the page ids
 them from the scheduler for the price of the draft's bytes per page, which the pool sizing
 counts (EngineConfig.resolve).
 
-What the engine calls, besides the Proposer protocol (paxpage/spec/proposer.py):
+What the engine calls, besides the Proposer protocol (paxpage/spec/proposer.py), through
+`pool_hooks()` (the PoolHooks protocol):
   on_step(batch, prev_rows, prev_tokens)  after dispatching each target step: the draft runs
       over the same StepBatch (prefills, decodes, verify rows), writing its K/V only, so its
       pool holds K/V for every token the target's does;
@@ -80,7 +81,10 @@ class DraftProposer:
     def on_free(self, seq_id: int) -> None:
         pass  # no per-sequence state: the scheduler frees the pages of both pools at once
 
-    # ------------------------------------------------------------------ draft hooks
+    def pool_hooks(self) -> "DraftProposer":
+        return self  # the draft's pool follows the target's: it hears of every step and page copy
+
+    # ------------------------------------------------------------------ PoolHooks
     def on_step(self, batch, prev_rows=None, prev_tokens=None) -> None:
         """The target dispatched `batch`: write the draft's K/V of the same tokens."""
         self.runner.fill(batch, prev_rows, prev_tokens)

@@ -58,3 +58,6 @@ class NgramProposer:
 
     def on_free(self, seq_id: int) -> None:
         pass
+
+    def pool_hooks(self) -> None:
+        return None  # drafts come from the tokens alone: no K/V to keep

@@ -110,9 +110,18 @@ class Proposer(Protocol):
     def on_free(self, seq_id: int) -> None:
         """The sequence left the engine (finished or aborted): drop its state."""
 
-    # Optional hooks (a draft model keeping a K/V pool parallel to the target's, paxpage/spec/
-    # draft.py; the engine calls them when the proposer has them):
-    #   on_step(batch, prev_rows, prev_tokens)  after each target step is dispatched, with the
-    #       same StepBatch and async-scheduling arguments as ModelRunner.forward;
-    #   on_copy_pages(copies)  the scheduler's copy-on-write (src, dst) page pairs, when the
-    #       target's pool copies them.
+    def pool_hooks(self) -> "PoolHooks | None":
+        """The proposer's hooks into the target's K/V pool, or None when it keeps no K/V of its
+        own (n-gram). A draft model returns them (paxpage/spec/draft.py)."""
+
+
+class PoolHooks(Protocol):
+    """What a proposer keeping a K/V pool parallel to the target's needs to hear of each step.
+    The engine calls these only through `Proposer.pool_hooks()`."""
+
+    def on_step(self, batch, prev_rows=None, prev_tokens=None) -> None:
+        """After each target step is dispatched, with the same StepBatch and async-scheduling
+        arguments as ModelRunner.forward."""
+
+    def on_copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
+        """The scheduler's copy-on-write (src, dst) page pairs, when the target's pool copies them."""
