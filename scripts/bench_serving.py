@@ -54,6 +54,7 @@ import shlex
 import signal
 import sys
 import tempfile
+import textwrap
 
 import numpy as np
 
@@ -192,7 +193,8 @@ def plot(results: dict, capacities: dict, limits: dict, path: str, title: str) -
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(title)
+    # wrapped to the figure's width: one long line was cut at both edges of a one-panel plot
+    fig.suptitle(textwrap.fill(title, width=60 * len(modes)), fontsize="medium")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
