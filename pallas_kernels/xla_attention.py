@@ -18,10 +18,10 @@ What makes it cost what it reads on XLA CPU (measured with jax 0.10.2):
   times the (tiny) multiply-adds of a decode step to skip a copy of the keys and values.
   The P.V product's [B, M, J] is cut to each head's own D columns right away (static slices,
   which XLA fuses into the accumulator update), so the carried accumulator is [B, M, D], not
-  K times that: 8-15% less CPU time at SmolLM2's 64 x 65 decode, measured.
+  K times that: 3-15% less CPU time at SmolLM2's 64 x 65 decode (noisy shared machine).
   Prefill rows (Tq > 1) do enough work per key for the per-head einsum's transpose to pay.
 - Pages of at most MERGED_GATHER_MAX_PAGE_BYTES per half (4 KiB: a tiny model's 16 tokens x
-  4 x 16 f32) are gathered K and V in one op and masked in it: 20-35% less CPU time than two
+  4 x 16 f32) are gathered K and V in one op, then masked: 20-35% less CPU time than two
   gathers at 256 rows x 1536 there, but 12-25% more with 12 KiB pages (SmolLM2), measured on
   a 2-core AMD EPYC with jax 0.10.2; larger pages keep the two gathers, V's mask fused into its own.
 - Chunks hold at most ~1 MiB of keys (and at most `chunk_tokens` tokens), so the gathered
