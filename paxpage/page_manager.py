@@ -210,6 +210,14 @@ class PageManager:
         num_cow = sum(1 for i in self._write_range(seq, end) if self._refcount[seq.page_table[i]] > 1)
         return num_new + num_cow
 
+    def writes_in_place(self, seq: Sequence) -> bool:
+        """True when seq's next token (one, no reserve) lands in a page of its table that it alone
+        holds: `num_pages_to_write(seq, 1) == 0`, and `prepare_write(seq, 1)` would change nothing,
+        in O(1) (a decode step's common case)."""
+        index = seq.num_computed_tokens // self.page_size
+        table = seq.page_table
+        return index < len(table) and self._refcount[table[index]] == 1
+
     def prepare_write(self, seq: Sequence, num_new_tokens: int, reserve_tokens: int = 0) -> list[tuple[int, int]]:
         """Make seq own every page it writes this step and extend its table; returns (src, dst) copies."""
         need = self.num_pages_to_write(seq, num_new_tokens, reserve_tokens)

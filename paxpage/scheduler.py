@@ -316,6 +316,12 @@ class Scheduler:
             seq = self.running[i]
             q = seq.num_uncomputed_tokens
             assert q >= 1, f"running {seq} has nothing to compute; update() must append its sampled token"
+            if q == 1 and not (drafts and drafts.get(seq.seq_id)) and pm.writes_in_place(seq):
+                # a decode whose token fits a page it owns: no allocation, no copy, no prefill row
+                scheduled.append(ScheduledSeq(seq, 1, seq.num_computed_tokens, True))
+                budget -= 1
+                i += 1
+                continue
             draft = tuple(drafts.get(seq.seq_id, ()))[:budget - 1] if q == 1 else ()
             if draft and cfg.max_prefill_rows is not None and self._rows(1 + len(draft)) > rows_left:
                 draft = ()  # a verify row is a prefill row and none is left: a plain decode
