@@ -62,6 +62,7 @@ class PageManager:
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self._refcount: list[int] = [0] * num_pages
+        self._num_shared = 0  # pages with refcount > 1 (prefix hits, forks)
         self._free: list[int] = list(range(num_pages))  # min-heap of free page ids (a sorted list is a heap)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU order: first = evicted first
         self._key_to_page: dict[int, int] = {}
@@ -96,6 +97,11 @@ class PageManager:
     def usage(self) -> float:
         """Fraction of pages referenced by some page table."""
         return self.num_used_pages / self.num_pages
+
+    @property
+    def num_shared_pages(self) -> int:
+        """Pages that more than one page table holds."""
+        return self._num_shared
 
     def refcount(self, page: int) -> int:
         return self._refcount[page]
@@ -141,6 +147,8 @@ class PageManager:
                     raise ValueError(f"page {page} is free; only used or cached pages can be incref'ed")
                 del self._evictable[page]
             self._refcount[page] += 1
+            if self._refcount[page] == 2:
+                self._num_shared += 1
 
     def free(self, pages: Iterable[int]) -> None:
         """Drop one reference per page, in the given order. At refcount 0 a cached page becomes evictable
@@ -149,7 +157,9 @@ class PageManager:
             if self._refcount[page] <= 0:
                 raise ValueError(f"page {page} has refcount {self._refcount[page]}; double free")
             self._refcount[page] -= 1
-            if self._refcount[page] == 0:
+            if self._refcount[page] == 1:
+                self._num_shared -= 1
+            elif self._refcount[page] == 0:
                 if page in self._page_key:
                     self._evictable[page] = None
                 else:
@@ -341,6 +351,7 @@ class PageManager:
         _check(not free & used, f"pages both free and used: {sorted(free & used)}")
         _check(not evictable & used, f"pages both evictable and used: {sorted(evictable & used)}")
         _check(len(free) + len(evictable) + len(used) == self.num_pages, "pages lost or duplicated")
+        _check(self._num_shared == sum(1 for r in self._refcount if r > 1), "shared page count is off")
         for page in range(self.num_pages):
             _check(
                 self._refcount[page] == holders[page],

@@ -179,19 +179,26 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         pm, ps = self.page_manager, self.config.page_size
-        fill: dict[int, int] = {}
-        for seq in self.running:
-            for i, page in enumerate(seq.page_table):
-                if page == RELEASED:
-                    continue
-                fill[page] = max(fill.get(page, 0), min(ps, max(0, seq.num_computed_tokens - i * ps)))
+        if pm.num_shared_pages == 0:
+            # Every held page has one holder: a sequence's pages hold its computed tokens past
+            # the released ones (its table covers them, and released entries are its first ones),
+            # so the count costs O(1) per sequence, not O(pages).
+            total = sum(max(0, seq.num_computed_tokens - seq.num_released_pages * ps) for seq in self.running)
+        else:  # shared pages count once
+            fill: dict[int, int] = {}
+            for seq in self.running:
+                for i, page in enumerate(seq.page_table):
+                    if page == RELEASED:
+                        continue
+                    fill[page] = max(fill.get(page, 0), min(ps, max(0, seq.num_computed_tokens - i * ps)))
+            total = sum(fill.values())
         used = pm.num_used_pages
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_preemptions=self.num_preemptions,
             prefix_hit_rate=pm.hit_rate,
-            kv_utilization=sum(fill.values()) / (used * ps) if used else 0.0,
+            kv_utilization=total / (used * ps) if used else 0.0,
             num_used_pages=used,
             num_free_pages=pm.num_free_pages,
             num_cached_pages=pm.num_cached_pages,
