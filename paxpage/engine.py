@@ -480,12 +480,13 @@ class LLMEngine:
         result = jax.device_get(step.result)
         self.stats.device_seconds += time.perf_counter() - t
         new_tokens = []
+        token_ids = result.token_ids.tolist()
         for request, sample, row in step.rows:
             seq = sample.seq
             if sample.finish_reason is not None:  # aborted while in flight
                 continue
             assert seq.output_token_ids[-1] == PENDING_TOKEN, seq
-            token = int(result.token_ids[row])
+            token = token_ids[row]
             seq.output_token_ids[-1] = token
             new_tokens.append(NewToken(request, sample, token, row))
         return self._process(new_tokens, result)

@@ -153,6 +153,7 @@ class OutputProcessor:
         now = time.monotonic()
         touched: dict[int, tuple[Request, Sample]] = {}  # one delta per sample, in first-token order
         to_finish: list[tuple[Sequence, str]] = []
+        logprobs = result.logprobs.tolist()  # Python floats: one conversion, not one per token
         for new in new_tokens:
             request, sample, token, row = new.request, new.sample, new.token, new.row
             if new.index is not None and sample.finish_reason is not None:
@@ -162,7 +163,7 @@ class OutputProcessor:
             if sample.logprobs is not None:
                 sample.logprobs.append(_entry(token, result.logprobs[row], result.top_ids[row],
                                               result.top_logprobs[row], request.params.logprobs))
-            sample.cumulative_logprob += float(result.logprobs[row])
+            sample.cumulative_logprob += logprobs[row]
             if sample.detok is not None:
                 sample.detok.add(token)
             if sample.matcher is not None and not sample.grammar_refused:

@@ -419,6 +419,7 @@ class Scheduler:
                     f"sequence {seq.seq_id} already has {seq.num_output_tokens} output tokens; max_tokens is "
                     f"{seq.max_tokens}; finish() it"
                 )
+        pm, releases = self.page_manager, self.config.releases_pages
         for s in live:
             seq = s.seq
             if s.draft_token_ids:  # the last token and the accepted drafts have their K/V now
@@ -431,9 +432,10 @@ class Scheduler:
                 seq.num_computed_tokens += s.num_new_tokens
                 if s.samples:
                     seq.append_token(sampled_tokens[seq.seq_id])
-            self.page_manager.cache_full_pages(seq)
-            if self.config.releases_pages:
-                self.page_manager.release_outside_window(seq, self.config.sliding_window)
+            if pm.enable_prefix_caching:
+                pm.cache_full_pages(seq)
+            if releases:
+                pm.release_outside_window(seq, self.config.sliding_window)
 
     # ---- invariants ---------------------------------------------------------------------------------
     def check_invariants(self) -> None:
