@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable, Sequence as Seq
-from typing import Any
+from typing import Any, NamedTuple
 
 from paxpage.detokenizer import IncrementalDetokenizer
 from paxpage.outputs import Completion, RequestMetrics, RequestOutput, StreamDelta
@@ -66,11 +66,11 @@ class Request:
         return RequestMetrics(self.arrival_time, self.first_token_time, self.finished_time)
 
 
-@dataclasses.dataclass(frozen=True)
-class NewToken:
+class NewToken(NamedTuple):
     """One token sampled this step for one (non-beam) sample, at logits row `row`. A sample
     may get several in one step (speculative decoding: accepted drafts + one), in order, each
-    with `index`, its position among the sample's output tokens (None: the last one)."""
+    with `index`, its position among the sample's output tokens (None: the last one).
+    Immutable; a NamedTuple (one per token per step) builds ~5x faster than a frozen dataclass."""
 
     request: Request
     sample: Sample

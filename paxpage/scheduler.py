@@ -47,6 +47,7 @@ import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Mapping, Sequence as Seq
+from typing import NamedTuple
 
 from paxpage.page_manager import RELEASED, PageManager, cdiv
 from paxpage.sequence import Sequence, SequenceStatus
@@ -113,8 +114,7 @@ class SchedulerConfig:
         return pages
 
 
-@dataclasses.dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):  # immutable; a NamedTuple builds ~5x faster than a frozen dataclass
     seq: Sequence
     num_new_tokens: int  # q_len: tokens computed this step, positions [start, start + num_new_tokens)
     start: int  # seq.num_computed_tokens before this step
