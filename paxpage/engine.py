@@ -10,6 +10,7 @@ job (output_processor.py); driving the step for many callers is the engine loop'
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import logging
@@ -27,7 +28,8 @@ from paxpage.config import EngineConfig
 from paxpage.output_processor import NewToken, OutputProcessor, Request
 from paxpage.outputs import RequestOutput, StreamDelta
 from paxpage.runner import ModelRunner, RowPlan
-from paxpage.sampler import RowInfo, SamplingTensors
+from paxpage.sampler import SamplingTensors
+from paxpage.sampling_batch import SamplingBatch
 from paxpage.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from paxpage.scheduler import Scheduler, SchedulerConfig
 from paxpage.sequence import Sequence
@@ -131,6 +133,9 @@ class LLMEngine:
         self._spec_max_batch = cfg.resolved_speculative_max_batch
         self._draft_dists = None  # this step's Proposals.draft_dists, when the proposer gives them
         self._grammars: GrammarBackend | None = None  # built by the first structured request
+        # the running sequences' sampling parameters, one slot each, kept between steps
+        self._sampling = SamplingBatch(model_cfg.vocab_size, self.eos_token_ids,
+                                       token_width=cfg.max_model_len)  # caps the penalty-token width
 
         self.precompiled: tuple[int, float] | None = None  # (shapes, seconds) once precompile() ran
         if self.config.precompile:
@@ -341,53 +346,65 @@ class LLMEngine:
         structured rows and a step in flight only the model is dispatched here: `step()`
         dispatches the sampler once the in-flight tokens are read (`_dispatch_sampler`)."""
         inflight = self._inflight.row_of_seq if self._inflight is not None else {}
+        sampling = self._sampling
         plans = []
+        # Per sampling entry (request, sample, first logits row), its rows and drafts; per logits
+        # row its sampling slot, seed offset and token position. Rows follow the plans' order
+        # (the runner's logits_plan): one request's n rows draw with seeds seed + i; a verify
+        # row's j-th logits row sees its first j drafts as outputs (penalties, min_tokens).
+        rows, counts, row_drafts = [], [], []
+        slots, offsets, steps = [], [], []
+        num_logprobs = 0
         for item in sched.scheduled:
-            request, sample = self.outputs.lookup(item.seq.seq_id)
-            fork_now = item.samples and not request.forked
-            wants_prompt = sample.prompt_logprobs is not None and item.start < item.seq.num_prompt_tokens
-            pending = item.num_new_tokens == 1 and item.seq.last_token_id == PENDING_TOKEN
+            seq = item.seq
+            request, sample = self.outputs.lookup(seq.seq_id)
             drafts = item.draft_token_ids
             if drafts:  # verify row: its last token and drafts, a logits row at each
-                plans.append(RowPlan(item.seq.token_ids + list(drafts), item.seq.page_table, item.start,
-                                     item.num_new_tokens, 1 + len(drafts), 0, item.seq.seq_id,
-                                     item.seq.num_preemptions, num_drafts=len(drafts)))
-                continue
-            plans.append(RowPlan(item.seq.tokens, item.seq.page_table, item.start,
-                                 item.num_new_tokens,
-                                 (request.params.n if fork_now else 1) if item.samples else 0,
-                                 item.seq.num_prompt_tokens if wants_prompt else 0,
-                                 item.seq.seq_id, item.seq.num_preemptions,
-                                 inflight[item.seq.seq_id] if pending else -1))
-        if self.runner.tables.num_rows > 2 * self.scheduler.num_running + 64:  # forget ended ones
-            self.runner.tables.retain({s.seq_id for s in self.scheduler.running})
-        batch, logits_plan, prompt_plan, prev_rows = self.runner.pack(plans)
-        # Rows of one request's first sample draw its n samples with seeds seed + i.
-        # A verify row's j-th logits row sees its first j drafts as outputs (penalties, min_tokens).
-        infos, rows, row_params, row_counter, row_drafts = [], [], [], {}, []
-        for row, plan_index in enumerate(logits_plan):
-            item = sched.scheduled[plan_index]
-            request, sample = self.outputs.lookup(item.seq.seq_id)
-            i = row_counter.get(plan_index, 0)
-            row_counter[plan_index] = i + 1
-            if i == 0:
-                rows.append((request, sample, row))
-                row_drafts.append(item.draft_token_ids)
-            row_params.append(request.params)
-            if item.draft_token_ids:
-                out = sample.seq.output_token_ids
-                infos.append(RowInfo(request.params, request.prompt_ids,
-                                     out + list(item.draft_token_ids[:i]) if i else out,
-                                     sample.seed, len(out) + i))
+                num_samples = 1 + len(drafts)
+                plans.append(RowPlan(seq.token_ids + list(drafts), seq.page_table, item.start,
+                                     item.num_new_tokens, num_samples, 0, seq.seq_id,
+                                     seq.num_preemptions, num_drafts=len(drafts)))
             else:
-                infos.append(RowInfo(request.params, request.prompt_ids, sample.seq.output_token_ids,
-                                     sample.seed + i))
-        tensors = SamplingTensors.build(infos, self.model_cfg.vocab_size,
-                                        pad_rows_to=len(batch.logits_indices),
-                                        eos_token_ids=self.eos_token_ids,
-                                        # caps the penalty-token width (a few bucketed sizes)
-                                        token_width=self.config.max_model_len)
-        num_logprobs = _logprob_bucket(max((p.logprobs or 0) for p in row_params) if row_params else 0)
+                fork_now = item.samples and not request.forked
+                wants_prompt = sample.prompt_logprobs is not None and item.start < seq.num_prompt_tokens
+                pending = item.num_new_tokens == 1 and seq.last_token_id == PENDING_TOKEN
+                num_samples = (request.params.n if fork_now else 1) if item.samples else 0
+                plans.append(RowPlan(seq.tokens, seq.page_table, item.start, item.num_new_tokens, num_samples,
+                                     seq.num_prompt_tokens if wants_prompt else 0, seq.seq_id,
+                                     seq.num_preemptions, inflight[seq.seq_id] if pending else -1))
+            if not num_samples:
+                continue
+            rows.append((request, sample, len(slots)))
+            counts.append(num_samples)
+            row_drafts.append(drafts)
+            num_logprobs = max(num_logprobs, request.params.logprobs or 0)
+            slot = sampling.slot(seq.seq_id, request.params, sample.seed)
+            num_out = seq.num_output_tokens
+            if num_samples == 1:
+                slots.append(slot)
+                offsets.append(0)
+                steps.append(num_out)
+            else:
+                slots += [slot] * num_samples
+                offsets += [0] * num_samples if drafts else range(num_samples)
+                steps += range(num_out, num_out + num_samples) if drafts else [num_out] * num_samples
+        if self.runner.tables.num_rows > 2 * self.scheduler.num_running + 64:  # forget ended ones
+            live = {s.seq_id for s in self.scheduler.running}
+            self.runner.tables.retain(live)
+            sampling.retain(live)
+        batch, logits_plan, prompt_plan, prev_rows = self.runner.pack(plans)
+        first_rows = [row for _, _, row in rows]
+
+        def row_tokens(r: int):  # (prompt, outputs) a penalised logits row sees
+            k = bisect.bisect_right(first_rows, r) - 1
+            request, sample, first = rows[k]
+            out, i = sample.seq.output_token_ids, r - first
+            return request.prompt_ids, (out + list(row_drafts[k][:i]) if row_drafts[k] and i else out)
+
+        tensors = sampling.tensors(np.asarray(slots, np.int64), np.asarray(offsets, np.int64),
+                                   np.asarray(steps, np.int64), row_tokens,
+                                   pad_rows_to=len(batch.logits_indices))
+        num_logprobs = _logprob_bucket(num_logprobs)
         num_prompt_logprobs = _logprob_bucket(max(
             (self.outputs.lookup(sched.scheduled[i].seq.seq_id)[0].params.prompt_logprobs or 0
              for i, _ in prompt_plan), default=0))
@@ -395,7 +412,6 @@ class LLMEngine:
         logits = self.runner.forward(batch, prev_rows, prev_tokens)
         if self._draft_hooks is not None:
             self._draft_hooks.on_step(batch, prev_rows, prev_tokens)
-        counts = [row_counter[logits_plan[row]] for _, _, row in rows]
         step = _Launched(sched, rows, counts, prompt_plan, None, None, None,
                          sampler_args=(batch, logits, tensors, num_logprobs, num_prompt_logprobs),
                          drafts=row_drafts)
@@ -464,12 +480,13 @@ class LLMEngine:
         result = jax.device_get(step.result)
         self.stats.device_seconds += time.perf_counter() - t
         new_tokens = []
+        token_ids = result.token_ids.tolist()
         for request, sample, row in step.rows:
             seq = sample.seq
             if sample.finish_reason is not None:  # aborted while in flight
                 continue
             assert seq.output_token_ids[-1] == PENDING_TOKEN, seq
-            token = int(result.token_ids[row])
+            token = token_ids[row]
             seq.output_token_ids[-1] = token
             new_tokens.append(NewToken(request, sample, token, row))
         return self._process(new_tokens, result)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable, Sequence as Seq
-from typing import Any
+from typing import Any, NamedTuple
 
 from paxpage.detokenizer import IncrementalDetokenizer
 from paxpage.outputs import Completion, RequestMetrics, RequestOutput, StreamDelta
@@ -66,11 +66,11 @@ class Request:
         return RequestMetrics(self.arrival_time, self.first_token_time, self.finished_time)
 
 
-@dataclasses.dataclass(frozen=True)
-class NewToken:
+class NewToken(NamedTuple):
     """One token sampled this step for one (non-beam) sample, at logits row `row`. A sample
     may get several in one step (speculative decoding: accepted drafts + one), in order, each
-    with `index`, its position among the sample's output tokens (None: the last one)."""
+    with `index`, its position among the sample's output tokens (None: the last one).
+    Immutable; a NamedTuple (one per token per step) builds ~5x faster than a frozen dataclass."""
 
     request: Request
     sample: Sample
@@ -153,6 +153,7 @@ class OutputProcessor:
         now = time.monotonic()
         touched: dict[int, tuple[Request, Sample]] = {}  # one delta per sample, in first-token order
         to_finish: list[tuple[Sequence, str]] = []
+        logprobs = result.logprobs.tolist()  # Python floats: one conversion, not one per token
         for new in new_tokens:
             request, sample, token, row = new.request, new.sample, new.token, new.row
             if new.index is not None and sample.finish_reason is not None:
@@ -162,7 +163,7 @@ class OutputProcessor:
             if sample.logprobs is not None:
                 sample.logprobs.append(_entry(token, result.logprobs[row], result.top_ids[row],
                                               result.top_logprobs[row], request.params.logprobs))
-            sample.cumulative_logprob += float(result.logprobs[row])
+            sample.cumulative_logprob += logprobs[row]
             if sample.detok is not None:
                 sample.detok.add(token)
             if sample.matcher is not None and not sample.grammar_refused:

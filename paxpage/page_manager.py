@@ -62,6 +62,7 @@ class PageManager:
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self._refcount: list[int] = [0] * num_pages
+        self._num_shared = 0  # pages with refcount > 1 (prefix hits, forks)
         self._free: list[int] = list(range(num_pages))  # min-heap of free page ids (a sorted list is a heap)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU order: first = evicted first
         self._key_to_page: dict[int, int] = {}
@@ -96,6 +97,11 @@ class PageManager:
     def usage(self) -> float:
         """Fraction of pages referenced by some page table."""
         return self.num_used_pages / self.num_pages
+
+    @property
+    def num_shared_pages(self) -> int:
+        """Pages that more than one page table holds."""
+        return self._num_shared
 
     def refcount(self, page: int) -> int:
         return self._refcount[page]
@@ -141,6 +147,8 @@ class PageManager:
                     raise ValueError(f"page {page} is free; only used or cached pages can be incref'ed")
                 del self._evictable[page]
             self._refcount[page] += 1
+            if self._refcount[page] == 2:
+                self._num_shared += 1
 
     def free(self, pages: Iterable[int]) -> None:
         """Drop one reference per page, in the given order. At refcount 0 a cached page becomes evictable
@@ -149,7 +157,9 @@ class PageManager:
             if self._refcount[page] <= 0:
                 raise ValueError(f"page {page} has refcount {self._refcount[page]}; double free")
             self._refcount[page] -= 1
-            if self._refcount[page] == 0:
+            if self._refcount[page] == 1:
+                self._num_shared -= 1
+            elif self._refcount[page] == 0:
                 if page in self._page_key:
                     self._evictable[page] = None
                 else:
@@ -209,6 +219,14 @@ class PageManager:
         num_new = max(0, target - len(seq.page_table))
         num_cow = sum(1 for i in self._write_range(seq, end) if self._refcount[seq.page_table[i]] > 1)
         return num_new + num_cow
+
+    def writes_in_place(self, seq: Sequence) -> bool:
+        """True when seq's next token (one, no reserve) lands in a page of its table that it alone
+        holds: `num_pages_to_write(seq, 1) == 0`, and `prepare_write(seq, 1)` would change nothing,
+        in O(1) (a decode step's common case)."""
+        index = seq.num_computed_tokens // self.page_size
+        table = seq.page_table
+        return index < len(table) and self._refcount[table[index]] == 1
 
     def prepare_write(self, seq: Sequence, num_new_tokens: int, reserve_tokens: int = 0) -> list[tuple[int, int]]:
         """Make seq own every page it writes this step and extend its table; returns (src, dst) copies."""
@@ -333,6 +351,7 @@ class PageManager:
         _check(not free & used, f"pages both free and used: {sorted(free & used)}")
         _check(not evictable & used, f"pages both evictable and used: {sorted(evictable & used)}")
         _check(len(free) + len(evictable) + len(used) == self.num_pages, "pages lost or duplicated")
+        _check(self._num_shared == sum(1 for r in self._refcount if r > 1), "shared page count is off")
         for page in range(self.num_pages):
             _check(
                 self._refcount[page] == holders[page],

@@ -54,6 +54,31 @@ class PageTables:
         row[2] = max(row[2], n)
         return slot
 
+    def sync_many(self, keys: Sequence[Hashable], versions: Sequence[int],
+                  page_tables: Sequence[Sequence[int]], starts: Sequence[int]) -> list[int]:
+        """`sync` for many rows (keys distinct); returns their slots. The common case, a known
+        row whose write starts in its table's last entry with every earlier entry synced (a
+        decode step), costs a few Python operations; its one entry is written with those of the
+        other such rows in one numpy assignment. Other rows go through `sync`."""
+        page_size, known = self.page_size, self._rows
+        slots, fast_slots, fast_index, fast_pages = [], [], [], []
+        for key, version, pages, start in zip(keys, versions, page_tables, starts):
+            row = known.get(key)
+            n = len(pages)
+            last = n - 1
+            if row is not None and row[1] == version and start // page_size == last and row[2] >= last:
+                fast_slots.append(row[0])
+                fast_index.append(last)
+                fast_pages.append(pages[last])
+                if row[2] < n:
+                    row[2] = n
+                slots.append(row[0])
+            else:
+                slots.append(self.sync(key, version, pages, start))
+        if fast_slots:
+            self.table[fast_slots, fast_index] = np.maximum(fast_pages, 0)
+        return slots
+
     def release(self, keys) -> None:
         for key in keys:
             row = self._rows.pop(key, None)

@@ -223,14 +223,14 @@ class ModelRunner:
         tables, so their host cost does not grow with context length."""
         page_size, row_len = self.cfg.page_size, self.cfg.prefill_row_len
         pages_per_seq = self.cfg.pages_per_seq
+        keys = [r.table_key for r in rows]
         transient = []
-        slot_of = []
-        for i, r in enumerate(rows):
-            key = r.table_key
+        for i, key in enumerate(keys):
             if key is None:  # a row with no identity: its table is copied whole, then dropped
-                key = ("transient", i)
-                transient.append(key)
-            slot_of.append(self.tables.sync(key, r.table_version, r.page_table, r.start))
+                keys[i] = ("transient", i)
+                transient.append(keys[i])
+        slot_of = self.tables.sync_many(keys, [r.table_version for r in rows], [r.page_table for r in rows],
+                                        [r.start for r in rows])
         table = self.tables.table
         decode = [i for i, r in enumerate(rows) if r.num_new == 1]
         prefill = [i for i, r in enumerate(rows) if r.num_new > 1]

@@ -62,6 +62,22 @@ def row_key(seed: int, step: int) -> np.ndarray:
     return np.array([x >> 32, x & 0xFFFFFFFF], dtype=np.uint32)
 
 
+def row_keys(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """`row_key` for many rows at once: seeds, steps integer[R] -> u32[R, 2], equal row by row.
+    Seeds are taken modulo 2**64 (as row_key's mask does); uint64 arithmetic wraps likewise."""
+    x = _splitmix64_array(_splitmix64_array(np.asarray(seeds).astype(np.uint64))
+                          ^ np.asarray(steps).astype(np.uint64))
+    return np.stack([x >> np.uint64(32), x & np.uint64(0xFFFFFFFF)], axis=-1).astype(np.uint32)
+
+
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:  # u64[R] -> u64[R], as _splitmix64
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
 def _bucket(n: int, minimum: int) -> int:
     """Smallest power of two >= max(n, minimum)."""
     return max(minimum, 1 << max(0, n - 1).bit_length())
@@ -123,10 +139,7 @@ class SamplingTensors:
         num_rows = num_real if pad_rows_to is None else pad_rows_to
         if num_rows < num_real:
             raise ValueError(f"pad_rows_to={pad_rows_to} is smaller than the {num_real} rows")
-        if eos_token_ids is None:
-            eos_token_ids = ()
-        elif isinstance(eos_token_ids, int):
-            eos_token_ids = (eos_token_ids,)
+        eos_token_ids = _eos_tuple(eos_token_ids)
 
         temperature = np.zeros(num_rows, np.float32)
         top_p = np.ones(num_rows, np.float32)
@@ -136,7 +149,7 @@ class SamplingTensors:
         presence = np.zeros(num_rows, np.float32)
         frequency = np.zeros(num_rows, np.float32)
         keys = np.zeros((num_rows, 2), np.uint32)
-        banned: list[tuple[int, ...]] = []
+        banned: dict[int, tuple[int, ...]] = {}
         for i, (p, _, out, seed, step) in enumerate(rows):
             temperature[i] = p.temperature
             top_p[i] = p.top_p
@@ -146,17 +159,28 @@ class SamplingTensors:
             presence[i] = p.presence_penalty
             frequency[i] = p.frequency_penalty
             keys[i] = row_key(seed, len(out) if step is None else step)
-            banned.append(p.banned_token_ids(len(out), eos_token_ids))
+            banned[i] = p.banned_token_ids(len(out), eos_token_ids)
+        return cls.from_host(temperature, top_p, top_k, min_p, rep, presence, frequency, keys, banned,
+                             lambda i: (rows[i].prompt_ids, rows[i].output_ids), token_width)
 
+    @classmethod
+    def from_host(cls, temperature, top_p, top_k, min_p, rep, presence, frequency, keys,
+                  banned: dict[int, Sequence[int]], row_tokens, token_width: int | None = None
+                  ) -> SamplingTensors:
+        """The tensors from per-row numpy arrays (R rows, padding included), the banned ids of the
+        rows that have any ({row: ids}), and `row_tokens(i) -> (prompt_ids, output_ids)`, called only
+        for rows with a penalty. `build` and sampling_batch.SamplingBatch both end here. The
+        leaves stay numpy: the jitted sampler moves them to the device with its call."""
+        num_rows = temperature.shape[0]
         # Distinct penalty tokens only for rows that use them. A batch without penalties ships
         # the smallest width (the same shape as a short penalised batch, so no extra compile)
         # and its penalty stage is skipped on device.
         needs_output = (rep != 1.0) | (presence != 0.0) | (frequency != 0.0)
         distinct: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for i in np.flatnonzero(needs_output):
-            r = rows[i]
-            out = np.asarray(r.output_ids, np.int64).reshape(-1)
-            prompt = np.asarray(r.prompt_ids if rep[i] != 1.0 else (), np.int64).reshape(-1)
+            prompt_ids, output_ids = row_tokens(i)
+            out = np.asarray(output_ids, np.int64).reshape(-1)
+            prompt = np.asarray(prompt_ids if rep[i] != 1.0 else (), np.int64).reshape(-1)
             ids, inverse = np.unique(np.concatenate([prompt, out]), return_inverse=True)
             distinct[i] = ids, np.bincount(inverse[len(prompt):], minlength=len(ids))
         needed = max((len(ids) for ids, _ in distinct.values()), default=0)
@@ -171,19 +195,24 @@ class SamplingTensors:
         for i, (ids, counts) in distinct.items():
             token_ids[i, :len(ids)] = ids
             token_counts[i, :len(ids)] = counts
-        banned_ids = np.full((num_rows, _bucket(max(map(len, banned), default=0), _MIN_BANNED_WIDTH)),
+        banned_ids = np.full((num_rows, _bucket(max(map(len, banned.values()), default=0), _MIN_BANNED_WIDTH)),
                              -1, np.int32)
-        for i, ids in enumerate(banned):
+        for i, ids in banned.items():
             banned_ids[i, :len(ids)] = ids
 
         return cls(
-            temperature=jnp.asarray(temperature), top_p=jnp.asarray(top_p),
-            top_k=jnp.asarray(top_k), min_p=jnp.asarray(min_p),
-            repetition_penalty=jnp.asarray(rep), presence_penalty=jnp.asarray(presence),
-            frequency_penalty=jnp.asarray(frequency), keys=jnp.asarray(keys),
-            token_ids=jnp.asarray(token_ids), token_counts=jnp.asarray(token_counts),
-            banned_ids=jnp.asarray(banned_ids),
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            repetition_penalty=rep, presence_penalty=presence, frequency_penalty=frequency, keys=keys,
+            token_ids=token_ids, token_counts=token_counts, banned_ids=banned_ids,
         )
+
+
+def _eos_tuple(eos_token_ids: Sequence[int] | int | None) -> tuple[int, ...]:
+    if eos_token_ids is None:
+        return ()
+    if isinstance(eos_token_ids, int):
+        return (eos_token_ids,)
+    return tuple(eos_token_ids)
 
 
 @functools.partial(

@@ -6,6 +6,9 @@ then --steps measured ones. From `engine.stats` (deltas over the measured steps)
     host    scheduling + packing + stop checks + detokenisation, ms per step
     device  the jitted step incl. fetching the sampled tokens, ms per step
     wall    perf_counter around the measured `step()` calls, ms per step
+    host CPU  CPU time of the engine's thread over the measured steps, ms per step: the host
+            work (with jax's dispatch and fetches) without the time other processes or the
+            device's own threads took the cores from it, so it stays comparable on a loaded machine
     overlap (host + device - wall) / min(host, device): 0 = serial, 1 = fully hidden
 
 Attention is timed alone, not inside the engine: one jitted call that does, for every layer,
@@ -179,16 +182,17 @@ def run_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: in
     for _ in range(warmup):
         engine.step()
     before = dataclasses.replace(engine.stats)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.thread_time()
     for _ in range(steps):
         engine.step()
+    host_cpu = (time.thread_time() - cpu) / steps
     wall = (time.perf_counter() - t) / steps
     after = engine.stats
     n = after.steps - before.steps
     assert n == steps, (n, steps)
     host = (after.host_seconds - before.host_seconds) / n
     device = (after.device_seconds - before.device_seconds) / n
-    return {"cfg": cfg, "host_s": host, "device_s": device, "wall_s": wall,
+    return {"cfg": cfg, "host_s": host, "device_s": device, "wall_s": wall, "host_cpu_s": host_cpu,
             "overlap": max(0.0, host + device - wall) / max(1e-9, min(host, device)),
             "fill_steps": fill_steps, "fill_s": fill_s}
 
@@ -231,16 +235,18 @@ def main(argv: list[str] | None = None) -> int:
                    "attention_kv_bytes": att["kv_bytes"], "attention_gb_per_s": att["gb_per_s"],
                    "attention_vs_bandwidth": att["gb_per_s"] / bandwidth}
             results.append(row)
-            print(f"{case.key:26s} host {r['host_s'] * 1e3:7.1f}  device {r['device_s'] * 1e3:8.1f}  "
+            print(f"{case.key:26s} host {r['host_s'] * 1e3:7.1f} (CPU {r['host_cpu_s'] * 1e3:.1f})  "
+                  f"device {r['device_s'] * 1e3:8.1f}  "
                   f"wall {r['wall_s'] * 1e3:8.1f} ms/step  overlap {r['overlap']:4.0%}  attention "
                   f"{att['seconds'] * 1e3:6.1f} ms ({row['attention_share']:4.0%} of device), "
                   f"{att['gb_per_s']:5.1f} GB/s ({row['attention_vs_bandwidth']:.2f}x read bandwidth)  "
                   f"[fill {r['fill_steps']} steps, {r['fill_s']:.0f} s]", flush=True)
 
-    print("\n| case | host ms/step | device ms/step | wall ms/step | overlap | attention share | attention GB/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| case | host ms/step | host CPU ms/step | device ms/step | wall ms/step | overlap | attention share "
+          "| attention GB/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in results:
-        print(f"| {row['case']} | {row['host_s'] * 1e3:.1f} | {row['device_s'] * 1e3:.1f} | "
+        print(f"| {row['case']} | {row['host_s'] * 1e3:.1f} | {row['host_cpu_s'] * 1e3:.1f} | {row['device_s'] * 1e3:.1f} | "
               f"{row['wall_s'] * 1e3:.1f} | {row['overlap']:.0%} | {row['attention_share']:.0%} | "
               f"{row['attention_gb_per_s']:.1f} |")
     if args.json:

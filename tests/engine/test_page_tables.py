@@ -51,3 +51,53 @@ def test_token_view_matches_the_concatenated_list():
     for lo in range(6):
         for hi in range(lo, 6):
             assert view[lo:hi] == whole[lo:hi]
+
+
+def test_sync_many_rows_equal_a_rebuild_after_random_steps():
+    """Decode steps (batched fast path), prefill chunks, copy-on-write, preemptions (new
+    version), released window entries (-1 -> 0), joins and leaves: every synced row equals its
+    page table rebuilt from scratch."""
+    rng = np.random.default_rng(0)
+    page_size, pages_per_seq = 4, 12
+    t = PageTables(pages_per_seq, page_size, capacity=2)
+    seqs: dict[int, dict] = {}  # key -> {"pages", "computed", "version"}
+    next_page, next_key = 100, 0
+    for _ in range(60):
+        if rng.random() < 0.3 or not seqs:
+            seqs[next_key] = {"pages": [], "computed": 0, "version": 0}
+            next_key += 1
+        keys, versions, tables, starts = [], [], [], []
+        for key, s in list(seqs.items()):
+            if rng.random() < 0.1:  # leaves
+                del seqs[key]
+                t.release([key])
+                continue
+            if rng.random() < 0.1:  # preempted and resumed: rebuilt from scratch
+                s.update(pages=[], computed=0, version=s["version"] + 1)
+            num_new = 1 if s["computed"] and rng.random() < 0.7 else int(rng.integers(1, 9))
+            end = min(s["computed"] + num_new, pages_per_seq * page_size)
+            if end <= s["computed"]:
+                continue
+            first = s["computed"] // page_size
+            if first < len(s["pages"]) and rng.random() < 0.2:  # copy-on-write of the written page
+                s["pages"][first] = next_page
+                next_page += 1
+            while len(s["pages"]) * page_size < end:
+                s["pages"].append(next_page)
+                next_page += 1
+            if first >= 2 and rng.random() < 0.2:  # a sliding window released an early page
+                s["pages"][0] = -1
+            keys.append(key)
+            versions.append(s["version"])
+            tables.append(list(s["pages"]))
+            starts.append(s["computed"])
+            s["computed"] = end
+        slots = t.sync_many(keys, versions, tables, starts)
+        assert len(set(slots)) == len(slots)
+        for slot, pages, start in zip(slots, tables, starts):
+            want = np.zeros(pages_per_seq, np.int32)
+            want[:len(pages)] = np.maximum(pages, 0)
+            # an entry released after its sync stays stale by design (no kernel reads it)
+            kept = np.ones(pages_per_seq, bool)
+            kept[:len(pages)] = np.array(pages) >= 0
+            np.testing.assert_array_equal(t.table[slot][kept], want[kept])

@@ -207,6 +207,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.s.check_invariants()
         for seq in self.live():
             assert seq.token_ids == self.expected[seq.seq_id], f"{seq} lost tokens"
+        # KV utilisation (the scheduler counts it per sequence while no page is shared) equals
+        # the count over pages: each held page's computed tokens once, shared or not
+        ps, fill = self.s.config.page_size, {}
+        for seq in self.s.running:
+            for i, page in enumerate(seq.page_table):
+                fill[page] = max(fill.get(page, 0), min(ps, max(0, seq.num_computed_tokens - i * ps)))
+        used = self.s.page_manager.num_used_pages
+        assert self.s.stats().kv_utilization == (sum(fill.values()) / (used * ps) if used else 0.0)
 
     def teardown(self):
         if not hasattr(self, "s"):

@@ -1,0 +1,120 @@
+"""Sampling parameters of the running sequences, kept in per-slot arrays between steps.
+
+`SamplingTensors.build` packs every logits row from its SamplingParams each step: a Python loop
+over the rows and a splitmix64 key per row. A sequence's parameters and seed never change while
+it runs, so this keeps them in one slot per sequence (vLLM v1's InputBatch idea), written once when
+the sequence first samples; a step's tensors are then numpy gathers over its rows' slots plus one
+vectorised key derivation. Rows that need per-token data (penalties, and banned ids below
+min_tokens) go through the same code as `build`'s (`SamplingTensors.from_host`), so the tensors are
+equal to `build`'s for the same rows. Pure numpy, no jax.
+
+Axis legend: R logits rows, C slot capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import numpy as np
+
+from paxpage.sampler import SamplingTensors, row_keys
+from paxpage.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+class SamplingBatch:
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], token_width: int | None = None,
+                 capacity: int = 64):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.token_width = token_width
+        self._slots: dict[Hashable, int] = {}
+        self._params: list[SamplingParams | None] = [None] * capacity
+        self._free = list(range(capacity - 1, -1, -1))
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        def grow(name, dtype):
+            new = np.zeros(capacity, dtype)
+            old = getattr(self, name, None)
+            if old is not None:
+                new[:old.shape[0]] = old
+            setattr(self, name, new)
+
+        for name, dtype in (("temperature", np.float32), ("top_p", np.float32), ("top_k", np.int32),
+                            ("min_p", np.float32), ("repetition_penalty", np.float32),
+                            ("presence_penalty", np.float32), ("frequency_penalty", np.float32),
+                            ("seed", np.uint64), ("min_tokens", np.int64)):
+            grow(name, dtype)  # each [C]
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    def slot(self, key: Hashable, params: SamplingParams, seed: int) -> int:
+        """The slot of `key` (a sequence id), registered with its params and seed on first use.
+        A key's params and seed must not change while it holds a slot."""
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = self._slots[key] = self._take()
+            self._params[slot] = params
+            self.temperature[slot] = params.temperature
+            self.top_p[slot] = params.top_p
+            self.top_k[slot] = 0 if params.top_k <= 0 or params.top_k >= self.vocab_size else params.top_k
+            self.min_p[slot] = params.min_p
+            self.repetition_penalty[slot] = params.repetition_penalty
+            self.presence_penalty[slot] = params.presence_penalty
+            self.frequency_penalty[slot] = params.frequency_penalty
+            self.seed[slot] = seed & _MASK64
+            self.min_tokens[slot] = params.min_tokens
+        return slot
+
+    def release(self, keys) -> None:
+        for key in keys:
+            slot = self._slots.pop(key, None)
+            if slot is not None:
+                self._params[slot] = None
+                self._free.append(slot)
+
+    def retain(self, live_keys) -> None:
+        """Releases every slot whose key is not in `live_keys`."""
+        self.release([k for k in self._slots if k not in live_keys])
+
+    def tensors(self, slots: np.ndarray, seed_offsets: np.ndarray, steps: np.ndarray,
+                row_tokens: Callable[[int], tuple[Sequence[int], Sequence[int]]],
+                pad_rows_to: int | None = None) -> SamplingTensors:
+        """SamplingTensors for logits rows r < n: slot slots[r], seed + seed_offsets[r] (a
+        request's n parallel samples), token position steps[r] (its output tokens so far, as
+        `RowInfo.step` and for min_tokens). `row_tokens(r) -> (prompt_ids, output_ids)` is called
+        only for rows with a penalty. Rows n .. pad_rows_to are padding (greedy, no penalties).
+        All index arrays are integer[n]."""
+        n = slots.shape[0]
+        num_rows = n if pad_rows_to is None else pad_rows_to
+        if num_rows < n:
+            raise ValueError(f"pad_rows_to={pad_rows_to} is smaller than the {n} rows")
+
+        def rows_of(values: np.ndarray, pad) -> np.ndarray:
+            out = np.full(num_rows, pad, values.dtype)
+            out[:n] = values[slots]
+            return out
+
+        keys = np.zeros((num_rows, 2), np.uint32)
+        with np.errstate(over="ignore"):
+            keys[:n] = row_keys(self.seed[slots] + seed_offsets.astype(np.uint64), steps)
+        banned = {}
+        for r in np.flatnonzero(self.min_tokens[slots] > steps):  # rare: below min_tokens
+            banned[int(r)] = self._params[slots[r]].banned_token_ids(int(steps[r]), self.eos_token_ids)
+        return SamplingTensors.from_host(
+            rows_of(self.temperature, 0.0), rows_of(self.top_p, 1.0), rows_of(self.top_k, 0),
+            rows_of(self.min_p, 0.0), rows_of(self.repetition_penalty, 1.0),
+            rows_of(self.presence_penalty, 0.0), rows_of(self.frequency_penalty, 0.0), keys, banned,
+            row_tokens, self.token_width)
+
+    def _take(self) -> int:
+        if not self._free:
+            old = self.temperature.shape[0]
+            self._alloc(2 * old)
+            self._params.extend([None] * old)
+            self._free = list(range(2 * old - 1, old - 1, -1))
+        return self._free.pop()

@@ -1,0 +1,77 @@
+"""SamplingBatch (persistent per-sequence sampling slots) against SamplingTensors.build, the
+from-scratch packing of the same rows, after random joins and leaves; row_keys against row_key."""
+
+import numpy as np
+import pytest
+
+from paxpage.sampler import RowInfo, SamplingTensors, row_key, row_keys
+from paxpage.sampling_batch import SamplingBatch
+from paxpage.sampling_params import SamplingParams
+
+VOCAB = 50
+EOS = (3, 7)
+FIELDS = ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+          "frequency_penalty", "keys", "token_ids", "token_counts", "banned_ids"]
+
+
+def test_row_keys_equal_row_key():
+    rng = np.random.default_rng(0)
+    seeds = [0, 1, 2**32 - 1, 2**63 + 5, 2**64 - 1, 2**70 + 3] + rng.integers(0, 2**62, 20).tolist()
+    steps = rng.integers(0, 5000, len(seeds)).tolist()
+    got = row_keys(np.array([s & (2**64 - 1) for s in seeds], np.uint64), np.array(steps))
+    want = np.stack([row_key(s, t) for s, t in zip(seeds, steps)])
+    np.testing.assert_array_equal(got, want)
+
+
+def _params(rng) -> SamplingParams:
+    kind = rng.integers(0, 5)
+    if kind == 0:
+        return SamplingParams(temperature=0.0)
+    if kind == 1:
+        return SamplingParams(temperature=0.7, top_p=0.9, top_k=int(rng.integers(-1, 80)), min_p=0.05)
+    if kind == 2:
+        return SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5,
+                              frequency_penalty=0.25)
+    if kind == 3:
+        return SamplingParams(temperature=0.5, min_tokens=3, stop_token_ids=[11, 12])
+    return SamplingParams(temperature=0.9, min_tokens=2, ignore_eos=True, presence_penalty=1.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tensors_equal_build_after_joins_and_leaves(seed):
+    rng = np.random.default_rng(seed)
+    batch = SamplingBatch(VOCAB, EOS, token_width=64, capacity=2)  # grows while the test runs
+    live: dict[int, tuple] = {}  # seq id -> (params, seed, prompt, outputs)
+    next_id = 0
+    for _ in range(12):
+        for _ in range(int(rng.integers(0, 4))):  # joins
+            live[next_id] = (_params(rng), int(rng.integers(0, 2**40)),
+                             rng.integers(0, VOCAB, int(rng.integers(1, 8))).tolist(), [])
+            next_id += 1
+        for key in list(live):  # leaves
+            if rng.random() < 0.2:
+                del live[key]
+        batch.retain(set(live))
+        for _, _, _, out in live.values():  # everyone decodes a token
+            out.append(int(rng.integers(0, VOCAB)))
+        # Rows: a plain row, or n parallel samples (seed + i), or a verify row's drafts.
+        infos, slots, offsets, steps, tokens = [], [], [], [], []
+        for key, (p, s, prompt, out) in live.items():
+            slot = batch.slot(key, p, s)
+            kind = rng.integers(0, 3)
+            count = 1 if kind == 0 else int(rng.integers(2, 4))
+            drafts = rng.integers(0, VOCAB, count - 1).tolist() if kind == 2 else []
+            for i in range(count):
+                seen = out + drafts[:i]
+                infos.append(RowInfo(p, prompt, seen, s if drafts else s + i, len(seen)))
+                slots.append(slot)
+                offsets.append(0 if drafts else i)
+                steps.append(len(seen))
+                tokens.append((prompt, seen))
+        pad = len(infos) + int(rng.integers(0, 3))
+        want = SamplingTensors.build(infos, VOCAB, pad_rows_to=pad, eos_token_ids=EOS, token_width=64)
+        got = batch.tensors(np.array(slots, np.int64), np.array(offsets, np.int64), np.array(steps, np.int64),
+                            lambda r: tokens[r], pad_rows_to=pad)
+        for name in FIELDS:
+            np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
+    assert batch.num_slots == len(live)
