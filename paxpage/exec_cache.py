@@ -73,6 +73,24 @@ def environment_fingerprint() -> str:
     return "\n".join(parts)
 
 
+_hits = threading.local()  # set when jax's persistent cache serves a compile on this thread
+_listening = False
+_listen_lock = threading.Lock()
+
+
+def _on_event(event: str, *args, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _hits.seen = True
+
+
+def _listen() -> None:
+    global _listening
+    with _listen_lock:
+        if not _listening:
+            jax.monitoring.register_event_listener(_on_event)
+            _listening = True
+
+
 def _leaf_signature(x) -> tuple:
     if isinstance(x, jax.Array):
         return (x.shape, str(x.dtype), bool(getattr(x, "weak_type", False)), x.sharding)
@@ -88,6 +106,13 @@ def _describe_sharding(s) -> str:
     return f"{type(s).__name__}:{s}"
 
 
+def default_directory() -> str:
+    """paxpage's cache directory + /executables (`paxpage cache` shows and empties it)."""
+    from models.cache import EXECUTABLES_DIR, cache_dir
+
+    return os.path.join(cache_dir(), EXECUTABLES_DIR)
+
+
 class ExecutableCache:
     """Compiled executables on disk under `directory`, keyed by `context` (a string the caller
     builds from everything besides the arguments that shapes the computation) and the
@@ -99,7 +124,9 @@ class ExecutableCache:
             [environment_fingerprint(), source_fingerprint(), context]).encode()).hexdigest()
         self._lock = threading.Lock()
         # loaded: read from disk; compiled: compiled here (and stored); failed: fell back to jit
-        self.stats = {"loaded": 0, "compiled": 0, "stored": 0, "failed": 0, "load_s": 0.0, "compile_s": 0.0}
+        # skipped: compiled, but served by jax's persistent cache, so not stored (see _executable)
+        self.stats = {"loaded": 0, "compiled": 0, "stored": 0, "skipped": 0, "failed": 0, "load_s": 0.0,
+                      "compile_s": 0.0}
 
     def wrap(self, name: str, jitted: Callable, static_argnums: Sequence[int] = ()) -> "CachedFunction":
         """`jitted` (a jax.jit function called with positional arguments only) behind this cache."""
@@ -199,6 +226,8 @@ class CachedFunction:
         if compiled is not None:
             return compiled
         t = time.perf_counter()
+        _listen()
+        _hits.seen = False
         try:
             compiled = self.jitted.lower(*args).compile()
         except Exception as e:  # let the plain jit path raise (or succeed) as it always did
@@ -207,6 +236,13 @@ class CachedFunction:
             self.cache._count("failed")
             return functools.partial(_call_jitted, self.jitted, self.static_argnums, statics)
         self.cache._count("compiled", time.perf_counter() - t, "compile_s")
+        if getattr(_hits, "seen", False):
+            # jax's persistent cache served it: an executable XLA deserialised does not serialise
+            # again intact on CPU (jax 0.10.2: the reloaded copy fails at its first run with
+            # "Function ... not found"), so only fresh compiles are stored.
+            log.info("paxpage: executable cache: %s came from jax's compilation cache; not stored", self.name)
+            self.cache._count("skipped")
+            return compiled
         self.cache.store(path, compiled)
         return compiled
 
