@@ -206,25 +206,42 @@ class CachedFunction:
         executable = self._executables.get(key)
         if executable is None:
             executable = self._executables[key] = self._executable(args, key)
+            if isinstance(executable, _Loaded):
+                return self._first_call(executable, args, key, dynamic)
         return executable(*dynamic)
 
-    def lower_and_compile(self, *args):
-        """The executable for these arguments without running it (precompile)."""
-        statics, dynamic = self._split(args)
-        leaves, tree = jax.tree.flatten(dynamic)
-        key = (statics, tree, tuple(_leaf_signature(x) for x in leaves))
-        if key not in self._executables:
-            self._executables[key] = self._executable(args, key)
+    def _first_call(self, loaded: "_Loaded", args, key, dynamic):
+        """A loaded executable's first run; if it fails (a file that deserialised but cannot run),
+        the file is dropped and the function compiled afresh. Arguments are donated only once a
+        run starts, and a run that cannot start has not consumed them."""
+        try:
+            out = loaded.compiled(*dynamic)
+        except Exception as e:
+            log.warning("paxpage: executable cache: %s from %s failed to run (%s: %s); compiling instead",
+                        self.name, os.path.basename(loaded.path), type(e).__name__, e)
+            self.cache._count("failed")
+            try:
+                os.unlink(loaded.path)
+            except OSError:
+                pass
+            executable = self._executables[key] = self._compile(args, key, loaded.path)
+            return executable(*dynamic)
+        self._executables[key] = loaded.compiled
+        return out
 
     def _executable(self, args, key) -> Callable:
-        import time
-
         statics, tree, leaves = key
         signature = repr((statics, str(tree), [(s, d, w, _describe_sharding(sh)) for s, d, w, sh in leaves]))
         path = self.cache.path(self.name, signature)
         compiled = self.cache.load(path)
         if compiled is not None:
-            return compiled
+            return _Loaded(compiled, path)
+        return self._compile(args, key, path)
+
+    def _compile(self, args, key, path: str) -> Callable:
+        import time
+
+        statics = key[0]
         t = time.perf_counter()
         _listen()
         _hits.seen = False
@@ -245,6 +262,16 @@ class CachedFunction:
             return compiled
         self.cache.store(path, compiled)
         return compiled
+
+
+class _Loaded:
+    """An executable read from disk that has not run yet (CachedFunction._first_call)."""
+
+    def __init__(self, compiled, path: str):
+        self.compiled, self.path = compiled, path
+
+    def __call__(self, *dynamic):
+        return self.compiled(*dynamic)
 
 
 def _call_jitted(jitted, static_argnums, statics, *dynamic):

@@ -60,6 +60,30 @@ def test_a_damaged_file_falls_back_to_compiling(tmp_path, caplog):
     assert "cannot load" in caplog.text
 
 
+def test_a_loaded_executable_that_cannot_run_is_dropped(tmp_path, monkeypatch, caplog):
+    """A file that deserialises but fails at its first run (as a re-serialised executable did on
+    CPU) is removed, and the call compiles afresh and answers."""
+    from jax.experimental import serialize_executable
+
+    fn = jax.jit(_scale, static_argnums=(1,))
+    x = np.arange(3, dtype=np.float32)
+    ExecutableCache(tmp_path, "ctx").wrap("scale", fn, (1,))(x, 4)
+
+    def broken(*args, **kwargs):
+        def run(*a):
+            raise RuntimeError("INTERNAL: Error dispatching computation: Function wrapped_iota not found")
+        return run
+
+    monkeypatch.setattr(serialize_executable, "deserialize_and_load", broken)
+    cached = ExecutableCache(tmp_path, "ctx").wrap("scale", fn, (1,))
+    with caplog.at_level("WARNING", logger="paxpage"):
+        np.testing.assert_array_equal(cached(x, 4), x * 4 + 1)
+        np.testing.assert_array_equal(cached(x, 4), x * 4 + 1)  # the fresh compile from now on
+    assert cached.cache.stats["loaded"] == 1 and cached.cache.stats["failed"] == 1
+    assert cached.cache.stats["compiled"] == 1 and "failed to run" in caplog.text
+    assert len(glob.glob(os.path.join(tmp_path, "scale-*.jaxexe"))) == 1  # stored anew
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir):
     model = paxpage.load(tiny_llama_dir)
