@@ -206,9 +206,21 @@ class CachedFunction:
         executable = self._executables.get(key)
         if executable is None:
             executable = self._executables[key] = self._executable(args, key)
-            if isinstance(executable, _Loaded):
-                return self._first_call(executable, args, key, dynamic)
+        if type(executable) is _Loaded:
+            return self._first_call(executable, args, key, dynamic)
         return executable(*dynamic)
+
+    def prepare(self, *args):
+        """Loads (or compiles and stores) the executable for these arguments without running it
+        (precompile). Returns its jax.stages.Compiled, or None where the jit path is used."""
+        statics, dynamic = self._split(args)
+        leaves, tree = jax.tree.flatten(dynamic)
+        key = (statics, tree, tuple(_leaf_signature(x) for x in leaves))
+        executable = self._executables.get(key)
+        if executable is None:
+            executable = self._executables[key] = self._executable(args, key)
+        executable = getattr(executable, "compiled", executable)
+        return executable if hasattr(executable, "out_info") else None
 
     def _first_call(self, loaded: "_Loaded", args, key, dynamic):
         """A loaded executable's first run; if it fails (a file that deserialised but cannot run),

@@ -339,6 +339,8 @@ class ModelRunner:
         and any rows (the same with greedy_only=False). num_mask_words > 0: also both with a
         structured-outputs bitmask i32[R, num_mask_words]. Returns the number of shapes."""
         shapes = self.step_shapes()
+        if self.exec_cache is not None and self._prepare(shapes, sampling_for_rows, num_mask_words):
+            return len(shapes)
         sampled: set[int] = set()  # the sampler's shape is R alone
         for dec, pre in shapes:
             batch = self._padding_batch(dec, pre)
@@ -356,6 +358,32 @@ class ModelRunner:
                     results.append(self.sample(batch, logits, sampling, allowed=allowed)[2])
             jax.block_until_ready(results)
         return len(shapes)
+
+    def _prepare(self, shapes, sampling_for_rows, num_mask_words: int) -> bool:
+        """precompile() with the executable cache: each executable loaded (or compiled and stored)
+        without running it; a warm start then costs the loads alone (running every shape once
+        on a padding batch took as long again on CPU). False if some executable took the plain
+        jit path (it must run to be compiled): precompile() then runs them all."""
+        sampled: set[int] = set()
+        for dec, pre in shapes:
+            batch = self._padding_batch(dec, pre)
+            step = self._calls["step"].prepare(self.params, self.kv_cache, batch,
+                                               np.full(batch.token_ids.shape[0], -1, np.int32),
+                                               self._no_prev_tokens)
+            if step is None:
+                return False
+            num_logits = batch.logits_indices.shape[0]
+            if num_logits in sampled:
+                continue
+            sampled.add(num_logits)
+            logits = jnp.zeros(step.out_info[1].shape, step.out_info[1].dtype)
+            greedy = sampling_for_rows(num_logits)
+            variants = [greedy, dataclasses.replace(greedy, greedy_only=False)]
+            for i, sampling in enumerate(variants * (2 if num_mask_words else 1)):
+                allowed = np.full((num_logits, num_mask_words), -1, np.int32) if i >= 2 else None
+                if self._calls["sample"].prepare(logits, sampling, allowed, 0, self.max_logits_rows) is None:
+                    return False
+        return True
 
     def _padding_batch(self, dec: int, pre: int) -> StepBatch:
         """An all-padding batch of `dec` decode rows and `pre` prefill rows (its K/V writes are dropped)."""

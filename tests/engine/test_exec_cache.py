@@ -138,3 +138,26 @@ def test_a_changed_parameter_shape_misses(tmp_path):
     np.testing.assert_allclose(cached(wide, x), np.tanh(x @ wide["w_in"]) @ wide["w_out"], rtol=1e-6)
     np.testing.assert_allclose(cached(small, x), np.tanh(x @ small["w_in"]) @ small["w_out"], rtol=1e-6)
     assert (cached.cache.stats["loaded"], cached.cache.stats["compiled"]) == (1, 1)
+
+
+def test_precompile_through_the_cache_leaves_nothing_to_compile(tiny, tmp_path):
+    """precompile=True with the cache: a cold engine compiles and stores every executable without
+    running it, a warm one loads them all, and serving greedy and sampled requests compiles
+    nothing more (compile_counter counts jax's backend compiles)."""
+    from paxpage import compile_counter
+
+    config = EngineConfig(executable_cache_dir=str(tmp_path), precompile=True, **SMALL)
+    cold = LLMEngine(tiny.config, tiny.params, tiny.tokenizer, config).runner.exec_cache.stats
+    assert cold["compiled"] == cold["stored"] >= 4 and cold["loaded"] == 0
+    engine = LLMEngine(tiny.config, tiny.params, tiny.tokenizer, config)
+    warm = engine.runner.exec_cache.stats
+    assert warm["loaded"] == cold["compiled"] and warm["compiled"] == 0
+    before = compile_counter.compiles()
+    prompts = random_prompts(5, 128, [3, 40, 9, 60, 17], seed=12)
+    kinds = [SP(temperature=0, max_tokens=9, ignore_eos=True), SP(temperature=0.8, top_p=0.9, seed=1, max_tokens=5)]
+    for i, p in enumerate(prompts):
+        engine.add_request(p, kinds[i % 2])
+    while engine.has_unfinished():
+        engine.step()
+    assert compile_counter.compiles() == before
+    assert engine.runner.exec_cache.stats["compiled"] == 0
