@@ -132,7 +132,10 @@ def run_serve(args: argparse.Namespace) -> int:
                   + "; requests that do not set these fields use them", flush=True)
         if engine.engine.precompiled is not None:
             shapes, seconds = engine.engine.precompiled
-            print(f"paxpage serve: compiled {shapes} step shapes in {seconds:.0f} s", flush=True)
+            cache = getattr(getattr(engine.engine, "runner", None), "exec_cache", None)
+            loaded = (f" ({cache.stats['loaded']} executables loaded, {cache.stats['compiled']} compiled; "
+                      f"executable cache {cache.directory})" if cache is not None else "")
+            print(f"paxpage serve: compiled {shapes} step shapes in {seconds:.0f} s{loaded}", flush=True)
         print(f"paxpage serve: {app.state.paxpage.served_model_name} on http://{host}:{port}"
               f"{' (API key required)' if api_key else ''}", flush=True)
         server.run(sockets=[sock])
