@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 from typing import Hashable, Sequence
 
 import jax
@@ -362,28 +363,34 @@ class ModelRunner:
     def _prepare(self, shapes, sampling_for_rows, num_mask_words: int) -> bool:
         """precompile() with the executable cache: each executable loaded (or compiled and stored)
         without running it; a warm start then costs the loads alone (running every shape once
-        on a padding batch took as long again on CPU). False if some executable took the plain
+        on a padding batch took as long again on CPU). Compiles run on a few threads (XLA's
+        compile releases the GIL; tracing does not). False if some executable took the plain
         jit path (it must run to be compiled): precompile() then runs them all."""
-        sampled: set[int] = set()
+        from concurrent.futures import ThreadPoolExecutor
+
+        prev = {}
+        calls = []
         for dec, pre in shapes:
             batch = self._padding_batch(dec, pre)
-            step = self._calls["step"].prepare(self.params, self.kv_cache, batch,
-                                               np.full(batch.token_ids.shape[0], -1, np.int32),
-                                               self._no_prev_tokens)
-            if step is None:
+            calls.append((self.params, self.kv_cache, batch, np.full(batch.token_ids.shape[0], -1, np.int32),
+                          self._no_prev_tokens))
+            prev.setdefault(batch.logits_indices.shape[0], len(calls) - 1)  # a step with R logits rows
+        workers = max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1, 8))
+        with ThreadPoolExecutor(workers) as pool:
+            steps = list(pool.map(lambda args: self._calls["step"].prepare(*args), calls))
+            if any(step is None for step in steps):
                 return False
-            num_logits = batch.logits_indices.shape[0]
-            if num_logits in sampled:
-                continue
-            sampled.add(num_logits)
-            logits = jnp.zeros(step.out_info[1].shape, step.out_info[1].dtype)
-            greedy = sampling_for_rows(num_logits)
-            variants = [greedy, dataclasses.replace(greedy, greedy_only=False)]
-            for i, sampling in enumerate(variants * (2 if num_mask_words else 1)):
-                allowed = np.full((num_logits, num_mask_words), -1, np.int32) if i >= 2 else None
-                if self._calls["sample"].prepare(logits, sampling, allowed, 0, self.max_logits_rows) is None:
-                    return False
-        return True
+            samplers = []
+            for num_logits, i in sorted(prev.items()):
+                info = steps[i].out_info[1]
+                logits = jnp.zeros(info.shape, info.dtype)
+                greedy = sampling_for_rows(num_logits)
+                variants = [greedy, dataclasses.replace(greedy, greedy_only=False)]
+                for j, sampling in enumerate(variants * (2 if num_mask_words else 1)):
+                    allowed = np.full((num_logits, num_mask_words), -1, np.int32) if j >= 2 else None
+                    samplers.append((logits, sampling, allowed, 0, self.max_logits_rows))
+            done = list(pool.map(lambda args: self._calls["sample"].prepare(*args), samplers))
+        return all(d is not None for d in done)
 
     def _padding_batch(self, dec: int, pre: int) -> StepBatch:
         """An all-padding batch of `dec` decode rows and `pre` prefill rows (its K/V writes are dropped)."""
