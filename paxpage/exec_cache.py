@@ -243,10 +243,24 @@ class CachedFunction:
         self._executables[key] = loaded.compiled
         return out
 
-    def _executable(self, args, key) -> Callable:
+    def ensure_stored(self, *args) -> bool:
+        """Makes sure the executable for these arguments is on disk, compiling and storing it if
+        not, but does not load a stored one (its first call will): precompile's way with
+        executables a run may never need. False where the jit path is used."""
+        statics, dynamic = self._split(args)
+        leaves, tree = jax.tree.flatten(dynamic)
+        key = (statics, tree, tuple(_leaf_signature(x) for x in leaves))
+        if key in self._executables or os.path.exists(self._path(key)):
+            return True
+        return self.prepare(*args) is not None
+
+    def _path(self, key) -> str:
         statics, tree, leaves = key
         signature = repr((statics, str(tree), [(s, str(d), w, _describe_sharding(sh)) for s, d, w, sh in leaves]))
-        path = self.cache.path(self.name, signature)
+        return self.cache.path(self.name, signature)
+
+    def _executable(self, args, key) -> Callable:
+        path = self._path(key)
         compiled = self.cache.load(path)
         if compiled is not None:
             return _Loaded(compiled, path)
