@@ -26,11 +26,14 @@ def _generate(args: argparse.Namespace) -> int:
              if getattr(args, name) is not None}
     # Checked before the model loads, so a bad value fails in a second, not after the load.
     params = paxpage.SamplingParams(max_tokens=args.max_tokens, **given)
+    from paxpage.exec_cache import default_directory
+
     config = paxpage.EngineConfig(tensor_parallel_size=args.tensor_parallel_size,
                                   data_parallel_size=args.data_parallel_size,
-                                  kv_cache_dtype=args.kv_cache_dtype)
+                                  kv_cache_dtype=args.kv_cache_dtype,
+                                  executable_cache_dir=default_directory())
     multi = multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
-    xla_cache.enable()
+    xla_cache.enable_unless_executable_cache(config, multi)
     model = paxpage.load(args.model, quantization=args.quantization)
     if "temperature" not in given and model.config.generation.temperature is None:
         params = params.replace(temperature=0.0)  # greedy unless the model recommends otherwise
@@ -94,7 +97,7 @@ def _cache(args: argparse.Namespace) -> int:
     if partial:
         print(f"unfinished writes: {len(partial)} ({_megabytes(sum(i.num_bytes for i in partial))})")
     xla = sum(i.num_bytes for i in items if i.kind == "xla")
-    print(f"XLA compilation cache: {_megabytes(xla)}")
+    print(f"XLA compilation cache: {_megabytes(xla)}")  # with the executable cache (exec_cache.py)
     print(f"total: {_megabytes(sum(i.num_bytes for i in items))}")
     return 0
 

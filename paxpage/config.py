@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -53,6 +54,10 @@ class EngineConfig:
     async_scheduling: bool = True
     # Compile every step shape when the engine is built (LLMEngine.precompile), not on first use.
     precompile: bool = False
+    # A directory for compiled executables (paxpage/exec_cache.py): a later engine of the same
+    # model, config and code loads its steps from here without tracing or compiling. None: off
+    # (the CLI and `paxpage serve` turn it on in paxpage's cache directory). Single-device only.
+    executable_cache_dir: str | None = None
     # Run the decoder layers as one lax.scan over stacked params and a stacked KV pool
     # (models/layer_stack.py): a step compiles in about the time of one layer instead of L.
     # "auto": where the layer kinds repeat and attention is "xla"; True: also with Pallas
@@ -101,6 +106,8 @@ class EngineConfig:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not (isinstance(self.scan_layers, bool) or self.scan_layers == "auto"):
             raise ValueError(f"scan_layers must be True, False or 'auto', got {self.scan_layers!r}")
+        if self.executable_cache_dir is not None and not isinstance(self.executable_cache_dir, (str, os.PathLike)):
+            raise TypeError(f"executable_cache_dir must be a path or None, got {self.executable_cache_dir!r}")
         if self.kv_allocation not in ("paged", "contiguous"):
             raise ValueError(f"kv_allocation must be 'paged' or 'contiguous', got {self.kv_allocation!r}")
         if self.dtype is not None and self.dtype not in DTYPES:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 from typing import Hashable, Sequence
 
 import jax
@@ -131,6 +132,24 @@ class ModelRunner:
         self._step = jax.jit(self._forward, donate_argnums=(1,), **step_shardings)
         self._copy = jax.jit(functools.partial(_copy_pages, page_axis=2 if self.scanned else 1),
                              donate_argnums=(0,), **copy_shardings)
+        # The sampler and the fixed-width copy of its tokens are one executable per logits-row count.
+        self._sampler = jax.jit(_sample_rows, static_argnums=(3, 4))
+        self._scorer = jax.jit(_score_prompt, static_argnums=(2,))
+        # Each device call goes through these: the jitted functions, or the same behind the
+        # executable cache (exec_cache.py) when cfg.executable_cache_dir is set.
+        self._calls = {"step": self._step, "copy_pages": self._copy, "sample": self._sampler,
+                       "score_prompt": self._scorer}
+        self.exec_cache = None
+        if cfg.executable_cache_dir is not None:
+            if mesh is None and jax.process_count() == 1:
+                from paxpage.exec_cache import ExecutableCache
+
+                self.exec_cache = ExecutableCache(cfg.executable_cache_dir, _cache_context(model_cfg, cfg))
+                static = {"sample": (3, 4), "score_prompt": (2,)}
+                self._calls = {name: self.exec_cache.wrap(name, fn, static.get(name, ()))
+                               for name, fn in self._calls.items()}
+            else:  # sharded or multi-host executables are not serialised: the plain jit path
+                log.info("paxpage: the executable cache is for single-device engines; not used here")
         self.memory_budget: kv_sizing.MemoryBudget | None = None  # when sized from device memory
         if cfg.num_pages is None:
             num_pages = self._pages_from_memory()
@@ -316,20 +335,66 @@ class ModelRunner:
 
     def precompile(self, sampling_for_rows, num_mask_words: int = 0) -> int:
         """Compiles (by running it on an all-padding batch, whose K/V writes are dropped) the
-        step and the plain sampler for every shape in `step_shapes()`. `sampling_for_rows(R)`
-        gives padding SamplingTensors of R rows. num_mask_words > 0: also the sampler with a
+        step for every shape in `step_shapes()`, and for each logits-row count R the sampler's
+        variants: all-greedy rows (`sampling_for_rows(R)`, padding SamplingTensors of R rows)
+        and any rows (the same with greedy_only=False). num_mask_words > 0: also both with a
         structured-outputs bitmask i32[R, num_mask_words]. Returns the number of shapes."""
         shapes = self.step_shapes()
-        masked: set[int] = set()  # the sampler's shape is R alone
+        if self.exec_cache is not None and self._prepare(shapes, sampling_for_rows, num_mask_words):
+            return len(shapes)
+        sampled: set[int] = set()  # the sampler's shape is R alone
         for dec, pre in shapes:
             batch = self._padding_batch(dec, pre)
             num_logits = batch.logits_indices.shape[0]
-            jax.block_until_ready(self.launch(batch, sampling_for_rows(num_logits))[2])
-            if num_mask_words and num_logits not in masked:
-                masked.add(num_logits)
-                allowed = np.full((num_logits, num_mask_words), -1, np.int32)
-                jax.block_until_ready(self.launch(batch, sampling_for_rows(num_logits), allowed=allowed)[2])
+            logits = self.forward(batch)
+            greedy = sampling_for_rows(num_logits)
+            results = [self.sample(batch, logits, greedy)[2]]
+            if num_logits not in sampled:
+                sampled.add(num_logits)
+                variants = [dataclasses.replace(greedy, greedy_only=False)]
+                if num_mask_words:
+                    variants += [greedy, variants[0]]
+                for i, sampling in enumerate(variants):
+                    allowed = np.full((num_logits, num_mask_words), -1, np.int32) if i else None
+                    results.append(self.sample(batch, logits, sampling, allowed=allowed)[2])
+            jax.block_until_ready(results)
         return len(shapes)
+
+    def _prepare(self, shapes, sampling_for_rows, num_mask_words: int) -> bool:
+        """precompile() with the executable cache: each executable loaded (or compiled and stored)
+        without running it; a warm start then costs the loads alone (running every shape once
+        on a padding batch took as long again on CPU). Compiles run on a few threads (XLA's
+        compile releases the GIL; tracing does not). False if some executable took the plain
+        jit path (it must run to be compiled): precompile() then runs them all."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        prev = {}
+        calls = []
+        for dec, pre in shapes:
+            batch = self._padding_batch(dec, pre)
+            calls.append((self.params, self.kv_cache, batch, np.full(batch.token_ids.shape[0], -1, np.int32),
+                          self._no_prev_tokens))
+            prev.setdefault(batch.logits_indices.shape[0], len(calls) - 1)  # a step with R logits rows
+        workers = max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1, 8))
+        with ThreadPoolExecutor(workers) as pool:
+            steps = list(pool.map(lambda args: self._calls["step"].prepare(*args), calls))
+            if any(step is None for step in steps):
+                return False
+            samplers = []
+            for num_logits, i in sorted(prev.items()):
+                info = steps[i].out_info[1]
+                logits = jnp.zeros(info.shape, info.dtype)
+                greedy = sampling_for_rows(num_logits)
+                variants = [greedy, dataclasses.replace(greedy, greedy_only=False)]
+                for j, sampling in enumerate(variants * (2 if num_mask_words else 1)):
+                    allowed = np.full((num_logits, num_mask_words), -1, np.int32) if j >= 2 else None
+                    samplers.append((logits, sampling, allowed, 0, self.max_logits_rows))
+            # The full sampler (draws, penalties; 1 MB and ~0.5 s to load per R on CPU, ~12 s to
+            # compile) is only made sure of on disk: a first sampled batch loads it, no compile.
+            sample = self._calls["sample"]
+            done = list(pool.map(lambda args: sample.prepare(*args) is not None if args[1].greedy_only
+                                 else sample.ensure_stored(*args), samplers))
+        return all(done)
 
     def _padding_batch(self, dec: int, pre: int) -> StepBatch:
         """An all-padding batch of `dec` decode rows and `pre` prefill rows (its K/V writes are dropped)."""
@@ -352,7 +417,7 @@ class ModelRunner:
         # Padding copies target a page past the pool, which the scatter drops.
         dst = np.full(n, self.cfg.num_pages, np.int32)
         src[:len(copies)], dst[:len(copies)] = zip(*copies)
-        self.kv_cache = self._copy(self.kv_cache, src, dst)
+        self.kv_cache = self._calls["copy_pages"](self.kv_cache, src, dst)
 
     def launch(self, batch: StepBatch, sampling, num_logprobs: int = 0, num_prompt_logprobs: int = 0,
                prev_rows: np.ndarray | None = None, prev_tokens: jax.Array | None = None,
@@ -374,19 +439,19 @@ class ModelRunner:
             prev_rows = np.full(batch.token_ids.shape[0], -1, np.int32)
         if prev_tokens is None:
             prev_tokens = self._no_prev_tokens
-        self.kv_cache, logits, prompt_logits = self._step(self.params, self.kv_cache, batch, prev_rows,
-                                                          prev_tokens)
+        self.kv_cache, logits, prompt_logits = self._calls["step"](self.params, self.kv_cache, batch, prev_rows,
+                                                                   prev_tokens)
         return logits, prompt_logits
 
     def sample(self, batch: StepBatch, logits, sampling, num_logprobs: int = 0,
                num_prompt_logprobs: int = 0, allowed: np.ndarray | None = None):
         """The sampler on `forward`'s logits; returns what `launch` does."""
         logits, prompt_logits = logits
-        out = sampler_lib.sample(logits, sampling, num_logprobs, allowed)
+        out, next_tokens = self._calls["sample"](logits, sampling, allowed, num_logprobs, self.max_logits_rows)
         prompt = None
         if batch.prompt_targets.shape[0]:
-            prompt = sampler_lib.score_prompt(prompt_logits, batch.prompt_targets, num_prompt_logprobs)
-        return out, prompt, _fixed_rows(out.token_ids, self.max_logits_rows)
+            prompt = self._calls["score_prompt"](prompt_logits, batch.prompt_targets, num_prompt_logprobs)
+        return out, prompt, next_tokens
 
     def verify(self, batch: StepBatch, logits, sampling, draft_ids: np.ndarray, draft_dists=None,
                num_logprobs: int = 0, num_prompt_logprobs: int = 0, allowed: np.ndarray | None = None):
@@ -399,7 +464,7 @@ class ModelRunner:
         out, accepted = verify_lib.verify(logits, sampling, draft_ids, draft_dists, num_logprobs, allowed)
         prompt = None
         if batch.prompt_targets.shape[0]:
-            prompt = sampler_lib.score_prompt(prompt_logits, batch.prompt_targets, num_prompt_logprobs)
+            prompt = self._calls["score_prompt"](prompt_logits, batch.prompt_targets, num_prompt_logprobs)
         return out, prompt, accepted
 
     def run(self, batch: StepBatch, sampling, num_logprobs: int = 0, num_prompt_logprobs: int = 0):
@@ -430,6 +495,31 @@ def _copy_pages(kv_cache, src, dst, page_axis: int):  # src, dst: i32[C]
     return jax.tree.map(lambda pages: pages.at[lead + (dst,)].set(pages[lead + (src,)], mode="drop"), kv_cache)
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
-def _fixed_rows(token_ids, num_rows: int):  # i32[R] -> i32[num_rows], cut or zero-padded
-    return jnp.zeros(num_rows, jnp.int32).at[:token_ids.shape[0]].set(token_ids[:num_rows])
+def _sample_rows(logits, sampling, allowed, num_logprobs: int, num_rows: int):
+    """The sampler, and its tokens i32[R] cut or zero-padded to i32[num_rows] (async scheduling's
+    `next_tokens`), in one executable: a separate jit would be one more compile per R."""
+    out = sampler_lib.sample(logits, sampling, num_logprobs, allowed)
+    token_ids = out.token_ids
+    return out, jnp.zeros(num_rows, jnp.int32).at[:token_ids.shape[0]].set(token_ids[:num_rows])
+
+
+def _score_prompt(logits, targets, num_top: int):  # positional, so the executable cache can wrap it
+    return sampler_lib.score_prompt(logits, targets, num_top)
+
+
+# ResolvedConfig / EngineConfig fields that do not change what the step, sampler or page copy
+# compute (they change scheduling, pool sizing or options read elsewhere; the pool's shape is
+# part of every executable's argument signature anyway). Any other field keys the cache.
+_CONTEXT_SKIP = frozenset({
+    "precompile", "async_scheduling", "enable_prefix_caching", "enable_chunked_prefill", "kv_allocation",
+    "gpu_memory_utilization", "kv_cache_bytes", "num_pages", "kv_source", "executable_cache_dir", "mesh",
+    "draft_model", "speculative_max_batch", "data_parallel_size", "ngram_min", "ngram_max"})
+
+
+def _cache_context(model_cfg: ModelConfig, cfg: ResolvedConfig) -> str:
+    """The executable cache's key material besides the arguments: the model config and the
+    engine config fields that shape a step (exec_cache.py)."""
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "engine"}
+    fields.update({f.name: getattr(cfg.engine, f.name) for f in dataclasses.fields(cfg.engine)})
+    kept = sorted((k, repr(v)) for k, v in fields.items() if k not in _CONTEXT_SKIP)
+    return f"model={model_cfg!r}\nengine={kept!r}"

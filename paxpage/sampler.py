@@ -98,7 +98,7 @@ class RowInfo(NamedTuple):
     data_fields=["temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                  "presence_penalty", "frequency_penalty", "keys", "token_ids", "token_counts",
                  "banned_ids"],
-    meta_fields=[],
+    meta_fields=["greedy_only"],
 )
 @dataclasses.dataclass(frozen=True)
 class SamplingTensors:
@@ -117,6 +117,10 @@ class SamplingTensors:
     token_ids: jax.Array  # i32[R, S]
     token_counts: jax.Array  # i32[R, S] occurrences of token_ids[r, s] in row r's output
     banned_ids: jax.Array  # i32[R, E] tokens forced to -inf (min_tokens), -1 pad
+    # Static: the host knows no row draws, penalises or bans (every row greedy). `sample` then
+    # compiles to the argmax alone: the draw's executable takes ~50x longer to compile, and an
+    # all-greedy workload never needs it. False is always correct (the device checks per row).
+    greedy_only: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -170,7 +174,7 @@ class SamplingTensors:
         """The tensors from per-row numpy arrays (R rows, padding included), the banned ids of the
         rows that have any ({row: ids}), and `row_tokens(i) -> (prompt_ids, output_ids)`, called only
         for rows with a penalty. `build` and sampling_batch.SamplingBatch both end here. The
-        leaves stay numpy: the jitted sampler moves them to the device with its call."""
+        leaves reach the device in one device_put."""
         num_rows = temperature.shape[0]
         # Distinct penalty tokens only for rows that use them. A batch without penalties ships
         # the smallest width (the same shape as a short penalised batch, so no extra compile)
@@ -200,11 +204,13 @@ class SamplingTensors:
         for i, ids in banned.items():
             banned_ids[i, :len(ids)] = ids
 
-        return cls(
-            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            repetition_penalty=rep, presence_penalty=presence, frequency_penalty=frequency, keys=keys,
-            token_ids=token_ids, token_counts=token_counts, banned_ids=banned_ids,
-        )
+        greedy_only = bool(np.all(temperature <= GREEDY_TEMPERATURE) and not needs_output.any()
+                           and np.all(banned_ids < 0))
+        # One device_put for all: jnp.asarray compiled a copy per shape and dtype the first time
+        # (dozens of small compiles in a first run) and dispatched one op per array every step.
+        arrays = jax.device_put([temperature, top_p, top_k, min_p, rep, presence, frequency, keys,
+                                 token_ids, token_counts, banned_ids])
+        return cls(*arrays, greedy_only=greedy_only)
 
 
 def _eos_tuple(eos_token_ids: Sequence[int] | int | None) -> tuple[int, ...]:
@@ -310,6 +316,8 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
     logits = logits.astype(jnp.float32)
     if allowed is not None:
         logits = apply_bitmask(logits, allowed)
+    if t.greedy_only:  # nothing to ban or penalise, every row takes its argmax
+        return _sample(logits, t, num_logprobs, greedy_only=True)
     # Banning or penalising writes a modified copy of the logits, which costs as much as a pass
     # over them on CPU: batches that do neither skip it (the branches return only [R]-sized
     # results, so neither copies the logits either).
@@ -325,8 +333,8 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
     return jax.lax.cond(modifies, penalised, lambda x: _sample(x, t, num_logprobs), logits)
 
 
-def _sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int) -> SamplerOutput:
-    """`sample` on penalised f32 logits."""
+def _sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int, greedy_only: bool = False) -> SamplerOutput:
+    """`sample` on penalised f32 logits (greedy_only: every row is greedy; no draw compiled)."""
     best = jnp.max(logits, axis=-1)  # [R]
     # log_softmax's own terms, so a gathered logprob equals its entry of log_softmax(logits)
     log_total = jnp.log(jnp.sum(jnp.exp(logits - best[:, None]), axis=-1))  # [R]
@@ -335,7 +343,7 @@ def _sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int) -> Sampler
     def draw_rows(logits):
         return draw(logits, best, t.temperature, t.top_k, t.top_p, t.min_p, t.keys, greedy)
 
-    token_ids = jax.lax.cond(jnp.all(greedy), _argmax, draw_rows, logits)
+    token_ids = _argmax(logits) if greedy_only else jax.lax.cond(jnp.all(greedy), _argmax, draw_rows, logits)
     if num_logprobs > 0:
         logprobs = (logits - best[:, None]) - log_total[:, None]  # [R, V]
         chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]

@@ -32,3 +32,15 @@ def enable(directory: str | None = None) -> str | None:
     except (OSError, AttributeError):
         return None
     return directory
+
+
+def enable_unless_executable_cache(config, multi_process: bool = False) -> str | None:
+    """`enable()`, except for a single-device engine with an executable cache (exec_cache.py),
+    which keeps its steps itself: an executable that jax's cache served is not stored there
+    (it does not serialise again intact), so with both on, the executable cache would never
+    fill for shapes jax's cache already holds."""
+    single = (config.tensor_parallel_size == 1 and config.data_parallel_size == 1 and config.mesh is None
+              and not multi_process)
+    if config.executable_cache_dir is not None and single:
+        return None
+    return enable()

@@ -48,8 +48,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--data-parallel-size", type=int, default=None, help="engine replicas behind the server")
     e.add_argument("--precompile", action="store_true",
                    help="compile every step shape before listening, so no request meets a compile "
-                        "(SmolLM2 defaults on a 2-core CPU: 109 shapes, ~9 min cold; the persistent "
-                        "compilation cache makes later starts quicker)")
+                        "(SmolLM2 defaults on a 2-core CPU: 47 shapes, minutes cold; the executable "
+                        "cache makes later starts take seconds)")
+    e.add_argument("--no-executable-cache", action="store_true",
+                   help="do not keep compiled steps in paxpage's cache directory (paxpage/exec_cache.py)")
     s.set_defaults(func=run_serve)
     return s
 
@@ -69,6 +71,10 @@ def engine_config_from_args(args: argparse.Namespace):
     # Every step shape compiled before listening: a compile met under load stalls every running
     # stream for seconds. Opt-in while the shape count makes it minutes on a CPU.
     kw["precompile"] = bool(getattr(args, "precompile", False))
+    if not getattr(args, "no_executable_cache", True):
+        from paxpage.exec_cache import default_directory
+
+        kw["executable_cache_dir"] = default_directory()
     return EngineConfig(**kw)
 
 
@@ -98,7 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from paxpage.async_engine import AsyncEngine
     from paxpage.server.app import DEFAULT_STALL_TIMEOUT_S, build_app
 
-    xla_cache.enable()
+    xla_cache.enable_unless_executable_cache(config)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -126,7 +132,10 @@ def run_serve(args: argparse.Namespace) -> int:
                   + "; requests that do not set these fields use them", flush=True)
         if engine.engine.precompiled is not None:
             shapes, seconds = engine.engine.precompiled
-            print(f"paxpage serve: compiled {shapes} step shapes in {seconds:.0f} s", flush=True)
+            cache = getattr(getattr(engine.engine, "runner", None), "exec_cache", None)
+            loaded = (f" ({cache.stats['loaded']} executables loaded, {cache.stats['compiled']} compiled; "
+                      f"executable cache {cache.directory})" if cache is not None else "")
+            print(f"paxpage serve: compiled {shapes} step shapes in {seconds:.0f} s{loaded}", flush=True)
         print(f"paxpage serve: {app.state.paxpage.served_model_name} on http://{host}:{port}"
               f"{' (API key required)' if api_key else ''}", flush=True)
         server.run(sockets=[sock])
