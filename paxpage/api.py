@@ -79,7 +79,7 @@ class Model:
         copies = self._forms.copies() if self._forms is not None else []
         if copies:
             parts = ", ".join(f"{num_bytes / MB:.1f} MB {form.dtype}"
-                              + (f" stacked for the scanned layers" if form.period else "")
+                              + (" stacked for the scanned layers" if form.period else "")
                               for form, num_bytes in copies)
             line += f"; shared by its engines: {parts}"
         return line
