@@ -11,12 +11,11 @@ took ~49 ms against 3-8 ms once freed memory stayed in the process.
 from the heap and freed ones are reused. The cost: the process keeps its peak heap (RSS does not
 fall after a burst of large arrays).
 
-It is meant only for processes paxpage owns (the CLI, the benchmark scripts), never for import of
-the library: a program that imports paxpage keeps its own allocator settings. It does nothing
-when the environment already sets a MALLOC_* variable or a glibc.malloc tunable (the user chose),
-or when the C library is not glibc. Nothing calls it by default yet: end to end
-(scripts/bench_malloc.py) it showed no clear win on the noisy development machine (README,
-"glibc malloc thresholds"); the benchmark's `mallopt` setting uses it.
+It is applied only where paxpage owns the process (`paxpage generate / serve / bench`, the
+benchmark scripts run as scripts), never on import of the library: a program that imports
+paxpage keeps its own allocator settings. It does nothing when the environment already sets a
+MALLOC_* variable or a glibc.malloc tunable (the user chose: e.g. MALLOC_PERTURB_=0, glibc's
+default, keeps glibc's thresholds), or when the C library is not glibc.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from paxpage import process_tuning
+from paxpage.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT = 2**31 - 1
@@ -59,3 +60,18 @@ def _child(env_extra: dict[str, str]) -> str:
 def test_subprocess_sets_thresholds_unless_the_user_did():
     assert _child({}) == str(BOTH)  # glibc accepted both
     assert _child({"MALLOC_MMAP_THRESHOLD_": "4000000000", "MALLOC_TRIM_THRESHOLD_": "4000000000"}) == "[]"
+
+
+@pytest.mark.parametrize("argv,tuned", [
+    (["cache", "info"], False),
+    (["generate", "hi", "--max-tokens", "0"], True),  # fails after tuning, before any load
+])
+def test_cli_tunes_commands_that_own_the_process(monkeypatch, tmp_path, argv, tuned):
+    from paxpage import xla_cache
+
+    monkeypatch.setenv("PAXPAGE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(xla_cache, "enable", lambda directory=None: None)
+    calls = []
+    monkeypatch.setattr(process_tuning, "tune_malloc", lambda: calls.append(1) or {})
+    main(argv)
+    assert calls == ([1] if tuned else [])
