@@ -42,11 +42,25 @@ class Model:
     _slots: "collections.OrderedDict[EngineConfig, _EngineSlot]" = dataclasses.field(
         default_factory=collections.OrderedDict, repr=False)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+    _forms: Any = dataclasses.field(default=None, repr=False)  # models.param_forms.ParamForms
+    _forms_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self):
         # A model dropped without close() must not leave its loop threads (and, through them, the
         # engines' KV pools) alive: stop them when the model is collected.
         weakref.finalize(self, _stop_loops, self._slots)
+
+    @property
+    def param_forms(self):
+        """The params as this model's engines take them (models/param_forms.py): each cast /
+        stacked form (e.g. the scanned layers' stacked copy) is made once and shared by every
+        engine that runs it, not copied per engine."""
+        from models.param_forms import ParamForms
+
+        with self._forms_lock:  # not _lock: engines are built while _lock is held
+            if self._forms is None or self._forms.params is not self.params:  # params reassigned
+                self._forms = ParamForms(self.params, self.config.num_layers)
+            return self._forms
 
     def memory(self) -> dict[str, int]:
         """{dtype name: bytes} the weights hold (int8 values, f32 scales, float weights)."""
@@ -55,12 +69,20 @@ class Model:
         return bytes_by_dtype(self.params)
 
     def describe_memory(self) -> str:
-        """"weights 170.4 MB (int8 ..., float32 ...)". The KV bytes per token and per sequence
-        depend on the engine's dtype and length: `engine(config).describe_memory()` (logged when
-        an engine starts) gives both."""
-        from paxpage.kv_sizing import describe_weights
+        """"weights 170.4 MB (int8 ..., float32 ...)", plus the bytes of the engines' shared
+        copies (stacked for scanned layers, or cast to another dtype) while engines hold them.
+        The KV bytes per token and per sequence depend on the engine's dtype and length:
+        `engine(config).describe_memory()` (logged when an engine starts) gives both."""
+        from paxpage.kv_sizing import MB, describe_weights
 
-        return describe_weights(self.memory())
+        line = describe_weights(self.memory())
+        copies = self._forms.copies() if self._forms is not None else []
+        if copies:
+            parts = ", ".join(f"{num_bytes / MB:.1f} MB {form.dtype}"
+                              + (" stacked for the scanned layers" if form.period else "")
+                              for form, num_bytes in copies)
+            line += f"; shared by its engines: {parts}"
+        return line
 
     def engine(self, config: EngineConfig) -> LLMEngine:
         """The engine for `config`, to step directly (single-threaded use; the `generate` /
@@ -74,7 +96,7 @@ class Model:
         with self._lock:
             if slot.loop is None or not slot.loop.alive:
                 if slot.loop is not None:  # it died: its engine's state cannot be trusted
-                    slot.engine = make_engine(self.config, self.params, self.tokenizer, config)
+                    slot.engine = make_engine(self.config, self.param_forms, self.tokenizer, config)
                 slot.loop = make_loop(slot.engine)
             return slot.loop
 
@@ -109,7 +131,7 @@ class Model:
                     break
                 if self._slots[key].idle:
                     evicted.append(self._slots.pop(key))
-            slot = _EngineSlot(make_engine(self.config, self.params, self.tokenizer, config))
+            slot = _EngineSlot(make_engine(self.config, self.param_forms, self.tokenizer, config))
             self._slots[config] = slot
         for old in evicted:
             old.close()

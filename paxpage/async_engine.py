@@ -33,7 +33,8 @@ class AsyncEngine:
         self.model = model
         # data_parallel_size > 1: one loop per replica behind a router (data_parallel.py), and
         # `engine` is replica 0 (config and eos ids are the same on every replica)
-        self._loop = make_loop(make_engine(model.config, model.params, model.tokenizer, engine_config),
+        params = getattr(model, "param_forms", model.params)  # a Model's: one weight copy for all its engines
+        self._loop = make_loop(make_engine(model.config, params, model.tokenizer, engine_config),
                                max_waiting_requests=max_waiting_requests)
         self.engine = self._loop.engine
         self.config = self.engine.config

@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+# Commands that run a model in this process, which paxpage then owns: glibc's malloc thresholds
+# are raised for them (paxpage/process_tuning.py), never on import of the library.
+_OWNS_PROCESS = ("generate", "serve", "bench")
 # Packages whose own exception classes are messages for users, whatever their base class.
 _OWN_PACKAGES = ("paxpage", "models", "pallas_kernels")
 
@@ -159,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     from paxpage.server.cli import add_serve_parser
     add_serve_parser(sub)
     args = parser.parse_args(argv)
+    if args.command in _OWNS_PROCESS:
+        from paxpage import process_tuning
+
+        process_tuning.tune_malloc()  # large freed buffers stay in the process (module doc)
     try:
         return args.func(args)
     except KeyboardInterrupt:

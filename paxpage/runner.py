@@ -20,9 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from models import layer_stack
+from models import layer_stack, param_forms
 from models.families import build_model
-from models.quant import cast_params
 from pallas_kernels import kv_quant, reference
 from pallas_kernels.xla_attention import paged_attention_xla
 from paxpage import kv_sizing
@@ -91,7 +90,9 @@ def _attention_fns(impl: str):
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params, cfg: ResolvedConfig, mesh=None):
-        """`mesh`: a 1-D ("model",) jax Mesh to split weights and the KV pool over (tensor
+        """`params`: the model's per-layer params, or a models.param_forms.ParamForms whose
+        runners share one cast / stacked copy (what paxpage.Model passes).
+        `mesh`: a 1-D ("model",) jax Mesh to split weights and the KV pool over (tensor
         parallelism, paxpage/sharding.py); None runs on the default device, as before.
         `cfg.num_pages` None: the pool is sized from the device's free memory once the weights
         are placed (kv_sizing.py)."""
@@ -101,18 +102,19 @@ class ModelRunner:
         dtype = jnp.dtype(cfg.dtype)
         attention, write_kv = _attention_fns(cfg.attention_impl)
         self._pool_sharding = None  # None: the default device
-        # Scanned layers (models/layer_stack.py): the per-layer params are stacked once here and
-        # the pool is one stacked [2, L, P, ...] array instead of a list of L pools.
+        # Scanned layers (models/layer_stack.py): the params are stacked and the pool is one
+        # stacked [2, L, P, ...] array instead of a list of L pools.
         self.scanned = cfg.scan_period > 0
         num_layers = model_cfg.num_layers
         if mesh is None:
-            if self.scanned:
-                params = layer_stack.stack_layers(params, num_layers, cfg.scan_period)
-            self.params = cast_params(params, dtype)  # quantised weights keep int8 values, f32 scales
+            # Cast (and stacked) once per model: runners of one ParamForms share the arrays.
+            self._param_form = param_forms.runner_params(params, num_layers, cfg.scan_period, dtype)
+            self.params = self._param_form.tree
             step_shardings = copy_shardings = {}
         else:
             from paxpage import mesh as mesh_lib  # the sharded path only
 
+            params = param_forms.per_layer(params)
             if self.scanned:
                 params = layer_stack.host_stack(params, num_layers, cfg.scan_period)
             (model_cfg, self.plan, self.params, self._pool_sharding, attention, write_kv, step_shardings,

@@ -153,4 +153,7 @@ def _cpu_name() -> str:
 
 
 if __name__ == "__main__":
+    from paxpage.process_tuning import tune_malloc
+
+    tune_malloc()  # glibc keeps large freed buffers for reuse (paxpage/process_tuning.py)
     sys.exit(main())

@@ -466,4 +466,7 @@ def _raise_interrupt(signum, frame):
 
 
 if __name__ == "__main__":
+    from paxpage.process_tuning import tune_malloc
+
+    tune_malloc()  # glibc keeps large freed buffers for reuse (paxpage/process_tuning.py)
     sys.exit(main())

@@ -101,4 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from paxpage.process_tuning import tune_malloc
+
+    tune_malloc()  # glibc keeps large freed buffers for reuse (paxpage/process_tuning.py)
     sys.exit(main())

@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from paxpage.process_tuning import tune_malloc
+
+    tune_malloc()  # glibc keeps large freed buffers for reuse (paxpage/process_tuning.py)
     from paxpage import xla_cache
 
     xla_cache.enable()  # every engine here compiles the same steps: later ones load them

@@ -57,7 +57,9 @@ class DraftProposer:
         draft = config.draft_model
         validate_draft_model(draft, target_model_cfg, target_tokenizer)
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.runner = DraftRunner(draft.config, draft.params, config, config.num_speculative_tokens)
+        # A Model's forms: the draft's cast / stacked copy is shared by every engine drafting with it.
+        params = getattr(draft, "param_forms", draft.params)
+        self.runner = DraftRunner(draft.config, params, config, config.num_speculative_tokens)
 
     # ------------------------------------------------------------------ Proposer
     def propose(self, inputs: Sequence[SpecInput]) -> Proposals:

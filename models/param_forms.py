@@ -1,0 +1,100 @@
+"""The forms a model's params take in its runners, made once and shared by them.
+
+A runner needs the params cast to its dtype and, when its layers run under a scan, stacked
+(models/layer_stack.py: `layers_{i}` -> one `layers` subtree with a leading layer axis). Made by
+each runner, every engine of one model held its own stacked copy (SmolLM2 in f32: +540 MB an
+engine, and a Model keeps up to `max_engines` engines). `ParamForms` makes each form, keyed by
+(scan period, dtype), once and hands the same arrays to every runner that asks.
+
+A form lives as long as a runner holds it (the cache holds it weakly): closing a model's engines
+frees their stacked copy, as before. The model's own per-layer params stay as they are (the
+unrolled loop, checkpoints, `Model.truncated` and tensor-parallel placement read them); a form in
+the params' own dtype without stacking is those very arrays (casting to the same dtype copies
+nothing).
+
+Quantised params (models/quant.py) take the same path: `cast_params` keeps their int8 values and
+f32 scales, and stacking maps over whatever leaves a layer has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from models import layer_stack
+from models.quant import bytes_by_dtype, cast_params
+
+
+@dataclasses.dataclass(eq=False)
+class RunnerParams:
+    """One form of a model's params, as the jitted step takes them. Runners keep this object (the
+    cache refers to it weakly) and pass `tree` to the step."""
+
+    tree: Any  # nested dict of arrays: per-layer `layers_{i}` (period 0) or the stacked `layers`
+    period: int  # layers per scanned group, 0: unstacked
+    dtype: str  # the float leaves' dtype (quantisation scales stay f32, int8 values int8)
+
+
+class ParamForms:
+    """A model's per-layer params and the runner forms derived from them (see the module doc).
+    Safe to call from several threads (engines may be built concurrently)."""
+
+    def __init__(self, params: dict, num_layers: int):
+        self.params = params  # the model's own per-layer tree; never modified
+        self.num_layers = num_layers
+        self._forms: weakref.WeakValueDictionary[tuple[int, str], RunnerParams] = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
+
+    def get(self, period: int, dtype) -> RunnerParams:
+        """The params cast to `dtype` and, with period > 0, stacked in groups of `period` layers.
+        The same object (the same arrays) for as long as any runner holds it."""
+        key = (period, jnp.dtype(dtype).name)
+        with self._lock:
+            form = self._forms.get(key)
+            if form is None:
+                form = RunnerParams(make_form(self.params, self.num_layers, period, key[1]), period, key[1])
+                self._forms[key] = form
+            return form
+
+    def held(self) -> list[RunnerParams]:
+        """The forms some runner holds now."""
+        with self._lock:
+            return list(self._forms.values())
+
+    def copies(self) -> list[tuple[RunnerParams, int]]:
+        """(form, bytes) of each live form that holds arrays beyond the model's own (a form in the
+        params' own dtype reuses their unstacked leaves: only the rest counts)."""
+        own = {id(x) for x in jax.tree.leaves(self.params)}
+        out = []
+        for form in self.held():
+            extra = [x for x in jax.tree.leaves(form.tree) if id(x) not in own]
+            num_bytes = sum(bytes_by_dtype(extra).values())
+            if num_bytes:
+                out.append((form, num_bytes))
+        return out
+
+
+def make_form(params: dict, num_layers: int, period: int, dtype) -> dict:
+    """What ModelRunner used to build for itself: stacked (period > 0) then cast."""
+    if period:
+        params = layer_stack.stack_layers(params, num_layers, period)
+    return cast_params(params, dtype)  # quantised weights keep int8 values, f32 scales
+
+
+def runner_params(params, num_layers: int, period: int, dtype) -> RunnerParams:
+    """`params`: a ParamForms (shared forms) or a plain per-layer tree (a form of its own)."""
+    if isinstance(params, ParamForms):
+        assert params.num_layers == num_layers, (params.num_layers, num_layers)
+        return params.get(period, dtype)
+    name = jnp.dtype(dtype).name
+    return RunnerParams(make_form(params, num_layers, period, name), period, name)
+
+
+def per_layer(params) -> dict:
+    """The per-layer tree of a ParamForms or of a plain tree."""
+    return params.params if isinstance(params, ParamForms) else params

@@ -1,0 +1,78 @@
+"""glibc malloc thresholds for processes paxpage owns (the CLI and the benchmark scripts).
+
+By default glibc serves every allocation above M_MMAP_THRESHOLD (128 KiB, raised dynamically up
+to 32 MiB) with its own mmap and unmaps it on free, and gives freed memory at the top of the heap
+back to the OS once more than M_TRIM_THRESHOLD (128 KiB) is free there. XLA on CPU allocates a
+step's large buffers afresh each step (the logits of 256 rows of a 49152-token vocabulary are
+48 MiB of f32), so each step page-faults and zeroes that memory again: `x * 2` on such an array
+took ~49 ms against 3-8 ms once freed memory stayed in the process.
+
+`tune_malloc` sets both thresholds to 2 GiB - 1 (mallopt takes an int), so large buffers come
+from the heap and freed ones are reused. The cost: the process keeps its peak heap (RSS does not
+fall after a burst of large arrays).
+
+It is applied only where paxpage owns the process (`paxpage generate / serve / bench`, the
+benchmark scripts run as scripts), never on import of the library: a program that imports
+paxpage keeps its own allocator settings. It does nothing when the environment already sets a
+MALLOC_* variable or a glibc.malloc tunable (the user chose: e.g. MALLOC_PERTURB_=0, glibc's
+default, keeps glibc's thresholds), or when the C library is not glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import sys
+from typing import Any, Mapping
+
+log = logging.getLogger("paxpage")
+
+# mallopt parameter numbers (glibc <malloc.h>).
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+THRESHOLD_BYTES = 2**31 - 1  # the largest value mallopt's int parameter holds
+SETTINGS = {M_MMAP_THRESHOLD: THRESHOLD_BYTES, M_TRIM_THRESHOLD: THRESHOLD_BYTES}
+
+
+def user_malloc_settings(environ: Mapping[str, str]) -> list[str]:
+    """The malloc settings the environment already makes (names of variables, sorted)."""
+    names = [k for k in environ if k.startswith("MALLOC_")]
+    if "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
+        names.append("GLIBC_TUNABLES")
+    return sorted(names)
+
+
+def _glibc() -> Any | None:
+    """The process's C library when it is glibc (it has mallopt and gnu_get_libc_version)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # noqa: B018 (musl and others lack it)
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.mallopt.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def tune_malloc(environ: Mapping[str, str] | None = None, libc: Any | None = None) -> dict[int, int]:
+    """Raises glibc's mmap and trim thresholds (see the module doc) unless the environment sets
+    malloc options itself. Returns {mallopt parameter: value} for each setting applied ({}: none).
+    `environ` defaults to os.environ; `libc` to the process's glibc (tests pass a stand-in)."""
+    environ = os.environ if environ is None else environ
+    own = user_malloc_settings(environ)
+    if own:
+        log.debug("paxpage: malloc left as set by %s", ", ".join(own))
+        return {}
+    libc = _glibc() if libc is None else libc
+    if libc is None:
+        log.debug("paxpage: malloc thresholds not set (the C library is not glibc)")
+        return {}
+    applied = {param: value for param, value in SETTINGS.items() if libc.mallopt(param, value) == 1}
+    log.debug("paxpage: malloc mmap / trim thresholds set to %d bytes (%d of %d accepted), so large "
+              "freed buffers are reused instead of returned to the OS", THRESHOLD_BYTES, len(applied),
+              len(SETTINGS))
+    return applied

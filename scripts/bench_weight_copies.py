@@ -1,0 +1,86 @@
+"""Resident memory of one model's weights across engines: each engine's own stacked copy (the
+old way: a runner given the plain params tree stacks its own) against one copy shared through
+`Model.param_forms` (models/param_forms.py), in separate processes, side by side.
+
+Each process loads the model, builds one engine, then a second engine with another config (both
+with scanned layers, the CPU default) and reports VmRSS after each; the KV pools are kept small
+(--num-pages) so the weights dominate.
+
+    python scripts/bench_weight_copies.py            # SmolLM2-135M in f32
+    python scripts/bench_weight_copies.py --model DIR --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+MB = 1e6
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def measure(mode: str, model_source: str | None, dtype: str, num_pages: int) -> dict:
+    import paxpage
+    from paxpage.engine import LLMEngine
+
+    model = paxpage.load(model_source, dtype=dtype)
+    gc.collect()
+    out = {"mode": mode, "loaded": rss_bytes()}
+    params = model.param_forms if mode == "shared" else model.params
+    engines = []
+    for i, max_num_seqs in enumerate((4, 8)):  # two engine configs
+        cfg = paxpage.EngineConfig(num_pages=num_pages, page_size=16, max_num_seqs=max_num_seqs, dtype=dtype)
+        engines.append(LLMEngine(model.config, params, model.tokenizer, cfg))
+        gc.collect()
+        out[f"engine_{i + 1}"] = rss_bytes()
+    out["scanned"] = engines[0].runner.scanned
+    out["weights"] = sum(model.memory().values())
+    out["describe"] = model.describe_memory()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="anything paxpage.load accepts (default: SmolLM2)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--num-pages", type=int, default=16)
+    parser.add_argument("--one", choices=["own", "shared"], help=argparse.SUPPRESS)  # the child process
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.one, args.model, args.dtype, args.num_pages)))
+        return 0
+    rows = []
+    for mode in ("own", "shared"):
+        cmd = [sys.executable, __file__, "--one", mode, "--dtype", args.dtype, "--num-pages", str(args.num_pages)]
+        if args.model:
+            cmd += ["--model", args.model]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=os.environ)
+        if proc.returncode != 0:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            return 1
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    print(f"weights {rows[0]['weights'] / MB:.1f} MB, scanned layers: {rows[0]['scanned']}")
+    print("| params given to the engines | RSS after load | + engine 1 | + engine 2 | growth over load |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['loaded'] / MB:.0f} MB | {(r['engine_1'] - r['loaded']) / MB:+.0f} MB "
+              f"| {(r['engine_2'] - r['engine_1']) / MB:+.0f} MB | {(r['engine_2'] - r['loaded']) / MB:+.0f} MB |")
+    print(f"shared: {rows[1]['describe']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

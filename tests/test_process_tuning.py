@@ -1,0 +1,77 @@
+"""glibc malloc thresholds (paxpage/process_tuning.py): set where paxpage owns the process, left
+alone when the user's environment sets malloc options. mallopt's effect shows only in timings
+(scripts/bench_malloc.py), so these check the decision and the calls made."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from paxpage import process_tuning
+from paxpage.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIMIT = 2**31 - 1
+BOTH = [(-3, LIMIT), (-1, LIMIT)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD (glibc <malloc.h>)
+
+
+class FakeLibc:
+    def __init__(self, accept: bool = True):
+        self.calls: list[tuple[int, int]] = []
+        self.accept = accept
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.calls.append((param, value))
+        return int(self.accept)
+
+
+@pytest.mark.parametrize("environ,tuned", [
+    ({}, True),
+    ({"PATH": "/bin", "GLIBC_TUNABLES": "glibc.rtld.optional_static_tls=2048"}, True),
+    ({"MALLOC_TRIM_THRESHOLD_": "0"}, False),
+    ({"MALLOC_ARENA_MAX": "2"}, False),  # any malloc option of the user's: all left alone
+    ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}, False),
+])
+def test_decision_and_calls(environ, tuned):
+    libc = FakeLibc()
+    applied = process_tuning.tune_malloc(environ, libc=libc)
+    assert libc.calls == (BOTH if tuned else [])
+    assert applied == (dict(BOTH) if tuned else {})
+
+
+def test_refused_settings_are_not_reported():
+    assert process_tuning.tune_malloc({}, libc=FakeLibc(accept=False)) == {}
+
+
+def _child(env_extra: dict[str, str]) -> str:
+    """What tune_malloc returns in a fresh interpreter with the given environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    env.update(env_extra)
+    code = "from paxpage.process_tuning import tune_malloc; print(sorted(tune_malloc().items()))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60, check=True)
+    return out.stdout.strip()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_subprocess_sets_thresholds_unless_the_user_did():
+    assert _child({}) == str(BOTH)  # glibc accepted both
+    assert _child({"MALLOC_MMAP_THRESHOLD_": "4000000000", "MALLOC_TRIM_THRESHOLD_": "4000000000"}) == "[]"
+
+
+@pytest.mark.parametrize("argv,tuned", [
+    (["cache", "info"], False),
+    (["generate", "hi", "--max-tokens", "0"], True),  # fails after tuning, before any load
+])
+def test_cli_tunes_commands_that_own_the_process(monkeypatch, tmp_path, argv, tuned):
+    from paxpage import xla_cache
+
+    monkeypatch.setenv("PAXPAGE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(xla_cache, "enable", lambda directory=None: None)
+    calls = []
+    monkeypatch.setattr(process_tuning, "tune_malloc", lambda: calls.append(1) or {})
+    main(argv)
+    assert calls == ([1] if tuned else [])
