@@ -201,13 +201,18 @@ class CachedFunction:
         dynamic = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
         return statics, dynamic
 
-    def __call__(self, *args):
+    def _lookup(self, args):
+        """(executable, key, dynamic args) for these arguments: from memory, else loaded or compiled."""
         statics, dynamic = self._split(args)
         leaves, tree = jax.tree.flatten(dynamic)
         key = (statics, tree, tuple(_leaf_signature(x) for x in leaves))
         executable = self._executables.get(key)
         if executable is None:
             executable = self._executables[key] = self._executable(args, key)
+        return executable, key, dynamic
+
+    def __call__(self, *args):
+        executable, key, dynamic = self._lookup(args)
         if type(executable) is _Loaded:
             return self._first_call(executable, args, key, dynamic)
         return executable(*dynamic)
@@ -215,12 +220,7 @@ class CachedFunction:
     def prepare(self, *args):
         """Loads (or compiles and stores) the executable for these arguments without running it
         (precompile). Returns its jax.stages.Compiled, or None where the jit path is used."""
-        statics, dynamic = self._split(args)
-        leaves, tree = jax.tree.flatten(dynamic)
-        key = (statics, tree, tuple(_leaf_signature(x) for x in leaves))
-        executable = self._executables.get(key)
-        if executable is None:
-            executable = self._executables[key] = self._executable(args, key)
+        executable = self._lookup(args)[0]
         executable = getattr(executable, "compiled", executable)
         return executable if hasattr(executable, "out_info") else None
 
