@@ -25,6 +25,7 @@ from paxpage import beam as beam_lib
 from paxpage import compile_counter, kv_sizing
 from paxpage import spec as spec_lib
 from paxpage.config import EngineConfig
+from paxpage.engine_stats import EngineStats
 from paxpage.output_processor import NewToken, OutputProcessor, Request
 from paxpage.outputs import RequestOutput, StreamDelta
 from paxpage.runner import ModelRunner, RowPlan
@@ -37,38 +38,6 @@ from paxpage.structured_backend import GrammarBackend, bitmask_words
 
 
 log = logging.getLogger("paxpage")
-
-
-@dataclasses.dataclass
-class EngineStats:
-    steps: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    overlapped_steps: int = 0  # steps left in flight while the next one was scheduled
-    host_seconds: float = 0.0  # scheduling + packing + stop checks
-    device_seconds: float = 0.0  # jitted step incl. the token transfer
-    # KV utilisation sampled every KV_SAMPLE_EVERY steps (the exact count scans every page table)
-    kv_utilisation_sum: float = 0.0
-    kv_utilisation_samples: int = 0
-    # speculative decoding: steps with drafts, sequence rows that carried drafts, drafts
-    # proposed and accepted, and tokens those rows emitted (accepted + one each)
-    spec_steps: int = 0
-    spec_rows: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / max(1, self.draft_tokens)
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a speculating row emits per step: accepted drafts + the target's token."""
-        return (self.accepted_tokens + self.spec_rows) / max(1, self.spec_rows)
-
-    @property
-    def mean_kv_utilisation(self) -> float:
-        return self.kv_utilisation_sum / max(1, self.kv_utilisation_samples)
 
 
 KV_SAMPLE_EVERY = 8

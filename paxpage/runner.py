@@ -349,16 +349,11 @@ class ModelRunner:
             batch = self._padding_batch(dec, pre)
             num_logits = batch.logits_indices.shape[0]
             logits = self.forward(batch)
-            greedy = sampling_for_rows(num_logits)
-            results = [self.sample(batch, logits, greedy)[2]]
+            results = [logits]
             if num_logits not in sampled:
                 sampled.add(num_logits)
-                variants = [dataclasses.replace(greedy, greedy_only=False)]
-                if num_mask_words:
-                    variants += [greedy, variants[0]]
-                for i, sampling in enumerate(variants):
-                    allowed = np.full((num_logits, num_mask_words), -1, np.int32) if i else None
-                    results.append(self.sample(batch, logits, sampling, allowed=allowed)[2])
+                results += [self.sample(batch, logits, sampling, allowed=allowed)[2]
+                            for sampling, allowed in _sampler_variants(sampling_for_rows, num_logits, num_mask_words)]
             jax.block_until_ready(results)
         return len(shapes)
 
@@ -386,11 +381,8 @@ class ModelRunner:
             for num_logits, i in sorted(prev.items()):
                 info = steps[i].out_info[1]
                 logits = jnp.zeros(info.shape, info.dtype)
-                greedy = sampling_for_rows(num_logits)
-                variants = [greedy, dataclasses.replace(greedy, greedy_only=False)]
-                for j, sampling in enumerate(variants * (2 if num_mask_words else 1)):
-                    allowed = np.full((num_logits, num_mask_words), -1, np.int32) if j >= 2 else None
-                    samplers.append((logits, sampling, allowed, 0, self.max_logits_rows))
+                samplers += [(logits, sampling, allowed, 0, self.max_logits_rows)
+                             for sampling, allowed in _sampler_variants(sampling_for_rows, num_logits, num_mask_words)]
             # The full sampler (draws, penalties; 1 MB and ~0.5 s to load per R on CPU, ~12 s to
             # compile) is only made sure of on disk: a first sampled batch loads it, no compile.
             sample = self._calls["sample"]
@@ -472,6 +464,19 @@ class ModelRunner:
     def run(self, batch: StepBatch, sampling, num_logprobs: int = 0, num_prompt_logprobs: int = 0):
         """Returns (SamplerOutput, PromptLogprobs) as numpy."""
         return jax.device_get(self.launch(batch, sampling, num_logprobs, num_prompt_logprobs)[:2])
+
+
+def _sampler_variants(sampling_for_rows, num_logits: int, num_mask_words: int):
+    """The (SamplingTensors, allowed) pairs whose sampler executables precompile makes for R =
+    num_logits rows: all-greedy (argmax only) and any rows, and with num_mask_words > 0 both
+    again with a structured-outputs bitmask i32[R, num_mask_words]."""
+    greedy = sampling_for_rows(num_logits)
+    variants = [greedy, dataclasses.replace(greedy, greedy_only=False)]
+    pairs = [(sampling, None) for sampling in variants]
+    if num_mask_words:
+        allowed = np.full((num_logits, num_mask_words), -1, np.int32)
+        pairs += [(sampling, allowed) for sampling in variants]
+    return pairs
 
 
 def step_shapes(max_num_seqs: int, max_num_batched_tokens: int, prefill_row_len: int,
