@@ -7,7 +7,7 @@ counts as `gather_bitcast_fusion`). Per call it prints each name's total ms, how
 ran and its mean us per run: inside the attention's while loop a run is one loop iteration
 (tiny: 96 per layer; smollm2: 5 per layer). The profiler may miss
 some events; runs/call shows how many it caught. What a fusion holds is in the optimised HLO
-(`--hlo` prints the ops of the loop body and what each fusion computes).
+(`--hlo` prints the loop body and the ops inside each fusion).
 
 `--probe gather` times a read-only loop instead, as the floor to compare with: the same
 pages gathered chunk by chunk and summed into a carried buffer (no dots, no softmax).
@@ -82,7 +82,8 @@ def thunk_times(trace_dir: str, calls: int) -> list[tuple[str, float, float]]:
 
 
 def loop_body_hlo(text: str) -> str:
-    """The fusions the while body runs, and the ops inside each (metadata dropped)."""
+    """The optimised HLO's computations (each fusion's ops, the loop body, the loop condition),
+    metadata dropped and lines cut at 240 characters."""
     keep = []
     for line in text.splitlines():
         line = re.sub(r", metadata=\{[^}]*\}", "", line)
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=3, help="profiled calls")
     parser.add_argument("--baseline", default=None, help="profile this tree's xla_attention.py instead")
     parser.add_argument("--probe", choices=["gather"], default=None, help="profile the read-only loop")
-    parser.add_argument("--hlo", action="store_true", help="print the optimised HLO's loop body")
+    parser.add_argument("--hlo", action="store_true", help="print the optimised HLO (fusions, loop body)")
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args(argv)
     shape = dict(ab.SHAPES[args.shape])
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
         attention = ab.load_baseline(args.baseline)
     else:
         attention = ab.xla_attention.paged_attention_xla
-    call, kv_bytes, (lower_s, compile_s) = ab.make_step(attention, shape)
+    call, kv_bytes, (_, compile_s) = ab.make_step(attention, shape)
     for _ in range(2):
         call()
     with tempfile.TemporaryDirectory() as trace_dir:
