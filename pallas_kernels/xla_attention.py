@@ -39,6 +39,40 @@ Quantised pool (kv_quant.QuantizedKV): the scales are viewed as rows of whole pa
 values are dequantised (values * scales, f32) right after the gather; a plain pool traces no
 scale op at all.
 
+Where the time goes (scripts/profile_attention.py, jax 0.10.2, 2-core AMD EPYC, shared machine).
+Per loop iteration at the tiny shape (256 rows x 1 page, 2 MiB of K + V): the merged gather
+~240 us, the two K/V slices (mask + copy) 2 x 33 us, YNN's two dots and the max / sum
+reductions 4 x 17 us, exp 15 us, the score mask 10 us, the accumulator 5 us: ~390 us, where a
+read-only loop over the same pages (`--probe gather`) takes ~150 us. At SmolLM2 64 x 65 (1 page,
+1.5 MiB): K gather ~70 us, V gather + mask and the score mask 2 x 35 us, YNN 4 x 17 us, exp
+and accumulator ~20 us each. So the gathers are about half, the dots a fifth to a third.
+What sets those costs (each measured alone in a loop like this one's):
+- A gather fusion whose root keeps the gather's wide shape ([rows, page_size * J]) copies at
+  ~120 us per MiB; when its root is a bitcast to the dot's [B, S, J] (what a dot consumer gets
+  unless something else reads the block first) ~200-250 us per MiB. Two gathers feeding one
+  elementwise output (the read-only loop) are fastest, ~75 us per MiB.
+- YNN's batched dots at these skinny shapes (M = 4-9 rows) work at ~4-9 GFLOP/s, cost
+  scaling with the operand's bytes, not with B (64 rows x 4 pages costs what 256 x 1 does).
+  XLA's Eigen dots (YNN fusion off, measured with the XLA flag) are 1.5x slower.
+- Reductions fused with elementwise work (YNN's or XLA's own emitter) cost 1-2 ns per element.
+- glibc's transparent huge pages for the heap (GLIBC_TUNABLES=glibc.malloc.hugetlb=1 at
+  process start, with tune_malloc's thresholds) made this step ~10% faster at both shapes.
+Tried and dropped in that session (bench_attention_ab-style A/B in one process, 2 layers tiny /
+30 layers SmolLM2, CPU ms): separate K/V gathers at the tiny shape (102 vs 79 ms); row blocks as
+2 / 4 / 8 independent loops with chunks sized to the 1 MiB L2 (72-92 vs 79 ms); CHUNK_BYTES from
+256 KiB to 4 MiB (no change at SmolLM2); gathering chunk c + 1 in iteration c (carried:
+1.15-1.9x slower); scores as elementwise k * q reduced over D (sum: 3.4x slower; a GEMV with
+ones: 1.2x) and P.V as a flat [B, S * J] accumulator with the V gather fused into it (1.2-3x:
+the fusion's root differs from the gather's shape); a "big-M" score dot [S * K, D] x [N, D] per
+row, keeping each head's own kv head (within noise); K and V interleaved so one gather reads
+two pages at once and the dots run on the combined block with zero-padded q / p (token-major
+[B, S, 2, J]: 1.1x slower; 1-4 KiB blocks: 3x; complex64 K + iV: 1.7x, complex dots are slow);
+page size 32 / 64 instead of 16 (no change); separate K / V gathers kept at the wide root by a
+second (dummy, NaN-safe) consumer of each, V masked in the wide shape, so no slices (tiny 68.5
+vs 71.6 ms, SmolLM2 44 vs 37 ms). The issue's targets (>= 14 GB/s at 256 x 1536,
+<= 15% of SmolLM2's step) are not met: at 256 x 1536 the read-only loop alone reaches ~14-16
+GB/s, so no formulation in XLA ops that also computes the dots can.
+
 Axis legend: B rows, Tq query tokens per row, S keys in a chunk, N query heads,
 K kv heads, G = N // K, D head dim, M = Tq * N expanded query rows, J = K * D.
 """
