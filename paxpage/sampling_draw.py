@@ -256,7 +256,8 @@ def draw(logits: jax.Array, best_logit: jax.Array, temperature: jax.Array, top_k
 
         state = (jnp.int32(1), jnp.float32(-jnp.inf), jnp.int32(0), jnp.bool_(False))
         _, _, token, ok = jax.lax.while_loop(not_done, round_, state)
-        return jnp.where(ok, token, argmax[r])
+        # (`argmax` is not computed when no row is greedy: the row's own)
+        return jnp.where(ok, token, argmax_rows(lr[None])[0])
 
     def next_row(state):
         tokens, pending = state

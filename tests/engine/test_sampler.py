@@ -377,3 +377,16 @@ def test_draws_stay_inside_filter_logits_support():
     out = sample(jnp.asarray(np.tile(x, (seeds, 1))), SamplingTensors.build(rows, vocab))
     tokens = np.asarray(out.token_ids).reshape(seeds, num_rows)
     assert kept[np.arange(num_rows)[None, :], tokens].all()
+
+
+@pytest.mark.parametrize("vocab", [37, 256, 1000])
+def test_argmax_rows_is_numpys_first_argmax(vocab):
+    from paxpage.sampling_draw import argmax_rows
+
+    rng = np.random.default_rng(vocab)
+    x = rng.integers(-3, 4, size=(7, vocab)).astype(np.float32)  # many ties at the maximum
+    x[1] = -np.inf  # no finite logit: index 0, as np.argmax
+    x[2, -1] = 10.0  # the maximum in the last (padded) block
+    x[3, :] = 0.0
+    x[3, 300 % vocab] = 1.0
+    np.testing.assert_array_equal(np.asarray(argmax_rows(jnp.asarray(x))), np.argmax(x, axis=-1))
