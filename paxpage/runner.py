@@ -338,9 +338,9 @@ class ModelRunner:
     def precompile(self, sampling_for_rows, num_mask_words: int = 0) -> int:
         """Compiles (by running it on an all-padding batch, whose K/V writes are dropped) the
         step for every shape in `step_shapes()`, and for each logits-row count R the sampler's
-        variants: all-greedy rows (`sampling_for_rows(R)`, padding SamplingTensors of R rows)
-        and any rows (the same with greedy_only=False). num_mask_words > 0: also both with a
-        structured-outputs bitmask i32[R, num_mask_words]. Returns the number of shapes."""
+        variants: all-greedy rows (`sampling_for_rows(R)`, padding SamplingTensors of R rows),
+        unpenalised rows and any rows (runner._sampler_variants). num_mask_words > 0: also each
+        with a structured-outputs bitmask i32[R, num_mask_words]. Returns the number of shapes."""
         shapes = self.step_shapes()
         if self.exec_cache is not None and self._prepare(shapes, sampling_for_rows, num_mask_words):
             return len(shapes)
@@ -468,10 +468,11 @@ class ModelRunner:
 
 def _sampler_variants(sampling_for_rows, num_logits: int, num_mask_words: int):
     """The (SamplingTensors, allowed) pairs whose sampler executables precompile makes for R =
-    num_logits rows: all-greedy (argmax only) and any rows, and with num_mask_words > 0 both
-    again with a structured-outputs bitmask i32[R, num_mask_words]."""
+    num_logits rows: all-greedy (argmax only), unpenalised and any rows, and with
+    num_mask_words > 0 all three again with a structured-outputs bitmask i32[R, num_mask_words]."""
     greedy = sampling_for_rows(num_logits)
-    variants = [greedy, dataclasses.replace(greedy, greedy_only=False)]
+    plain = dataclasses.replace(greedy, greedy_only=False, penalised=False)
+    variants = [greedy, plain, dataclasses.replace(plain, penalised=True)]
     pairs = [(sampling, None) for sampling in variants]
     if num_mask_words:
         allowed = np.full((num_logits, num_mask_words), -1, np.int32)

@@ -6,12 +6,13 @@ Cases (every row alike): greedy, temperature 0.7, temperature 0.7 + top_p 0.9, t
   flat    N(0, 0.16^2): what a tiny random model gives (top-p 0.9 keeps ~85% of the vocabulary)
   peaked  N(0, 1) plus a few strong tokens per row, a trained model's shape (top-p 0.9 keeps a
           handful to a few hundred tokens)
---baseline PATH times another sampler.py (e.g. the main checkout's) in the same process,
-interleaved with this one, so before / after share the machine's load.
+--baseline PATH times another checkout's sampler (a directory: its paxpage/sampler.py with its
+own paxpage/sampling_draw.py; or a sampler.py alone) in the same process, interleaved with this
+one, so before / after share the machine's load.
 
 Usage:
-    git show main:paxpage/sampler.py > /tmp/sampler_main.py
-    python scripts/bench_sampler.py --baseline /tmp/sampler_main.py
+    git worktree add /tmp/sampler_main main     # or: git archive main | tar -x -C DIR
+    python scripts/bench_sampler.py --baseline /tmp/sampler_main --iters 7
     python scripts/bench_sampler.py --rows 64 --iters 5
 """
 
@@ -43,8 +44,25 @@ CASES = {
 
 
 def _load(path: str):
-    spec = importlib.util.spec_from_file_location(f"baseline_sampler_{abs(hash(path))}", path)
+    """Another tree's sampler, for --baseline: PATH is a sampler.py, or a checkout (a directory
+    holding paxpage/sampler.py), whose own paxpage/sampling_draw.py the sampler then imports."""
+    tag = abs(hash(path))
+    draw_path = None
+    if os.path.isdir(path):
+        path, draw_path = (os.path.join(path, "paxpage", name) for name in ("sampler.py", "sampling_draw.py"))
+    saved = sys.modules.get("paxpage.sampling_draw")
+    try:
+        if draw_path is not None:  # the baseline's sampler imports its own draw
+            sys.modules["paxpage.sampling_draw"] = _module(f"baseline_sampling_draw_{tag}", draw_path)
+        return _module(f"baseline_sampler_{tag}", path)
+    finally:
+        sys.modules["paxpage.sampling_draw"] = saved
+
+
+def _module(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
     return module
 
@@ -69,7 +87,7 @@ def main() -> None:
     ap.add_argument("--logits", choices=["flat", "peaked", "both"], default="both")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ",".join(CASES))
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--baseline", help="path of another sampler.py to time alongside")
+    ap.add_argument("--baseline", help="another checkout (directory) or sampler.py to time alongside")
     args = ap.parse_args()
 
     modules = {"this": sampler_lib}

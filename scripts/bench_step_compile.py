@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         logits = jnp.zeros((rows, vocab), jnp.float32)
         sample = jax.jit(lambda lg, t: sampler_lib.sample(lg, t, 0))
         g = lower_compile(sample, logits, greedy)
-        f = lower_compile(sample, logits, dataclasses.replace(greedy, greedy_only=False))
+        f = lower_compile(sample, logits, dataclasses.replace(greedy, greedy_only=False, penalised=True))
         print(f"{rows:>10} {g[0]:>12.2f}s {g[1]:>7.2f}s {f[0]:>10.2f}s {f[1]:>7.2f}s", flush=True)
     return 0
 

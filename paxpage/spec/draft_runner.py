@@ -46,6 +46,7 @@ from paxpage.batch import StepBatch
 from paxpage.config import ResolvedConfig
 from paxpage.runner import ModelRunner, bucket
 from paxpage.sampler import filter_logits, row_key
+from paxpage.sampling_draw import argmax_rows
 from paxpage.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 # Mixed into each sampled row's seed so the draft's draws are independent of the target's
@@ -217,7 +218,7 @@ class DraftRunner:
                               empty_pages, empty, empty, rows.astype(jnp.int32), empty, empty)
             logits, kv_cache = self.runner.model.apply({"params": params}, batch, kv_cache)
             logits = logits[:num_rows].astype(jnp.float32)  # [B, V]
-            best = jax.lax.top_k(logits, 1)[1][:, 0].astype(jnp.int32)
+            best = argmax_rows(logits)
             if sampled:
                 scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
                 filtered = filter_logits(scaled, _Filters(top_k, top_p, min_p))

@@ -85,9 +85,8 @@ def verify(logits: jax.Array, t: sampler_lib.SamplingTensors, draft_ids: jax.Arr
     out = sampler_lib.sample(logits, t, num_logprobs)
     has_draft = draft_ids >= 0
     drafts = jnp.maximum(draft_ids, 0)
-    modifies = jnp.any(t.banned_ids >= 0) | jnp.any(
-        (t.repetition_penalty != 1.0) | (t.presence_penalty != 0.0) | (t.frequency_penalty != 0.0))
-    penalised = jax.lax.cond(modifies, lambda x: sampler_lib.apply_penalties(x, t), lambda x: x, logits)
+    # t.penalised: the host knows whether a row is penalised or bans tokens (as `sample` does)
+    penalised = sampler_lib.apply_penalties(logits, t) if t.penalised else logits
     accepted = has_draft & (drafts == out.token_ids)
     tokens = out.token_ids
     if draft_dists is not None:  # rejection sampling against the draft's q

@@ -152,8 +152,9 @@ def test_precompile_through_the_cache_leaves_nothing_to_compile(tiny, tmp_path):
     assert cold["compiled"] == cold["stored"] >= 4 and cold["loaded"] == 0
     engine = LLMEngine(tiny.config, tiny.params, tiny.tokenizer, config)
     warm = engine.runner.exec_cache.stats
-    # the steps and greedy samplers are loaded now; the full samplers (draws) at first use
-    num_full = len({bucket(d + p) for d, p in engine.runner.step_shapes()})
+    # the steps and greedy samplers are loaded now; the samplers that draw (unpenalised and
+    # penalised, two per logits-row count) at first use
+    num_full = 2 * len({bucket(d + p) for d, p in engine.runner.step_shapes()})
     assert warm["loaded"] == cold["compiled"] - num_full and warm["compiled"] == 0
     warm_loaded = warm["loaded"]
     before = compile_counter.compiles()

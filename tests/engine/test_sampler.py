@@ -1,5 +1,6 @@
 """Sampler: filtering supports and frequencies, penalties against HF / numpy, compiles, seeds."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -196,11 +197,28 @@ def test_any_mix_of_rows_compiles_once():
         t = SamplingTensors.build([RowInfo(p, [1, 2], [3], i) for i, p in enumerate(params)], vocab)
         jax.block_until_ready(sample(logits, t, num_logprobs=2))
         sizes.append(sample._cache_size() - before)
-    # all-greedy rows (the host knows: SamplingTensors.greedy_only) get the argmax-only variant;
-    # every other mix shares the one full executable
-    assert [t.greedy_only for t in [SamplingTensors.build([RowInfo(p, [1, 2], [3], 0) for p in v], vocab)
-                                    for v in variants]] == [True, False, False, False]
-    assert sizes == [1, 2, 2, 2]
+    # all-greedy rows (the host knows: SamplingTensors.greedy_only) get the argmax-only variant,
+    # unpenalised rows (SamplingTensors.penalised False) the draw alone; every penalised mix
+    # shares the one full executable
+    built = [SamplingTensors.build([RowInfo(p, [1, 2], [3], 0) for p in v], vocab) for v in variants]
+    assert [(t.greedy_only, t.penalised) for t in built] == [
+        (True, False), (False, False), (False, True), (False, True)]
+    assert sizes == [1, 2, 3, 3]
+
+
+def test_penalty_stage_leaves_unpenalised_rows_alone():
+    # the `penalised` variant runs the penalty stage on every row: rows without penalties must
+    # sample exactly what the variant without the stage samples (same keys, same logprobs)
+    num_rows, vocab = 6, 41
+    logits = jnp.asarray(np.random.default_rng(9).normal(size=(num_rows, vocab)), jnp.float32)
+    params = [SamplingParams(temperature=0), SamplingParams(), SamplingParams(top_p=0.7),
+              SamplingParams(top_k=3, temperature=0.5), SamplingParams(min_p=0.2), SamplingParams(seed=4)]
+    t = SamplingTensors.build([RowInfo(p, [1, 2, 5], [3, 3], i) for i, p in enumerate(params)], vocab)
+    assert not t.penalised
+    plain = jax.device_get(sample(logits, t, num_logprobs=3))
+    full = jax.device_get(sample(logits, dataclasses.replace(t, penalised=True), num_logprobs=3))
+    for a, b in zip(plain.__dict__.values(), full.__dict__.values()):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_row_key_is_a_pure_function():
@@ -359,3 +377,16 @@ def test_draws_stay_inside_filter_logits_support():
     out = sample(jnp.asarray(np.tile(x, (seeds, 1))), SamplingTensors.build(rows, vocab))
     tokens = np.asarray(out.token_ids).reshape(seeds, num_rows)
     assert kept[np.arange(num_rows)[None, :], tokens].all()
+
+
+@pytest.mark.parametrize("vocab", [37, 256, 1000])
+def test_argmax_rows_is_numpys_first_argmax(vocab):
+    from paxpage.sampling_draw import argmax_rows
+
+    rng = np.random.default_rng(vocab)
+    x = rng.integers(-3, 4, size=(7, vocab)).astype(np.float32)  # many ties at the maximum
+    x[1] = -np.inf  # no finite logit: index 0, as np.argmax
+    x[2, -1] = 10.0  # the maximum in the last (padded) block
+    x[3, :] = 0.0
+    x[3, 300 % vocab] = 1.0
+    np.testing.assert_array_equal(np.asarray(argmax_rows(jnp.asarray(x))), np.argmax(x, axis=-1))
