@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 import os
+import time
 from typing import Hashable, Sequence
 
 import jax
@@ -460,6 +461,24 @@ class ModelRunner:
         if batch.prompt_targets.shape[0]:
             prompt = self._calls["score_prompt"](prompt_logits, batch.prompt_targets, num_prompt_logprobs)
         return out, prompt, accepted
+
+    def time_device_calls(self) -> dict[str, list[float]]:
+        """For benchmarks: from now on every device call (the step, the sampler, prompt scoring,
+        page copies) waits for its results and appends its seconds to the returned dict's list
+        under its name. That is each executable's own run time, but the engine's host work
+        then no longer overlaps the device: measure wall-clock figures apart."""
+        seconds: dict[str, list[float]] = {}
+
+        def timed(name, call):
+            def run(*args):
+                t = time.perf_counter()
+                out = jax.block_until_ready(call(*args))
+                seconds.setdefault(name, []).append(time.perf_counter() - t)
+                return out
+            return run
+
+        self._calls = {name: timed(name, call) for name, call in self._calls.items()}
+        return seconds
 
     def run(self, batch: StepBatch, sampling, num_logprobs: int = 0, num_prompt_logprobs: int = 0):
         """Returns (SamplerOutput, PromptLogprobs) as numpy."""

@@ -6,6 +6,11 @@ then --steps measured ones. From `engine.stats` (deltas over the measured steps)
     host    scheduling + packing + stop checks + detokenisation, ms per step
     device  the jitted step incl. fetching the sampled tokens, ms per step
     wall    perf_counter around the measured `step()` calls, ms per step
+    busy    the device's own time per step: `steps` more steps with each device call (step,
+            sampler, ...) timed to its completion (ModelRunner.time_device_calls): each call's
+            median times its calls per step, summed. On
+            CPU the "device" wait above also holds dispatch and the host's share of the cores;
+            a sampled case is compared with its greedy twin on this figure
     host CPU  CPU time of the engine's thread over the measured steps, ms per step: the host
             work (with jax's dispatch and fetches) without the time other processes or the
             device's own threads took the cores from it, so it stays comparable on a loaded machine
@@ -23,8 +28,13 @@ Models: "tiny" is a random 2-layer Llama (hidden 64, 4 heads, 4 kv heads of 16, 
 matmuls are negligible next to attention, sampling and host work; "smollm2" is
 `paxpage.load()`'s SmolLM2-135M-Instruct.
 
+--interleave fills every case's engine first and then steps them in turns, one step each per
+round, so a loaded machine's noise falls on all cases alike; a sampled case then also reports
+its device time over the greedy case of the same model and shape.
+
 Usage:
     python scripts/bench_step.py --json /tmp/step.json           # the whole table (minutes)
+    python scripts/bench_step.py --interleave --steps 10 --cases tiny-256x1536 tiny-256x1536-t0.7-p0.9
     python scripts/bench_step.py --cases tiny-256x1536 smollm2-64x65
     python scripts/bench_step.py --quick                          # CI smoke: tiny shapes
 """
@@ -155,8 +165,9 @@ def time_attention(model: paxpage.Model, cfg: paxpage.EngineConfig, rows: int, c
     return {"seconds": seconds, "kv_bytes": kv_bytes, "gb_per_s": kv_bytes / seconds / 1e9}
 
 
-def run_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: int) -> dict:
-    """Fills an engine with case.rows decoding sequences and measures `steps` decode steps."""
+def fill_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: int):
+    """An engine with case.rows decoding sequences, after `warmup` decode steps (compiles), with
+    tokens left for `steps` more. -> (engine, cfg, fill steps, fill seconds)."""
     page_size = 16
     tokens_per_row = case.context + warmup + steps + 4
     # Prefill finishes for different requests in different steps: room for that spread too.
@@ -165,7 +176,9 @@ def run_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: in
     cfg = paxpage.EngineConfig(page_size=page_size, num_pages=case.rows * pages_per_row + 8,
                                max_num_seqs=case.rows,
                                max_num_batched_tokens=max(case.prefill_tokens, case.rows))
-    engine = model.engine(cfg)
+    # A fresh engine (the model's weights shared), not model.engine(cfg): that one is kept per
+    # config, so two cases with equal configs would step one engine holding both cases' requests.
+    engine = paxpage.LLMEngine(model.config, model.param_forms, model.tokenizer, cfg)
     rng = np.random.default_rng(seed)
     params = paxpage.SamplingParams(max_tokens=warmup + steps + spread + 2, temperature=case.temperature,
                                     top_p=case.top_p, ignore_eos=True, seed=seed)
@@ -181,20 +194,69 @@ def run_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: in
     fill_s = time.perf_counter() - t
     for _ in range(warmup):
         engine.step()
-    before = dataclasses.replace(engine.stats)
-    t, cpu = time.perf_counter(), time.thread_time()
-    for _ in range(steps):
+    return engine, cfg, fill_steps, fill_s
+
+
+class _Totals:
+    """Sums of one engine's measured steps: host / device (engine.stats), wall, thread CPU."""
+
+    def __init__(self):
+        self.steps, self.host, self.device, self.wall, self.cpu = 0, 0.0, 0.0, 0.0, 0.0
+
+    def step(self, engine) -> None:
+        before = dataclasses.replace(engine.stats)
+        t, cpu = time.perf_counter(), time.thread_time()
         engine.step()
-    host_cpu = (time.thread_time() - cpu) / steps
-    wall = (time.perf_counter() - t) / steps
-    after = engine.stats
-    n = after.steps - before.steps
-    assert n == steps, (n, steps)
-    host = (after.host_seconds - before.host_seconds) / n
-    device = (after.device_seconds - before.device_seconds) / n
-    return {"cfg": cfg, "host_s": host, "device_s": device, "wall_s": wall, "host_cpu_s": host_cpu,
-            "overlap": max(0.0, host + device - wall) / max(1e-9, min(host, device)),
+        self.cpu += time.thread_time() - cpu
+        self.wall += time.perf_counter() - t
+        after = engine.stats
+        assert after.steps == before.steps + 1
+        self.steps += 1
+        self.host += after.host_seconds - before.host_seconds
+        self.device += after.device_seconds - before.device_seconds
+
+    def result(self) -> dict:
+        n = self.steps
+        host, device, wall = self.host / n, self.device / n, self.wall / n
+        return {"host_s": host, "device_s": device, "wall_s": wall, "host_cpu_s": self.cpu / n,
+                "overlap": max(0.0, host + device - wall) / max(1e-9, min(host, device))}
+
+
+def busy(engines: list, steps: int) -> list[float]:
+    """Device busy seconds per step of each engine: `steps` more steps (in turns) with every
+    device call timed to its completion (ModelRunner.time_device_calls), summed per step."""
+    timings = [engine.runner.time_device_calls() for engine in engines]
+    for _ in range(steps):
+        for engine in engines:
+            engine.step()
+    # each call's median (one slow call on a shared machine does not count) times its calls per step
+    return [sum(float(np.median(v)) * len(v) / steps for v in t.values()) for t in timings]
+
+
+def run_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: int) -> dict:
+    """Fills an engine with case.rows decoding sequences and measures `steps` decode steps,
+    then `steps` more for the device's busy time."""
+    engine, cfg, fill_steps, fill_s = fill_case(model, case, 2 * steps, warmup, seed)
+    totals = _Totals()
+    for _ in range(steps):
+        totals.step(engine)
+    return {"cfg": cfg, **totals.result(), "busy_s": busy([engine], steps)[0],
             "fill_steps": fill_steps, "fill_s": fill_s}
+
+
+def run_interleaved(models: dict, cases: list, steps: int, warmup: int, seed: int) -> list[dict]:
+    """Every case's engine filled first, then their measured steps taken in turns (one step of
+    each case per round), so the machine's load falls on all cases alike."""
+    filled = [fill_case(models[case.model], case, 2 * steps + 1, warmup, seed) for case in cases]
+    for engine, *_ in filled:  # one untimed round: the first step after the other fills is slow
+        engine.step()
+    totals = [_Totals() for _ in cases]
+    for _ in range(steps):
+        for (engine, *_), total in zip(filled, totals):
+            total.step(engine)
+    busy_s = busy([engine for engine, *_ in filled], steps)
+    return [{"cfg": cfg, **total.result(), "busy_s": b, "fill_steps": fill_steps, "fill_s": fill_s}
+            for (_, cfg, fill_steps, fill_s), total, b in zip(filled, totals, busy_s)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="decode steps before measuring")
     parser.add_argument("--attention-iters", type=int, default=None, help="timed attention calls")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--interleave", action="store_true",
+                        help="fill every case's engine first, then take their measured steps in turns "
+                             "(side by side under the same load; needs all engines' pools in memory)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     cases = QUICK_CASES if args.quick else CASES
@@ -227,8 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases:
             if case.model not in models:
                 models[case.model] = tiny_model(tmp) if case.model == "tiny" else paxpage.load()
+        if args.interleave:
+            measured = run_interleaved(models, cases, steps, args.warmup, args.seed)
+        for i, case in enumerate(cases):
             model = models[case.model]
-            r = run_case(model, case, steps, args.warmup, args.seed)
+            r = measured[i] if args.interleave else run_case(model, case, steps, args.warmup, args.seed)
             att = time_attention(model, r.pop("cfg"), case.rows, case.context, iters)
             row = {"case": case.key, **dataclasses.asdict(case), **r,
                    "attention_s": att["seconds"], "attention_share": att["seconds"] / r["device_s"],
@@ -236,19 +304,28 @@ def main(argv: list[str] | None = None) -> int:
                    "attention_vs_bandwidth": att["gb_per_s"] / bandwidth}
             results.append(row)
             print(f"{case.key:26s} host {r['host_s'] * 1e3:7.1f} (CPU {r['host_cpu_s'] * 1e3:.1f})  "
-                  f"device {r['device_s'] * 1e3:8.1f}  "
+                  f"device {r['device_s'] * 1e3:8.1f} (busy {r['busy_s'] * 1e3:.1f})  "
                   f"wall {r['wall_s'] * 1e3:8.1f} ms/step  overlap {r['overlap']:4.0%}  attention "
                   f"{att['seconds'] * 1e3:6.1f} ms ({row['attention_share']:4.0%} of device), "
                   f"{att['gb_per_s']:5.1f} GB/s ({row['attention_vs_bandwidth']:.2f}x read bandwidth)  "
                   f"[fill {r['fill_steps']} steps, {r['fill_s']:.0f} s]", flush=True)
+    # Sampled cases against the greedy case of the same model and shape, when both ran.
+    greedy = {(r["model"], r["rows"], r["context"]): r for r in results if r["temperature"] == 0}
+    for row in results:
+        base = greedy.get((row["model"], row["rows"], row["context"]))
+        if row["temperature"] != 0 and base is not None:
+            row["device_vs_greedy"] = row["device_s"] / base["device_s"]
+            row["busy_vs_greedy"] = row["busy_s"] / base["busy_s"]
+            print(f"{row['case']}: device busy {row['busy_vs_greedy']:.2f}x {base['case']}'s "
+                  f"(device wait {row['device_vs_greedy']:.2f}x)", flush=True)
 
-    print("\n| case | host ms/step | host CPU ms/step | device ms/step | wall ms/step | overlap | attention share "
-          "| attention GB/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| case | host ms/step | host CPU ms/step | device ms/step | device busy ms/step | wall ms/step "
+          "| overlap | attention share | attention GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in results:
         print(f"| {row['case']} | {row['host_s'] * 1e3:.1f} | {row['host_cpu_s'] * 1e3:.1f} | {row['device_s'] * 1e3:.1f} | "
-              f"{row['wall_s'] * 1e3:.1f} | {row['overlap']:.0%} | {row['attention_share']:.0%} | "
-              f"{row['attention_gb_per_s']:.1f} |")
+              f"{row['busy_s'] * 1e3:.1f} | {row['wall_s'] * 1e3:.1f} | {row['overlap']:.0%} | "
+              f"{row['attention_share']:.0%} | {row['attention_gb_per_s']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"backend": jax.default_backend(), "read_bandwidth_gb_per_s": bandwidth,

@@ -67,11 +67,9 @@ def _step(engine, first: list, finish: list, counts: list) -> None:
                 finish[i] = now
 
 
-def run_paxpage(model: paxpage.Model, work: wl.Workload, cfg: paxpage.EngineConfig,
-                engine: paxpage.LLMEngine | None = None) -> dict:
-    """One pass over the workload, step by step, on `engine` (None: a new one of cfg, built
-    before the clock starts); per-request TTFT / TPOT and engine stats."""
-    engine = model.engine(cfg) if engine is None else engine
+def run_paxpage(model: paxpage.Model, work: wl.Workload, cfg: paxpage.EngineConfig) -> dict:
+    """One pass over the workload, step by step; per-request TTFT / TPOT and engine stats."""
+    engine = model.engine(cfg)
     stats0 = dataclasses.replace(engine.stats)
     preempt0 = engine.scheduler.num_preemptions
     n = work.num_requests
