@@ -8,9 +8,9 @@ then --steps measured ones. From `engine.stats` (deltas over the measured steps)
     wall    perf_counter around the measured `step()` calls, ms per step
     busy    the device's own time per step: `steps` more steps with each device call (step,
             sampler, ...) timed to its completion (ModelRunner.time_device_calls): each call's
-            median times its calls per step, summed. On
-            CPU the "device" wait above also holds dispatch and the host's share of the cores;
-            a sampled case is compared with its greedy twin on this figure
+            median times its calls per step, summed. On CPU the "device" wait above also holds dispatch and the host's share of the cores;
+            a sampled case is compared with its greedy twin on this figure, and wall per step
+            with max(host CPU, busy): 1.0 when the host's work hides entirely behind the device's
     host CPU  CPU time of the engine's thread over the measured steps, ms per step: the host
             work (with jax's dispatch and fetches) without the time other processes or the
             device's own threads took the cores from it, so it stays comparable on a loaded machine
@@ -19,7 +19,7 @@ then --steps measured ones. From `engine.stats` (deltas over the measured steps)
 Attention is timed alone, not inside the engine: one jitted call that does, for every layer,
 the engine's KV write of `rows` tokens and its paged attention over `rows` x `context` keys,
 on a pool of the engine's shape with a permuted page table (pages scattered as after many
-allocations). Its share is that time over the engine's device ms per step, and its GB/s is
+allocations). Its share is that time over the engine's device busy ms per step, and its GB/s is
 the K/V bytes it must read (2 x layers x rows x context x kv_heads x head_dim x itemsize)
 over that time, set against this machine's read bandwidth (a jitted sum over 512 MiB).
 
@@ -299,14 +299,14 @@ def main(argv: list[str] | None = None) -> int:
             r = measured[i] if args.interleave else run_case(model, case, steps, args.warmup, args.seed)
             att = time_attention(model, r.pop("cfg"), case.rows, case.context, iters)
             row = {"case": case.key, **dataclasses.asdict(case), **r,
-                   "attention_s": att["seconds"], "attention_share": att["seconds"] / r["device_s"],
+                   "attention_s": att["seconds"], "attention_share": att["seconds"] / r["busy_s"],
                    "attention_kv_bytes": att["kv_bytes"], "attention_gb_per_s": att["gb_per_s"],
                    "attention_vs_bandwidth": att["gb_per_s"] / bandwidth}
             results.append(row)
             print(f"{case.key:26s} host {r['host_s'] * 1e3:7.1f} (CPU {r['host_cpu_s'] * 1e3:.1f})  "
                   f"device {r['device_s'] * 1e3:8.1f} (busy {r['busy_s'] * 1e3:.1f})  "
                   f"wall {r['wall_s'] * 1e3:8.1f} ms/step  overlap {r['overlap']:4.0%}  attention "
-                  f"{att['seconds'] * 1e3:6.1f} ms ({row['attention_share']:4.0%} of device), "
+                  f"{att['seconds'] * 1e3:6.1f} ms ({row['attention_share']:4.0%} of device busy), "
                   f"{att['gb_per_s']:5.1f} GB/s ({row['attention_vs_bandwidth']:.2f}x read bandwidth)  "
                   f"[fill {r['fill_steps']} steps, {r['fill_s']:.0f} s]", flush=True)
     # Sampled cases against the greedy case of the same model and shape, when both ran.
@@ -320,11 +320,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"(device wait {row['device_vs_greedy']:.2f}x)", flush=True)
 
     print("\n| case | host ms/step | host CPU ms/step | device ms/step | device busy ms/step | wall ms/step "
-          "| overlap | attention share | attention GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| wall / max(host CPU, busy) | overlap | attention share | attention GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in results:
+        row["wall_vs_bound"] = row["wall_s"] / max(row["host_cpu_s"], row["busy_s"])
         print(f"| {row['case']} | {row['host_s'] * 1e3:.1f} | {row['host_cpu_s'] * 1e3:.1f} | {row['device_s'] * 1e3:.1f} | "
-              f"{row['busy_s'] * 1e3:.1f} | {row['wall_s'] * 1e3:.1f} | {row['overlap']:.0%} | "
+              f"{row['busy_s'] * 1e3:.1f} | {row['wall_s'] * 1e3:.1f} | {row['wall_vs_bound']:.2f} | {row['overlap']:.0%} | "
               f"{row['attention_share']:.0%} | {row['attention_gb_per_s']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
