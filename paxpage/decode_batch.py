@@ -85,7 +85,10 @@ class DecodeBatch:
 
     def check(self) -> None:
         """AssertionError unless the arrays equal what the rows' sequences say now (for tests):
-        each position is the sequence's computed tokens and each step count its output tokens."""
+        each position is the sequence's computed tokens and each step count its output tokens
+        (finished sequences, which keep the batch from being used again, are skipped)."""
         for i, seq in enumerate(self.seqs):
+            if seq.is_finished:
+                continue
             assert self.positions[i] == seq.num_computed_tokens, (i, seq, self.positions[i])
             assert self.steps[i] == seq.num_output_tokens, (i, seq, self.steps[i])

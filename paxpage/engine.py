@@ -309,6 +309,7 @@ class LLMEngine:
         step.decode = batch
         self._inflight = step
         self.stats.overlapped_steps += 1
+        self.stats.decode_batch_steps += 1
         self.stats.steps += 1
         return deltas
 
