@@ -256,10 +256,10 @@ class OutputProcessor:
         logprobs = None
         if sample.logprobs is not None:
             logprobs = tuple(sample.logprobs[sample.emitted_tokens:])
-        delta = StreamDelta(request.index, text[sample.emitted_text:],
-                            tuple(seq.output_token_ids[sample.emitted_tokens:]), sample.finish_reason,
-                            request.samples.index(sample), logprobs,
-                            sample.stop_reason if sample.finish_reason else None)
+        delta = StreamDelta.fast(request.index, text[sample.emitted_text:],
+                                 tuple(seq.output_token_ids[sample.emitted_tokens:]), sample.finish_reason,
+                                 request.samples.index(sample), logprobs,
+                                 sample.stop_reason if sample.finish_reason else None)
         sample.emitted_text, sample.emitted_tokens = len(text), seq.num_output_tokens
         return delta
 

@@ -16,6 +16,7 @@ import pytest
 import paxpage
 from paxpage import EngineConfig, SamplingParams as SP
 from paxpage.engine import LLMEngine
+from paxpage.outputs import StreamDelta
 from paxpage.scheduler import Scheduler, SchedulerConfig
 from paxpage.sequence import Sequence
 from tests.conftest import random_prompts
@@ -89,6 +90,16 @@ def test_schedule_decodes_declines_what_schedule_decides_otherwise():
     sched.add(Sequence([1, 2, 3], 4, seq_id=99))
     assert sched.schedule_decodes(seqs, aligned) is None  # a request waits: schedule() admits
     assert _state(sched)[0] == before[0]
+
+
+def test_stream_delta_fast_equals_the_constructor():
+    args = (3, "ab", (5, 6), "stop", 1, ({5: -0.5},), "b")
+    fast, slow = StreamDelta.fast(*args), StreamDelta(*args)
+    assert fast == slow and hash(StreamDelta.fast(3, "", (), None)) == hash(StreamDelta(3, "", (), None))
+    assert repr(fast) == repr(slow) and dataclasses.asdict(fast) == dataclasses.asdict(slow)
+    assert dataclasses.replace(fast, text="c") == dataclasses.replace(slow, text="c")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.text = "x"
 
 
 # ---------------------------------------------------------------- the engine
