@@ -192,6 +192,10 @@ def run_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: in
     assert n == steps, (n, steps)
     host = (after.host_seconds - before.host_seconds) / n
     device = (after.device_seconds - before.device_seconds) / n
+    # The next case with this config gets the same engine: leave it empty, not with these
+    # requests still running (the new ones would wait behind them while it measures).
+    for request in list(engine.outputs.live_requests()):
+        engine.abort(request.request_id)
     return {"cfg": cfg, "host_s": host, "device_s": device, "wall_s": wall, "host_cpu_s": host_cpu,
             "overlap": max(0.0, host + device - wall) / max(1e-9, min(host, device)),
             "fill_steps": fill_steps, "fill_s": fill_s}
