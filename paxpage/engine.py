@@ -11,7 +11,6 @@ job (output_processor.py); driving the step for many callers is the engine loop'
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import itertools
 import logging
 import os
@@ -25,7 +24,9 @@ from paxpage import beam as beam_lib
 from paxpage import compile_counter, kv_sizing
 from paxpage import spec as spec_lib
 from paxpage.config import EngineConfig
+from paxpage.decode_batch import DecodeBatch
 from paxpage.engine_stats import EngineStats
+from paxpage.launched import PENDING_TOKEN, Launched, logprob_bucket
 from paxpage.output_processor import NewToken, OutputProcessor, Request
 from paxpage.outputs import RequestOutput, StreamDelta
 from paxpage.runner import ModelRunner, RowPlan
@@ -93,7 +94,7 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
         self._beams = beam_lib.BeamCoordinator(self.scheduler, self.outputs, self.new_sequence)
-        self._inflight: _Launched | None = None  # async scheduling: the step still on the device
+        self._inflight: Launched | None = None  # async scheduling: the step still on the device
         self._proposer = spec_lib.make_proposer(cfg, model_cfg, tokenizer)
         # a draft model's K/V pool follows the target's (paxpage/spec/draft.py): every step and page copy
         self._draft_hooks = self._proposer.pool_hooks() if self._proposer is not None else None
@@ -219,6 +220,13 @@ class LLMEngine:
         have their one extra token discarded, so outputs equal the synchronous engine's.
         Finished requests leave the engine (`request.finished`); read them via `output(request)`."""
         t0, waited = time.perf_counter(), self.stats.device_seconds
+        deltas = self._decode_step()
+        if deltas is None:
+            deltas = self._general_step()
+        self.stats.host_seconds += time.perf_counter() - t0 - (self.stats.device_seconds - waited)
+        return deltas
+
+    def _general_step(self) -> list[tuple[Request, list[StreamDelta]]]:
         launched = None
         sched = None
         if self.scheduler.has_unfinished():
@@ -240,11 +248,69 @@ class LLMEngine:
             if self._can_overlap(launched):
                 self._advance(launched)
                 self._inflight = launched
+                launched.decode = DecodeBatch.build(
+                    launched.sched.scheduled, launched.rows, launched.counts, *launched.sampling_rows,
+                    self.runner.tables.slot, self.eos_token_ids, self.config.max_model_len)
                 self.stats.overlapped_steps += 1
             else:
                 deltas += self._complete(launched)
             self.stats.steps += 1
-        self.stats.host_seconds += time.perf_counter() - t0 - (self.stats.device_seconds - waited)
+        return deltas
+
+    def _decode_step(self) -> list[tuple[Request, list[StreamDelta]]] | None:
+        """The steady decode step (decode_batch.py): when the step in flight is a plain decode
+        batch and nothing changed since, this step's rows are its rows one token later. Does what
+        the general step would (schedule, launch, read the previous tokens, book this step's as
+        pending), in numpy over the batch's arrays. None, having changed nothing, otherwise."""
+        previous = self._inflight
+        batch = previous.decode if previous is not None else None
+        if batch is None or self._proposer is not None:
+            return None
+        scheduled = self.scheduler.schedule_decodes(batch.seqs, batch.page_aligned(self.config.page_size))
+        if scheduled is None:
+            return None
+        grown, copies = scheduled
+        self.runner.copy_pages(copies)
+        tables, seqs = self.runner.tables, batch.seqs
+        if tables.num_rows > 2 * len(seqs) + 64:  # forget ended ones, as _launch does
+            live = {s.seq_id for s in seqs}
+            tables.retain(live)
+            self._sampling.retain(live)
+        if grown:  # their new pages: the one changed entry of each table row
+            tables.sync_many([seqs[i].seq_id for i in grown], [seqs[i].num_preemptions for i in grown],
+                             [seqs[i].page_table for i in grown], [int(batch.positions[i]) for i in grown])
+        step_batch, prev_rows = self.runner.pack_decode(batch.table_slots, batch.positions)
+        tensors = self._sampling.tensors(batch.sampling_slots, np.zeros(len(seqs), np.int64), batch.steps,
+                                         _no_row_tokens, pad_rows_to=len(step_batch.logits_indices))
+        logits = self.runner.forward(step_batch, prev_rows, previous.next_tokens)
+        step = Launched(None, batch.rows, previous.counts, [], None, None, None, previous.row_of_seq,
+                        drafts=previous.drafts)
+        step.result, step.prompt_result, step.next_tokens = self.runner.sample(step_batch, logits, tensors)
+        # the previous step's tokens
+        self._inflight = None
+        t = time.perf_counter()
+        token_ids, logprobs = jax.device_get((previous.result.token_ids, previous.result.logprobs))
+        self.stats.device_seconds += time.perf_counter() - t
+        n = len(seqs)
+        deltas, to_finish, num_tokens = self.outputs.process_plain(
+            batch.rows, token_ids[:n].tolist(), logprobs[:n].tolist(), batch.stop_ids,
+            batch.limit_list, PENDING_TOKEN)
+        for seq, reason in to_finish:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, reason)
+        self.stats.generated_tokens += num_tokens
+        # this step's tokens, pending (as _advance)
+        self.scheduler.update_decodes(seqs, PENDING_TOKEN)
+        self._sample_kv_utilisation()
+        batch.advance()
+        for i in batch.finished_by_length():
+            if not seqs[i].is_finished:
+                self.scheduler.finish(seqs[i], "length")
+        step.decode = batch
+        self._inflight = step
+        self.stats.overlapped_steps += 1
+        self.stats.decode_batch_steps += 1
+        self.stats.steps += 1
         return deltas
 
     def has_unfinished(self) -> bool:
@@ -291,26 +357,7 @@ class LLMEngine:
             self._draft_dists = ({spec.seq_id: r for r, spec in enumerate(inputs)}, proposals.draft_dists)
         return drafts
 
-    def _draft_rows(self, step: "_Launched", num_rows: int):
-        """i32[R] draft token per logits row (-1: none) and, from a proposer with distributions,
-        f32[R, V] q per row (device), for spec/verify.py."""
-        draft_ids = np.full(num_rows, -1, np.int32)
-        source = np.full(num_rows, -1, np.int64)  # flat (proposal row, j) of each row's q
-        index, dists = self._draft_dists or ({}, None)
-        for (_, sample, row), drafts in zip(step.rows, step.drafts):
-            draft_ids[row:row + len(drafts)] = drafts
-            if dists is not None and drafts:
-                r = index[sample.seq.seq_id]
-                source[row:row + len(drafts)] = r * dists.shape[1] + np.arange(len(drafts))
-        if dists is None:
-            return draft_ids, None
-        import jax.numpy as jnp
-
-        flat = jnp.asarray(dists, jnp.float32).reshape(-1, dists.shape[-1])
-        q = jnp.take(flat, jnp.asarray(np.maximum(source, 0)), axis=0)
-        return draft_ids, q
-
-    def _launch(self, sched) -> "_Launched":
+    def _launch(self, sched) -> "Launched":
         """Packs the scheduled rows and dispatches the step; returns without waiting. With
         structured rows and a step in flight only the model is dispatched here: `step()`
         dispatches the sampler once the in-flight tokens are read (`_dispatch_sampler`)."""
@@ -373,17 +420,17 @@ class LLMEngine:
         tensors = sampling.tensors(np.asarray(slots, np.int64), np.asarray(offsets, np.int64),
                                    np.asarray(steps, np.int64), row_tokens,
                                    pad_rows_to=len(batch.logits_indices))
-        num_logprobs = _logprob_bucket(num_logprobs)
-        num_prompt_logprobs = _logprob_bucket(max(
+        num_logprobs = logprob_bucket(num_logprobs)
+        num_prompt_logprobs = logprob_bucket(max(
             (self.outputs.lookup(sched.scheduled[i].seq.seq_id)[0].params.prompt_logprobs or 0
              for i, _ in prompt_plan), default=0))
         prev_tokens = self._inflight.next_tokens if self._inflight is not None else None
         logits = self.runner.forward(batch, prev_rows, prev_tokens)
         if self._draft_hooks is not None:
             self._draft_hooks.on_step(batch, prev_rows, prev_tokens)
-        step = _Launched(sched, rows, counts, prompt_plan, None, None, None,
-                         sampler_args=(batch, logits, tensors, num_logprobs, num_prompt_logprobs),
-                         drafts=row_drafts)
+        step = Launched(sched, rows, counts, prompt_plan, None, None, None,
+                        sampler_args=(batch, logits, tensors, num_logprobs, num_prompt_logprobs),
+                        drafts=row_drafts, sampling_rows=(slots, steps))
         # Structured rows' bitmasks follow from every earlier token: with a step in flight they
         # are built once its tokens are read (step() does it), while the device runs this step's
         # model, and only its sampler waits for them.
@@ -393,7 +440,7 @@ class LLMEngine:
             self._dispatch_sampler(step)
         return step
 
-    def _dispatch_sampler(self, step: "_Launched") -> None:
+    def _dispatch_sampler(self, step: "Launched") -> None:
         batch, logits, tensors, num_logprobs, num_prompt_logprobs = step.sampler_args
         allowed = None
         if step.constrained:
@@ -402,7 +449,8 @@ class LLMEngine:
             for _, row, count in step.constrained:  # a forking request's n rows share one state
                 allowed[row + 1:row + count] = allowed[row]
         if step.speculates:
-            draft_ids, draft_dists = self._draft_rows(step, len(batch.logits_indices))
+            draft_ids, draft_dists = spec_lib.draft_rows(step.rows, step.drafts, self._draft_dists,
+                                                          len(batch.logits_indices))
             step.result, step.prompt_result, step.accepted = self.runner.verify(
                 batch, logits, tensors, draft_ids, draft_dists, num_logprobs, num_prompt_logprobs, allowed)
         else:
@@ -410,7 +458,7 @@ class LLMEngine:
                 batch, logits, tensors, num_logprobs, num_prompt_logprobs, allowed)
         step.sampler_args = None
 
-    def _can_overlap(self, step: "_Launched") -> bool:
+    def _can_overlap(self, step: "Launched") -> bool:
         """A step may stay in flight when the next step can be scheduled without its tokens: plain
         sampling rows only (no beams, no forks, no penalties, which read the tokens; no prompt
         logprobs). Rows that reach their length limit finish early (see `_advance`). Structured
@@ -426,7 +474,7 @@ class LLMEngine:
                 return False
         return True
 
-    def _advance(self, step: "_Launched") -> None:
+    def _advance(self, step: "Launched") -> None:
         """Books an in-flight step's tokens as pending, so the next step can be scheduled: each
         sampling sequence gets a placeholder token that `_resolve` replaces. A sequence whose
         next token is its last by length leaves the scheduler now (its token still comes)."""
@@ -443,7 +491,7 @@ class LLMEngine:
                 if self._proposer is not None:
                     self._proposer.on_free(seq.seq_id)
 
-    def _resolve(self, step: "_Launched") -> list[tuple[Request, list[StreamDelta]]]:
+    def _resolve(self, step: "Launched") -> list[tuple[Request, list[StreamDelta]]]:
         """Reads an in-flight step's tokens and hands them to the output processor."""
         t = time.perf_counter()
         result = jax.device_get(step.result)
@@ -460,7 +508,7 @@ class LLMEngine:
             new_tokens.append(NewToken(request, sample, token, row))
         return self._process(new_tokens, result)
 
-    def _complete(self, step: "_Launched") -> list[tuple[Request, list[StreamDelta]]]:
+    def _complete(self, step: "Launched") -> list[tuple[Request, list[StreamDelta]]]:
         """The synchronous path: waits for the step's tokens, then books them."""
         t = time.perf_counter()
         result, prompt_result, accepted = jax.device_get((step.result, step.prompt_result, step.accepted))
@@ -542,40 +590,5 @@ class LLMEngine:
             self.stats.kv_utilisation_samples += 1
 
 
-PENDING_TOKEN = -1  # an in-flight step's token that the host does not have yet
-
-
-@dataclasses.dataclass
-class _Launched:
-    """A dispatched step: what it scheduled and its device results."""
-
-    sched: object  # SchedulerOutput
-    rows: list[tuple[Request, object, int]]  # (request, sample, first logits row) per sampling seq
-    counts: list[int]  # logits rows of each entry of `rows` (n > 1 when a request forks)
-    prompt_plan: list[tuple[int, int]]
-    result: object  # SamplerOutput, device arrays
-    prompt_result: object
-    next_tokens: object  # i32[R_max] device: the sampled tokens, as the next step reads them
-    row_of_seq: dict[int, int] = dataclasses.field(default_factory=dict)  # in flight: seq -> row
-    # Until the sampler is dispatched (result None): its arguments, and the structured rows as
-    # (matcher, first row, rows) whose bitmasks it waits for.
-    sampler_args: tuple | None = None
-    constrained: list = dataclasses.field(default_factory=list)
-    # speculative decoding: the drafts of each entry of `rows` (() for none; its logits rows are
-    # then row .. row + len(drafts)), and accepted bool[R] (device) from spec/verify.py
-    drafts: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
-    accepted: object = None
-
-    @property
-    def speculates(self) -> bool:
-        return any(self.drafts)
-
-
-def _logprob_bucket(n: int) -> int:
-    """Top-k widths compile separately; round up to a few sizes."""
-    if n <= 0:
-        return 0
-    for size in (1, 5, 20):
-        if n <= size:
-            return size
-    return n
+def _no_row_tokens(row: int):
+    raise AssertionError(f"logits row {row} of a plain decode batch has a penalty")

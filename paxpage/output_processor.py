@@ -185,6 +185,51 @@ class OutputProcessor:
                 self.remove(request.request_id)
         return list(by_request.values()), to_finish
 
+    def process_plain(self, rows: Seq[tuple[Request, Sample, int]], tokens: Seq[int], logprobs: Seq[float],
+                      stop_ids: Seq[frozenset], limits: Seq[int], pending: int
+                      ) -> tuple[list[tuple[Request, list[StreamDelta]]], list[tuple[Sequence, str]], int]:
+        """`process` for the steady decode step's plain rows: one sample per request, no logprobs,
+        no grammar, each with one new token that replaces its `pending` placeholder (async
+        scheduling). Row i gets tokens[i] and logprobs[i]; stop_ids[i] holds the tokens that may
+        stop it (EOS unless ignored, stop_token_ids) and limits[i] its length limit, so the full
+        stop check runs only where one may apply. Returns what `process` does, and the number of
+        tokens taken (rows aborted meanwhile take none)."""
+        now, new_delta = time.monotonic(), StreamDelta.fast
+        deltas: list[tuple[Request, list[StreamDelta]]] = []
+        to_finish: list[tuple[Sequence, str]] = []
+        for (request, sample, _), token, logprob, stops, limit in zip(rows, tokens, logprobs, stop_ids, limits):
+            if sample.finish_reason is not None:  # aborted while in flight
+                continue
+            out = sample.seq.output_token_ids
+            assert out[-1] == pending, sample.seq
+            out[-1] = token
+            if request.first_token_time is None:
+                request.first_token_time = now
+            sample.cumulative_logprob += logprob
+            detok = sample.detok
+            if detok is not None:
+                detok.add(token)
+            if token in stops or len(out) >= limit or (detok is not None and detok.stopped_by is not None):
+                reason, stop = self._stop(request.params, sample, token)
+                if reason is not None:
+                    sample.finish_reason, sample.stop_reason = reason, stop
+                    to_finish.append((sample.seq, reason))
+                    if detok is not None:
+                        detok.finish()
+            # _delta's, for the request's one sample without logprobs
+            if detok is None:
+                text = ""
+            else:
+                full = detok.text
+                text, sample.emitted_text = full[sample.emitted_text:], len(full)
+            reason = sample.finish_reason
+            emitted, sample.emitted_tokens = sample.emitted_tokens, len(out)
+            deltas.append((request, [new_delta(request.index, text, tuple(out[emitted:]), reason, 0, None,
+                                               sample.stop_reason if reason else None)]))
+            if reason is not None and request.finished:
+                self.remove(request.request_id)
+        return deltas, to_finish, len(deltas)
+
     def _stop(self, p: SamplingParams, sample: Sample, token: int, index: int | None = None
               ) -> tuple[str | None, Any]:
         seq = sample.seq
@@ -211,10 +256,10 @@ class OutputProcessor:
         logprobs = None
         if sample.logprobs is not None:
             logprobs = tuple(sample.logprobs[sample.emitted_tokens:])
-        delta = StreamDelta(request.index, text[sample.emitted_text:],
-                            tuple(seq.output_token_ids[sample.emitted_tokens:]), sample.finish_reason,
-                            request.samples.index(sample), logprobs,
-                            sample.stop_reason if sample.finish_reason else None)
+        delta = StreamDelta.fast(request.index, text[sample.emitted_text:],
+                                 tuple(seq.output_token_ids[sample.emitted_tokens:]), sample.finish_reason,
+                                 request.samples.index(sample), logprobs,
+                                 sample.stop_reason if sample.finish_reason else None)
         sample.emitted_text, sample.emitted_tokens = len(text), seq.num_output_tokens
         return delta
 

@@ -79,3 +79,15 @@ class StreamDelta:
     # None unless the request asked for logprobs
     logprobs: tuple[dict[int, float], ...] | None = None
     stop_reason: str | int | None = None  # with the last delta: the stop string or token that matched
+
+    @classmethod
+    def fast(cls, index: int, text: str, token_ids: tuple[int, ...], finish_reason: str | None,
+             sample: int = 0, logprobs=None, stop_reason=None) -> StreamDelta:
+        """The constructor's result, built in about half its time (the engine makes one per
+        request per step): a frozen dataclass's __init__ sets each field through
+        object.__setattr__; this fills the instance's __dict__ at once."""
+        delta = object.__new__(cls)
+        object.__setattr__(delta, "__dict__", {
+            "index": index, "text": text, "token_ids": token_ids, "finish_reason": finish_reason,
+            "sample": sample, "logprobs": logprobs, "stop_reason": stop_reason})
+        return delta

@@ -79,6 +79,11 @@ class PageTables:
             self.table[fast_slots, fast_index] = np.maximum(fast_pages, 0)
         return slots
 
+    def slot(self, key: Hashable) -> int | None:
+        """The row of `key` (None: it has none)."""
+        row = self._rows.get(key)
+        return None if row is None else row[0]
+
     def release(self, keys) -> None:
         for key in keys:
             row = self._rows.pop(key, None)

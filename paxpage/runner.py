@@ -330,6 +330,32 @@ class ModelRunner:
                           pre_q, logits_indices, prompt_indices, prompt_targets)
         return batch, logits_plan, [(plan, pos) for plan, pos, _, _ in prompt_rows], prev_rows
 
+    def pack_decode(self, table_slots: np.ndarray, positions: np.ndarray) -> tuple[StepBatch, np.ndarray]:
+        """`pack` for a step of decode rows only, each writing the token that row r of the
+        previous (still running) step samples: table_slots integer[B] (rows of `self.tables`,
+        already synced), positions integer[B]. Returns the batch and its i32[T] prev_rows; equal
+        to what `pack` returns for the same rows, in numpy operations over the rows."""
+        page_size, n = self.cfg.page_size, table_slots.shape[0]
+        num_dec = bucket(n, MIN_DECODE_ROWS)
+        token_ids = np.zeros(num_dec, np.int32)
+        token_ids[:n] = -1  # the host does not have them: prev_rows points at the device's
+        pos = np.zeros(num_dec, np.int32)
+        pos[:n] = positions
+        slots = np.full(num_dec, -1, np.int32)
+        dec_pages = np.zeros((num_dec, self.cfg.pages_per_seq), np.int32)
+        dec_pages[:n] = self.tables.table[table_slots]
+        slots[:n] = dec_pages[np.arange(n), pos[:n] // page_size] * page_size + pos[:n] % page_size
+        dec_lens = np.zeros(num_dec, np.int32)
+        dec_lens[:n] = pos[:n] + 1
+        prev_rows = np.full(num_dec, -1, np.int32)
+        prev_rows[:n] = np.arange(n)
+        logits_indices = np.zeros(bucket(num_dec), np.int32)
+        logits_indices[:n] = np.arange(n)
+        empty, rows0 = np.zeros(0, np.int32), np.zeros((0, self.cfg.pages_per_seq), np.int32)
+        batch = StepBatch(token_ids, pos, slots, dec_pages, dec_lens, rows0, empty, empty,
+                          logits_indices, empty, empty)
+        return batch, prev_rows
+
     def step_shapes(self) -> list[tuple[int, int]]:
         """Every (decode rows, prefill rows) bucket pair a step of this config can have: the
         step's shape depends on nothing else (the logits rows follow from the two)."""

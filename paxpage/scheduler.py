@@ -437,6 +437,47 @@ class Scheduler:
             if releases:
                 pm.release_outside_window(seq, self.config.sliding_window)
 
+    # ---- the steady decode step, batched ----------------------------------------------------------------
+    def schedule_decodes(self, seqs: list[Sequence], aligned: Seq[int]
+                         ) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """`schedule()` for the common steady step, in O(1) Python per sequence that needs no page:
+        when `seqs` is exactly the running queue (same objects, same order), nothing waits, every
+        sequence decodes one token and the pages those tokens need are free, it gives each the
+        page it writes (in queue order, as schedule() would) and returns (indices of the
+        sequences whose table changed, CoW copies). Returns None, changing nothing, when
+        schedule() could decide otherwise (admit, preempt, chunk).
+
+        aligned: the indices of the sequences whose next token starts a page (num_computed_tokens
+        a multiple of page_size); the caller tracks positions in arrays. Every other sequence
+        writes into the page it wrote last step, which it alone holds (only a fork, which changes
+        the queue, shares a page that is not full), so only the aligned ones are looked at."""
+        cfg, pm = self.config, self.page_manager
+        n = len(seqs)
+        if self.waiting or n != len(self.running) or n > cfg.max_num_batched_tokens or n > cfg.max_num_seqs \
+                or cfg.releases_pages or self.running != seqs:  # Sequence compares by identity
+            return None
+        grow = [i for i in aligned if not pm.writes_in_place(seqs[i])]
+        if sum(pm.num_pages_to_write(seqs[i], 1) for i in grow) > pm.num_free_pages:
+            return None  # schedule() preempts
+        copies: list[tuple[int, int]] = []
+        for i in grow:
+            copies += pm.prepare_write(seqs[i], 1)
+        return grow, copies
+
+    def update_decodes(self, seqs: Seq[Sequence], token: int) -> None:
+        """`update()` after a `schedule_decodes` step: each sequence still running computed its
+        one token and gets `token` appended (async scheduling's placeholder). Sequences finished
+        since are skipped."""
+        live, caches = self._live, self.page_manager.enable_prefix_caching
+        ps = self.config.page_size
+        for seq in seqs:
+            if live.get(seq.seq_id) is not seq:
+                continue
+            seq.num_computed_tokens += 1
+            seq.output_token_ids.append(token)
+            if caches and seq.num_computed_tokens % ps == 0:  # a page just filled
+                self.page_manager.cache_full_pages(seq)
+
     # ---- invariants ---------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError if queues, sequence states or page accounting are inconsistent."""

@@ -12,9 +12,11 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from paxpage.spec.proposer import PoolHooks, Proposals, Proposer, SpecInput
 
-__all__ = ["PoolHooks", "Proposals", "Proposer", "SpecInput", "make_proposer"]
+__all__ = ["PoolHooks", "Proposals", "Proposer", "SpecInput", "draft_rows", "make_proposer"]
 
 
 def make_proposer(config, target_model_cfg=None, target_tokenizer=None) -> Proposer | None:
@@ -32,3 +34,25 @@ def make_proposer(config, target_model_cfg=None, target_tokenizer=None) -> Propo
     from paxpage.spec.draft import DraftProposer  # imported lazily: only the draft method needs it
 
     return DraftProposer(config, target_model_cfg, target_tokenizer)
+
+
+def draft_rows(rows, row_drafts, draft_dists, num_rows: int):
+    """i32[R] draft token per logits row (-1: none) and, from a proposer with distributions,
+    f32[R, V] q per row (device), for verify.py. rows: a step's (request, sample, first logits
+    row) entries, row_drafts their drafts; draft_dists: ({seq_id: proposal row}, f32[B, k, V])
+    from the proposer, or None."""
+    draft_ids = np.full(num_rows, -1, np.int32)
+    source = np.full(num_rows, -1, np.int64)  # flat (proposal row, j) of each row's q
+    index, dists = draft_dists or ({}, None)
+    for (_, sample, row), drafts in zip(rows, row_drafts):
+        draft_ids[row:row + len(drafts)] = drafts
+        if dists is not None and drafts:
+            r = index[sample.seq.seq_id]
+            source[row:row + len(drafts)] = r * dists.shape[1] + np.arange(len(drafts))
+    if dists is None:
+        return draft_ids, None
+    import jax.numpy as jnp
+
+    flat = jnp.asarray(dists, jnp.float32).reshape(-1, dists.shape[-1])
+    q = jnp.take(flat, jnp.asarray(np.maximum(source, 0)), axis=0)
+    return draft_ids, q

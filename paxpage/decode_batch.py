@@ -1,0 +1,94 @@
+"""The steady decode step's persistent state (vLLM v1's InputBatch idea, for the common case).
+
+Most steps of a busy engine are the same step again: every running sequence decodes one token,
+nothing joins or leaves. When the step in flight is such a plain step (every row one sample of
+a request with n == 1: no beams, grammars, penalties, logprobs; see `DecodeBatch.build`), the
+engine keeps its rows here, with their positions, page-table rows, sampling slots and output
+counts as arrays, and the next step, if nothing changed, is scheduled, packed and booked with
+numpy over those arrays (`Scheduler.schedule_decodes` / `update_decodes`, `ModelRunner.
+pack_decode`, `OutputProcessor.process_plain`) and a few Python operations per sequence. Anything
+else (a request joins, finishes, is aborted or preempted, a fork, a page the free list cannot
+give) drops back to the general step, which is equal in outputs. Pure Python and numpy (no jax).
+
+Axis legend: B rows (the running sequences, in the scheduler's order; row i of the step in
+flight is row i of the next).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from paxpage.sequence import Sequence
+
+
+class DecodeBatch:
+    def __init__(self, rows: list, seqs: list[Sequence], positions: np.ndarray, table_slots: np.ndarray,
+                 sampling_slots: np.ndarray, steps: np.ndarray, limits: np.ndarray,
+                 stop_ids: list[frozenset]):
+        self.rows = rows  # (request, sample, logits row i) per row, as the engine's _Launched.rows
+        self.seqs = seqs  # [B] the rows' sequences
+        self.positions = positions  # i64[B] position of the token the next step writes
+        self.table_slots = table_slots  # i64[B] the rows' PageTables rows
+        self.sampling_slots = sampling_slots  # i64[B] the rows' SamplingBatch slots
+        self.steps = steps  # i64[B] output tokens (placeholders included) when the next step samples
+        self.limits = limits  # i64[B] output tokens at which a row finishes by length
+        self.stop_ids = stop_ids  # [B] tokens that may stop a row (EOS unless ignored, stop_token_ids)
+        self.limit_list = limits.tolist()
+
+    @classmethod
+    def build(cls, scheduled: Seq, rows: list, counts: Seq[int], sampling_slots: Seq[int], steps: Seq[int],
+              table_slot, eos_token_ids: Seq[int], max_model_len: int) -> DecodeBatch | None:
+        """From a step that is about to stay in flight: `scheduled` its ScheduledSeqs, `rows` /
+        `counts` its sampling entries, `sampling_slots` / `steps` per logits row, and
+        `table_slot(seq_id)` its sequences' page-table rows. None unless every scheduled sequence
+        is a plain sampling row (see the module docstring), one logits row each, in order."""
+        n = len(rows)
+        if n == 0 or len(scheduled) != n or len(sampling_slots) != n:
+            return None
+        seqs, positions, limits, stop_ids, tables = [], [], [], [], []
+        eos = frozenset(eos_token_ids)
+        for item, (request, sample, row), count in zip(scheduled, rows, counts):
+            p, seq = request.params, sample.seq
+            if item.seq is not seq or not item.samples or item.draft_token_ids or count != 1 or p.n != 1 \
+                    or request.beam is not None or sample.matcher is not None or sample.logprobs is not None \
+                    or sample.finish_reason is not None or row != len(seqs):
+                return None
+            slot = table_slot(seq.seq_id)
+            if slot is None:
+                return None
+            seqs.append(seq)
+            positions.append(item.start + item.num_new_tokens)
+            limits.append(min(p.max_tokens, max_model_len - seq.num_prompt_tokens))
+            stop_ids.append(frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos))
+            tables.append(slot)
+        as_array = lambda values: np.asarray(values, np.int64)  # noqa: E731
+        return cls(rows, seqs, as_array(positions), as_array(tables), as_array(sampling_slots),
+                   as_array(steps) + 1, as_array(limits), stop_ids)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def page_aligned(self, page_size: int) -> list[int]:
+        """Rows whose next token starts a page (the only ones that may need one)."""
+        return np.flatnonzero(self.positions % page_size == 0).tolist()
+
+    def advance(self) -> None:
+        """The step scheduled from these arrays was dispatched: each row's next token is one later."""
+        self.positions += 1
+        self.steps += 1
+
+    def finished_by_length(self) -> list[int]:
+        """Rows whose booked outputs (placeholders included) reached their length limit."""
+        return np.flatnonzero(self.steps >= self.limits).tolist()
+
+    def check(self) -> None:
+        """AssertionError unless the arrays equal what the rows' sequences say now (for tests):
+        each position is the sequence's computed tokens and each step count its output tokens
+        (finished sequences, which keep the batch from being used again, are skipped)."""
+        for i, seq in enumerate(self.seqs):
+            if seq.is_finished:
+                continue
+            assert self.positions[i] == seq.num_computed_tokens, (i, seq, self.positions[i])
+            assert self.steps[i] == seq.num_output_tokens, (i, seq, self.steps[i])

@@ -1,0 +1,51 @@
+"""A dispatched step, as the engine keeps it until its tokens are read (engine.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from paxpage.decode_batch import DecodeBatch
+from paxpage.output_processor import Request
+
+
+PENDING_TOKEN = -1  # an in-flight step's token that the host does not have yet
+
+
+@dataclasses.dataclass
+class Launched:
+    """A dispatched step: what it scheduled and its device results."""
+
+    sched: object  # SchedulerOutput
+    rows: list[tuple[Request, object, int]]  # (request, sample, first logits row) per sampling seq
+    counts: list[int]  # logits rows of each entry of `rows` (n > 1 when a request forks)
+    prompt_plan: list[tuple[int, int]]
+    result: object  # SamplerOutput, device arrays
+    prompt_result: object
+    next_tokens: object  # i32[R_max] device: the sampled tokens, as the next step reads them
+    row_of_seq: dict[int, int] = dataclasses.field(default_factory=dict)  # in flight: seq -> row
+    # Until the sampler is dispatched (result None): its arguments, and the structured rows as
+    # (matcher, first row, rows) whose bitmasks it waits for.
+    sampler_args: tuple | None = None
+    constrained: list = dataclasses.field(default_factory=list)
+    # speculative decoding: the drafts of each entry of `rows` (() for none; its logits rows are
+    # then row .. row + len(drafts)), and accepted bool[R] (device) from spec/verify.py
+    drafts: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    accepted: object = None
+    # the sampling slot and output-token count of each logits row (paxpage/sampling_batch.py)
+    sampling_rows: tuple[list[int], list[int]] = ((), ())
+    # while in flight: the rows as a steady decode batch, when they are plain (decode_batch.py)
+    decode: DecodeBatch | None = None
+
+    @property
+    def speculates(self) -> bool:
+        return any(self.drafts)
+
+
+def logprob_bucket(n: int) -> int:
+    """Top-k widths compile separately; round up to a few sizes."""
+    if n <= 0:
+        return 0
+    for size in (1, 5, 20):
+        if n <= size:
+            return size
+    return n

@@ -1,0 +1,198 @@
+"""The steady decode step (paxpage/decode_batch.py): booked from arrays, it must do exactly what
+the general step does. Two references: the scheduler's general schedule() + update() on a copy
+of the same state (exact page tables, free pages, prefix cache), and the same engine with the
+fast path switched off on a mixed workload (joins, stops, stop strings, aborts, preemptions,
+forks, logprobs, penalties): every step's deltas and every final output equal, and the batch's
+arrays equal a rebuild from the sequences after every step."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+
+import paxpage
+from paxpage import EngineConfig, SamplingParams as SP
+from paxpage.engine import LLMEngine
+from paxpage.outputs import StreamDelta
+from paxpage.scheduler import Scheduler, SchedulerConfig
+from paxpage.sequence import Sequence
+from tests.conftest import random_prompts
+
+
+# ---------------------------------------------------------------- scheduler, pure Python
+def _decoding_scheduler(seed: int, num_pages: int, prefix_caching: bool, allocation: str = "paged"):
+    """A scheduler whose running sequences all decode (one pending token each), with random
+    lengths, after general steps (so some pages are shared through the prefix cache)."""
+    rng = np.random.default_rng(seed)
+    sched = Scheduler(SchedulerConfig(num_pages=num_pages, page_size=4, max_num_seqs=16,
+                                      max_num_batched_tokens=256, max_model_len=64,
+                                      enable_prefix_caching=prefix_caching, allocation=allocation))
+    shared = rng.integers(0, 50, 8).tolist()
+    for i in range(6):
+        prompt = (shared if i % 2 else []) + rng.integers(0, 50, int(rng.integers(1, 12))).tolist()
+        sched.add(Sequence(prompt, 30, seq_id=i))
+    for _ in range(int(rng.integers(3, 9))):  # general steps until all decode
+        out = sched.schedule()
+        sched.update(out, {s.seq.seq_id: int(rng.integers(0, 50)) for s in out.scheduled if s.samples})
+    assert not sched.waiting and all(s.num_uncomputed_tokens == 1 for s in sched.running)
+    return sched, rng
+
+
+def _state(sched: Scheduler):
+    pm = sched.page_manager
+    return ([(s.seq_id, list(s.page_table), s.num_computed_tokens, list(s.output_token_ids))
+             for s in sched.running], pm.num_free_pages, pm.num_cached_pages, sched.stats())
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_schedule_decodes_equals_schedule_and_update(seed, prefix_caching):
+    fast, rng = _decoding_scheduler(seed, 64, prefix_caching)
+    for step in range(12):
+        general = copy.deepcopy(fast)
+        out = general.schedule()
+        seqs = list(fast.running)
+        aligned = [i for i, s in enumerate(seqs) if s.num_computed_tokens % 4 == 0]
+        grown, copies = fast.schedule_decodes(seqs, aligned)
+        assert copies == out.copies
+        assert [s.seq.seq_id for s in out.scheduled] == [s.seq_id for s in seqs]
+        assert all((s.num_new_tokens, s.samples) == (1, True) for s in out.scheduled)
+        token = int(rng.integers(0, 50))
+        general.update(out, {s.seq.seq_id: token for s in out.scheduled})
+        fast.update_decodes(seqs, token)
+        assert _state(fast) == _state(general), step
+        assert set(grown) <= set(aligned)
+        fast.check_invariants()
+
+
+def test_schedule_decodes_declines_what_schedule_decides_otherwise():
+    sched, _ = _decoding_scheduler(0, 64, False)
+    pm = sched.page_manager
+    for _ in range(8):  # general steps until a sequence's next token needs a new page
+        seqs = list(sched.running)
+        aligned = [i for i, s in enumerate(seqs) if s.num_computed_tokens % 4 == 0]
+        if any(not pm.writes_in_place(seqs[i]) for i in aligned):
+            break
+        out = sched.schedule()
+        sched.update(out, {s.seq.seq_id: 1 for s in out.scheduled})
+    else:
+        raise AssertionError("no sequence reached a page boundary")
+    before = _state(sched)
+    assert sched.schedule_decodes(seqs[:-1], aligned) is None  # not the running queue
+    assert sched.schedule_decodes(seqs[::-1], aligned) is None  # not in its order
+    held = pm.allocate(pm.num_free_pages)  # no page left: schedule() would preempt
+    assert sched.schedule_decodes(seqs, aligned) is None
+    pm.free(held)
+    assert _state(sched)[0] == before[0]
+    sched.add(Sequence([1, 2, 3], 4, seq_id=99))
+    assert sched.schedule_decodes(seqs, aligned) is None  # a request waits: schedule() admits
+    assert _state(sched)[0] == before[0]
+
+
+def test_stream_delta_fast_equals_the_constructor():
+    args = (3, "ab", (5, 6), "stop", 1, ({5: -0.5},), "b")
+    fast, slow = StreamDelta.fast(*args), StreamDelta(*args)
+    assert fast == slow and hash(StreamDelta.fast(3, "", (), None)) == hash(StreamDelta(3, "", (), None))
+    assert repr(fast) == repr(slow) and dataclasses.asdict(fast) == dataclasses.asdict(slow)
+    assert dataclasses.replace(fast, text="c") == dataclasses.replace(slow, text="c")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.text = "x"
+
+
+# ---------------------------------------------------------------- the engine
+@pytest.fixture(scope="module")
+def text_model(tiny_text_dir):
+    model = paxpage.load(tiny_text_dir)
+    yield model
+    model.close()
+
+
+def _check_batch(engine) -> bool:
+    """The in-flight decode batch's arrays against a rebuild from its sequences; True if any."""
+    step = engine._inflight
+    batch = step.decode if step is not None else None
+    if batch is None:
+        return False
+    batch.check()
+    tables = engine.runner.tables
+    for i, seq in enumerate(batch.seqs):
+        if seq.is_finished:
+            continue
+        assert batch.table_slots[i] == tables.slot(seq.seq_id)
+        pages = np.maximum(np.asarray(seq.page_table, np.int32), 0)
+        np.testing.assert_array_equal(tables.table[batch.table_slots[i], :len(pages)], pages)
+        request, sample = engine.outputs.lookup(seq.seq_id)
+        assert engine._sampling.slot(seq.seq_id, request.params, sample.seed) == batch.sampling_slots[i]
+        assert batch.limits[i] == min(request.params.max_tokens,
+                                      engine.config.max_model_len - seq.num_prompt_tokens)
+    return True
+
+
+def _run(model, fast: bool, prompts, params, joins, abort_at):
+    """Steps an engine through the workload: requests join at their step, one is aborted.
+    Returns every step's deltas and the final outputs."""
+    config = EngineConfig(page_size=4, num_pages=54, max_model_len=128, max_num_seqs=8,
+                          max_num_batched_tokens=32, enable_prefix_caching=True)
+    engine = LLMEngine(model.config, model.params, model.tokenizer, config)  # fresh: no cached prefix
+    if not fast:
+        engine._decode_step = lambda: None
+    ids, steps, finals, batches = {}, [], {}, 0
+    step = 0
+    while step == 0 or engine.has_unfinished() or len(ids) < len(prompts):
+        for i, at in enumerate(joins):
+            if at == step:
+                ids[engine.add_request(prompts[i], params[i])] = i
+        if step == abort_at[0]:
+            engine.abort(next(r for r, i in ids.items() if i == abort_at[1]))
+        out = engine.step()
+        steps.append([(ids[r.request_id], [dataclasses.asdict(d) for d in ds]) for r, ds in out])
+        for request, _ in out:
+            if request.finished:
+                o = engine.output(request)
+                finals[ids[request.request_id]] = [(c.text, c.token_ids, c.finish_reason, c.stop_reason,
+                                                    c.logprobs, c.cumulative_logprob) for c in o.outputs]
+        if fast:
+            batches += _check_batch(engine)
+            engine.scheduler.check_invariants()
+        step += 1
+        assert step < 400
+    assert engine.scheduler.page_manager.num_free_pages == config.num_pages
+    return steps, finals, engine.stats, batches, engine.scheduler.num_preemptions
+
+
+def _workload():
+    """Eight long-running requests that stop in several ways while the others keep decoding,
+    then late ones that join, fork, ask for logprobs or penalties, and one abort."""
+    prompts = random_prompts(11, 320, [5, 9, 3, 14, 7, 11, 6, 4, 8, 10, 5], seed=3)
+    kinds = [
+        SP(temperature=0, max_tokens=60, ignore_eos=True),
+        SP(temperature=0.8, top_p=0.9, seed=1, max_tokens=50),
+        SP(temperature=0.8, seed=2, max_tokens=70, stop_token_ids=list(range(3, 320, 37))),
+        SP(temperature=1.0, seed=4, max_tokens=70, stop=["1"], ignore_eos=True),
+        SP(temperature=0.9, seed=5, max_tokens=40, min_tokens=6, stop_token_ids=list(range(5, 320, 53))),
+        SP(temperature=0, max_tokens=45, ignore_eos=True),
+        SP(temperature=1.0, seed=6, max_tokens=55, ignore_eos=True),
+        SP(temperature=0, max_tokens=36, ignore_eos=True),
+        SP(temperature=1.0, seed=7, n=2, max_tokens=12, ignore_eos=True),  # forks
+        SP(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True),  # per-token logprobs
+        SP(temperature=0.7, seed=8, repetition_penalty=1.2, max_tokens=14),  # no overlap
+    ]
+    joins = [0, 0, 0, 0, 0, 0, 0, 0, 44, 56, 60]
+    return prompts, kinds, joins, (20, 1)  # at step 20, abort prompt 1
+
+
+def test_fast_path_equals_general_path_on_a_mixed_workload(text_model):
+    prompts, params, joins, abort = _workload()
+    general = _run(text_model, False, prompts, params, joins, abort)
+    fast = _run(text_model, True, prompts, params, joins, abort)
+    assert fast[0] == general[0]  # every step's deltas
+    assert fast[1] == general[1]
+    assert sorted(fast[1]) == [i for i in range(len(prompts)) if i != 1]
+    stats = fast[2]
+    assert stats.decode_batch_steps > 10 and general[2].decode_batch_steps == 0
+    assert fast[3] > 10  # decode batches checked against a rebuild
+    assert stats.steps == general[2].steps and stats.generated_tokens == general[2].generated_tokens
+    assert fast[4] > 0  # preemptions happened
