@@ -122,6 +122,7 @@ class SamplingTensors:
     # Static: the host knows no row draws, penalises or bans (every row greedy). `sample` then
     # compiles to the argmax alone: the draw's executable takes ~50x longer to compile, and an
     # all-greedy workload never needs it. False is always correct (the device checks per row).
+    # With greedy_only the keys are never read (SamplingBatch may leave a previous step's there).
     greedy_only: bool = False
     # Static: some row is penalised or bans tokens, so `sample` writes a penalised copy of the
     # logits first (rows without penalties copy theirs unchanged). False compiles the sampler

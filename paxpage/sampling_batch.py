@@ -107,17 +107,21 @@ class SamplingBatch:
             out[:n] = values[slots]
             return out
 
-        keys = np.zeros((num_rows, 2), np.uint32)
-        with np.errstate(over="ignore"):
-            keys[:n] = row_keys(self.seed[slots] + seed_offsets.astype(np.uint64), steps)
         below = self.min_tokens[slots] > steps
         # Rows without penalties or banned ids: every tensor but the keys follows from the slots
-        # alone, so the same slots as last time reuse last time's device arrays.
+        # alone, so the same slots as last time reuse last time's device arrays. All-greedy
+        # tensors (greedy_only) reuse the keys too: the argmax-only sampler never reads them.
         plain = not below.any() and not ((self.repetition_penalty[slots] != 1.0)
                                          | (self.presence_penalty[slots] != 0.0)
                                          | (self.frequency_penalty[slots] != 0.0)).any()
         reuse_key = (num_rows, slots.tobytes()) if plain else None
-        if reuse_key is not None and self._reusable is not None and self._reusable[0] == reuse_key:
+        reusable = reuse_key is not None and self._reusable is not None and self._reusable[0] == reuse_key
+        if reusable and self._reusable[1].greedy_only:
+            return self._reusable[1]
+        keys = np.zeros((num_rows, 2), np.uint32)
+        with np.errstate(over="ignore"):
+            keys[:n] = row_keys(self.seed[slots] + seed_offsets.astype(np.uint64), steps)
+        if reusable:
             return dataclasses.replace(self._reusable[1], keys=jax.device_put(keys))
         banned = {}
         for r in np.flatnonzero(below):  # rare: below min_tokens
