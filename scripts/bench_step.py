@@ -2,7 +2,8 @@
 
 Each case fills an `LLMEngine` with `rows` requests of `context` random prompt tokens (EOS
 ignored), steps it until every request is decoding, runs --warmup decode steps (compiles),
-then --steps measured ones. From `engine.stats` (deltas over the measured steps):
+then --steps measured ones (default 16, the page size: every row then crosses one page boundary,
+where it allocates a page, in the window, however the rows are aligned). From `engine.stats` (deltas over the measured steps):
     host    scheduling + packing + stop checks + detokenisation, ms per step
     device  the jitted step incl. fetching the sampled tokens, ms per step
     wall    perf_counter around the measured `step()` calls, ms per step
@@ -264,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", nargs="+", metavar="KEY",
                         help="subset of: " + ", ".join(c.key for c in CASES))
     parser.add_argument("--quick", action="store_true", help="tiny shapes only (CI smoke test)")
-    parser.add_argument("--steps", type=int, default=None, help="measured decode steps (default 5, quick 2)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="measured decode steps (default 16, the page size: each row then crosses one page "
+                             "boundary in the window, whatever its alignment; quick 2)")
     parser.add_argument("--warmup", type=int, default=2, help="decode steps before measuring")
     parser.add_argument("--attention-iters", type=int, default=None, help="timed attention calls")
     parser.add_argument("--seed", type=int, default=0)
@@ -280,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown case(s) {unknown}; expected some of {sorted(known)}")
         cases = [known[k] for k in args.cases]
-    steps = args.steps or (2 if args.quick else 5)
+    steps = args.steps or (2 if args.quick else 16)
     iters = args.attention_iters or (2 if args.quick else 5)
 
     bandwidth = read_bandwidth(64 << 20 if args.quick else 512 << 20)
