@@ -282,11 +282,8 @@ class ModelRunner:
         n = len(decode)
         if n:
             pos = np.fromiter((rows[i].start for i in decode), np.int32, n)
-            dec_pages[:n] = table[[slot_of[i] for i in decode]]
+            self._lay_out_decodes([slot_of[i] for i in decode], pos, positions, slots, dec_pages, dec_lens)
             token_ids[:n] = [rows[i].token_ids[rows[i].start] for i in decode]
-            positions[:n] = pos
-            slots[:n] = dec_pages[np.arange(n), pos // page_size] * page_size + pos % page_size
-            dec_lens[:n] = pos + 1
             prev_rows[:n] = [rows[i].prev_row for i in decode]
             for row, i in enumerate(decode):
                 last_token_index[i] = row
@@ -335,18 +332,15 @@ class ModelRunner:
         previous (still running) step samples: table_slots integer[B] (rows of `self.tables`,
         already synced), positions integer[B]. Returns the batch and its i32[T] prev_rows; equal
         to what `pack` returns for the same rows, in numpy operations over the rows."""
-        page_size, n = self.cfg.page_size, table_slots.shape[0]
+        n = table_slots.shape[0]
         num_dec = bucket(n, MIN_DECODE_ROWS)
         token_ids = np.zeros(num_dec, np.int32)
         token_ids[:n] = -1  # the host does not have them: prev_rows points at the device's
         pos = np.zeros(num_dec, np.int32)
-        pos[:n] = positions
         slots = np.full(num_dec, -1, np.int32)
         dec_pages = np.zeros((num_dec, self.cfg.pages_per_seq), np.int32)
-        dec_pages[:n] = self.tables.table[table_slots]
-        slots[:n] = dec_pages[np.arange(n), pos[:n] // page_size] * page_size + pos[:n] % page_size
         dec_lens = np.zeros(num_dec, np.int32)
-        dec_lens[:n] = pos[:n] + 1
+        self._lay_out_decodes(table_slots, positions, pos, slots, dec_pages, dec_lens)
         prev_rows = np.full(num_dec, -1, np.int32)
         prev_rows[:n] = np.arange(n)
         logits_indices = np.zeros(bucket(num_dec), np.int32)
@@ -355,6 +349,17 @@ class ModelRunner:
         batch = StepBatch(token_ids, pos, slots, dec_pages, dec_lens, rows0, empty, empty,
                           logits_indices, empty, empty)
         return batch, prev_rows
+
+    def _lay_out_decodes(self, table_slots, pos: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                         dec_pages: np.ndarray, dec_lens: np.ndarray) -> None:
+        """Rows [:n] of a batch's decode arrays for n decode rows (pack and pack_decode): each
+        row's table (table_slots integer[n], rows of `self.tables`), position (pos integer[n], the
+        token it writes), KV slot and length."""
+        n, page_size = len(pos), self.cfg.page_size
+        dec_pages[:n] = self.tables.table[table_slots]
+        positions[:n] = pos
+        slots[:n] = dec_pages[np.arange(n), pos // page_size] * page_size + pos % page_size
+        dec_lens[:n] = pos + 1
 
     def step_shapes(self) -> list[tuple[int, int]]:
         """Every (decode rows, prefill rows) bucket pair a step of this config can have: the

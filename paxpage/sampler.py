@@ -48,31 +48,26 @@ _MIN_TOKEN_WIDTH = 16  # smallest width of the token-id lists, so short sequence
 _MIN_BANNED_WIDTH = 4  # EOS ids + stop_token_ids rarely exceed this
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
 def row_key(seed: int, step: int) -> np.ndarray:
-    """Raw threefry key data u32[2] for the token at position `step` of a sequence with `seed`.
-
-    Pure function of (seed, step), computed on the host, so a row samples the same token whatever
-    batch it is in. Splitmix64 only has to decorrelate the inputs: threefry does the mixing."""
-    x = _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
-    return np.array([x >> 32, x & 0xFFFFFFFF], dtype=np.uint32)
+    """Raw threefry key data u32[2] for the token at position `step` of a sequence with `seed`
+    (any non-negative ints, taken modulo 2**64): `row_keys` for one row."""
+    return row_keys(np.array([seed & _MASK64], np.uint64), np.array([step & _MASK64], np.uint64))[0]
 
 
 def row_keys(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
-    """`row_key` for many rows at once: seeds, steps integer[R] -> u32[R, 2], equal row by row.
-    Seeds are taken modulo 2**64 (as row_key's mask does); uint64 arithmetic wraps likewise."""
+    """Raw threefry key data u32[R, 2] for the tokens at positions steps integer[R] of sequences
+    with seeds integer[R] (taken modulo 2**64; uint64 arithmetic wraps likewise):
+    splitmix64(splitmix64(seed) ^ step), split into two words.
+
+    A pure function of (seed, step), computed on the host, so a row samples the same token
+    whatever batch it is in. Splitmix64 only has to decorrelate the inputs: threefry does the
+    mixing."""
     x = _splitmix64_array(_splitmix64_array(np.asarray(seeds).astype(np.uint64))
                           ^ np.asarray(steps).astype(np.uint64))
     return np.stack([x >> np.uint64(32), x & np.uint64(0xFFFFFFFF)], axis=-1).astype(np.uint32)
 
 
-def _splitmix64_array(x: np.ndarray) -> np.ndarray:  # u64[R] -> u64[R], as _splitmix64
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:  # u64[R] -> u64[R], splitmix64's finaliser
     with np.errstate(over="ignore"):
         x = x + np.uint64(0x9E3779B97F4A7C15)
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -111,7 +106,7 @@ class SamplingTensors:
     repetition_penalty: jax.Array  # f32[R]; 1 = off
     presence_penalty: jax.Array  # f32[R]
     frequency_penalty: jax.Array  # f32[R]
-    keys: jax.Array  # u32[R, 2] raw threefry key data, from row_key
+    keys: jax.Array  # u32[R, 2] raw threefry key data, from row_keys
     # Penalty tokens in compact form: each distinct id once (-1 pad) with its number of
     # occurrences among the output tokens. Rows with repetition_penalty list prompt ids too
     # (count 0 if only in the prompt); rows without any penalty list nothing. S is a power of
@@ -161,7 +156,8 @@ class SamplingTensors:
         rep = np.ones(num_rows, np.float32)
         presence = np.zeros(num_rows, np.float32)
         frequency = np.zeros(num_rows, np.float32)
-        keys = np.zeros((num_rows, 2), np.uint32)
+        seeds = np.zeros(num_rows, np.uint64)
+        steps = np.zeros(num_rows, np.uint64)
         banned: dict[int, tuple[int, ...]] = {}
         for i, (p, _, out, seed, step) in enumerate(rows):
             temperature[i] = p.temperature
@@ -171,8 +167,10 @@ class SamplingTensors:
             rep[i] = p.repetition_penalty
             presence[i] = p.presence_penalty
             frequency[i] = p.frequency_penalty
-            keys[i] = row_key(seed, len(out) if step is None else step)
+            seeds[i], steps[i] = seed & _MASK64, (len(out) if step is None else step) & _MASK64
             banned[i] = p.banned_token_ids(len(out), eos_token_ids)
+        keys = np.zeros((num_rows, 2), np.uint32)
+        keys[:num_real] = row_keys(seeds[:num_real], steps[:num_real])
         return cls.from_host(temperature, top_p, top_k, min_p, rep, presence, frequency, keys, banned,
                              lambda i: (rows[i].prompt_ids, rows[i].output_ids), token_width)
 

@@ -1,5 +1,6 @@
 """SamplingBatch (persistent per-sequence sampling slots) against SamplingTensors.build, the
-from-scratch packing of the same rows, after random joins and leaves; row_keys against row_key."""
+from-scratch packing of the same rows, after random joins and leaves; row_keys and row_key
+against splitmix64 on Python ints."""
 
 import numpy as np
 import pytest
@@ -14,13 +15,27 @@ FIELDS = ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "prese
           "frequency_penalty", "keys", "token_ids", "token_counts", "banned_ids"]
 
 
+def _splitmix64(x: int) -> int:  # the reference: splitmix64's finaliser on Python ints
+    mask = (1 << 64) - 1
+    x = (x + 0x9E3779B97F4A7C15) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return x ^ (x >> 31)
+
+
+def _reference_row_key(seed: int, step: int) -> np.ndarray:
+    x = _splitmix64(_splitmix64(seed & ((1 << 64) - 1)) ^ step)
+    return np.array([x >> 32, x & 0xFFFFFFFF], dtype=np.uint32)
+
+
 def test_row_keys_equal_row_key():
     rng = np.random.default_rng(0)
     seeds = [0, 1, 2**32 - 1, 2**63 + 5, 2**64 - 1, 2**70 + 3] + rng.integers(0, 2**62, 20).tolist()
     steps = rng.integers(0, 5000, len(seeds)).tolist()
     got = row_keys(np.array([s & (2**64 - 1) for s in seeds], np.uint64), np.array(steps))
-    want = np.stack([row_key(s, t) for s, t in zip(seeds, steps)])
+    want = np.stack([_reference_row_key(s, t) for s, t in zip(seeds, steps)])
     np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.stack([row_key(s, t) for s, t in zip(seeds, steps)]), want)
 
 
 def _params(rng) -> SamplingParams:
