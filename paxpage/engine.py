@@ -272,10 +272,7 @@ class LLMEngine:
         grown, copies = scheduled
         self.runner.copy_pages(copies)
         tables, seqs = self.runner.tables, batch.seqs
-        if tables.num_rows > 2 * len(seqs) + 64:  # forget ended ones, as _launch does
-            live = {s.seq_id for s in seqs}
-            tables.retain(live)
-            self._sampling.retain(live)
+        self._forget_ended(seqs)  # seqs are the running queue (schedule_decodes checked)
         if grown:  # their new pages: the one changed entry of each table row
             tables.sync_many([seqs[i].seq_id for i in grown], [seqs[i].num_preemptions for i in grown],
                              [seqs[i].page_table for i in grown], [int(batch.positions[i]) for i in grown])
@@ -404,10 +401,7 @@ class LLMEngine:
                 slots += [slot] * num_samples
                 offsets += [0] * num_samples if drafts else range(num_samples)
                 steps += range(num_out, num_out + num_samples) if drafts else [num_out] * num_samples
-        if self.runner.tables.num_rows > 2 * self.scheduler.num_running + 64:  # forget ended ones
-            live = {s.seq_id for s in self.scheduler.running}
-            self.runner.tables.retain(live)
-            sampling.retain(live)
+        self._forget_ended(self.scheduler.running)
         batch, logits_plan, prompt_plan, prev_rows = self.runner.pack(plans)
         first_rows = [row for _, _, row in rows]
 
@@ -439,6 +433,14 @@ class LLMEngine:
         if not step.constrained or self._inflight is None:
             self._dispatch_sampler(step)
         return step
+
+    def _forget_ended(self, running) -> None:
+        """Drops the page-table rows and sampling slots of sequences not in `running` (the
+        running queue), once as many have piled up as run."""
+        if self.runner.tables.num_rows > 2 * len(running) + 64:
+            live = {s.seq_id for s in running}
+            self.runner.tables.retain(live)
+            self._sampling.retain(live)
 
     def _dispatch_sampler(self, step: "Launched") -> None:
         batch, logits, tensors, num_logprobs, num_prompt_logprobs = step.sampler_args
