@@ -26,7 +26,7 @@ from paxpage import spec as spec_lib
 from paxpage.config import EngineConfig
 from paxpage.decode_batch import DecodeBatch
 from paxpage.engine_stats import EngineStats
-from paxpage.launched import PENDING_TOKEN, Launched, logprob_bucket
+from paxpage.launched import PENDING_TOKEN, Launched, fetch, logprob_bucket
 from paxpage.output_processor import NewToken, OutputProcessor, Request
 from paxpage.outputs import RequestOutput, StreamDelta
 from paxpage.runner import ModelRunner, RowPlan
@@ -286,7 +286,7 @@ class LLMEngine:
         # the previous step's tokens
         self._inflight = None
         t = time.perf_counter()
-        token_ids, logprobs = jax.device_get((previous.result.token_ids, previous.result.logprobs))
+        token_ids, logprobs = fetch((previous.result.token_ids, previous.result.logprobs))
         self.stats.device_seconds += time.perf_counter() - t
         n = len(seqs)
         deltas, to_finish, num_tokens = self.outputs.process_plain(
@@ -496,7 +496,7 @@ class LLMEngine:
     def _resolve(self, step: "Launched") -> list[tuple[Request, list[StreamDelta]]]:
         """Reads an in-flight step's tokens and hands them to the output processor."""
         t = time.perf_counter()
-        result = jax.device_get(step.result)
+        result = fetch(step.result)
         self.stats.device_seconds += time.perf_counter() - t
         new_tokens = []
         token_ids = result.token_ids.tolist()
@@ -513,7 +513,7 @@ class LLMEngine:
     def _complete(self, step: "Launched") -> list[tuple[Request, list[StreamDelta]]]:
         """The synchronous path: waits for the step's tokens, then books them."""
         t = time.perf_counter()
-        result, prompt_result, accepted = jax.device_get((step.result, step.prompt_result, step.accepted))
+        result, prompt_result, accepted = fetch((step.result, step.prompt_result, step.accepted))
         self.stats.device_seconds += time.perf_counter() - t
         sched = step.sched
         for j, (plan_index, position) in enumerate(step.prompt_plan):

@@ -97,7 +97,9 @@ def _leaf_signature(x) -> tuple:
     if type(x) is np.ndarray:
         return (x.shape, x.dtype, False, None)
     if isinstance(x, jax.Array):
-        return (x.shape, x.dtype, x.weak_type, x.sharding)
+        # An uncommitted array (jax.device_put without a device: the runner's cached decode
+        # constants) runs where a host array would: the same executable serves both.
+        return (x.shape, x.dtype, x.weak_type, x.sharding if getattr(x, "committed", True) else None)
     # Python scalars and other leaves jit accepts: their type decides the traced dtype
     return (np.shape(x), type(x).__name__, True, None)
 

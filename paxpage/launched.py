@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import numpy as np
+
 from paxpage.decode_batch import DecodeBatch
 from paxpage.output_processor import Request
 
@@ -39,6 +42,14 @@ class Launched:
     @property
     def speculates(self) -> bool:
         return any(self.drafts)
+
+
+def fetch(results):
+    """A step's device results (a pytree; None leaves stay None) as numpy arrays, waiting for them.
+    np.asarray per array, not jax.device_get: on CPU, device_get first starts an asynchronous
+    copy of each array, which costs ~0.1 ms of the host's time per array while the next step
+    runs (measured with jax 0.10.2), and the arrays are host memory already."""
+    return jax.tree.map(np.asarray, results)
 
 
 def logprob_bucket(n: int) -> int:

@@ -130,6 +130,7 @@ class ModelRunner:
         # The most sampling rows a step that can stay in flight has (one per sequence row).
         self.max_logits_rows = max(bucket(dec + pre) for dec, pre in self.step_shapes())
         self._no_prev_tokens = jnp.zeros(self.max_logits_rows, jnp.int32)
+        self._decode_consts: dict[tuple[int, int], tuple] = {}  # see _decode_constants
         # Sharded: the pool keeps its sharding across steps (out_shardings), so a step never
         # reshards it or recompiles; logits come back replicated for the sampler.
         self._step = jax.jit(self._forward, donate_argnums=(1,), **step_shardings)
@@ -334,21 +335,37 @@ class ModelRunner:
         to what `pack` returns for the same rows, in numpy operations over the rows."""
         n = table_slots.shape[0]
         num_dec = bucket(n, MIN_DECODE_ROWS)
-        token_ids = np.zeros(num_dec, np.int32)
-        token_ids[:n] = -1  # the host does not have them: prev_rows points at the device's
         pos = np.zeros(num_dec, np.int32)
         slots = np.full(num_dec, -1, np.int32)
         dec_pages = np.zeros((num_dec, self.cfg.pages_per_seq), np.int32)
         dec_lens = np.zeros(num_dec, np.int32)
         self._lay_out_decodes(table_slots, positions, pos, slots, dec_pages, dec_lens)
-        prev_rows = np.full(num_dec, -1, np.int32)
-        prev_rows[:n] = np.arange(n)
-        logits_indices = np.zeros(bucket(num_dec), np.int32)
-        logits_indices[:n] = np.arange(n)
-        empty, rows0 = np.zeros(0, np.int32), np.zeros((0, self.cfg.pages_per_seq), np.int32)
+        token_ids, prev_rows, logits_indices, empty, rows0 = self._decode_constants(n, num_dec)
         batch = StepBatch(token_ids, pos, slots, dec_pages, dec_lens, rows0, empty, empty,
                           logits_indices, empty, empty)
         return batch, prev_rows
+
+    def _decode_constants(self, n: int, num_dec: int) -> tuple:
+        """The arrays of a steady decode step of n rows that depend on n alone: token ids (-1: the
+        host does not have them, prev_rows points at the device's), prev_rows, logits indices
+        and the empty prefill arrays. Kept on the device once made, so a step transfers only its
+        positions, slots, tables and lengths (each host array a jitted call takes costs it a
+        transfer at dispatch). Sharded or multi-process runners pass them as numpy, as `pack`."""
+        key = (n, num_dec)
+        made = self._decode_consts.get(key)
+        if made is None:
+            token_ids = np.zeros(num_dec, np.int32)
+            token_ids[:n] = -1
+            prev_rows = np.full(num_dec, -1, np.int32)
+            prev_rows[:n] = np.arange(n)
+            logits_indices = np.zeros(bucket(num_dec), np.int32)
+            logits_indices[:n] = np.arange(n)
+            made = (token_ids, prev_rows, logits_indices, np.zeros(0, np.int32),
+                    np.zeros((0, self.cfg.pages_per_seq), np.int32))
+            if self.mesh is None and jax.process_count() == 1:
+                made = tuple(jax.device_put(made))
+            self._decode_consts[key] = made
+        return made
 
     def _lay_out_decodes(self, table_slots, pos: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                          dec_pages: np.ndarray, dec_lens: np.ndarray) -> None:
