@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paxpage.penalty_counts import distinct_counts
 from paxpage.sampling_draw import argmax_rows, draw, largest_threshold, sortable_keys
 from paxpage.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
@@ -172,16 +173,18 @@ class SamplingTensors:
         keys = np.zeros((num_rows, 2), np.uint32)
         keys[:num_real] = row_keys(seeds[:num_real], steps[:num_real])
         return cls.from_host(temperature, top_p, top_k, min_p, rep, presence, frequency, keys, banned,
-                             lambda i: (rows[i].prompt_ids, rows[i].output_ids), token_width)
+                             lambda i, with_prompt: distinct_counts(rows[i].prompt_ids if with_prompt else (),
+                                                                    rows[i].output_ids), token_width)
 
     @classmethod
     def from_host(cls, temperature, top_p, top_k, min_p, rep, presence, frequency, keys,
-                  banned: dict[int, Sequence[int]], row_tokens, token_width: int | None = None
+                  banned: dict[int, Sequence[int]], row_counts, token_width: int | None = None
                   ) -> SamplingTensors:
         """The tensors from per-row numpy arrays (R rows, padding included), the banned ids of the
-        rows that have any ({row: ids}), and `row_tokens(i) -> (prompt_ids, output_ids)`, called only
-        for rows with a penalty. `build` and sampling_batch.SamplingBatch both end here. The
-        leaves reach the device in one device_put."""
+        rows that have any ({row: ids}), and `row_counts(i, with_prompt) -> (ids, counts)`, called
+        only for rows with a penalty: penalty_counts.distinct_counts of the row's prompt (when
+        with_prompt, i.e. a repetition penalty) and output tokens, ids in any order. `build` and
+        sampling_batch.SamplingBatch both end here. The leaves reach the device in one device_put."""
         num_rows = temperature.shape[0]
         # Distinct penalty tokens only for rows that use them. A batch without penalties ships
         # the smallest width (the same shape as a short penalised batch, so no extra compile)
@@ -189,11 +192,7 @@ class SamplingTensors:
         needs_output = (rep != 1.0) | (presence != 0.0) | (frequency != 0.0)
         distinct: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for i in np.flatnonzero(needs_output):
-            prompt_ids, output_ids = row_tokens(i)
-            out = np.asarray(output_ids, np.int64).reshape(-1)
-            prompt = np.asarray(prompt_ids if rep[i] != 1.0 else (), np.int64).reshape(-1)
-            ids, inverse = np.unique(np.concatenate([prompt, out]), return_inverse=True)
-            distinct[i] = ids, np.bincount(inverse[len(prompt):], minlength=len(ids))
+            distinct[i] = row_counts(i, bool(rep[i] != 1.0))
         needed = max((len(ids) for ids, _ in distinct.values()), default=0)
         if token_width is not None and token_width < needed:
             raise ValueError(f"token_width={token_width} is smaller than the {needed} distinct "

@@ -21,6 +21,7 @@ from collections.abc import Callable, Hashable, Sequence
 import jax
 import numpy as np
 
+from paxpage.penalty_counts import RunningCounts
 from paxpage.sampler import SamplingTensors, row_keys
 from paxpage.sampling_params import SamplingParams
 
@@ -39,6 +40,7 @@ class SamplingBatch:
         self._alloc(capacity)
         # (rows, slots bytes) and the tensors last built for them, when they need no per-step data
         self._reusable: tuple[tuple[int, bytes], SamplingTensors] | None = None
+        self._counts: dict[int, RunningCounts] = {}  # per penalised slot (penalty_counts.py)
 
     def _alloc(self, capacity: int) -> None:
         def grow(name, dtype):
@@ -83,6 +85,7 @@ class SamplingBatch:
             if slot is not None:
                 self._reusable = None
                 self._params[slot] = None
+                self._counts.pop(slot, None)
                 self._free.append(slot)
 
     def retain(self, live_keys) -> None:
@@ -95,7 +98,8 @@ class SamplingBatch:
         """SamplingTensors for logits rows r < n: slot slots[r], seed + seed_offsets[r] (a
         request's n parallel samples), token position steps[r] (its output tokens so far, as
         `RowInfo.step` and for min_tokens). `row_tokens(r) -> (prompt_ids, output_ids)` is called
-        only for rows with a penalty. Rows n .. pad_rows_to are padding (greedy, no penalties).
+        only for rows with a penalty; their counts run on per slot (penalty_counts.RunningCounts),
+        so a row whose output list is the one it had last step costs only its new tokens. Rows n .. pad_rows_to are padding (greedy, no penalties).
         All index arrays are integer[n]."""
         n = slots.shape[0]
         num_rows = n if pad_rows_to is None else pad_rows_to
@@ -130,9 +134,17 @@ class SamplingBatch:
             rows_of(self.temperature, 0.0), rows_of(self.top_p, 1.0), rows_of(self.top_k, 0),
             rows_of(self.min_p, 0.0), rows_of(self.repetition_penalty, 1.0),
             rows_of(self.presence_penalty, 0.0), rows_of(self.frequency_penalty, 0.0), keys, banned,
-            row_tokens, self.token_width)
+            lambda r, with_prompt: self._row_counts(int(slots[r]), *row_tokens(r), with_prompt),
+            self.token_width)
         self._reusable = (reuse_key, tensors) if reuse_key is not None else None
         return tensors
+
+    def _row_counts(self, slot: int, prompt_ids, output_ids, with_prompt: bool) -> tuple[np.ndarray, np.ndarray]:
+        prompt_ids = prompt_ids if with_prompt else ()
+        counts = self._counts.get(slot)
+        if counts is None:
+            counts = self._counts[slot] = RunningCounts(prompt_ids, output_ids)
+        return counts.counts_of(prompt_ids, output_ids)
 
     def _take(self) -> int:
         if not self._free:

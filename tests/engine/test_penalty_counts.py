@@ -1,0 +1,70 @@
+"""RunningCounts (penalty_counts.py) against collections.Counter over the current tokens, while
+an output list grows, has its last token replaced, is cut back or swapped for another list."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from paxpage.penalty_counts import RunningCounts, distinct_counts
+
+
+def _reference(prompt, out) -> dict[int, int]:
+    counts = Counter(out)
+    return {t: counts.get(t, 0) for t in set(prompt) | set(out)}
+
+
+def _as_dict(ids, counts) -> dict[int, int]:
+    assert len(set(ids.tolist())) == len(ids), "ids must be distinct"
+    return dict(zip(ids.tolist(), counts.tolist()))
+
+
+def test_distinct_counts_by_hand():
+    ids, counts = distinct_counts([5, 3, 5], [3, 9, 9, 3, 9])
+    assert ids.tolist() == [3, 5, 9] and counts.tolist() == [2, 0, 3]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_running_counts_follow_every_change(seed):
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, 30, int(rng.integers(0, 12))).tolist()
+    out: list[int] = []
+    running = RunningCounts(prompt, out)
+    for _ in range(300):
+        kind = rng.random()
+        if kind < 0.6:
+            out.extend(rng.integers(0, 40, int(rng.integers(1, 4))).tolist())
+        elif kind < 0.7 and out:
+            out[-1] = int(rng.integers(0, 40))  # a placeholder replaced by the sampled token
+        elif kind < 0.8 and out:
+            del out[int(rng.integers(0, len(out))):]  # cut back (a stop inside a multi-token step)
+        elif kind < 0.85:
+            out = out[:-1] + [int(rng.integers(0, 40))]  # a new list (a beam taking another history)
+        elif kind < 0.9:
+            prompt = [] if prompt else rng.integers(0, 30, 5).tolist()  # repetition penalty off / on
+        want = _reference(prompt, out)
+        assert _as_dict(*running.counts_of(prompt, out)) == want
+        assert _as_dict(*distinct_counts(prompt, out)) == want
+
+
+def test_repetition_penalised_greedy_generation_matches_hf(tiny_llama_dir):
+    """The engine's running counts over a whole generation: greedy with a repetition penalty
+    (prompt and outputs penalised, HF's definition) equals HF transformers' generate."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import paxpage
+    from paxpage.sampling_params import SamplingParams
+    from tests.conftest import random_prompts
+
+    model = paxpage.load(tiny_llama_dir)
+    prompts = random_prompts(3, 64, [5, 12, 3], seed=4)  # a small id range: repeats are likely
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.8, max_tokens=20, ignore_eos=True)
+    outs = paxpage.generate(model, prompts, sampling_params=params, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                               repetition_penalty=1.8, pad_token_id=0,
+                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert out.outputs[0].token_ids == want[0, len(prompt):].tolist()
