@@ -30,8 +30,12 @@ matmuls are negligible next to attention, sampling and host work; "smollm2" is
 `paxpage.load()`'s SmolLM2-135M-Instruct.
 
 --interleave fills every case's engine first and then steps them in turns, one step each per
-round, so a loaded machine's noise falls on all cases alike; a sampled case then also reports
-its device time over the greedy case of the same model and shape.
+round, so a loaded machine's noise falls on all cases alike; compare cases on host CPU and device
+busy there. Its device wait and wall figures are not a lone engine's: each engine's step stays in
+flight through the other engines' turns (a case beside a slow synchronous one, such as the
+penalised case, looks almost free), so take wall and wall / max(host CPU, busy) from a run
+without it. A sampled case also reports its device busy time over the greedy case of the same
+model and shape (either way).
 
 Usage:
     python scripts/bench_step.py --json /tmp/step.json           # the whole table (minutes)
@@ -69,6 +73,7 @@ class Case:
     context: int  # prompt tokens per sequence (the decode context at measurement)
     temperature: float = 0.0
     top_p: float = 1.0
+    repetition_penalty: float = 1.0  # != 1: penalised rows (penalty tensors each step, no overlap)
     # Prefill tokens per step while filling the engine (the decode step does not depend on it).
     prefill_tokens: int = 8192
 
@@ -79,6 +84,7 @@ CASES = [
     Case("tiny-256x1536", "tiny", 256, 1536),
     Case("tiny-256x1536-t0.7", "tiny", 256, 1536, temperature=0.7),
     Case("tiny-256x1536-t0.7-p0.9", "tiny", 256, 1536, temperature=0.7, top_p=0.9),
+    Case("tiny-256x1536-t0.7-rep1.1", "tiny", 256, 1536, temperature=0.7, repetition_penalty=1.1),
     Case("smollm2-64x65", "smollm2", 64, 65, prefill_tokens=2048),
     Case("smollm2-256x65", "smollm2", 256, 65, prefill_tokens=2048),
 ]
@@ -182,7 +188,8 @@ def fill_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: i
     engine = paxpage.LLMEngine(model.config, model.param_forms, model.tokenizer, cfg)
     rng = np.random.default_rng(seed)
     params = paxpage.SamplingParams(max_tokens=warmup + steps + spread + 2, temperature=case.temperature,
-                                    top_p=case.top_p, ignore_eos=True, seed=seed)
+                                    top_p=case.top_p, repetition_penalty=case.repetition_penalty,
+                                    ignore_eos=True, seed=seed)
     for _ in range(case.rows):
         engine.add_request(rng.integers(0, model.config.vocab_size, case.context).tolist(), params)
     started: set[int] = set()
@@ -273,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--interleave", action="store_true",
                         help="fill every case's engine first, then take their measured steps in turns "
-                             "(side by side under the same load; needs all engines' pools in memory)")
+                             "(side by side under the same load: compare host CPU and busy; wall and "
+                             "device wait are not a lone engine's; needs all engines' pools in memory)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     cases = QUICK_CASES if args.quick else CASES
