@@ -3,22 +3,30 @@
 // and soft cap, GQA), reading each row's K/V pages once, straight from the pool.
 //
 // Axis legend: B rows, Tq query tokens per row, N query heads, K kv heads, G = N / K, D head dim,
-// P pages, M = q_len * G query vectors of one work item.
+// P pages.
 //
 // Operands: q f32[B, Tq, N, D] (already f32; the Python wrapper casts), kv_pages f32 or bf16
 // [2, P, page_size, K, D], page_indices i32[B, pages_per_seq], kv_lens i32[B], q_lens i32[B].
 // Attributes: sm_scale, sliding_window (0 = none), soft_cap (0 = none). Result f32[B, Tq, N, D].
 //
 // Work items are rows (decode steps, Tq == 1: every kv head, each page read once front to back)
-// or (row, kv head) pairs (Tq > 1, so a step of a few prefill rows still spreads). The calling thread and up to num_threads helpers on XLA's
-// intra-op pool take items from one atomic counter. The shared state is heap-allocated and
-// reference counted, so a helper that starts after the call returned touches only that state
-// (it finds no item left and exits); the caller returns only once every taken item is done.
+// or (row, kv head) pairs (Tq > 1, so a step of a few prefill rows still spreads). The calling
+// thread and up to num_threads - 1 helpers on XLA's intra-op pool take items from one atomic
+// counter. The shared state is heap-allocated and reference counted, so a helper that starts
+// after the call returned touches only that state (it finds no item left and exits); the caller
+// waits only for items other threads have taken (running), never for a helper to start.
 //
-// Per item: the item's M query vectors (scaled by sm_scale) attend page by page with an online
-// softmax in f32. A query sees keys max(0, p - W + 1)..p (p = kv_len - q_len + t); keys past
-// kv_len are never read, so stale or NaN slots cannot reach the output. Query tokens t >= q_len
-// (and padding rows, q_len 0) are zeros, as in the reference.
+// Per item: each query head (scaled by sm_scale) folds the row's pages into an online softmax in
+// f32, page by page. A query at position p = kv_len - q_len + t sees keys max(0, p - W + 1)..p;
+// values of keys it cannot see are never read, so stale or NaN slots cannot reach the output
+// (their scores may be computed, then replaced by -inf). Query tokens t >= q_len (and padding
+// rows, q_len 0) are zeros, as in the reference.
+//
+// Speed (decode, memory-bound): head dims that are multiples of 16 run in 16-lane vectors
+// (GCC vector extensions: AVX-512 with -march=native, split into narrower registers elsewhere);
+// with page_size % 16 == 0 the scores of 16 keys are reduced together by a shuffle tree, exp is a
+// vectorised polynomial, and the accumulators stay in registers across a page's keys. Other head
+// dims take plain loops.
 
 #include <algorithm>
 #include <atomic>
@@ -435,8 +443,9 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   // split rows by kv head too, so a step of a few prefill rows still spreads over the threads.
   pr.heads_per_item = pr.num_q == 1 ? pr.num_kv_heads : 1;
   sh->num_items = pr.batch * (pr.num_kv_heads / pr.heads_per_item);
-  // Helpers on XLA's pool: none for a handful of items (waking a thread costs more).
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), sh->num_items / 4);
+  // Helpers on XLA's pool: with the calling thread, one worker per pool thread (the pool has
+  // one per core; more only contend); none for a handful of items (waking a thread costs more).
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, sh->num_items / 4);
   for (int64_t i = 0; i < helpers; ++i) {
     pool.Schedule([sh]() { drain(*sh); });
   }
