@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 
+import jax
 import pytest
 
 import paxpage
@@ -25,7 +26,8 @@ def test_pallas_interpret_matches_xla(tiny_llama_dir):
     assert _generate(model, "pallas-interpret") == _generate(model, "xla")
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the native kernel")
+@pytest.mark.skipif(shutil.which("g++") is None or jax.default_backend() != "cpu",
+                    reason="the native kernel needs g++ and the CPU backend")
 def test_native_matches_xla(tiny_llama_dir):
     model = paxpage.load(tiny_llama_dir)
     assert _generate(model, "native") == _generate(model, "xla")
@@ -34,6 +36,7 @@ def test_native_matches_xla(tiny_llama_dir):
     assert engine.runner.cfg.attention_impl == "native"  # it ran the native kernel, not the fallback
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="attention_impl 'native' is for the CPU backend")
 def test_native_turned_off_runs_xla(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("PAXPAGE_NATIVE_ATTENTION", "0")
     model = paxpage.load(tiny_llama_dir)

@@ -20,7 +20,10 @@ from pallas_kernels.native import build as native_build
 from pallas_kernels.reference import paged_attention_ref
 from pallas_kernels.xla_attention import paged_attention_xla
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the native kernel")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the native kernel"),
+    pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel; the default backend is not CPU"),
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
