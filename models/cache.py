@@ -50,6 +50,7 @@ BUILD_PREFIX = ".building-"
 STALE_PREFIX = ".stale-"
 XLA_DIR = "xla"
 EXECUTABLES_DIR = "executables"  # paxpage/exec_cache.py, listed with the XLA cache
+NATIVE_DIR = "native"  # compiled native kernels (pallas_kernels/native), listed with the XLA cache
 _ABANDONED_AFTER_S = 3600.0  # a .building-* directory this old belongs to a crashed write
 
 
@@ -258,7 +259,7 @@ def list_cache() -> list[CacheItem]:
             items.append(CacheItem(path, "model", _tree_bytes(path), source, state))
         elif name.startswith((BUILD_PREFIX, STALE_PREFIX)):
             items.append(CacheItem(path, "partial", _tree_bytes(path)))
-        elif name in (XLA_DIR, EXECUTABLES_DIR):
+        elif name in (XLA_DIR, EXECUTABLES_DIR, NATIVE_DIR):
             items.append(CacheItem(path, "xla", _tree_bytes(path)))
     return items
 

@@ -1,4 +1,7 @@
-"""Paged attention in plain XLA ops: the engine's fast path on CPU.
+"""Paged attention in plain XLA ops: the engine's CPU path where the native kernel is not used.
+
+The CPU default, attention_impl "native", is the C++ kernel in `native_attention.py`; this is
+attention_impl "xla", and what "native" falls back to when g++ is missing or the build fails.
 
 Same signature and semantics as `reference.paged_attention_ref` (row layout, see its
 docstring), but it never materialises a row's whole page table: a while loop walks the
@@ -71,7 +74,7 @@ page size 32 / 64 instead of 16 (no change); separate K / V gathers kept at the 
 second (dummy, NaN-safe) consumer of each, V masked in the wide shape, so no slices (tiny 68.5
 vs 71.6 ms, SmolLM2 44 vs 37 ms). The issue's targets (>= 14 GB/s at 256 x 1536,
 <= 15% of SmolLM2's step) are not met: at 256 x 1536 the read-only loop alone reaches ~14-16
-GB/s, so no formulation in XLA ops that also computes the dots can.
+GB/s, so no formulation in XLA ops that also computes the dots can. Hence the native kernel.
 
 Axis legend: B rows, Tq query tokens per row, S keys in a chunk, N query heads,
 K kv heads, G = N // K, D head dim, M = Tq * N expanded query rows, J = K * D.

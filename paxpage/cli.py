@@ -100,7 +100,7 @@ def _cache(args: argparse.Namespace) -> int:
     if partial:
         print(f"unfinished writes: {len(partial)} ({_megabytes(sum(i.num_bytes for i in partial))})")
     xla = sum(i.num_bytes for i in items if i.kind == "xla")
-    print(f"XLA compilation cache: {_megabytes(xla)}")  # with the executable cache (exec_cache.py)
+    print(f"XLA compilation cache: {_megabytes(xla)}")  # with the executable cache (exec_cache.py) and native kernels
     print(f"total: {_megabytes(sum(i.num_bytes for i in items))}")
     return 0
 

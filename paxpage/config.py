@@ -13,7 +13,12 @@ from paxpage.sharding import ShardingPlan, kv_page_bytes_per_device
 
 from paxpage.kv_sizing import DEFAULT_KV_CACHE_BYTES
 
-ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret")
+# "native": the C++ CPU kernel (pallas_kernels/native_attention.py), built with g++ on first use;
+# where it cannot be built or PAXPAGE_NATIVE_ATTENTION=0, the runner uses "xla" (the same
+# attention in XLA ops, pallas_kernels/xla_attention.py). "pallas" / "pallas-interpret": the
+# Pallas kernels on GPU / TPU, or interpreted on CPU (tests).
+ATTENTION_IMPLS = ("native", "xla", "pallas", "pallas-interpret")
+CPU_ATTENTION_IMPLS = ("native", "xla")
 DTYPES = ("float32", "bfloat16")
 # "auto": the pool in the model's dtype; "int8" / "fp8" (float8_e4m3fn): quantised per (token,
 # kv head) with f32 scales beside the pages (pallas_kernels/kv_quant.py).
@@ -43,7 +48,7 @@ class EngineConfig:
     max_prefill_rows: int | None = None
     dtype: str | None = None  # "float32" on CPU, "bfloat16" on GPU/TPU when None
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
-    attention_impl: str | None = None  # "xla" on CPU, "pallas" on GPU/TPU when None
+    attention_impl: str | None = None  # "native" on CPU, "pallas" on GPU/TPU when None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # "paged": pages on demand. "contiguous": the pre-paging scheme, reserving max_model_len
@@ -60,7 +65,7 @@ class EngineConfig:
     executable_cache_dir: str | None = None
     # Run the decoder layers as one lax.scan over stacked params and a stacked KV pool
     # (models/layer_stack.py): a step compiles in about the time of one layer instead of L.
-    # "auto": where the layer kinds repeat and attention is "xla"; True: also with Pallas
+    # "auto": where the layer kinds repeat and attention is "native" or "xla"; True: also with Pallas
     # attention (the kernels then see one pool of L * P pages); False: the unrolled loop.
     scan_layers: bool | str = "auto"
     # Parallelism (paxpage/sharding.py, paxpage/mesh.py, README "Parallelism"): weights and the
@@ -162,7 +167,10 @@ class EngineConfig:
         runner sizes the pool from the device's free memory once the weights are placed."""
         on_cpu = (backend or jax.default_backend()) == "cpu"
         dtype = self.dtype or ("float32" if on_cpu else "bfloat16")
-        impl = self.attention_impl or ("xla" if on_cpu else "pallas")
+        impl = self.attention_impl or ("native" if on_cpu else "pallas")
+        if impl == "native" and not on_cpu:
+            raise ValueError(f"attention_impl='native' is a CPU kernel, but the backend is "
+                             f"{backend or jax.default_backend()!r}; use 'pallas'")
         max_model_len = self.max_model_len or model.max_position_embeddings
         if max_model_len > model.max_position_embeddings:
             raise ValueError(
@@ -209,7 +217,7 @@ class EngineConfig:
             raise ValueError(f"scan_layers=True, but the {model.num_layers} layers of this "
                              f"{model.model_type} model do not repeat one pattern (sliding windows "
                              "or MoE / dense MLPs differ); use scan_layers='auto' or False")
-        if period is None or (self.scan_layers == "auto" and impl != "xla"):
+        if period is None or (self.scan_layers == "auto" and impl not in CPU_ATTENTION_IMPLS):
             return 0
         return period
 

@@ -78,7 +78,26 @@ class RowPlan:
     num_drafts: int = 0
 
 
+def cpu_attention_impl(impl: str) -> str:
+    """`impl`, or "xla" when it is "native" and the native kernel is off (PAXPAGE_NATIVE_ATTENTION=0)
+    or cannot be built or loaded here (pallas_kernels.native_attention.load warns once why).
+    The kernel is built into paxpage's cache directory (models.cache.cache_dir() + /native)."""
+    if impl != "native":
+        return impl
+    if os.environ.get("PAXPAGE_NATIVE_ATTENTION", "1") == "0":
+        return "xla"
+    from models.cache import NATIVE_DIR, cache_dir
+    from pallas_kernels import native_attention
+
+    return "native" if native_attention.load(os.path.join(cache_dir(), NATIVE_DIR)) else "xla"
+
+
 def _attention_fns(impl: str):
+    """(attention, write_kv) of an attention impl; "native" only once `cpu_attention_impl` said so."""
+    if impl == "native":
+        from pallas_kernels.native_attention import paged_attention_native
+
+        return paged_attention_native, reference.write_kv
     if impl == "xla":
         return paged_attention_xla, reference.write_kv
     from pallas_kernels import dispatch  # imported lazily: Pallas is not needed on the fast CPU path
@@ -101,7 +120,10 @@ class ModelRunner:
         self.cfg = cfg
         self.mesh = mesh
         dtype = jnp.dtype(cfg.dtype)
-        attention, write_kv = _attention_fns(cfg.attention_impl)
+        impl = cpu_attention_impl(cfg.attention_impl)
+        if impl != cfg.attention_impl:  # what runs: the step's code and the executable cache's key
+            self.cfg = cfg = dataclasses.replace(cfg, attention_impl=impl)
+        attention, write_kv = _attention_fns(impl)
         self._pool_sharding = None  # None: the default device
         # Scanned layers (models/layer_stack.py): the params are stacked and the pool is one
         # stacked [2, L, P, ...] array instead of a list of L pools.
@@ -594,7 +616,8 @@ _CONTEXT_SKIP = frozenset({
 def _cache_context(model_cfg: ModelConfig, cfg: ResolvedConfig) -> str:
     """The executable cache's key material besides the arguments: the model config and the
     engine config fields that shape a step (exec_cache.py)."""
-    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "engine"}
-    fields.update({f.name: getattr(cfg.engine, f.name) for f in dataclasses.fields(cfg.engine)})
+    fields = {f.name: getattr(cfg.engine, f.name) for f in dataclasses.fields(cfg.engine)}
+    # The resolved values win over the engine's (attention_impl None -> "native" or "xla", etc.).
+    fields.update({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "engine"})
     kept = sorted((k, repr(v)) for k, v in fields.items() if k not in _CONTEXT_SKIP)
     return f"model={model_cfg!r}\nengine={kept!r}"

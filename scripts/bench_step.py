@@ -116,18 +116,10 @@ def read_bandwidth(num_bytes: int = 512 << 20, iters: int = 5) -> float:
 
 
 def _attention_fns(impl: str):
-    """The engine's attention and KV write for `impl` (see paxpage.runner)."""
-    import functools
+    """The engine's attention and KV write for `impl` (the runner's choice, native included)."""
+    from paxpage.runner import _attention_fns as runner_fns, cpu_attention_impl
 
-    if impl == "xla":
-        from pallas_kernels.reference import write_kv
-        from pallas_kernels.xla_attention import paged_attention_xla
-
-        return paged_attention_xla, write_kv
-    from pallas_kernels import dispatch
-
-    return (functools.partial(dispatch.paged_attention, impl=impl),
-            functools.partial(dispatch.write_kv, impl=impl))
+    return runner_fns(cpu_attention_impl(impl))
 
 
 def time_attention(model: paxpage.Model, cfg: paxpage.EngineConfig, rows: int, context: int,

@@ -41,7 +41,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     e.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8"],
                    help="KV cache storage: the model's dtype (auto), or int8 / fp8 with per-token scales")
-    e.add_argument("--attention-impl", default=None, choices=["xla", "pallas", "pallas-interpret"])
+    e.add_argument("--attention-impl", default=None, choices=["native", "xla", "pallas", "pallas-interpret"],
+                   help="native (CPU default): C++ kernel, built with g++ on first use, else xla")
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--no-chunked-prefill", action="store_true")
     e.add_argument("--tensor-parallel-size", type=int, default=None, help="devices each replica's weights and KV split over")

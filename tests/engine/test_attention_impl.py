@@ -1,17 +1,45 @@
-"""The engine gives the same greedy tokens with the Pallas kernels (interpret mode) as with XLA,
-across prefill, chunked prefill (prompts longer than the step budget) and decode."""
+"""The engine gives the same greedy tokens with every attention impl: the Pallas kernels
+(interpret mode) and the native CPU kernel against XLA ops, across prefill, chunked prefill
+(prompts longer than the step budget) and decode; "native" falls back to "xla" when turned off."""
 
 from __future__ import annotations
+
+import shutil
+
+import jax
+import pytest
 
 import paxpage
 from tests.conftest import random_prompts
 
+COMMON = dict(max_tokens=6, temperature=0, ignore_eos=True, use_tqdm=False, page_size=8,
+              num_pages=32, max_num_batched_tokens=16, prefill_row_len=8)
+
+
+def _generate(model, impl, **kw):
+    prompts = random_prompts(3, 128, [3, 21, 45], seed=11)
+    return [o.token_ids for o in paxpage.generate(model, prompts, attention_impl=impl, **{**COMMON, **kw})]
+
 
 def test_pallas_interpret_matches_xla(tiny_llama_dir):
     model = paxpage.load(tiny_llama_dir)
-    prompts = random_prompts(3, 128, [3, 21, 45], seed=11)
-    common = dict(max_tokens=6, temperature=0, ignore_eos=True, use_tqdm=False, page_size=8,
-                  num_pages=32, max_num_batched_tokens=16, prefill_row_len=8)
-    xla = paxpage.generate(model, prompts, attention_impl="xla", **common)
-    pallas = paxpage.generate(model, prompts, attention_impl="pallas-interpret", **common)
-    assert [o.token_ids for o in pallas] == [o.token_ids for o in xla]
+    assert _generate(model, "pallas-interpret") == _generate(model, "xla")
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or jax.default_backend() != "cpu",
+                    reason="the native kernel needs g++ and the CPU backend")
+def test_native_matches_xla(tiny_llama_dir):
+    model = paxpage.load(tiny_llama_dir)
+    assert _generate(model, "native") == _generate(model, "xla")
+    engine = model.engine(paxpage.EngineConfig(attention_impl="native", page_size=8, num_pages=32,
+                                               max_num_batched_tokens=16, prefill_row_len=8))
+    assert engine.runner.cfg.attention_impl == "native"  # it ran the native kernel, not the fallback
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="attention_impl 'native' is for the CPU backend")
+def test_native_turned_off_runs_xla(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("PAXPAGE_NATIVE_ATTENTION", "0")
+    model = paxpage.load(tiny_llama_dir)
+    engine = model.engine(paxpage.EngineConfig(attention_impl="native", page_size=8, num_pages=33))
+    assert engine.runner.cfg.attention_impl == "xla"
+    assert _generate(model, "native", num_pages=33) == _generate(model, "xla", num_pages=33)

@@ -94,6 +94,14 @@ def test_runner_sizes_pool_from_device_memory(tiny_params, monkeypatch):
     assert runner.cfg.num_pages == 4 * mib // resolved.page_bytes
 
 
+def test_attention_impl_defaults_and_native_is_cpu_only():
+    assert EngineConfig().resolve(TINY, backend="cpu").attention_impl == "native"
+    assert EngineConfig().resolve(TINY, backend="gpu").attention_impl == "pallas"
+    assert EngineConfig(attention_impl="native").resolve(TINY, backend="cpu").scan_period == 1  # scanned, as "xla"
+    with pytest.raises(ValueError, match="attention_impl='native' is a CPU kernel, but the backend is 'gpu'"):
+        EngineConfig(attention_impl="native").resolve(TINY, backend="gpu")
+
+
 def test_kv_cache_dtype_validated():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of \\('auto', 'int8', 'fp8'\\), got 'int4'"):
         EngineConfig(kv_cache_dtype="int4")

@@ -1,0 +1,1 @@
+"""Native CPU kernels (C++ XLA FFI custom calls), built on first use: see build.py."""

@@ -1,0 +1,92 @@
+"""Paged attention as a native CPU kernel (native/paged_attention_cpu.cc, an XLA FFI custom call).
+
+Same signature and semantics as `reference.paged_attention_ref` / `xla_attention.paged_attention_xla`
+(row layout, causal, static sliding window and soft cap, GQA). The kernel walks each (row, kv head)
+pair's pages once, with an online softmax in f32, and splits the pairs across XLA's intra-op
+thread pool; keys past a row's length are never read.
+
+The library is compiled with g++ on first use into a directory the caller names (paxpage passes
+its cache directory + /native), keyed by source, flags, compiler, jaxlib and CPU (native/build.py),
+and registered with `jax.ffi.register_ffi_target` for the CPU platform. `load` says whether that
+worked; when it did not (no compiler, a failed build) it warns once and the caller uses the XLA-ops
+path. A quantised pool (kv_quant.QuantizedKV) and pools other than f32 / bf16 take the XLA-ops
+path here too.
+
+Axis legend: B rows, Tq query tokens per row, N query heads, K kv heads, D head dim, P pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import kv_quant
+from pallas_kernels.native import build as native_build
+from pallas_kernels.xla_attention import paged_attention_xla
+
+TARGET = "paxpage_paged_attention_cpu"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "paged_attention_cpu.cc")
+_SYMBOL = "PaxpagePagedAttentionCpu"
+KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+_lock = threading.Lock()
+_state: dict = {"library": None, "error": None}  # the loaded ctypes library, or why it failed
+
+
+def load(build_dir: str, compiler: str = "g++") -> bool:
+    """Builds (cached in build_dir), loads and registers the kernel once per process. False, with
+    one warning per process, when it cannot be built or loaded."""
+    with _lock:
+        if _state["library"] is not None:
+            return True
+        if _state["error"] is not None:
+            return False
+        try:
+            path = native_build.build(SOURCE, build_dir, compiler)
+            library = ctypes.cdll.LoadLibrary(path)
+            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, _SYMBOL)), platform="cpu")
+        except Exception as e:  # any failure (no compiler, a failed build or load): the XLA-ops path
+            detail = getattr(e, "stderr", None) or str(e)
+            _state["error"] = f"{type(e).__name__}: {detail}"[-2000:]
+            warnings.warn(f"paxpage: the native CPU attention kernel is unavailable, using the XLA-ops "
+                          f"path ({_state['error']})", RuntimeWarning, stacklevel=2)
+            return False
+        _state["library"] = library
+        return True
+
+
+def loaded() -> bool:
+    return _state["library"] is not None
+
+
+def paged_attention_native(
+    q: jax.Array,  # [B, Tq, N, D]
+    kv_pages,  # [2, P, page_size, K, D] already holding this step's K/V, or a QuantizedKV
+    page_indices: jax.Array,  # i32[B, pages_per_seq]
+    kv_lens: jax.Array,  # i32[B] cached tokens incl. this step's; 0 = padding row
+    q_lens: jax.Array,  # i32[B] new tokens this step
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,  # W: a query sees its last W keys (itself included)
+    soft_cap: float | None = None,  # c: scores -> c * tanh(scores / c)
+) -> jax.Array:  # [B, Tq, N, D]; padding query tokens are zeros
+    masking = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+    if isinstance(kv_pages, kv_quant.QuantizedKV) or jnp.dtype(kv_pages.dtype) not in KV_DTYPES:
+        return paged_attention_xla(q, kv_pages, page_indices, kv_lens, q_lens, sm_scale=sm_scale, **masking)
+    if not loaded():
+        raise RuntimeError("paged_attention_native: call native_attention.load(build_dir) first")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window is {sliding_window}; it must be >= 1 or None")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap is {soft_cap}; it must be > 0 or None")
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    out = call(q.astype(jnp.float32), kv_pages, page_indices.astype(jnp.int32), kv_lens.astype(jnp.int32),
+               q_lens.astype(jnp.int32), sm_scale=np.float32(sm_scale),
+               sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
+    return out.astype(q.dtype)

@@ -1,0 +1,147 @@
+"""The native CPU paged-attention kernel (pallas_kernels/native_attention.py) against the jnp
+reference, its build cache, and the fallback when it cannot be built."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_cases import (CONFIGS, WINDOW_CASES, assert_close, config_id, make_case, quant_case_id,
+                          quantize_case, QUANT_CASES, reference_pool, release_outside_window,
+                          window_case_id)
+from pallas_kernels import native_attention
+from pallas_kernels.native import build as native_build
+from pallas_kernels.reference import paged_attention_ref
+from pallas_kernels.xla_attention import paged_attention_xla
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the native kernel"),
+    pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel; the default backend is not CPU"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    """The kernel, built where the engine builds it (paxpage's cache directory), so a machine
+    compiles it once for the tests and the engine alike."""
+    from models.cache import NATIVE_DIR, cache_dir
+
+    assert native_attention.load(os.path.join(cache_dir(), NATIVE_DIR)), native_attention._state["error"]
+
+
+def _run(case, **kw):
+    fn = jax.jit(lambda *a: native_attention.paged_attention_native(*a, **kw))
+    return fn(jnp.asarray(case.q), jnp.asarray(case.kv_pages), case.page_indices, case.kv_lens, case.q_lens)
+
+
+def _want(case, **kw):
+    return paged_attention_ref(jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)),
+                               case.page_indices, case.kv_lens, case.q_lens, **kw)
+
+
+# Lengths 0 / 1 / page-aligned / unaligned; rows of different lengths; decode (Tq == 1) and
+# prefill chunks (Tq > 1, rows with fewer real tokens than Tq). Unused pages and the slots past
+# each row's length are NaN.
+LENGTH_CASES = {
+    "decode": ([0, 1, 8, 16, 24, 31, 32, 5, 70], [0, 1, 1, 1, 1, 1, 1, 1, 1]),
+    "prefill": ([0, 1, 16, 23, 32, 9, 70], [0, 1, 16, 7, 3, 9, 12]),
+}
+# CONFIGS covers dtype x page_size x N // K x head dims 64 / 128; these add head dims the kernel
+# takes on its generic path (24) and its smallest unrolled one (16).
+EXTRA_CONFIGS = [(jnp.float32, 4, 2, 24, 3), (jnp.float32, 16, 1, 16, 4)]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS + EXTRA_CONFIGS, ids=config_id)
+@pytest.mark.parametrize("kind", sorted(LENGTH_CASES))
+def test_native_matches_reference(cfg, kind):
+    dtype, page_size, ratio, head_dim, num_kv_heads = cfg
+    kv_lens, q_lens = LENGTH_CASES[kind]
+    case = make_case(np.random.default_rng(11), dtype=dtype, page_size=page_size, ratio=ratio,
+                     head_dim=head_dim, num_kv_heads=num_kv_heads, kv_lens=kv_lens, q_lens=q_lens,
+                     pages_per_seq=-(-70 // page_size) + 2)
+    got = _run(case, sm_scale=head_dim ** -0.5)
+    assert got.dtype == case.q.dtype and got.shape == case.q.shape
+    assert_close(got, _want(case, sm_scale=head_dim ** -0.5), dtype)
+    # Padding rows and padding query tokens are exact zeros, as in the reference.
+    pad = np.arange(case.q.shape[1])[None, :] >= case.q_lens[:, None]
+    assert not np.asarray(jnp.asarray(got, jnp.float32))[pad].any()
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[4], EXTRA_CONFIGS[0]], ids=config_id)
+@pytest.mark.parametrize("wc", WINDOW_CASES, ids=window_case_id)
+@pytest.mark.parametrize("kind", sorted(LENGTH_CASES))
+def test_sliding_window_and_soft_cap(cfg, wc, kind):
+    """Pages wholly before a row's window are NaN (released): never read."""
+    dtype, page_size, ratio, head_dim, num_kv_heads = cfg
+    window, cap = wc
+    kv_lens, q_lens = LENGTH_CASES[kind]
+    kv_lens = [n + 40 * (n > 0) for n in kv_lens]  # long enough to leave pages behind the window
+    case = make_case(np.random.default_rng(21), dtype=dtype, page_size=page_size, ratio=ratio,
+                     head_dim=head_dim, num_kv_heads=num_kv_heads, kv_lens=kv_lens, q_lens=q_lens,
+                     pages_per_seq=-(-110 // page_size) + 1)
+    case = release_outside_window(case, window)
+    kw = dict(sm_scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap)
+    assert_close(_run(case, **kw), _want(case, **kw), dtype)
+
+
+def test_table_entries_out_of_the_pool_and_all_padding():
+    rng = np.random.default_rng(8)
+    case = make_case(rng, dtype=jnp.float32, page_size=8, ratio=3, head_dim=16, num_kv_heads=1,
+                     kv_lens=[13, 4, 0], q_lens=[1, 1, 0], pages_per_seq=6)
+    want = _want(case, sm_scale=0.25)
+    case.page_indices[0, 2:] = [10**6, -7, 2**31 - 1, -(2**31)]  # past the row's pages: anything
+    case.page_indices[1, 1:] = 999
+    assert_close(_run(case, sm_scale=0.25), want, jnp.float32)
+    padding = make_case(rng, dtype=jnp.float32, page_size=8, ratio=2, head_dim=16, num_kv_heads=2,
+                        kv_lens=[0, 0, 0], q_lens=[0, 0, 0], pages_per_seq=4)
+    got = _run(padding, sm_scale=0.25)
+    assert got.shape == padding.q.shape and not np.asarray(got).any()
+
+
+def test_many_rows_spread_over_threads():
+    """Enough rows that XLA's pool takes items too: every row still gets its own result."""
+    rng = np.random.default_rng(4)
+    kv_lens = rng.integers(1, 90, size=64)
+    case = make_case(rng, dtype=jnp.float32, page_size=16, ratio=3, head_dim=64, num_kv_heads=3,
+                     kv_lens=kv_lens, q_lens=np.ones(64, np.int32), pages_per_seq=6)
+    assert_close(_run(case, sm_scale=0.125), _want(case, sm_scale=0.125), jnp.float32)
+
+
+@pytest.mark.parametrize("qc", QUANT_CASES[:1], ids=quant_case_id)
+def test_quantised_pool_takes_the_xla_path(qc):
+    kv_cache_dtype, (dtype, page_size, ratio, head_dim, num_kv_heads) = qc
+    case = make_case(np.random.default_rng(9), dtype=dtype, page_size=page_size, ratio=ratio,
+                     head_dim=head_dim, num_kv_heads=num_kv_heads, kv_lens=[5, 33], q_lens=[1, 1],
+                     pages_per_seq=4)
+    pool, _ = quantize_case(case, kv_cache_dtype)
+    args = (jnp.asarray(case.q), pool, case.page_indices, case.kv_lens, case.q_lens)
+    got = native_attention.paged_attention_native(*args, sm_scale=0.1)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(paged_attention_xla(*args, sm_scale=0.1)))
+
+
+def test_build_is_cached_and_keyed_by_source(tmp_path):
+    from models.cache import NATIVE_DIR, cache_dir
+
+    build_dir = os.path.join(cache_dir(), NATIVE_DIR)
+    path = native_build.build(native_attention.SOURCE, build_dir)  # built by the fixture: a lookup
+    mtime = os.stat(path).st_mtime_ns
+    assert native_build.build(native_attention.SOURCE, build_dir) == path and os.stat(path).st_mtime_ns == mtime
+    edited = tmp_path / "paged_attention_cpu.cc"
+    edited.write_bytes(open(native_attention.SOURCE, "rb").read() + b"\n// edited\n")
+    assert native_build.library_path(str(edited), build_dir) != path
+
+
+def test_no_compiler_warns_once_and_reports_unavailable(tmp_path, monkeypatch):
+    monkeypatch.setattr(native_attention, "_state", {"library": None, "error": None})
+    with pytest.warns(RuntimeWarning, match="native CPU attention kernel is unavailable"):
+        assert not native_attention.load(str(tmp_path), compiler=str(tmp_path / "no-such-g++"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call: no second warning
+        assert not native_attention.load(str(tmp_path), compiler=str(tmp_path / "no-such-g++"))
+    assert not native_attention.loaded()
