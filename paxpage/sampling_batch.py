@@ -7,8 +7,8 @@ the sequence first samples; a step's tensors are then numpy gathers over its row
 vectorised key derivation. Rows that need per-token data (penalties, and banned ids below
 min_tokens) go through the same code as `build`'s (`SamplingTensors.from_host`), so the tensors are
 equal to `build`'s for the same rows. A step whose rows are the last step's, with no per-token
-data, reuses the last step's device arrays and ships only its new keys. Host-side numpy; jax
-only moves the tensors to the device.
+data, reuses the last step's arrays with only its new keys. Host-side numpy throughout: the
+sampler's jitted call moves the tensors to the device.
 
 Axis legend: R logits rows, C slot capacity.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 
-import jax
 import numpy as np
 
 from paxpage.penalty_counts import RunningCounts
@@ -113,7 +112,7 @@ class SamplingBatch:
 
         below = self.min_tokens[slots] > steps
         # Rows without penalties or banned ids: every tensor but the keys follows from the slots
-        # alone, so the same slots as last time reuse last time's device arrays. All-greedy
+        # alone, so the same slots as last time reuse last time's arrays. All-greedy
         # tensors (greedy_only) reuse the keys too: the argmax-only sampler never reads them.
         plain = not below.any() and not ((self.repetition_penalty[slots] != 1.0)
                                          | (self.presence_penalty[slots] != 0.0)
@@ -126,7 +125,7 @@ class SamplingBatch:
         with np.errstate(over="ignore"):
             keys[:n] = row_keys(self.seed[slots] + seed_offsets.astype(np.uint64), steps)
         if reusable:
-            return dataclasses.replace(self._reusable[1], keys=jax.device_put(keys))
+            return dataclasses.replace(self._reusable[1], keys=keys)
         banned = {}
         for r in np.flatnonzero(below):  # rare: below min_tokens
             banned[int(r)] = self._params[slots[r]].banned_token_ids(int(steps[r]), self.eos_token_ids)
