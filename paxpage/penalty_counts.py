@@ -38,6 +38,9 @@ class RunningCounts:
     __slots__ = ("prompt_ids", "out", "seen", "last", "index", "ids", "counts", "n")
 
     def __init__(self, prompt_ids: Sequence[int], output_ids: list[int]):
+        self._recount(prompt_ids, output_ids)
+
+    def _recount(self, prompt_ids: Sequence[int], output_ids: list[int]) -> None:
         ids, counts = distinct_counts(prompt_ids, output_ids)
         self.n = n = len(ids)
         self.ids = np.zeros(max(16, 2 * n), np.int64)
@@ -53,7 +56,7 @@ class RunningCounts:
         seen = self.seen
         if prompt_ids is not self.prompt_ids or output_ids is not self.out or len(output_ids) < seen \
                 or (seen and output_ids[seen - 1] != self.last):
-            self.__init__(prompt_ids, output_ids)
+            self._recount(prompt_ids, output_ids)
         else:
             self._count_new()
         return self.ids[:self.n], self.counts[:self.n]

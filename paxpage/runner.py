@@ -23,9 +23,8 @@ import numpy as np
 from models.config import ModelConfig
 from models import layer_stack, param_forms
 from models.families import build_model
-from pallas_kernels import kv_quant, reference
-from pallas_kernels.xla_attention import paged_attention_xla
-from paxpage import kv_sizing
+from pallas_kernels import kv_quant
+from paxpage import attention_impl, kv_sizing
 from paxpage import sampler as sampler_lib
 from paxpage.batch import StepBatch
 from paxpage.config import ResolvedConfig
@@ -78,36 +77,6 @@ class RowPlan:
     num_drafts: int = 0
 
 
-def cpu_attention_impl(impl: str) -> str:
-    """`impl`, or "xla" when it is "native" and the native kernel is off (PAXPAGE_NATIVE_ATTENTION=0)
-    or cannot be built or loaded here (pallas_kernels.native_attention.load warns once why).
-    The kernel is built into paxpage's cache directory (models.cache.cache_dir() + /native)."""
-    if impl != "native":
-        return impl
-    if os.environ.get("PAXPAGE_NATIVE_ATTENTION", "1") == "0":
-        return "xla"
-    from models.cache import NATIVE_DIR, cache_dir
-    from pallas_kernels import native_attention
-
-    return "native" if native_attention.load(os.path.join(cache_dir(), NATIVE_DIR)) else "xla"
-
-
-def _attention_fns(impl: str):
-    """(attention, write_kv) of an attention impl; "native" only once `cpu_attention_impl` said so."""
-    if impl == "native":
-        from pallas_kernels.native_attention import paged_attention_native
-
-        return paged_attention_native, reference.write_kv
-    if impl == "xla":
-        return paged_attention_xla, reference.write_kv
-    from pallas_kernels import dispatch  # imported lazily: Pallas is not needed on the fast CPU path
-
-    return (
-        functools.partial(dispatch.paged_attention, impl=impl),
-        functools.partial(dispatch.write_kv, impl=impl),
-    )
-
-
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params, cfg: ResolvedConfig, mesh=None):
         """`params`: the model's per-layer params, or a models.param_forms.ParamForms whose
@@ -120,10 +89,10 @@ class ModelRunner:
         self.cfg = cfg
         self.mesh = mesh
         dtype = jnp.dtype(cfg.dtype)
-        impl = cpu_attention_impl(cfg.attention_impl)
+        impl = attention_impl.resolve(cfg.attention_impl)
         if impl != cfg.attention_impl:  # what runs: the step's code and the executable cache's key
             self.cfg = cfg = dataclasses.replace(cfg, attention_impl=impl)
-        attention, write_kv = _attention_fns(impl)
+        attention, write_kv = attention_impl.functions(impl)
         self._pool_sharding = None  # None: the default device
         # Scanned layers (models/layer_stack.py): the params are stacked and the pool is one
         # stacked [2, L, P, ...] array instead of a list of L pools.

@@ -62,6 +62,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import paxpage  # noqa: E402
+from paxpage import attention_impl  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
 
@@ -122,19 +123,12 @@ def read_bandwidth(num_bytes: int = 512 << 20, iters: int = 10) -> float:
     return num_bytes / min(seconds) / 1e9
 
 
-def _attention_fns(impl: str):
-    """The engine's attention and KV write for `impl` (the runner's choice, native included)."""
-    from paxpage.runner import _attention_fns as runner_fns, cpu_attention_impl
-
-    return runner_fns(cpu_attention_impl(impl))
-
-
 def time_attention(model: paxpage.Model, cfg: paxpage.EngineConfig, rows: int, context: int,
                    iters: int) -> dict:
     """Seconds of every layer's KV write + decode attention for rows x context, and GB/s."""
     resolved = cfg.resolve(model.config)
     mc = model.config
-    attention, write_kv = _attention_fns(resolved.attention_impl)
+    attention, write_kv = attention_impl.functions(attention_impl.resolve(resolved.attention_impl))
     dtype = jnp.dtype(resolved.dtype)
     page_size, pages_per_seq = resolved.page_size, resolved.pages_per_seq
     pages_per_row = -(-context // page_size)

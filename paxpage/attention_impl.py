@@ -1,0 +1,44 @@
+"""Which paged attention and KV write a runner's step runs, for `EngineConfig.attention_impl`.
+
+"native" is the C++ CPU kernel (pallas_kernels/native_attention.py), built with g++ on first use
+into paxpage's cache directory + /native; where it is off (PAXPAGE_NATIVE_ATTENTION=0) or cannot
+be built or loaded, "xla" runs instead (the same attention in XLA ops). "pallas" and
+"pallas-interpret" are the Pallas kernels (pallas_kernels/dispatch.py), imported only when used.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from pallas_kernels import reference
+from pallas_kernels.xla_attention import paged_attention_xla
+
+
+def resolve(impl: str) -> str:
+    """`impl`, or "xla" when it is "native" and the native kernel is off or cannot be built or
+    loaded here (pallas_kernels.native_attention.load warns once why)."""
+    if impl != "native":
+        return impl
+    if os.environ.get("PAXPAGE_NATIVE_ATTENTION", "1") == "0":
+        return "xla"
+    from models.cache import NATIVE_DIR, cache_dir
+    from pallas_kernels import native_attention
+
+    return "native" if native_attention.load(os.path.join(cache_dir(), NATIVE_DIR)) else "xla"
+
+
+def functions(impl: str):
+    """(attention, write_kv) of a resolved impl ("native" only once `resolve` returned it)."""
+    if impl == "native":
+        from pallas_kernels.native_attention import paged_attention_native
+
+        return paged_attention_native, reference.write_kv
+    if impl == "xla":
+        return paged_attention_xla, reference.write_kv
+    from pallas_kernels import dispatch  # imported lazily: Pallas is not needed on the fast CPU path
+
+    return (
+        functools.partial(dispatch.paged_attention, impl=impl),
+        functools.partial(dispatch.write_kv, impl=impl),
+    )
