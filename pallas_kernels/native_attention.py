@@ -17,10 +17,7 @@ Axis legend: B rows, Tq query tokens per row, N query heads, K kv heads, D head 
 
 from __future__ import annotations
 
-import ctypes
 import os
-import threading
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -35,34 +32,17 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "pag
 _SYMBOL = "PaxpagePagedAttentionCpu"
 KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
-_lock = threading.Lock()
-_state: dict = {"library": None, "error": None}  # the loaded ctypes library, or why it failed
+LIBRARY = native_build.NativeLibrary(SOURCE, {TARGET: _SYMBOL}, "the native CPU attention kernel")
 
 
 def load(build_dir: str, compiler: str = "g++") -> bool:
     """Builds (cached in build_dir), loads and registers the kernel once per process. False, with
     one warning per process, when it cannot be built or loaded."""
-    with _lock:
-        if _state["library"] is not None:
-            return True
-        if _state["error"] is not None:
-            return False
-        try:
-            path = native_build.build(SOURCE, build_dir, compiler)
-            library = ctypes.cdll.LoadLibrary(path)
-            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, _SYMBOL)), platform="cpu")
-        except Exception as e:  # any failure (no compiler, a failed build or load): the XLA-ops path
-            detail = getattr(e, "stderr", None) or str(e)
-            _state["error"] = f"{type(e).__name__}: {detail}"[-2000:]
-            warnings.warn(f"paxpage: the native CPU attention kernel is unavailable, using the XLA-ops "
-                          f"path ({_state['error']})", RuntimeWarning, stacklevel=2)
-            return False
-        _state["library"] = library
-        return True
+    return LIBRARY.load(build_dir, compiler)
 
 
 def loaded() -> bool:
-    return _state["library"] is not None
+    return LIBRARY.loaded()
 
 
 def paged_attention_native(

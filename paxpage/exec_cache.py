@@ -6,7 +6,7 @@ which for the scanned SmolLM2 step is ~0.3-0.5 s of a ~0.5 s warm start per shap
 is keyed by what determines the computation before any tracing, so a hit is one file read
 and `deserialize_and_load`:
     - the source of paxpage/, models/ and pallas_kernels/ (any edit misses; .py files and the
-      native kernels' .cc files, whose compiled custom calls the executables call),
+      native kernels' .cc and .h files, whose compiled custom calls the executables call),
     - jax and jaxlib versions, the backend, its platform version and device kinds, XLA_FLAGS
       and the jax flags that change a lowering,
     - a caller-given context (the model config and the resolved engine config fields that
@@ -44,14 +44,14 @@ FORMAT = 1  # bump when the file layout changes
 
 @functools.lru_cache(maxsize=1)
 def source_fingerprint() -> str:
-    """sha256 over the .py and .cc files of paxpage/, models/ and pallas_kernels/ (path and bytes)."""
+    """sha256 over the .py, .cc and .h files of paxpage/, models/ and pallas_kernels/ (path and bytes)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     h = hashlib.sha256()
     for package in _PACKAGES:
         for dirpath, dirnames, filenames in os.walk(os.path.join(root, package)):
             dirnames.sort()
             for name in sorted(filenames):
-                if name.endswith((".py", ".cc")):
+                if name.endswith((".py", ".cc", ".h")):
                     path = os.path.join(dirpath, name)
                     h.update(os.path.relpath(path, root).encode())
                     with open(path, "rb") as f:

@@ -128,7 +128,9 @@ class ModelRunner:
         self._copy = jax.jit(functools.partial(_copy_pages, page_axis=2 if self.scanned else 1),
                              donate_argnums=(0,), **copy_shardings)
         # The sampler and the fixed-width copy of its tokens are one executable per logits-row count.
-        self._sampler = jax.jit(_sample_rows, static_argnums=(3, 4))
+        # On CPU with native kernels, sampled rows draw through the native proposal kernel.
+        self.draw_impl = sampler_lib.resolve_draw_impl(impl == "native" and mesh is None)
+        self._sampler = jax.jit(functools.partial(_sample_rows, draw_impl=self.draw_impl), static_argnums=(3, 4))
         self._scorer = jax.jit(_score_prompt, static_argnums=(2,))
         # Each device call goes through these: the jitted functions, or the same behind the
         # executable cache (exec_cache.py) when cfg.executable_cache_dir is set.
@@ -139,7 +141,8 @@ class ModelRunner:
             if mesh is None and jax.process_count() == 1:
                 from paxpage.exec_cache import ExecutableCache
 
-                self.exec_cache = ExecutableCache(cfg.executable_cache_dir, _cache_context(model_cfg, cfg))
+                context = _cache_context(model_cfg, cfg) + f"\ndraw_impl={self.draw_impl}"
+                self.exec_cache = ExecutableCache(cfg.executable_cache_dir, context)
                 static = {"sample": (3, 4), "score_prompt": (2,)}
                 self._calls = {name: self.exec_cache.wrap(name, fn, static.get(name, ()))
                                for name, fn in self._calls.items()}
@@ -561,10 +564,10 @@ def _copy_pages(kv_cache, src, dst, page_axis: int):  # src, dst: i32[C]
     return jax.tree.map(lambda pages: pages.at[lead + (dst,)].set(pages[lead + (src,)], mode="drop"), kv_cache)
 
 
-def _sample_rows(logits, sampling, allowed, num_logprobs: int, num_rows: int):
+def _sample_rows(logits, sampling, allowed, num_logprobs: int, num_rows: int, draw_impl: str = "xla"):
     """The sampler, and its tokens i32[R] cut or zero-padded to i32[num_rows] (async scheduling's
     `next_tokens`), in one executable: a separate jit would be one more compile per R."""
-    out = sampler_lib.sample(logits, sampling, num_logprobs, allowed)
+    out = sampler_lib.sample(logits, sampling, num_logprobs, allowed, draw_impl=draw_impl)
     token_ids = out.token_ids
     return out, jnp.zeros(num_rows, jnp.int32).at[:token_ids.shape[0]].set(token_ids[:num_rows])
 

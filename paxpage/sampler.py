@@ -306,9 +306,9 @@ def apply_bitmask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
     return jnp.where(bits != 0, logits, -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+@functools.partial(jax.jit, static_argnames=("num_logprobs", "draw_impl"))
 def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
-           allowed: jax.Array | None = None) -> SamplerOutput:
+           allowed: jax.Array | None = None, draw_impl: str = "xla") -> SamplerOutput:
     """logits [R, V] (any float dtype) -> SamplerOutput. Rows are independent of each other.
 
     Which rows are greedy or filtered is data, not a compile parameter: the costly parts sit
@@ -317,7 +317,9 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
     any rows.
     allowed: None, or i32[R, W] allowed-token bitmasks (structured outputs; unconstrained rows
     all ones). The two are separate executables, so unconstrained batches pay nothing for it;
-    which rows are constrained is data again."""
+    which rows are constrained is data again.
+    draw_impl: "xla", or "native" (CPU only, once `resolve_draw_impl` returned it): the proposal
+    draw of sampled rows without top-k runs as the native kernel (pallas_kernels/native_sampling.py)."""
     logits = logits.astype(jnp.float32)
     if allowed is not None:
         logits = apply_bitmask(logits, allowed)
@@ -325,18 +327,43 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
         return _sample(logits, t, num_logprobs, greedy_only=True)
     if t.penalised:
         logits = apply_penalties(logits, t)
-    return _sample(logits, t, num_logprobs)
+    return _sample(logits, t, num_logprobs, proposal=_proposal(draw_impl))
 
 
-def _sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int, greedy_only: bool = False) -> SamplerOutput:
-    """`sample` on penalised f32 logits (greedy_only: every row is greedy; no draw compiled)."""
+def resolve_draw_impl(native_allowed: bool) -> str:
+    """"native" when native kernels are allowed here (the runner's attention resolved to its native
+    CPU kernel) and the native proposal draw builds and loads, else "xla"."""
+    if not native_allowed:
+        return "xla"
+    import os
+
+    from models.cache import NATIVE_DIR, cache_dir
+    from pallas_kernels import native_sampling
+
+    return "native" if native_sampling.load(os.path.join(cache_dir(), NATIVE_DIR)) else "xla"
+
+
+def _proposal(draw_impl: str):
+    if draw_impl == "xla":
+        return None
+    if draw_impl != "native":
+        raise ValueError(f"draw_impl is {draw_impl!r}; expected 'xla' or 'native'")
+    from pallas_kernels.native_sampling import proposal_draw_native
+
+    return proposal_draw_native
+
+
+def _sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int, greedy_only: bool = False,
+            proposal=None) -> SamplerOutput:
+    """`sample` on penalised f32 logits (greedy_only: every row is greedy; no draw compiled;
+    proposal: see sampling_draw.draw)."""
     best = jnp.max(logits, axis=-1)  # [R]
     # log_softmax's own terms, so a gathered logprob equals its entry of log_softmax(logits)
     log_total = jnp.log(jnp.sum(jnp.exp(logits - best[:, None]), axis=-1))  # [R]
     greedy = t.temperature <= GREEDY_TEMPERATURE
 
     def draw_rows(logits):
-        return draw(logits, best, t.temperature, t.top_k, t.top_p, t.min_p, t.keys, greedy)
+        return draw(logits, best, t.temperature, t.top_k, t.top_p, t.min_p, t.keys, greedy, proposal)
 
     token_ids = argmax_rows(logits) if greedy_only else jax.lax.cond(jnp.all(greedy), argmax_rows, draw_rows, logits)
     if num_logprobs > 0:

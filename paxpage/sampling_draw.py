@@ -152,10 +152,13 @@ def _mass_above(logits: jax.Array, temperature, best, floor, value) -> jax.Array
 
 
 def draw(logits: jax.Array, best_logit: jax.Array, temperature: jax.Array, top_k: jax.Array,
-         top_p: jax.Array, min_p: jax.Array, keys: jax.Array, greedy: jax.Array) -> jax.Array:
+         top_p: jax.Array, min_p: jax.Array, keys: jax.Array, greedy: jax.Array,
+         proposal=None) -> jax.Array:
     """Tokens i32[R] for logits f32[R, V] (penalised), best_logit f32[R] = their row max,
     temperature f32[R] (rows with `greedy` take the argmax), top_k i32[R] (0 off),
-    top_p f32[R], min_p f32[R], keys u32[R, 2] raw threefry key data."""
+    top_p f32[R], min_p f32[R], keys u32[R, 2] raw threefry key data.
+    proposal: None (the proposal path in XLA ops), or a function with the signature of
+    pallas_kernels.native_sampling.proposal_draw_ref that runs it instead (the native CPU kernel)."""
     num_rows, vocab = logits.shape
     num_cands = min(NUM_CANDIDATES, vocab)
     temperature = jnp.where(greedy, 1.0, temperature)
@@ -207,6 +210,8 @@ def draw(logits: jax.Array, best_logit: jax.Array, temperature: jax.Array, top_k
     no_floor = jnp.full((num_rows,), -jnp.inf, jnp.float32)
 
     def propose(logits):
+        if proposal is not None:
+            return proposal(logits, temperature, best, l_min, top_p, u0, proposing)
         token, value, total = _inverse_cdf(
             logits, (temperature, best, no_floor, no_floor), u0)
         kept = value >= l_min

@@ -8,7 +8,8 @@ Cases (every row alike): greedy, temperature 0.7, temperature 0.7 + top_p 0.9, t
           handful to a few hundred tokens)
 --baseline PATH times another checkout's sampler (a directory: its paxpage/sampler.py with its
 own paxpage/sampling_draw.py; or a sampler.py alone) in the same process, interleaved with this
-one, so before / after share the machine's load.
+one, so before / after share the machine's load. --draw-impl both (the default) times this
+sampler's proposal draw in XLA ops and as the native CPU kernel side by side.
 
 Usage:
     git worktree add /tmp/sampler_main main     # or: git archive main | tar -x -C DIR
@@ -88,11 +89,18 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ",".join(CASES))
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--baseline", help="another checkout (directory) or sampler.py to time alongside")
+    ap.add_argument("--draw-impl", choices=["xla", "native", "both"], default="both",
+                    help="this sampler's proposal draw: XLA ops, the native CPU kernel, or both side by side "
+                         "(native: when it builds here)")
     args = ap.parse_args()
 
-    modules = {"this": sampler_lib}
+    impls = ["xla", "native"] if args.draw_impl == "both" else [args.draw_impl]
+    if "native" in impls and sampler_lib.resolve_draw_impl(jax.default_backend() == "cpu") != "native":
+        print("the native proposal draw is unavailable here: XLA only", flush=True)
+        impls = ["xla"]
+    modules = {("this" if len(impls) == 1 else impl): (sampler_lib, impl) for impl in impls}
     if args.baseline:
-        modules["baseline"] = _load(args.baseline)
+        modules["baseline"] = (_load(args.baseline), None)
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, args.vocab, size=args.context // 2).tolist()
     output = rng.integers(0, args.vocab, size=args.context - len(prompt)).tolist()
@@ -103,17 +111,18 @@ def main() -> None:
     for kind in kinds:
         logits = _logits(kind, args.rows, args.vocab)
         fns = {}
-        for label, module in modules.items():
+        for label, (module, impl) in modules.items():
             for name in names:
                 rows = [module.RowInfo(CASES[name], prompt, output, r) for r in range(args.rows)]
+                options = {} if impl is None else {"draw_impl": impl}
 
-                def call(module=module, rows=rows):
+                def call(module=module, rows=rows, options=options):
                     t0 = time.perf_counter()
                     t = module.SamplingTensors.build(rows, args.vocab, eos_token_ids=(0,),
                                                      token_width=args.max_model_len)
                     t = jax.block_until_ready(t)
                     t1 = time.perf_counter()
-                    jax.block_until_ready(module.sample(logits, t))
+                    jax.block_until_ready(module.sample(logits, t, **options))
                     return t1 - t0, time.perf_counter() - t1
                 fns[(label, name)] = call
         for fn in fns.values():  # compile

@@ -10,11 +10,8 @@
 // Attributes: sm_scale, sliding_window (0 = none), soft_cap (0 = none). Result f32[B, Tq, N, D].
 //
 // Work items are rows (decode steps, Tq == 1: every kv head, each page read once front to back)
-// or (row, kv head) pairs (Tq > 1, so a step of a few prefill rows still spreads). The calling
-// thread and up to num_threads - 1 helpers on XLA's intra-op pool take items from one atomic
-// counter. The shared state is heap-allocated and reference counted, so a helper that starts
-// after the call returned touches only that state (it finds no item left and exits); the caller
-// waits only for items other threads have taken (running), never for a helper to start.
+// or (row, kv head) pairs (Tq > 1, so a step of a few prefill rows still spreads), spread over
+// XLA's intra-op pool by parallel.h.
 //
 // Per item: each query head (scaled by sm_scale) folds the row's pages into an online softmax in
 // f32, page by page. A query at position p = kv_len - q_len + t sees keys max(0, p - W + 1)..p;
@@ -38,6 +35,8 @@
 #include <thread>
 #include <vector>
 
+#include "parallel.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 
@@ -45,7 +44,12 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;  // f32 lanes of the vector type below: one AVX-512 register
+using paxpage_native::exp16;
+using paxpage_native::fold16;
+using paxpage_native::kLanes;
+using paxpage_native::load16;
+using paxpage_native::v16;
+using paxpage_native::v16i;
 // Pages ahead whose lines are prefetched (tiny 256 x 1536 on the 2-core EPYC: 1-4 within noise).
 constexpr int64_t kPrefetchPages = 2;
 
@@ -69,16 +73,7 @@ inline float load(const uint16_t* p, int64_t i) {  // bf16 -> f32: the high half
   return out;
 }
 
-// 16 f32 lanes in GCC's vector extension: -march=native maps it to one AVX-512 register, or
-// splits it into two AVX2 / four SSE ones; the fold below stays in registers either way.
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
 
-inline v16 load16(const float* p) {
-  v16 x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
 
 inline v16 load16(const uint16_t* p) {
   uint16_t h[kLanes];
@@ -108,13 +103,6 @@ inline void touch_lines(const char* k, const char* v, int64_t bytes) {
   asm volatile("" : : "x"(x[0]));
 }
 
-inline float fold16(v16 x) {  // the sum of the 16 lanes, by halving shuffles
-  x += __builtin_shuffle(x, v16i{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  x += __builtin_shuffle(x, v16i{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  x += __builtin_shuffle(x, v16i{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  x += __builtin_shuffle(x, v16i{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-  return x[0];
-}
 
 inline float fold16_max(v16 x) {  // the largest of the 16 lanes
   v16 y = __builtin_shuffle(x, v16i{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
@@ -128,25 +116,6 @@ inline float fold16_max(v16 x) {  // the largest of the 16 lanes
   return x[0];
 }
 
-// exp(x) lane-wise for x <= 0: 2^n * poly(r), n = round(x / ln 2) (by the 1.5 * 2^23 trick, whose
-// low mantissa bits then hold n), r = x - n ln 2; relative error ~2e-7. Inputs below -87 (-inf
-// included) give ~1e-38, a weight that vanishes next to the maximum's 1.
-inline v16 exp16(v16 x) {
-  const v16 lowest = v16{} - 87.0f;
-  x = x < lowest ? lowest : x;
-  const float magic = 12582912.0f;  // 0x4B400000
-  const v16 t = x * 1.44269504f + magic;
-  const v16 n = t - magic;
-  const v16 r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  v16 p = r * (1.0f / 720) + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const v16i scale = (((v16i)t - 0x4B400000) + 127) << 23;
-  return p * (v16)scale;
-}
 
 // The 16 lane sums of a[0..15] as one vector (lane j: the sum of a[j]), by a transposing tree
 // of two-input shuffles: 45 vector ops for 16 sums where 16 separate folds take 128.
@@ -433,27 +402,6 @@ void run_item_any_dim(const Problem& pr, int64_t item, Scratch& sc) {
   }
 }
 
-struct Shared {
-  Problem problem;
-  int64_t num_items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void drain(Shared& sh) {
-  thread_local Scratch scratch;
-  for (;;) {
-    const int64_t item = sh.next.fetch_add(1, std::memory_order_relaxed);
-    if (item >= sh.num_items) return;
-    if (sh.problem.bf16) {
-      run_item_any_dim<uint16_t>(sh.problem, item, scratch);
-    } else {
-      run_item_any_dim<float>(sh.problem, item, scratch);
-    }
-    sh.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
                           ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> kv_lens,
                           ffi::Buffer<ffi::S32> q_lens, float sm_scale, int64_t sliding_window,
@@ -466,8 +414,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   const auto kv_type = kv_pages.element_type();
   if (kv_type != ffi::DataType::F32 && kv_type != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("paged_attention_cpu: kv_pages must be f32 or bf16");
-  auto sh = std::make_shared<Shared>();
-  Problem& pr = sh->problem;
+  Problem pr;
   pr.q = q.typed_data();
   pr.kv = kv_pages.untyped_data();
   pr.page_indices = page_indices.typed_data();
@@ -492,16 +439,15 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   // Decode steps: one item per row (its pages read front to back once); longer query blocks
   // split rows by kv head too, so a step of a few prefill rows still spreads over the threads.
   pr.heads_per_item = pr.num_q == 1 ? pr.num_kv_heads : 1;
-  sh->num_items = pr.batch * (pr.num_kv_heads / pr.heads_per_item);
-  // Helpers on XLA's pool: with the calling thread, one worker per pool thread (the pool has
-  // one per core; more only contend); none for a handful of items (waking a thread costs more).
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, sh->num_items / 4);
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([sh]() { drain(*sh); });
-  }
-  drain(*sh);
-  // Items other threads took are running now: wait for them (never for a helper to start).
-  while (sh->done.load(std::memory_order_acquire) < sh->num_items) std::this_thread::yield();
+  const int64_t num_items = pr.batch * (pr.num_kv_heads / pr.heads_per_item);
+  paxpage_native::parallel_for(pool, num_items, 4, [&pr](int64_t item) {
+    thread_local Scratch scratch;
+    if (pr.bf16) {
+      run_item_any_dim<uint16_t>(pr, item, scratch);
+    } else {
+      run_item_any_dim<float>(pr, item, scratch);
+    }
+  });
   return ffi::Error::Success();
 }
 

@@ -32,7 +32,7 @@ def native():
     compiles it once for the tests and the engine alike."""
     from models.cache import NATIVE_DIR, cache_dir
 
-    assert native_attention.load(os.path.join(cache_dir(), NATIVE_DIR)), native_attention._state["error"]
+    assert native_attention.load(os.path.join(cache_dir(), NATIVE_DIR)), native_attention.LIBRARY.error
 
 
 def _run(case, **kw):
@@ -137,8 +137,22 @@ def test_build_is_cached_and_keyed_by_source(tmp_path):
     assert native_build.library_path(str(edited), build_dir) != path
 
 
+
+def test_build_key_covers_the_headers(tmp_path):
+    """parallel.h and simd.h are compiled into every kernel: editing one must change the key."""
+    folder = os.path.dirname(native_attention.SOURCE)
+    for name in os.listdir(folder):
+        if name.endswith((".cc", ".h")):
+            shutil.copy(os.path.join(folder, name), tmp_path / name)
+    source = str(tmp_path / os.path.basename(native_attention.SOURCE))
+    before = native_build.library_path(source, str(tmp_path))
+    with open(tmp_path / "simd.h", "a") as f:
+        f.write("\n// edited\n")
+    assert native_build.library_path(source, str(tmp_path)) != before
+
 def test_no_compiler_warns_once_and_reports_unavailable(tmp_path, monkeypatch):
-    monkeypatch.setattr(native_attention, "_state", {"library": None, "error": None})
+    monkeypatch.setattr(native_attention, "LIBRARY", native_build.NativeLibrary(
+        native_attention.SOURCE, {native_attention.TARGET: "PaxpagePagedAttentionCpu"}, "the native CPU attention kernel"))
     with pytest.warns(RuntimeWarning, match="native CPU attention kernel is unavailable"):
         assert not native_attention.load(str(tmp_path), compiler=str(tmp_path / "no-such-g++"))
     with warnings.catch_warnings():
