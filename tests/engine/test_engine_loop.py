@@ -123,8 +123,10 @@ def test_abandoned_stream_frees_its_pages_within_a_step(tiny, prompts, how):
             break
         del gen
     _wait_until(lambda: _all_pages_free(tiny))
-    # Aborts are applied before the loop's next step; the step in flight may finish.
-    assert engine.stats.steps - steps <= 2
+    # Aborts are applied before the loop's next step; the step in flight may finish. The loop
+    # keeps stepping while this thread abandons the stream, so a fast step fits another one or two
+    # in that window (3 seen once in a full run); a missed abort would run ~197 more.
+    assert engine.stats.steps - steps <= 4
 
 
 def test_validation_error_runs_none_of_the_call(tiny, prompts):
