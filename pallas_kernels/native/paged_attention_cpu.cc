@@ -44,12 +44,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using paxpage_native::exp16;
-using paxpage_native::fold16;
-using paxpage_native::kLanes;
-using paxpage_native::load16;
-using paxpage_native::v16;
-using paxpage_native::v16i;
+using namespace paxpage_native;  // simd.h, parallel.h
+using paxpage_native::load16;  // overloaded below for bf16: a using-directive alone would be hidden
+
 // Pages ahead whose lines are prefetched (tiny 256 x 1536 on the 2-core EPYC: 1-4 within noise).
 constexpr int64_t kPrefetchPages = 2;
 
@@ -440,7 +437,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   // split rows by kv head too, so a step of a few prefill rows still spreads over the threads.
   pr.heads_per_item = pr.num_q == 1 ? pr.num_kv_heads : 1;
   const int64_t num_items = pr.batch * (pr.num_kv_heads / pr.heads_per_item);
-  paxpage_native::parallel_for(pool, num_items, 4, [&pr](int64_t item) {
+  parallel_for(pool, num_items, 4, [&pr](int64_t item) {
     thread_local Scratch scratch;
     if (pr.bf16) {
       run_item_any_dim<uint16_t>(pr, item, scratch);

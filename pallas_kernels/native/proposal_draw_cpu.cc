@@ -32,12 +32,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using paxpage_native::exp16;
-using paxpage_native::fold16;
-using paxpage_native::kLanes;
-using paxpage_native::load16;
-using paxpage_native::v16;
-using paxpage_native::v16i;
+using namespace paxpage_native;  // simd.h, parallel.h
 
 constexpr int64_t kBlock = 256;  // tokens per block: sampling_draw._BLOCK
 
@@ -148,7 +143,7 @@ ffi::Error ProposalDraw(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi:
   const Rows rs{logits.typed_data(), temperature.typed_data(), best.typed_data(), l_min.typed_data(),
                 top_p.typed_data(), u.typed_data(), active.typed_data(), token->typed_data(),
                 accepted->typed_data(), dims[1]};
-  paxpage_native::parallel_for(pool, num_rows, 8, [&rs](int64_t r) {
+  parallel_for(pool, num_rows, 8, [&rs](int64_t r) {
     thread_local std::vector<float> w, cum;
     draw_row(rs, r, w, cum);
   });
