@@ -62,6 +62,11 @@ def cache_dir() -> str:
     return os.path.join(base, "paxpage")
 
 
+def native_dir() -> str:
+    """Where the native CPU kernels (pallas_kernels/native) are built: cache_dir() + /native."""
+    return os.path.join(cache_dir(), NATIVE_DIR)
+
+
 def entry_path(source: str) -> str:
     """The entry directory of GGUF file `source` (resolved, so a symlink shares its target's entry)."""
     real = os.path.realpath(source)

@@ -22,10 +22,10 @@ def resolve(impl: str) -> str:
         return impl
     if os.environ.get("PAXPAGE_NATIVE_ATTENTION", "1") == "0":
         return "xla"
-    from models.cache import NATIVE_DIR, cache_dir
+    from models.cache import native_dir
     from pallas_kernels import native_attention
 
-    return "native" if native_attention.load(os.path.join(cache_dir(), NATIVE_DIR)) else "xla"
+    return "native" if native_attention.load(native_dir()) else "xla"
 
 
 def functions(impl: str):

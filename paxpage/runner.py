@@ -141,8 +141,8 @@ class ModelRunner:
             if mesh is None and jax.process_count() == 1:
                 from paxpage.exec_cache import ExecutableCache
 
-                context = _cache_context(model_cfg, cfg) + f"\ndraw_impl={self.draw_impl}"
-                self.exec_cache = ExecutableCache(cfg.executable_cache_dir, context)
+                self.exec_cache = ExecutableCache(cfg.executable_cache_dir,
+                                                  _cache_context(model_cfg, cfg, self.draw_impl))
                 static = {"sample": (3, 4), "score_prompt": (2,)}
                 self._calls = {name: self.exec_cache.wrap(name, fn, static.get(name, ()))
                                for name, fn in self._calls.items()}
@@ -585,11 +585,11 @@ _CONTEXT_SKIP = frozenset({
     "draft_model", "speculative_max_batch", "data_parallel_size", "ngram_min", "ngram_max"})
 
 
-def _cache_context(model_cfg: ModelConfig, cfg: ResolvedConfig) -> str:
-    """The executable cache's key material besides the arguments: the model config and the
-    engine config fields that shape a step (exec_cache.py)."""
+def _cache_context(model_cfg: ModelConfig, cfg: ResolvedConfig, draw_impl: str) -> str:
+    """The executable cache's key material besides the arguments: the model config, the
+    engine config fields that shape a step and the sampler's draw_impl (exec_cache.py)."""
     fields = {f.name: getattr(cfg.engine, f.name) for f in dataclasses.fields(cfg.engine)}
     # The resolved values win over the engine's (attention_impl None -> "native" or "xla", etc.).
     fields.update({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "engine"})
     kept = sorted((k, repr(v)) for k, v in fields.items() if k not in _CONTEXT_SKIP)
-    return f"model={model_cfg!r}\nengine={kept!r}"
+    return f"model={model_cfg!r}\nengine={kept!r}\ndraw_impl={draw_impl}"

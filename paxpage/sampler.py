@@ -335,12 +335,10 @@ def resolve_draw_impl(native_allowed: bool) -> str:
     CPU kernel) and the native proposal draw builds and loads, else "xla"."""
     if not native_allowed:
         return "xla"
-    import os
-
-    from models.cache import NATIVE_DIR, cache_dir
+    from models.cache import native_dir
     from pallas_kernels import native_sampling
 
-    return "native" if native_sampling.load(os.path.join(cache_dir(), NATIVE_DIR)) else "xla"
+    return "native" if native_sampling.load(native_dir()) else "xla"
 
 
 def _proposal(draw_impl: str):

@@ -1,8 +1,9 @@
 """Compiles a C++ XLA FFI source into a shared library once, cached on disk.
 
 The library's file name is a hash of everything that can change the binary: the source bytes
-and those of the headers beside it (parallel.h, simd.h), the compiler flags, the compiler's version, jaxlib's version (its FFI headers) and the CPU
-(`-march=native` code runs only where it was built). A build writes a temp file in the cache
+and those of the headers beside it (parallel.h, simd.h), the compiler flags, the compiler's
+version, jaxlib's version (its FFI headers) and the CPU (`-march=native` code runs only where it
+was built). A build writes a temp file in the cache
 directory and renames it into place, so processes building at once never load half a file
 (the last rename wins; both files are the same build).
 """

@@ -26,19 +26,15 @@
 // dims take plain loops.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
-
 
 namespace ffi = xla::ffi;
 
@@ -70,8 +66,6 @@ inline float load(const uint16_t* p, int64_t i) {  // bf16 -> f32: the high half
   return out;
 }
 
-
-
 inline v16 load16(const uint16_t* p) {
   uint16_t h[kLanes];
   std::memcpy(h, p, sizeof(h));
@@ -100,7 +94,6 @@ inline void touch_lines(const char* k, const char* v, int64_t bytes) {
   asm volatile("" : : "x"(x[0]));
 }
 
-
 inline float fold16_max(v16 x) {  // the largest of the 16 lanes
   v16 y = __builtin_shuffle(x, v16i{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
   x = x > y ? x : y;
@@ -112,7 +105,6 @@ inline float fold16_max(v16 x) {  // the largest of the 16 lanes
   x = x > y ? x : y;
   return x[0];
 }
-
 
 // The 16 lane sums of a[0..15] as one vector (lane j: the sum of a[j]), by a transposing tree
 // of two-input shuffles: 45 vector ops for 16 sums where 16 separate folds take 128.

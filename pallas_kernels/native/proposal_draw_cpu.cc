@@ -19,6 +19,7 @@
 // top-p test sums it again; exp is the 16-lane polynomial of simd.h (relative error ~2e-7), so a
 // draw can differ from the XLA path's only where the uniform lands within rounding of a boundary.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
