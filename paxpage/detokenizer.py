@@ -53,7 +53,6 @@ class IncrementalDetokenizer:
 
         context = [i for i in prompt_token_ids if i not in self._special_ids][-_CONTEXT_TOKENS:]
         self._ids: list[int] = list(context)  # context + output tokens still to be decoded
-        self._prefix_offset = 0
         self._read_offset = len(context)
         # A fast tokenizer runs the same window algorithm in Rust (tokenizers' DecodeStream):
         # one call per token instead of two decodes through transformers' Python wrapper.
@@ -95,29 +94,32 @@ class IncrementalDetokenizer:
 
         Once a stop string is matched, `stopped_by` is set, the returned delta ends the text
         and further calls return "" (the engine should stop the sequence)."""
-        if self.finished:
+        if self._finished or self._stopped_by is not None:
             return ""
         self.output_token_ids.append(token_id)
         if token_id in self._special_ids:
             return ""
-        self._ids.append(token_id)
+        ids = self._ids
+        ids.append(token_id)
+        # Between calls the window starts at 0: [0, read_offset) is the prefix (tokens whose text
+        # was consumed last), [read_offset, len) the tokens still to produce text.
         if self._stream is not None:
             delta = self._stream.step(self._backend, token_id)
             if delta is None:
                 return ""  # an incomplete character: wait for the tokens that finish it
         else:
-            new_text = self._decode(self._ids[self._prefix_offset:])
+            new_text = self._decode(ids)
             if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
                 return ""  # an incomplete character: wait for the tokens that finish it
             delta = new_text[len(self._prefix_text):]
-        # Slide the window: the new prefix is the tokens just consumed.
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        # Slide the window: the new prefix is the tokens just consumed; the ones left of it are
+        # forgotten, so the list stays short.
+        self._ids = ids = ids[self._read_offset:]
+        self._read_offset = len(ids)
         if self._stream is None:
-            self._prefix_text = self._decode(self._ids[self._prefix_offset:])
-        # Forget tokens left of the window so the list stays short.
-        del self._ids[:self._prefix_offset]
-        self._read_offset -= self._prefix_offset
-        self._prefix_offset = 0
+            self._prefix_text = self._decode(ids)
+        if not self._stop:  # no stop string to search for or hold text back for
+            return self._emit(delta)
         return self._append_text(delta)
 
     def finish(self) -> str:
@@ -129,8 +131,8 @@ class IncrementalDetokenizer:
         if self._read_offset < len(self._ids):  # tokens that have not produced text yet
             prefix_text = self._prefix_text
             if prefix_text is None:
-                prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-            tail = self._decode(self._ids[self._prefix_offset:])
+                prefix_text = self._decode(self._ids[:self._read_offset])
+            tail = self._decode(self._ids)
             if len(tail) > len(prefix_text):
                 delta = self._append_text(tail[len(prefix_text):])
         self._finished = True

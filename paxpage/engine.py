@@ -152,16 +152,18 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, index: int = 0,
-                    prompt: str | None = None) -> int:
+                    prompt: str | None = None, stream: bool = True) -> int:
         """Queues a prompt; raises ValueError at once if it can never be served. Sampling fields
-        that `params` leaves unset take the model's defaults (`self.sampling_defaults`)."""
+        that `params` leaves unset take the model's defaults (`self.sampling_defaults`).
+        stream=False: `step` makes no deltas for it and lists it only in the step it finishes
+        (with none); read its result with `output` (vLLM's FINAL_ONLY)."""
         params = params.with_defaults(self.sampling_defaults)
         params.validate_for(self.model_cfg.vocab_size, self.config.max_model_len, len(prompt_ids),
                             prompt_token_ids=prompt_ids)
         matcher = self._matcher(params) if params.structured_outputs is not None else None
         request_id = next(self._request_ids)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
-        request = Request(request_id, index, prompt, list(prompt_ids), params, [])
+        request = Request(request_id, index, prompt, list(prompt_ids), params, [], stream=stream)
         if params.beam_width > 1:  # rows of its beams sample greedily with top-K logprobs
             request.beam = beam_lib.BeamSearch(params, len(prompt_ids), self.eos_token_ids,
                                                self.model_cfg.vocab_size, self.config)
@@ -212,7 +214,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[tuple[Request, list[StreamDelta]]]:
-        """Runs one step; returns, per request that produced text, its new deltas.
+        """Runs one step; returns, per request that produced text, its new deltas (a request
+        added with stream=False: only in the step it finishes, with no deltas).
 
         With async scheduling (the default) a plain decode step stays in flight on the device
         while the host schedules and dispatches the next one; its tokens are read, checked for

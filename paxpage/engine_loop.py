@@ -206,7 +206,7 @@ class EngineLoop:
                 if sub.request_id in self._live:
                     raise ValueError(f"request_id {sub.request_id!r} is already running")
                 engine_id = self.engine.add_request(sub.prompt_token_ids, sub.params, index=sub.index,
-                                                    prompt=sub.prompt)
+                                                    prompt=sub.prompt, stream=sub.stream)
                 self._live[sub.request_id] = _Live(sub, engine_id)
                 self._by_engine_id[engine_id] = sub.request_id
                 added.append(sub)

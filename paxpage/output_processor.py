@@ -22,7 +22,7 @@ from paxpage.sequence import Sequence
 from paxpage.structured_backend import accept
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # slots: a step reads a few fields of every row's sample
 class Sample:
     """Host state of one generated sequence of a request."""
 
@@ -42,7 +42,7 @@ class Sample:
     grammar_refused: bool = False  # the matcher refused a token (only a masked-out one could be)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Request:
     request_id: int
     index: int  # the caller's position for it (prompt index in a generate call)
@@ -55,6 +55,9 @@ class Request:
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finished_time: float | None = None
+    # False: no deltas (vLLM's FINAL_ONLY outputs); the request shows in a step's updates only
+    # when it finishes, with an empty list, and its result is read with `output`
+    stream: bool = True
 
     @property
     def finished(self) -> bool:
@@ -179,11 +182,13 @@ class OutputProcessor:
             touched[id(sample)] = (request, sample)
         by_request: dict[int, tuple[Request, list[StreamDelta]]] = {}
         for request, sample in touched.values():
-            by_request.setdefault(request.request_id, (request, []))[1].append(self._delta(request, sample))
+            deltas = by_request.setdefault(request.request_id, (request, []))[1]
+            if request.stream:
+                deltas.append(self._delta(request, sample))
         for request, _ in by_request.values():
             if request.finished:
                 self.remove(request.request_id)
-        return list(by_request.values()), to_finish
+        return [entry for entry in by_request.values() if entry[0].stream or entry[0].finished], to_finish
 
     def process_plain(self, rows: Seq[tuple[Request, Sample, int]], tokens: Seq[int], logprobs: Seq[float],
                       stop_ids: Seq[frozenset], limits: Seq[int], pending: int
@@ -197,10 +202,13 @@ class OutputProcessor:
         now, new_delta = time.monotonic(), StreamDelta.fast
         deltas: list[tuple[Request, list[StreamDelta]]] = []
         to_finish: list[tuple[Sequence, str]] = []
+        num_taken = 0
         for (request, sample, _), token, logprob, stops, limit in zip(rows, tokens, logprobs, stop_ids, limits):
             if sample.finish_reason is not None:  # aborted while in flight
                 continue
+            num_taken += 1
             out = sample.seq.output_token_ids
+            num_out = len(out)
             assert out[-1] == pending, sample.seq
             out[-1] = token
             if request.first_token_time is None:
@@ -209,26 +217,29 @@ class OutputProcessor:
             detok = sample.detok
             if detok is not None:
                 detok.add(token)
-            if token in stops or len(out) >= limit or (detok is not None and detok.stopped_by is not None):
+            if token in stops or num_out >= limit or (detok is not None and detok.stopped_by is not None):
                 reason, stop = self._stop(request.params, sample, token)
                 if reason is not None:
                     sample.finish_reason, sample.stop_reason = reason, stop
                     to_finish.append((sample.seq, reason))
                     if detok is not None:
                         detok.finish()
-            # _delta's, for the request's one sample without logprobs
-            if detok is None:
-                text = ""
-            else:
-                full = detok.text
-                text, sample.emitted_text = full[sample.emitted_text:], len(full)
             reason = sample.finish_reason
-            emitted, sample.emitted_tokens = sample.emitted_tokens, len(out)
-            deltas.append((request, [new_delta(request.index, text, tuple(out[emitted:]), reason, 0, None,
-                                               sample.stop_reason if reason else None)]))
+            if request.stream:  # _delta's, for the request's one sample without logprobs
+                if detok is None:
+                    text = ""
+                else:
+                    full = detok.text
+                    text, sample.emitted_text = full[sample.emitted_text:], len(full)
+                emitted, sample.emitted_tokens = sample.emitted_tokens, num_out
+                new = (token,) if emitted == num_out - 1 else tuple(out[emitted:])
+                deltas.append((request, [new_delta(request.index, text, new, reason, 0, None,
+                                                   sample.stop_reason if reason else None)]))
+            elif reason is not None:
+                deltas.append((request, []))
             if reason is not None and request.finished:
                 self.remove(request.request_id)
-        return deltas, to_finish, len(deltas)
+        return deltas, to_finish, num_taken
 
     def _stop(self, p: SamplingParams, sample: Sample, token: int, index: int | None = None
               ) -> tuple[str | None, Any]:

@@ -63,8 +63,18 @@ def row_keys(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
     A pure function of (seed, step), computed on the host, so a row samples the same token
     whatever batch it is in. Splitmix64 only has to decorrelate the inputs: threefry does the
     mixing."""
-    x = _splitmix64_array(_splitmix64_array(np.asarray(seeds).astype(np.uint64))
-                          ^ np.asarray(steps).astype(np.uint64))
+    return keys_of_hashed(hash_seeds(seeds), steps)
+
+
+def hash_seeds(seeds: np.ndarray) -> np.ndarray:
+    """`row_keys`'s first stage, u64[R] splitmix64(seed): a row's seed never changes, so a batch
+    that keeps its rows (sampling_batch.py) computes it once."""
+    return _splitmix64_array(np.asarray(seeds).astype(np.uint64))
+
+
+def keys_of_hashed(hashed: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """`row_keys` from its first stage: hashed u64[R] (hash_seeds), steps integer[R] -> u32[R, 2]."""
+    x = _splitmix64_array(hashed ^ np.asarray(steps).astype(np.uint64))
     return np.stack([x >> np.uint64(32), x & np.uint64(0xFFFFFFFF)], axis=-1).astype(np.uint32)
 
 

@@ -7,8 +7,8 @@ the sequence first samples; a step's tensors are then numpy gathers over its row
 vectorised key derivation. Rows that need per-token data (penalties, and banned ids below
 min_tokens) go through the same code as `build`'s (`SamplingTensors.from_host`), so the tensors are
 equal to `build`'s for the same rows. A step whose rows are the last step's, with no per-token
-data, reuses the last step's arrays with only its new keys. Host-side numpy throughout: the
-sampler's jitted call moves the tensors to the device.
+data, reuses the last step's arrays with only its new keys (the seeds' half of the key hash kept
+too). Host-side numpy throughout: the sampler's jitted call moves the tensors to the device.
 
 Axis legend: R logits rows, C slot capacity.
 """
@@ -21,10 +21,11 @@ from collections.abc import Callable, Hashable, Sequence
 import numpy as np
 
 from paxpage.penalty_counts import RunningCounts
-from paxpage.sampler import SamplingTensors, row_keys
+from paxpage.sampler import SamplingTensors, hash_seeds, keys_of_hashed
 from paxpage.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+KEYS_AHEAD = 16  # decode steps whose keys sampled rows get at once
 
 
 class SamplingBatch:
@@ -37,8 +38,8 @@ class SamplingBatch:
         self._params: list[SamplingParams | None] = [None] * capacity
         self._free = list(range(capacity - 1, -1, -1))
         self._alloc(capacity)
-        # (rows, slots bytes) and the tensors last built for them, when they need no per-step data
-        self._reusable: tuple[tuple[int, bytes], SamplingTensors] | None = None
+        # the tensors last built, when they need no per-step data (see _Reusable)
+        self._reusable: _Reusable | None = None
         self._counts: dict[int, RunningCounts] = {}  # per penalised slot (penalty_counts.py)
 
     def _alloc(self, capacity: int) -> None:
@@ -110,22 +111,34 @@ class SamplingBatch:
             out[:n] = values[slots]
             return out
 
-        below = self.min_tokens[slots] > steps
         # Rows without penalties or banned ids: every tensor but the keys follows from the slots
         # alone, so the same slots as last time reuse last time's arrays. All-greedy
         # tensors (greedy_only) reuse the keys too: the argmax-only sampler never reads them.
+        # Sampled rows get the keys of the next KEYS_AHEAD steps at once (a decode step's rows are
+        # the last step's, one token later): a step then costs a lookup, not a dozen array ops.
+        reuse_key = (num_rows, slots.tobytes(), seed_offsets.tobytes())
+        cached = self._reusable
+        if cached is not None and cached.key == reuse_key:
+            past_min_tokens = cached.min_tokens == 0 or n == 0 or int(steps.min()) >= cached.min_tokens
+            if cached.tensors.greedy_only:
+                if past_min_tokens:
+                    return cached.tensors
+            else:
+                by_steps = steps.tobytes()
+                ahead = cached.ahead.get(by_steps)
+                if ahead is None and past_min_tokens:  # (steps only grow: the window stays past it)
+                    cached.ahead = self._keys_ahead(cached, steps, num_rows)
+                    ahead = cached.ahead[by_steps]
+                if ahead is not None:
+                    return ahead
+        below = self.min_tokens[slots] > steps
         plain = not below.any() and not ((self.repetition_penalty[slots] != 1.0)
                                          | (self.presence_penalty[slots] != 0.0)
                                          | (self.frequency_penalty[slots] != 0.0)).any()
-        reuse_key = (num_rows, slots.tobytes()) if plain else None
-        reusable = reuse_key is not None and self._reusable is not None and self._reusable[0] == reuse_key
-        if reusable and self._reusable[1].greedy_only:
-            return self._reusable[1]
         keys = np.zeros((num_rows, 2), np.uint32)
         with np.errstate(over="ignore"):
-            keys[:n] = row_keys(self.seed[slots] + seed_offsets.astype(np.uint64), steps)
-        if reusable:
-            return dataclasses.replace(self._reusable[1], keys=keys)
+            hashed = hash_seeds(self.seed[slots] + seed_offsets.astype(np.uint64))
+        keys[:n] = keys_of_hashed(hashed, steps)
         banned = {}
         for r in np.flatnonzero(below):  # rare: below min_tokens
             banned[int(r)] = self._params[slots[r]].banned_token_ids(int(steps[r]), self.eos_token_ids)
@@ -135,8 +148,18 @@ class SamplingBatch:
             rows_of(self.presence_penalty, 0.0), rows_of(self.frequency_penalty, 0.0), keys, banned,
             lambda r, with_prompt: self._row_counts(int(slots[r]), *row_tokens(r), with_prompt),
             self.token_width)
-        self._reusable = (reuse_key, tensors) if reuse_key is not None else None
+        self._reusable = None
+        if plain:
+            self._reusable = _Reusable(reuse_key, tensors, int(self.min_tokens[slots].max(initial=0)), hashed)
         return tensors
+
+    @staticmethod
+    def _keys_ahead(cached: _Reusable, steps: np.ndarray, num_rows: int) -> dict[bytes, SamplingTensors]:
+        """{steps.tobytes() for steps + t, t < KEYS_AHEAD: cached.tensors with those steps' keys}."""
+        window = steps[None, :] + np.arange(KEYS_AHEAD, dtype=steps.dtype)[:, None]  # [KEYS_AHEAD, n]
+        keys = np.zeros((KEYS_AHEAD, num_rows, 2), np.uint32)
+        keys[:, :steps.shape[0]] = keys_of_hashed(cached.hashed_seeds[None, :], window)
+        return {window[t].tobytes(): dataclasses.replace(cached.tensors, keys=keys[t].copy()) for t in range(KEYS_AHEAD)}
 
     def _row_counts(self, slot: int, prompt_ids, output_ids, with_prompt: bool) -> tuple[np.ndarray, np.ndarray]:
         prompt_ids = prompt_ids if with_prompt else ()
@@ -152,3 +175,15 @@ class SamplingBatch:
             self._params.extend([None] * old)
             self._free = list(range(2 * old - 1, old - 1, -1))
         return self._free.pop()
+
+
+@dataclasses.dataclass
+class _Reusable:
+    """Tensors built for rows that needed no per-step data, reusable while the rows stay."""
+
+    key: tuple[int, bytes, bytes]  # (padded rows, slots bytes, seed offsets bytes)
+    tensors: SamplingTensors
+    min_tokens: int  # the rows' largest min_tokens: from this step on none of them bans a token
+    hashed_seeds: np.ndarray  # u64[n] hash_seeds of the rows' seeds
+    # sampled rows: steps bytes -> the tensors with those steps' keys, for a window of steps
+    ahead: dict[bytes, SamplingTensors] = dataclasses.field(default_factory=dict)

@@ -29,6 +29,13 @@ class Sequence:
     """One sequence. The scheduler owns the lifecycle fields; the engine reads them and appends tokens via
     `Scheduler.update`."""
 
+    # Slots: the steady decode step reads and writes a few fields of every running sequence, and
+    # the device's step has pushed them out of the caches by then (fewer cache lines per sequence).
+    __slots__ = ("seq_id", "group_id", "prompt_token_ids", "output_token_ids", "max_tokens", "sampling_params",
+                 "status", "num_computed_tokens", "page_table", "num_released_pages", "arrival",
+                 "num_preemptions", "num_cached_tokens", "use_prefix_cache", "finish_reason", "page_keys",
+                 "num_pages_cache_checked")
+
     def __init__(
         self,
         prompt_token_ids: list[int],

@@ -1,10 +1,12 @@
-"""glibc malloc thresholds, end to end: bench_step.py and bench_throughput.py run in separate
+"""glibc malloc settings, end to end: bench_step.py and bench_throughput.py run in separate
 processes under three settings, alternated over rounds (the machine is noisy):
 
   default  glibc's own thresholds (MALLOC_PERTURB_=0 only: glibc's default, and it stops
            tune_malloc)
-  env      MALLOC_MMAP_THRESHOLD_=4000000000 MALLOC_TRIM_THRESHOLD_=4000000000
-  mallopt  paxpage/process_tuning.tune_malloc() called at process start (what the CLI does)
+  env      MALLOC_MMAP_THRESHOLD_=4000000000 MALLOC_TRIM_THRESHOLD_=4000000000: the thresholds
+           alone (each thread keeps its own arena)
+  mallopt  paxpage/process_tuning.tune_malloc() called at process start (what the CLI does): the
+           thresholds and one arena
 
 Prints, per figure, the median over rounds of each setting and its ratio to `default`.
 

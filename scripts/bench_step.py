@@ -24,6 +24,9 @@ allocations). Its share is that time over the engine's device busy ms per step, 
 the K/V bytes it must read (2 x layers x rows x context x kv_heads x head_dim x itemsize)
 over that time, set against this machine's read bandwidth (the best of a jitted sum and max over 512 MiB).
 
+Requests are added as generate() adds them (stream=False: no per-step StreamDelta, vLLM's
+FINAL_ONLY); a "-stream" case adds them as a streaming client does (one delta per request per step).
+
 Models: "tiny" is a random 2-layer Llama (hidden 64, 4 heads, 4 kv heads of 16, vocab
 49152) written with transformers' LlamaConfig + save_pretrained to a temp dir, so the model's
 matmuls are negligible next to attention, sampling and host work; "smollm2" is
@@ -77,6 +80,9 @@ class Case:
     repetition_penalty: float = 1.0  # != 1: penalised rows (penalty tensors each step, no overlap)
     # Prefill tokens per step while filling the engine (the decode step does not depend on it).
     prefill_tokens: int = 8192
+    # False: requests as generate() adds them (no per-step deltas, vLLM's FINAL_ONLY); True: as a
+    # streaming client's (a StreamDelta per request per step)
+    stream: bool = False
 
 
 CASES = [
@@ -86,6 +92,7 @@ CASES = [
     Case("tiny-256x1536-t0.7", "tiny", 256, 1536, temperature=0.7),
     Case("tiny-256x1536-t0.7-p0.9", "tiny", 256, 1536, temperature=0.7, top_p=0.9),
     Case("tiny-256x1536-t0.7-rep1.1", "tiny", 256, 1536, temperature=0.7, repetition_penalty=1.1),
+    Case("tiny-256x1536-t0.7-p0.9-stream", "tiny", 256, 1536, temperature=0.7, top_p=0.9, stream=True),
     Case("smollm2-64x65", "smollm2", 64, 65, prefill_tokens=2048),
     Case("smollm2-256x65", "smollm2", 256, 65, prefill_tokens=2048),
 ]
@@ -186,14 +193,12 @@ def fill_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: i
     params = paxpage.SamplingParams(max_tokens=warmup + steps + spread + 2, temperature=case.temperature,
                                     top_p=case.top_p, repetition_penalty=case.repetition_penalty,
                                     ignore_eos=True, seed=seed)
-    for _ in range(case.rows):
-        engine.add_request(rng.integers(0, model.config.vocab_size, case.context).tolist(), params)
-    started: set[int] = set()
+    requests = [engine.request(engine.add_request(rng.integers(0, model.config.vocab_size, case.context).tolist(),
+                                                  params, stream=case.stream)) for _ in range(case.rows)]
     t = time.perf_counter()
     fill_steps = 0
-    while len(started) < case.rows:  # prefill, until every request has its first token
-        for request, _ in engine.step():
-            started.add(request.request_id)
+    while any(r.first_token_time is None for r in requests):  # prefill, until each has its first token
+        engine.step()
         fill_steps += 1
     fill_s = time.perf_counter() - t
     for _ in range(warmup):

@@ -15,7 +15,8 @@ from paxpage.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT = 2**31 - 1
-BOTH = [(-3, LIMIT), (-1, LIMIT)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD (glibc <malloc.h>)
+# M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_ARENA_MAX (glibc <malloc.h>), in the order tune_malloc sets them
+ALL = [(-3, LIMIT), (-1, LIMIT), (-8, 1)]
 
 
 class FakeLibc:
@@ -38,8 +39,8 @@ class FakeLibc:
 def test_decision_and_calls(environ, tuned):
     libc = FakeLibc()
     applied = process_tuning.tune_malloc(environ, libc=libc)
-    assert libc.calls == (BOTH if tuned else [])
-    assert applied == (dict(BOTH) if tuned else {})
+    assert libc.calls == (ALL if tuned else [])
+    assert applied == (dict(ALL) if tuned else {})
 
 
 def test_refused_settings_are_not_reported():
@@ -58,7 +59,7 @@ def _child(env_extra: dict[str, str]) -> str:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_subprocess_sets_thresholds_unless_the_user_did():
-    assert _child({}) == str(BOTH)  # glibc accepted both
+    assert _child({}) == str(sorted(ALL))  # glibc accepted all three
     assert _child({"MALLOC_MMAP_THRESHOLD_": "4000000000", "MALLOC_TRIM_THRESHOLD_": "4000000000"}) == "[]"
 
 

@@ -131,7 +131,7 @@ def _check_batch(engine) -> bool:
     return True
 
 
-def _run(model, fast: bool, prompts, params, joins, abort_at):
+def _run(model, fast: bool, prompts, params, joins, abort_at, stream: bool = True):
     """Steps an engine through the workload: requests join at their step, one is aborted.
     Returns every step's deltas and the final outputs."""
     config = EngineConfig(page_size=4, num_pages=54, max_model_len=128, max_num_seqs=8,
@@ -144,7 +144,7 @@ def _run(model, fast: bool, prompts, params, joins, abort_at):
     while step == 0 or engine.has_unfinished() or len(ids) < len(prompts):
         for i, at in enumerate(joins):
             if at == step:
-                ids[engine.add_request(prompts[i], params[i])] = i
+                ids[engine.add_request(prompts[i], params[i], stream=stream)] = i
         if step == abort_at[0]:
             engine.abort(next(r for r, i in ids.items() if i == abort_at[1]))
         out = engine.step()
@@ -196,3 +196,19 @@ def test_fast_path_equals_general_path_on_a_mixed_workload(text_model):
     assert fast[3] > 10  # decode batches checked against a rebuild
     assert stats.steps == general[2].steps and stats.generated_tokens == general[2].generated_tokens
     assert fast[4] > 0  # preemptions happened
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_requests_that_do_not_stream_make_no_deltas_and_end_the_same(text_model, fast):
+    """stream=False (what generate() asks for): no deltas; a request shows in a step's updates
+    once, in the step it finishes; its output is the streamed run's, on the steady decode
+    step (process_plain) and the general one (process)."""
+    prompts, params, joins, abort = _workload()
+    streamed = _run(text_model, fast, prompts, params, joins, abort)
+    quiet = _run(text_model, fast, prompts, params, joins, abort, stream=False)
+    assert quiet[1] == streamed[1]
+    seen = [i for step in quiet[0] for i, deltas in step]
+    assert all(deltas == [] for step in quiet[0] for _, deltas in step)
+    assert sorted(seen) == sorted(quiet[1]) == [i for i in range(len(prompts)) if i != 1]  # once each, at its end
+    assert quiet[2].generated_tokens == streamed[2].generated_tokens
+    assert quiet[2].steps == streamed[2].steps

@@ -118,3 +118,23 @@ def test_repeated_slots_reuse_device_tensors():
     want = SamplingTensors.build([RowInfo(SamplingParams(temperature=0.8, seed=5), [], [0] * 5, 5)], VOCAB)
     assert not b.greedy_only and b.temperature is a.temperature  # reused, with fresh keys
     np.testing.assert_array_equal(np.asarray(b.keys)[3], np.asarray(want.keys)[0])
+
+
+def test_reused_rows_get_each_steps_keys_across_windows():
+    """The steady decode step asks for the same rows one token later, step after step (keys are
+    made KEYS_AHEAD steps at a time); steps that jump or go back, and rows still below min_tokens,
+    must get what build gives too."""
+    batch = SamplingBatch(VOCAB, EOS, token_width=64)
+    params = [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, min_tokens=20, max_tokens=200), SamplingParams(temperature=0.5, seed=9)]
+    seeds = [11, 12, 2**63 + 7, 9]
+    slots = np.array([batch.slot(k, p, s) for k, (p, s) in enumerate(zip(params, seeds))], np.int64)
+    base = np.array([3, 0, 5, 40], np.int64)
+    for offset in list(range(0, 45)) + [7, 100, 99, 101]:
+        steps = base + offset
+        got = batch.tensors(slots, np.zeros(4, np.int64), steps, None, pad_rows_to=8)
+        want = SamplingTensors.build([RowInfo(p, [], [0] * int(t), s) for p, s, t in zip(params, seeds, steps)],
+                                     VOCAB, pad_rows_to=8, eos_token_ids=EOS, token_width=64)
+        for name in ("keys", "temperature", "top_p", "banned_ids"):
+            np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)),
+                                          f"{name} at offset {offset}")
