@@ -197,18 +197,12 @@ def test_fast_path_equals_general_path_on_a_mixed_workload(text_model):
     assert stats.steps == general[2].steps and stats.generated_tokens == general[2].generated_tokens
     assert fast[4] > 0  # preemptions happened
 
-
-@pytest.mark.parametrize("fast", [True, False])
-def test_requests_that_do_not_stream_make_no_deltas_and_end_the_same(text_model, fast):
-    """stream=False (what generate() asks for): no deltas; a request shows in a step's updates
-    once, in the step it finishes; its output is the streamed run's, on the steady decode
-    step (process_plain) and the general one (process)."""
-    prompts, params, joins, abort = _workload()
-    streamed = _run(text_model, fast, prompts, params, joins, abort)
-    quiet = _run(text_model, fast, prompts, params, joins, abort, stream=False)
-    assert quiet[1] == streamed[1]
-    seen = [i for step in quiet[0] for i, deltas in step]
-    assert all(deltas == [] for step in quiet[0] for _, deltas in step)
-    assert sorted(seen) == sorted(quiet[1]) == [i for i in range(len(prompts)) if i != 1]  # once each, at its end
-    assert quiet[2].generated_tokens == streamed[2].generated_tokens
-    assert quiet[2].steps == streamed[2].steps
+    # stream=False (what generate() asks for): no deltas; a request shows in a step's updates
+    # once, in the step it finishes; its output is the streamed run's, on the steady decode step
+    # (process_plain) and on the general one (process)
+    for streamed, fast_path in ((fast, True), (general, False)):
+        quiet = _run(text_model, fast_path, prompts, params, joins, abort, stream=False)
+        assert quiet[1] == streamed[1]
+        assert all(deltas == [] for step in quiet[0] for _, deltas in step)
+        assert sorted(i for step in quiet[0] for i, _ in step) == sorted(quiet[1])  # once each, at its end
+        assert quiet[2].generated_tokens == streamed[2].generated_tokens and quiet[2].steps == streamed[2].steps
