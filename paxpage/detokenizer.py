@@ -94,7 +94,7 @@ class IncrementalDetokenizer:
 
         Once a stop string is matched, `stopped_by` is set, the returned delta ends the text
         and further calls return "" (the engine should stop the sequence)."""
-        if self._finished or self._stopped_by is not None:
+        if self.finished:
             return ""
         self.output_token_ids.append(token_id)
         if token_id in self._special_ids:

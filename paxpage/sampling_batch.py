@@ -159,7 +159,7 @@ class SamplingBatch:
         window = steps[None, :] + np.arange(KEYS_AHEAD, dtype=steps.dtype)[:, None]  # [KEYS_AHEAD, n]
         keys = np.zeros((KEYS_AHEAD, num_rows, 2), np.uint32)
         keys[:, :steps.shape[0]] = keys_of_hashed(cached.hashed_seeds[None, :], window)
-        return {window[t].tobytes(): dataclasses.replace(cached.tensors, keys=keys[t].copy()) for t in range(KEYS_AHEAD)}
+        return {window[t].tobytes(): dataclasses.replace(cached.tensors, keys=keys[t]) for t in range(KEYS_AHEAD)}
 
     def _row_counts(self, slot: int, prompt_ids, output_ids, with_prompt: bool) -> tuple[np.ndarray, np.ndarray]:
         prompt_ids = prompt_ids if with_prompt else ()
