@@ -53,6 +53,7 @@ class DecodeBatch:
             p, seq = request.params, sample.seq
             if item.seq is not seq or not item.samples or item.draft_token_ids or count != 1 or p.n != 1 \
                     or request.beam is not None or sample.matcher is not None or sample.logprobs is not None \
+                    or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 \
                     or sample.finish_reason is not None or row != len(seqs):
                 return None
             slot = table_slot(seq.seq_id)

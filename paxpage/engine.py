@@ -104,8 +104,8 @@ class LLMEngine:
         self._draft_dists = None  # this step's Proposals.draft_dists, when the proposer gives them
         self._grammars: GrammarBackend | None = None  # built by the first structured request
         # the running sequences' sampling parameters, one slot each, kept between steps
-        self._sampling = SamplingBatch(model_cfg.vocab_size, self.eos_token_ids,
-                                       token_width=cfg.max_model_len)  # caps the penalty-token width
+        self._sampling = SamplingBatch(model_cfg.vocab_size, self.eos_token_ids, token_width=cfg.max_model_len,
+                                       pending_token=PENDING_TOKEN)  # token_width caps the penalty-token width
 
         self.precompiled: tuple[int, float] | None = None  # (shapes, seconds) once precompile() ran
         if self.config.precompile:
@@ -426,7 +426,8 @@ class LLMEngine:
         if self._draft_hooks is not None:
             self._draft_hooks.on_step(batch, prev_rows, prev_tokens)
         step = Launched(sched, rows, counts, prompt_plan, None, None, None,
-                        sampler_args=(batch, logits, tensors, num_logprobs, num_prompt_logprobs),
+                        sampler_args=(batch, logits, tensors, num_logprobs, num_prompt_logprobs, prev_rows,
+                                      prev_tokens),
                         drafts=row_drafts, sampling_rows=(slots, steps))
         # Structured rows' bitmasks follow from every earlier token: with a step in flight they
         # are built once its tokens are read (step() does it), while the device runs this step's
@@ -446,7 +447,7 @@ class LLMEngine:
             self._sampling.retain(live)
 
     def _dispatch_sampler(self, step: "Launched") -> None:
-        batch, logits, tensors, num_logprobs, num_prompt_logprobs = step.sampler_args
+        batch, logits, tensors, num_logprobs, num_prompt_logprobs, prev_rows, prev_tokens = step.sampler_args
         allowed = None
         if step.constrained:
             num_rows = len(batch.logits_indices)
@@ -457,27 +458,24 @@ class LLMEngine:
             draft_ids, draft_dists = spec_lib.draft_rows(step.rows, step.drafts, self._draft_dists,
                                                           len(batch.logits_indices))
             step.result, step.prompt_result, step.accepted = self.runner.verify(
-                batch, logits, tensors, draft_ids, draft_dists, num_logprobs, num_prompt_logprobs, allowed)
+                batch, logits, tensors, draft_ids, draft_dists, num_logprobs, num_prompt_logprobs, allowed,
+                prev_rows, prev_tokens)
         else:
             step.result, step.prompt_result, step.next_tokens = self.runner.sample(
-                batch, logits, tensors, num_logprobs, num_prompt_logprobs, allowed)
+                batch, logits, tensors, num_logprobs, num_prompt_logprobs, allowed, prev_rows, prev_tokens)
         step.sampler_args = None
 
     def _can_overlap(self, step: "Launched") -> bool:
         """A step may stay in flight when the next step can be scheduled without its tokens: plain
-        sampling rows only (no beams, no forks, no penalties, which read the tokens; no prompt
-        logprobs). Rows that reach their length limit finish early (see `_advance`). Structured
+        sampling rows only (no beams, no forks; no prompt logprobs). Rows that reach their length
+        limit finish early (see `_advance`). Penalised rows overlap: their counts lack the token
+        in flight, which the sampler adds on the device (sampler.apply_penalties). Structured
         rows overlap too: the next step's bitmasks wait for these tokens, but only its sampler
         does (see `_launch`), not its model. While speculation is on (few sequences run, see
         `_speculating`) no step stays in flight: proposals need every last token on the host."""
         if not self.config.async_scheduling or step.prompt_plan or step.speculates or self._speculating():
             return False
-        for (request, _, _), count in zip(step.rows, step.counts):
-            p = request.params
-            if request.beam is not None or count > 1 or p.repetition_penalty != 1.0 \
-                    or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-                return False
-        return True
+        return all(request.beam is None and count == 1 for (request, _, _), count in zip(step.rows, step.counts))
 
     def _advance(self, step: "Launched") -> None:
         """Books an in-flight step's tokens as pending, so the next step can be scheduled: each

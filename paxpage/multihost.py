@@ -113,19 +113,21 @@ class LockstepRunner:
         _broadcast(("forward", batch, prev_rows, prev_tokens is not None))
         return self.inner.forward(batch, prev_rows, prev_tokens)
 
-    def sample(self, batch, logits, sampling, num_logprobs=0, num_prompt_logprobs=0, allowed=None):
-        _broadcast(("sample", sampling, num_logprobs, num_prompt_logprobs, allowed))
-        return self._sample(batch, logits, sampling, num_logprobs, num_prompt_logprobs, allowed)
+    def sample(self, batch, logits, sampling, num_logprobs=0, num_prompt_logprobs=0, allowed=None,
+               prev_rows=None, prev_tokens=None):
+        _broadcast(("sample", sampling, num_logprobs, num_prompt_logprobs, allowed, prev_rows, prev_tokens is not None))
+        return self._sample(batch, logits, sampling, num_logprobs, num_prompt_logprobs, allowed, prev_rows, prev_tokens)
 
-    def _sample(self, batch, logits, sampling, num_logprobs, num_prompt_logprobs, allowed):
+    def _sample(self, batch, logits, sampling, num_logprobs, num_prompt_logprobs, allowed, prev_rows, prev_tokens):
         out, prompt, next_tokens = self.inner.sample(batch, logits, sampling, num_logprobs,
-                                                     num_prompt_logprobs, allowed)
+                                                     num_prompt_logprobs, allowed, prev_rows, prev_tokens)
         return _to_local(out), _to_local(prompt), next_tokens
 
     def launch(self, batch, sampling, num_logprobs=0, num_prompt_logprobs=0, prev_rows=None, prev_tokens=None,
                allowed=None):
         logits = self.forward(batch, prev_rows, prev_tokens)
-        return self.sample(batch, logits, sampling, num_logprobs, num_prompt_logprobs, allowed)
+        return self.sample(batch, logits, sampling, num_logprobs, num_prompt_logprobs, allowed, prev_rows,
+                           prev_tokens)
 
     def run(self, batch, sampling, num_logprobs=0, num_prompt_logprobs=0):
         return jax.device_get(self.launch(batch, sampling, num_logprobs, num_prompt_logprobs)[:2])
@@ -158,9 +160,10 @@ class LockstepRunner:
                 _, batch, prev_rows, has_prev = message
                 pending = (batch, self.inner.forward(batch, prev_rows, prev if has_prev else None))
             elif kind == "sample":
-                _, sampling, num_logprobs, num_prompt_logprobs, allowed = message
+                _, sampling, num_logprobs, num_prompt_logprobs, allowed, prev_rows, has_prev = message
                 batch, logits = pending
-                _, _, prev = self._sample(batch, logits, sampling, num_logprobs, num_prompt_logprobs, allowed)
+                _, _, prev = self._sample(batch, logits, sampling, num_logprobs, num_prompt_logprobs, allowed,
+                                          prev_rows, prev if has_prev else None)
                 steps += 1
             else:  # pragma: no cover - the leader sends only the kinds above
                 raise AssertionError(f"unknown lock-step message {kind!r}")

@@ -130,7 +130,7 @@ class ModelRunner:
         # The sampler and the fixed-width copy of its tokens are one executable per logits-row count.
         # On CPU with native kernels, sampled rows draw through the native proposal kernel.
         self.draw_impl = sampler_lib.resolve_draw_impl(impl == "native" and mesh is None)
-        self._sampler = jax.jit(functools.partial(_sample_rows, draw_impl=self.draw_impl), static_argnums=(3, 4))
+        self._sampler = jax.jit(functools.partial(sampler_lib.sample_rows, draw_impl=self.draw_impl), static_argnums=(4, 5))
         self._scorer = jax.jit(_score_prompt, static_argnums=(2,))
         # Each device call goes through these: the jitted functions, or the same behind the
         # executable cache (exec_cache.py) when cfg.executable_cache_dir is set.
@@ -143,7 +143,7 @@ class ModelRunner:
 
                 self.exec_cache = ExecutableCache(cfg.executable_cache_dir,
                                                   _cache_context(model_cfg, cfg, self.draw_impl))
-                static = {"sample": (3, 4), "score_prompt": (2,)}
+                static = {"sample": (4, 5), "score_prompt": (2,)}
                 self._calls = {name: self.exec_cache.wrap(name, fn, static.get(name, ()))
                                for name, fn in self._calls.items()}
             else:  # sharded or multi-host executables are not serialised: the plain jit path
@@ -382,7 +382,7 @@ class ModelRunner:
         """Compiles (by running it on an all-padding batch, whose K/V writes are dropped) the
         step for every shape in `step_shapes()`, and for each logits-row count R the sampler's
         variants: all-greedy rows (`sampling_for_rows(R)`, padding SamplingTensors of R rows),
-        unpenalised rows and any rows (runner._sampler_variants). num_mask_words > 0: also each
+        unpenalised rows and any rows (sampler.sampler_variants). num_mask_words > 0: also each
         with a structured-outputs bitmask i32[R, num_mask_words]. Returns the number of shapes."""
         shapes = self.step_shapes()
         if self.exec_cache is not None and self._prepare(shapes, sampling_for_rows, num_mask_words):
@@ -396,7 +396,7 @@ class ModelRunner:
             if num_logits not in sampled:
                 sampled.add(num_logits)
                 results += [self.sample(batch, logits, sampling, allowed=allowed)[2]
-                            for sampling, allowed in _sampler_variants(sampling_for_rows, num_logits, num_mask_words)]
+                            for sampling, allowed in sampler_lib.sampler_variants(sampling_for_rows, num_logits, num_mask_words)]
             jax.block_until_ready(results)
         return len(shapes)
 
@@ -424,8 +424,10 @@ class ModelRunner:
             for num_logits, i in sorted(prev.items()):
                 info = steps[i].out_info[1]
                 logits = jnp.zeros(info.shape, info.dtype)
-                samplers += [(logits, sampling, allowed, 0, self.max_logits_rows)
-                             for sampling, allowed in _sampler_variants(sampling_for_rows, num_logits, num_mask_words)]
+                no_pending = (np.full(num_logits, -1, np.int32), self._no_prev_tokens)  # as sample() passes
+                samplers += [(logits, sampling, allowed, no_pending if sampling.penalised else None, 0,
+                              self.max_logits_rows)
+                             for sampling, allowed in sampler_lib.sampler_variants(sampling_for_rows, num_logits, num_mask_words)]
             # The full sampler (draws, penalties; 1 MB and ~0.5 s to load per R on CPU, ~12 s to
             # compile) is only made sure of on disk: a first sampled batch loads it, no compile.
             sample = self._calls["sample"]
@@ -465,7 +467,8 @@ class ModelRunner:
         i32[R_max] are this step's sampled tokens in that form. allowed: i32[R, W] structured
         outputs bitmask, or None."""
         logits = self.forward(batch, prev_rows, prev_tokens)
-        return self.sample(batch, logits, sampling, num_logprobs, num_prompt_logprobs, allowed)
+        return self.sample(batch, logits, sampling, num_logprobs, num_prompt_logprobs, allowed, prev_rows,
+                           prev_tokens)
 
     def forward(self, batch: StepBatch, prev_rows: np.ndarray | None = None,
                 prev_tokens: jax.Array | None = None):
@@ -481,24 +484,42 @@ class ModelRunner:
         return logits, prompt_logits
 
     def sample(self, batch: StepBatch, logits, sampling, num_logprobs: int = 0,
-               num_prompt_logprobs: int = 0, allowed: np.ndarray | None = None):
-        """The sampler on `forward`'s logits; returns what `launch` does."""
+               num_prompt_logprobs: int = 0, allowed: np.ndarray | None = None,
+               prev_rows: np.ndarray | None = None, prev_tokens: jax.Array | None = None):
+        """The sampler on `forward`'s logits; returns what `launch` does. prev_rows / prev_tokens:
+        as `forward` took them: a penalised row whose last token is still on the device gets it
+        added to its penalty counts there (the host's counts lack it)."""
         logits, prompt_logits = logits
-        out, next_tokens = self._calls["sample"](logits, sampling, allowed, num_logprobs, self.max_logits_rows)
+        out, next_tokens = self._calls["sample"](logits, sampling, allowed,
+                                                 self._pending(batch, sampling, prev_rows, prev_tokens),
+                                                 num_logprobs, self.max_logits_rows)
         prompt = None
         if batch.prompt_targets.shape[0]:
             prompt = self._calls["score_prompt"](prompt_logits, batch.prompt_targets, num_prompt_logprobs)
         return out, prompt, next_tokens
 
+    def _pending(self, batch: StepBatch, sampling, prev_rows, prev_tokens):
+        """The sampler's `pending` (sampler.sample_rows): for a penalised batch, (rows i32[R],
+        prev i32[R_max]), row r's token still on the device being prev[rows[r]] (-1: none),
+        always a pair so the penalised sampler compiles once per R; else None."""
+        if not sampling.penalised:
+            return None
+        rows = np.full(batch.logits_indices.shape[0], -1, np.int32)
+        if prev_rows is not None and prev_tokens is not None:
+            rows = np.asarray(prev_rows)[np.asarray(batch.logits_indices)]
+        return rows, self._no_prev_tokens if prev_tokens is None else prev_tokens
+
     def verify(self, batch: StepBatch, logits, sampling, draft_ids: np.ndarray, draft_dists=None,
-               num_logprobs: int = 0, num_prompt_logprobs: int = 0, allowed: np.ndarray | None = None):
+               num_logprobs: int = 0, num_prompt_logprobs: int = 0, allowed: np.ndarray | None = None,
+               prev_rows: np.ndarray | None = None, prev_tokens: jax.Array | None = None):
         """`sample` for a step with speculative drafts (paxpage/spec/verify.py): draft_ids i32[R]
         (-1: none), draft_dists f32[R, V] or None (one-hot). Returns (SamplerOutput, prompt
         logprobs | None, accepted bool[R]) as device arrays; the step cannot stay in flight."""
         from paxpage.spec import verify as verify_lib
 
         logits, prompt_logits = logits
-        out, accepted = verify_lib.verify(logits, sampling, draft_ids, draft_dists, num_logprobs, allowed)
+        out, accepted = verify_lib.verify(logits, sampling, draft_ids, draft_dists, num_logprobs, allowed,
+                                          self._pending(batch, sampling, prev_rows, prev_tokens))
         prompt = None
         if batch.prompt_targets.shape[0]:
             prompt = self._calls["score_prompt"](prompt_logits, batch.prompt_targets, num_prompt_logprobs)
@@ -527,20 +548,6 @@ class ModelRunner:
         return jax.device_get(self.launch(batch, sampling, num_logprobs, num_prompt_logprobs)[:2])
 
 
-def _sampler_variants(sampling_for_rows, num_logits: int, num_mask_words: int):
-    """The (SamplingTensors, allowed) pairs whose sampler executables precompile makes for R =
-    num_logits rows: all-greedy (argmax only), unpenalised and any rows, and with
-    num_mask_words > 0 all three again with a structured-outputs bitmask i32[R, num_mask_words]."""
-    greedy = sampling_for_rows(num_logits)
-    plain = dataclasses.replace(greedy, greedy_only=False, penalised=False)
-    variants = [greedy, plain, dataclasses.replace(plain, penalised=True)]
-    pairs = [(sampling, None) for sampling in variants]
-    if num_mask_words:
-        allowed = np.full((num_logits, num_mask_words), -1, np.int32)
-        pairs += [(sampling, allowed) for sampling in variants]
-    return pairs
-
-
 def step_shapes(max_num_seqs: int, max_num_batched_tokens: int, prefill_row_len: int,
                 max_prefill_rows: int) -> list[tuple[int, int]]:
     """The (decode rows, prefill rows) bucket pairs of a config (see ModelRunner.step_shapes)."""
@@ -562,14 +569,6 @@ def _copy_pages(kv_cache, src, dst, page_axis: int):  # src, dst: i32[C]
     cache's scales have the same leading axes, so one map copies a page's values and scales."""
     lead = (slice(None),) * page_axis
     return jax.tree.map(lambda pages: pages.at[lead + (dst,)].set(pages[lead + (src,)], mode="drop"), kv_cache)
-
-
-def _sample_rows(logits, sampling, allowed, num_logprobs: int, num_rows: int, draw_impl: str = "xla"):
-    """The sampler, and its tokens i32[R] cut or zero-padded to i32[num_rows] (async scheduling's
-    `next_tokens`), in one executable: a separate jit would be one more compile per R."""
-    out = sampler_lib.sample(logits, sampling, num_logprobs, allowed, draw_impl=draw_impl)
-    token_ids = out.token_ids
-    return out, jnp.zeros(num_rows, jnp.int32).at[:token_ids.shape[0]].set(token_ids[:num_rows])
 
 
 def _score_prompt(logits, targets, num_top: int):  # positional, so the executable cache can wrap it

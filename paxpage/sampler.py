@@ -252,20 +252,31 @@ class SamplerOutput:
     top_logprobs: jax.Array  # f32[R, L]
 
 
-def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+def apply_penalties(logits: jax.Array, t: SamplingTensors, pending: jax.Array | None = None) -> jax.Array:
     """Banned ids, then repetition (HF), presence and frequency (OpenAI) penalties. [R, V].
 
     Penalties touch only the listed tokens: gather their logits [R, S], penalise, and write them
     back with the banned ids' -inf in one scatter (each materialised [R, V] array costs tens of
     ms on CPU at R = 256, V = 49152). The ids of a row are distinct, so the scatter is a plain
-    set; unpenalised rows write back their own values (x / 1 - 0 == x), so no lax.cond."""
+    set; unpenalised rows write back their own values (x / 1 - 0 == x), so no lax.cond.
+
+    pending: None, or i32[R] one more output token per row (-1: none) that t's lists leave out:
+    with async scheduling a row's last token is still on the device when the host builds t. It
+    counts as if listed: one more occurrence of an id already there, else a new id of count 1."""
     num_rows, vocab_size = logits.shape
-    ids = t.token_ids  # [R, S]
+    ids, counts = t.token_ids, t.token_counts  # [R, S]
+    if pending is not None:
+        penalised = (t.repetition_penalty != 1.0) | (t.presence_penalty != 0.0) | (t.frequency_penalty != 0.0)
+        pending = jnp.where(penalised, pending, -1)[:, None]  # [R, 1]
+        listed = (ids == pending) & (pending >= 0)  # [R, S]: at most one per row (ids are distinct)
+        new = jnp.where(jnp.any(listed, axis=-1, keepdims=True), -1, pending)
+        ids = jnp.concatenate([ids, new], axis=1)  # [R, S + 1]
+        counts = jnp.concatenate([counts + listed, (new >= 0).astype(counts.dtype)], axis=1)
     x = jnp.take_along_axis(logits, jnp.maximum(ids, 0), axis=-1)
     x = jnp.where(jnp.any(ids[:, :, None] == t.banned_ids[:, None, :], axis=-1), -jnp.inf, x)
     rep = t.repetition_penalty[:, None]
     x = jnp.where(x < 0, x * rep, x / rep)
-    counts = t.token_counts.astype(jnp.float32)
+    counts = counts.astype(jnp.float32)
     x = x - t.frequency_penalty[:, None] * counts
     x = x - t.presence_penalty[:, None] * (counts > 0)
     banned = jnp.full(t.banned_ids.shape, -jnp.inf, jnp.float32)
@@ -318,7 +329,8 @@ def apply_bitmask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs", "draw_impl"))
 def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
-           allowed: jax.Array | None = None, draw_impl: str = "xla") -> SamplerOutput:
+           allowed: jax.Array | None = None, draw_impl: str = "xla",
+           pending: jax.Array | None = None) -> SamplerOutput:
     """logits [R, V] (any float dtype) -> SamplerOutput. Rows are independent of each other.
 
     Which rows are greedy or filtered is data, not a compile parameter: the costly parts sit
@@ -329,14 +341,16 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
     all ones). The two are separate executables, so unconstrained batches pay nothing for it;
     which rows are constrained is data again.
     draw_impl: "xla", or "native" (CPU only, once `resolve_draw_impl` returned it): the proposal
-    draw of sampled rows without top-k runs as the native kernel (pallas_kernels/native_sampling.py)."""
+    draw of sampled rows without top-k runs as the native kernel (pallas_kernels/native_sampling.py).
+    pending: None, or i32[R] each row's output token that t's penalty lists leave out (-1: none;
+    see apply_penalties)."""
     logits = logits.astype(jnp.float32)
     if allowed is not None:
         logits = apply_bitmask(logits, allowed)
     if t.greedy_only:  # nothing to ban or penalise, every row takes its argmax
         return _sample(logits, t, num_logprobs, greedy_only=True)
     if t.penalised:
-        logits = apply_penalties(logits, t)
+        logits = apply_penalties(logits, t, pending)
     return _sample(logits, t, num_logprobs, proposal=_proposal(draw_impl))
 
 
@@ -411,3 +425,35 @@ def score_prompt(logits: jax.Array, targets: jax.Array, num_top: int) -> PromptL
     no temperature). logits f32[Rp, V], targets i32[Rp]."""
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return PromptLogprobs(*_logprobs_of(logprobs, targets, num_top))
+
+
+def sample_rows(logits, sampling, allowed, pending, num_logprobs: int, num_rows: int, draw_impl: str = "xla"):
+    """The runner's sampler executable: `sample`, and its tokens i32[R] cut or zero-padded to
+    i32[num_rows] (async scheduling's `next_tokens`), in one executable: a separate jit would be
+    one more compile per R. pending: None, or (rows i32[R], prev i32[R_max]): row r's last
+    output, which its penalty lists lack, is prev[rows[r]] (-1: none; see apply_penalties)."""
+    out = sample(logits, sampling, num_logprobs, allowed, draw_impl=draw_impl, pending=pending_tokens(pending))
+    token_ids = out.token_ids
+    return out, jnp.zeros(num_rows, jnp.int32).at[:token_ids.shape[0]].set(token_ids[:num_rows])
+
+
+def pending_tokens(pending) -> jax.Array | None:
+    """None, or (rows i32[R], prev i32[R_max]) -> i32[R] prev[rows] where rows >= 0, else -1."""
+    if pending is None:
+        return None
+    rows, prev = pending
+    return jnp.where(rows >= 0, prev[jnp.maximum(rows, 0)], -1)
+
+
+def sampler_variants(sampling_for_rows, num_logits: int, num_mask_words: int):
+    """The (SamplingTensors, allowed) pairs whose sampler executables the runner's precompile
+    makes for R = num_logits rows: all-greedy (argmax only), unpenalised and any rows, and with
+    num_mask_words > 0 all three again with a structured-outputs bitmask i32[R, num_mask_words]."""
+    greedy = sampling_for_rows(num_logits)
+    plain = dataclasses.replace(greedy, greedy_only=False, penalised=False)
+    variants = [greedy, plain, dataclasses.replace(plain, penalised=True)]
+    pairs = [(sampling, None) for sampling in variants]
+    if num_mask_words:
+        allowed = np.full((num_logits, num_mask_words), -1, np.int32)
+        pairs += [(sampling, allowed) for sampling in variants]
+    return pairs

@@ -30,8 +30,12 @@ KEYS_AHEAD = 16  # decode steps whose keys sampled rows get at once
 
 class SamplingBatch:
     def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], token_width: int | None = None,
-                 capacity: int = 64):
+                 capacity: int = 64, pending_token: int | None = None):
+        """pending_token: the placeholder async scheduling leaves as an output's last token while
+        the device still has the token (launched.PENDING_TOKEN); a penalised row's counts leave it
+        out, and the sampler adds the token on the device (sampler.apply_penalties' `pending`)."""
         self.vocab_size = vocab_size
+        self.pending_token = pending_token
         self.eos_token_ids = tuple(eos_token_ids)
         self.token_width = token_width
         self._slots: dict[Hashable, int] = {}
@@ -98,7 +102,8 @@ class SamplingBatch:
         """SamplingTensors for logits rows r < n: slot slots[r], seed + seed_offsets[r] (a
         request's n parallel samples), token position steps[r] (its output tokens so far, as
         `RowInfo.step` and for min_tokens). `row_tokens(r) -> (prompt_ids, output_ids)` is called
-        only for rows with a penalty; their counts run on per slot (penalty_counts.RunningCounts),
+        only for rows with a penalty (output_ids may end in the pending token: see __init__);
+        their counts run on per slot (penalty_counts.RunningCounts),
         so a row whose output list is the one it had last step costs only its new tokens. Rows n .. pad_rows_to are padding (greedy, no penalties).
         All index arrays are integer[n]."""
         n = slots.shape[0]
@@ -163,10 +168,13 @@ class SamplingBatch:
 
     def _row_counts(self, slot: int, prompt_ids, output_ids, with_prompt: bool) -> tuple[np.ndarray, np.ndarray]:
         prompt_ids = prompt_ids if with_prompt else ()
+        num_known = len(output_ids)
+        if num_known and output_ids[-1] == self.pending_token:
+            num_known -= 1
         counts = self._counts.get(slot)
         if counts is None:
-            counts = self._counts[slot] = RunningCounts(prompt_ids, output_ids)
-        return counts.counts_of(prompt_ids, output_ids)
+            counts = self._counts[slot] = RunningCounts(prompt_ids, output_ids, num_known)
+        return counts.counts_of(prompt_ids, output_ids, num_known)
 
     def _take(self) -> int:
         if not self._free:

@@ -15,7 +15,9 @@ where it allocates a page, in the window, however the rows are aligned). From `e
     host CPU  CPU time of the engine's thread over the measured steps, ms per step: the host
             work (with jax's dispatch and fetches) without the time other processes or the
             device's own threads took the cores from it, so it stays comparable on a loaded machine
-    overlap (host + device - wall) / min(host, device): 0 = serial, 1 = fully hidden
+    overlap (host + busy - wall) / min(host, busy), clipped to 0..1: the share of the shorter of
+            the two that ran under the other (0 = serial, 1 = fully hidden). Busy comes from other
+            steps than wall, so on a loaded machine it is a rough figure
 
 Attention is timed alone, not inside the engine: one jitted call that does, for every layer,
 the engine's KV write of `rows` tokens and its paged attention over `rows` x `context` keys,
@@ -34,7 +36,16 @@ matmuls are negligible next to attention, sampling and host work; "smollm2" is
 
 --interleave fills every case's engine first and then steps them in turns, one step each per
 round, so a loaded machine's noise falls on all cases alike; compare cases on host CPU and device
-busy there. Its device wait and wall figures are not a lone engine's: each engine's step stays in
+busy there. With --rounds R it takes R windows of --steps steps each and reports every
+window's host CPU ratios as well as the totals.
+
+Context: cases that differ only in their context (tiny-256x128, tiny-256x1536) print their host
+CPU per step side by side, the longer context's over the shorter's. Host work per step does not
+depend on the context (the steady step touches O(1) data per row), but run alone, the longer
+context's engine has the device's threads stream ~400 MB of K/V per step through both cores'
+caches while the host works, and the host's cache misses cost more under that load (every phase
+of its step is slower, none grows with the context). Side by side (--interleave) both run under
+the same mix of the two devices' loads, which measures the host's own work. Its device wait and wall figures are not a lone engine's: each engine's step stays in
 flight through the other engines' turns (a case beside a slow synchronous one, such as the
 penalised case, looks almost free), so take wall and wall / max(host CPU, busy) from a run
 without it. A sampled case also reports its device busy time over the greedy case of the same
@@ -77,7 +88,7 @@ class Case:
     context: int  # prompt tokens per sequence (the decode context at measurement)
     temperature: float = 0.0
     top_p: float = 1.0
-    repetition_penalty: float = 1.0  # != 1: penalised rows (penalty tensors each step, no overlap)
+    repetition_penalty: float = 1.0  # != 1: penalised rows (penalty tensors each step, general step)
     # Prefill tokens per step while filling the engine (the decode step does not depend on it).
     prefill_tokens: int = 8192
     # False: requests as generate() adds them (no per-step deltas, vLLM's FINAL_ONLY); True: as a
@@ -227,8 +238,12 @@ class _Totals:
     def result(self) -> dict:
         n = self.steps
         host, device, wall = self.host / n, self.device / n, self.wall / n
-        return {"host_s": host, "device_s": device, "wall_s": wall, "host_cpu_s": self.cpu / n,
-                "overlap": max(0.0, host + device - wall) / max(1e-9, min(host, device))}
+        return {"host_s": host, "device_s": device, "wall_s": wall, "host_cpu_s": self.cpu / n}
+
+
+def overlap(host: float, busy_s: float, wall: float) -> float:
+    """The share of the shorter of host and device busy time hidden under the other, 0..1."""
+    return min(1.0, max(0.0, host + busy_s - wall) / max(1e-9, min(host, busy_s)))
 
 
 def busy(engines: list, steps: int) -> list[float]:
@@ -253,19 +268,41 @@ def run_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: in
             "fill_steps": fill_steps, "fill_s": fill_s}
 
 
-def run_interleaved(models: dict, cases: list, steps: int, warmup: int, seed: int) -> list[dict]:
-    """Every case's engine filled first, then their measured steps taken in turns (one step of
-    each case per round), so the machine's load falls on all cases alike."""
-    filled = [fill_case(models[case.model], case, 2 * steps + 1, warmup, seed) for case in cases]
+def run_interleaved(models: dict, cases: list, steps: int, warmup: int, seed: int,
+                    rounds: int = 1) -> list[dict]:
+    """Every case's engine filled first, then `rounds` windows of `steps` measured steps, taken
+    in turns (one step of each case at a time), so the machine's load falls on all cases alike.
+    Each result also holds its host CPU per step in every window ("window_host_cpu_s")."""
+    filled = [fill_case(models[case.model], case, (rounds + 1) * steps + 1, warmup, seed) for case in cases]
     for engine, *_ in filled:  # one untimed round: the first step after the other fills is slow
         engine.step()
     totals = [_Totals() for _ in cases]
-    for _ in range(steps):
-        for (engine, *_), total in zip(filled, totals):
-            total.step(engine)
+    windows = [[] for _ in cases]
+    for _ in range(rounds):
+        window = [_Totals() for _ in cases]
+        for _ in range(steps):
+            for (engine, *_), total, w in zip(filled, totals, window):
+                cpu = total.cpu
+                total.step(engine)
+                w.steps, w.cpu = w.steps + 1, w.cpu + total.cpu - cpu
+        for out, w in zip(windows, window):
+            out.append(w.cpu / w.steps)
     busy_s = busy([engine for engine, *_ in filled], steps)
-    return [{"cfg": cfg, **total.result(), "busy_s": b, "fill_steps": fill_steps, "fill_s": fill_s}
-            for (_, cfg, fill_steps, fill_s), total, b in zip(filled, totals, busy_s)]
+    return [{"cfg": cfg, **total.result(), "busy_s": b, "fill_steps": fill_steps, "fill_s": fill_s,
+             "window_host_cpu_s": w}
+            for (_, cfg, fill_steps, fill_s), total, b, w in zip(filled, totals, busy_s, windows)]
+
+
+def context_ratios(results: list[dict]) -> list[tuple[dict, dict]]:
+    """(shorter, longer) context pairs among cases that differ in nothing else."""
+    def rest(row):
+        return tuple(row[f.name] for f in dataclasses.fields(Case) if f.name not in ("key", "context"))
+    pairs = []
+    for short in results:
+        for long in results:
+            if rest(short) == rest(long) and short["context"] < long["context"]:
+                pairs.append((short, long))
+    return pairs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,8 +320,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="fill every case's engine first, then take their measured steps in turns "
                              "(side by side under the same load: compare host CPU and busy; wall and "
                              "device wait are not a lone engine's; needs all engines' pools in memory)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --interleave: measured windows of --steps steps each (host CPU per window)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
+    if args.rounds < 1 or (args.rounds > 1 and not args.interleave):
+        parser.error(f"--rounds {args.rounds}: needs --interleave and at least 1")
     cases = QUICK_CASES if args.quick else CASES
     if args.cases:
         known = {c.key: c for c in CASES + QUICK_CASES}
@@ -305,11 +346,12 @@ def main(argv: list[str] | None = None) -> int:
             if case.model not in models:
                 models[case.model] = tiny_model(tmp) if case.model == "tiny" else paxpage.load()
         if args.interleave:
-            measured = run_interleaved(models, cases, steps, args.warmup, args.seed)
+            measured = run_interleaved(models, cases, steps, args.warmup, args.seed, args.rounds)
         for i, case in enumerate(cases):
             model = models[case.model]
             r = measured[i] if args.interleave else run_case(model, case, steps, args.warmup, args.seed)
             att = time_attention(model, r.pop("cfg"), case.rows, case.context, iters)
+            r["overlap"] = overlap(r["host_s"], r["busy_s"], r["wall_s"])
             row = {"case": case.key, **dataclasses.asdict(case), **r,
                    "attention_s": att["seconds"], "attention_share": att["seconds"] / r["busy_s"],
                    "attention_kv_bytes": att["kv_bytes"], "attention_gb_per_s": att["gb_per_s"],
@@ -330,6 +372,16 @@ def main(argv: list[str] | None = None) -> int:
             row["busy_vs_greedy"] = row["busy_s"] / base["busy_s"]
             print(f"{row['case']}: device busy {row['busy_vs_greedy']:.2f}x {base['case']}'s "
                   f"(device wait {row['device_vs_greedy']:.2f}x)", flush=True)
+
+    for short, long in context_ratios(results):
+        long.setdefault("host_cpu_vs_context", {})[short["case"]] = ratio = long["host_cpu_s"] / short["host_cpu_s"]
+        windows = ""
+        if "window_host_cpu_s" in long:
+            windows = " (per window: " + ", ".join(
+                f"{a / b:.2f}" for a, b in zip(long["window_host_cpu_s"], short["window_host_cpu_s"])) + ")"
+        print(f"{long['case']}: host CPU {ratio:.2f}x {short['case']}'s "
+              f"({long['host_cpu_s'] * 1e3:.2f} vs {short['host_cpu_s'] * 1e3:.2f} ms/step"
+              f"{', side by side' if args.interleave else ', one after the other'}){windows}", flush=True)
 
     print("\n| case | host ms/step | host CPU ms/step | device ms/step | device busy ms/step | wall ms/step "
           "| wall / max(host CPU, busy) | overlap | attention share | attention GB/s |")

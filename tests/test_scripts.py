@@ -4,6 +4,7 @@ README and CI read. The figures themselves mean nothing at this size."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -183,6 +184,16 @@ def test_bench_step_quick(tmp_path):
         assert case["attention_kv_bytes"] == 2 * 2 * 8 * 32 * 4 * 16 * 4
     assert "| tiny-8x32 |" in proc.stdout
 
+
+
+def test_bench_step_pairs_contexts_and_bounds_overlap():
+    bench = _load_script("bench_step")
+    rows = [dict(dataclasses.asdict(case), case=case.key) for case in bench.CASES[:5]]
+    pairs = [(a["case"], b["case"]) for a, b in bench.context_ratios(rows)]
+    assert pairs == [("tiny-256x128", "tiny-256x1536")]  # only cases that differ in context alone
+    # host 2 + busy 10 in a wall of 11: 1 of the shorter 2 hidden; serial and over-counted ends
+    assert bench.overlap(2.0, 10.0, 11.0) == pytest.approx(0.5)
+    assert bench.overlap(2.0, 10.0, 12.5) == 0.0 and bench.overlap(2.0, 10.0, 9.0) == 1.0
 
 # ---------------------------------------------------------------------------------------- serving
 def test_serving_metrics_hand_computed():

@@ -74,19 +74,21 @@ def accept_rows(p: jax.Array, draft_ids: jax.Array, q: jax.Array | None, keys: j
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
 def verify(logits: jax.Array, t: sampler_lib.SamplingTensors, draft_ids: jax.Array,
-           draft_dists: jax.Array | None = None, num_logprobs: int = 0, allowed: jax.Array | None = None
-           ) -> tuple[sampler_lib.SamplerOutput, jax.Array]:
+           draft_dists: jax.Array | None = None, num_logprobs: int = 0, allowed: jax.Array | None = None,
+           pending=None) -> tuple[sampler_lib.SamplerOutput, jax.Array]:
     """logits f32[R, V], draft_ids i32[R] (-1 none), draft_dists f32[R, V] or None (one-hot),
-    allowed i32[R, W] structured-outputs bitmask or None (as the sampler takes it) ->
-    (SamplerOutput whose token_ids / logprobs are each row's `token`, accepted bool[R])."""
+    allowed i32[R, W] structured-outputs bitmask or None, pending None or (rows, prev) (as the
+    runner's sampler takes them: sampler.sample_rows) -> (SamplerOutput whose token_ids /
+    logprobs are each row's `token`, accepted bool[R])."""
     logits = logits.astype(jnp.float32)
     if allowed is not None:
         logits = sampler_lib.apply_bitmask(logits, allowed)
-    out = sampler_lib.sample(logits, t, num_logprobs)
+    pending = sampler_lib.pending_tokens(pending)
+    out = sampler_lib.sample(logits, t, num_logprobs, pending=pending)
     has_draft = draft_ids >= 0
     drafts = jnp.maximum(draft_ids, 0)
     # t.penalised: the host knows whether a row is penalised or bans tokens (as `sample` does)
-    penalised = sampler_lib.apply_penalties(logits, t) if t.penalised else logits
+    penalised = sampler_lib.apply_penalties(logits, t, pending) if t.penalised else logits
     accepted = has_draft & (drafts == out.token_ids)
     tokens = out.token_ids
     if draft_dists is not None:  # rejection sampling against the draft's q

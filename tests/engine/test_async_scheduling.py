@@ -77,6 +77,35 @@ def test_plain_decoding_overlaps_nearly_every_step(tiny):
     assert overlapped >= steps - 2, (steps, overlapped)  # all but the steps that fork or finish
 
 
+
+def test_penalised_rows_overlap_and_equal_the_synchronous_engine(tiny):
+    # Penalised rows stay in flight: the host's counts lack the token the device still has, and
+    # the sampler adds it there. Repetition (prompt too), presence and frequency penalties,
+    # greedy and seeded, one below min_tokens, one that stops on a token, under preemption.
+    prompts = random_prompts(8, 128, [4, 9, 13, 6, 20, 3, 11, 7], seed=14)
+    kinds = [
+        SP(temperature=0, repetition_penalty=1.6, max_tokens=30, ignore_eos=True),
+        SP(temperature=0.9, seed=3, presence_penalty=0.8, frequency_penalty=0.6, max_tokens=28),
+        SP(temperature=0, frequency_penalty=1.5, min_tokens=12, max_tokens=26, stop_token_ids=[5, 17]),
+        SP(temperature=1.0, seed=4, repetition_penalty=0.8, presence_penalty=-0.5, max_tokens=30, ignore_eos=True),
+    ]
+    params = [kinds[i % len(kinds)] for i in range(len(prompts))]
+    results, stats = {}, {}
+    for mode in (False, True):
+        config = EngineConfig(async_scheduling=mode, page_size=8, num_pages=24, max_model_len=256,
+                              max_num_batched_tokens=64)
+        engine = tiny.engine(config)
+        before = (engine.stats.steps, engine.stats.overlapped_steps, engine.scheduler.num_preemptions)
+        outs = paxpage.generate(tiny, prompts, sampling_params=params, engine_config=config, use_tqdm=False)
+        results[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+        stats[mode] = (engine.stats.steps - before[0], engine.stats.overlapped_steps - before[1],
+                       engine.scheduler.num_preemptions - before[2])
+    assert results[True] == results[False]
+    steps, overlapped, preempted = stats[True]
+    assert overlapped > steps // 2 and preempted > 0, stats[True]
+    unpenalised = paxpage.generate(tiny, prompts[:1], temperature=0, max_tokens=30, ignore_eos=True, use_tqdm=False)
+    assert unpenalised[0].token_ids != results[True][0][0]  # the penalty changed the tokens
+
 def test_abort_while_a_step_is_in_flight(tiny):
     config = EngineConfig(page_size=8, num_pages=64, max_model_len=256, enable_prefix_caching=False)
     engine = tiny.engine(config)
@@ -117,7 +146,8 @@ def test_precompile_leaves_nothing_to_compile(tiny):
     assert shapes == len(engine.runner.step_shapes()) > 4
     before = compile_counter.compiles()
     prompts = random_prompts(7, 128, [3, 40, 9, 60, 17, 5, 33], seed=12)
-    params = [SP(temperature=0, max_tokens=9, ignore_eos=True), SP(temperature=0.8, top_p=0.9, seed=1, max_tokens=5)]
-    paxpage.generate(tiny, prompts, sampling_params=[params[i % 2] for i in range(7)], engine_config=config,
+    params = [SP(temperature=0, max_tokens=9, ignore_eos=True), SP(temperature=0.8, top_p=0.9, seed=1, max_tokens=5),
+              SP(temperature=0.8, seed=2, repetition_penalty=1.2, max_tokens=5)]
+    paxpage.generate(tiny, prompts, sampling_params=[params[i % 3] for i in range(7)], engine_config=config,
                      use_tqdm=False)
     assert compile_counter.compiles() == before

@@ -178,7 +178,7 @@ def _workload():
         SP(temperature=0, max_tokens=36, ignore_eos=True),
         SP(temperature=1.0, seed=7, n=2, max_tokens=12, ignore_eos=True),  # forks
         SP(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True),  # per-token logprobs
-        SP(temperature=0.7, seed=8, repetition_penalty=1.2, max_tokens=14),  # no overlap
+        SP(temperature=0.7, seed=8, repetition_penalty=1.2, max_tokens=14),  # general step, in flight
     ]
     joins = [0, 0, 0, 0, 0, 0, 0, 0, 44, 56, 60]
     return prompts, kinds, joins, (20, 1)  # at step 20, abort prompt 1
@@ -206,3 +206,47 @@ def test_fast_path_equals_general_path_on_a_mixed_workload(text_model):
         assert all(deltas == [] for step in quiet[0] for _, deltas in step)
         assert sorted(i for step in quiet[0] for i, _ in step) == sorted(quiet[1])  # once each, at its end
         assert quiet[2].generated_tokens == streamed[2].generated_tokens and quiet[2].steps == streamed[2].steps
+
+
+def _python_work_per_step(model, context: int, steps: int = 16) -> tuple[float, float]:
+    """Python bytecodes and calls per steady decode step of 6 rows at `context` tokens, half of
+    them streamed: a count of the host's work that, unlike its time, the machine's load and the
+    device's threads do not change."""
+    import sys
+
+    config = EngineConfig(page_size=8, num_pages=6 * 32, max_model_len=256, max_num_seqs=6,
+                          max_num_batched_tokens=2048)
+    engine = LLMEngine(model.config, model.params, model.tokenizer, config)
+    params = SP(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(6, 320, [context] * 6, seed=context)):
+        engine.add_request(prompt, params, stream=i % 2 == 0)
+    while engine.stats.decode_batch_steps < 2:
+        engine.step()
+    counts = {"opcode": 0, "call": 0}
+
+    def trace(frame, event, arg):
+        frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        if event in counts:
+            counts[event] += 1
+        return trace
+
+    before = engine.stats.decode_batch_steps
+    sys.settrace(trace)
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        sys.settrace(None)
+    assert engine.stats.decode_batch_steps == before + steps  # every one the steady step
+    return counts["opcode"] / steps, counts["call"] / steps
+
+
+def test_steady_step_python_work_does_not_grow_with_context(text_model):
+    # 16 steps: every row crosses two page boundaries at either context (pages of 8, contexts
+    # 9 and 201 alike mod 8). A step touches O(1) data per row: no loop over a row's tokens or
+    # pages. Its CPU time still differs (cache misses under the device's load), its work must not.
+    short_ops, short_calls = _python_work_per_step(text_model, 9)
+    long_ops, long_calls = _python_work_per_step(text_model, 201)
+    assert short_ops > 500
+    assert long_ops / short_ops < 1.02, (short_ops, long_ops)
+    assert long_calls / short_calls < 1.02, (short_calls, long_calls)

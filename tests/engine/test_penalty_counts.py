@@ -47,6 +47,21 @@ def test_running_counts_follow_every_change(seed):
         assert _as_dict(*distinct_counts(prompt, out)) == want
 
 
+
+def test_running_counts_leave_out_a_trailing_placeholder():
+    # Async scheduling: the output list ends in a placeholder (-1) for the token in flight; the
+    # counts cover the outputs before it, and the placeholder's token once it is replaced.
+    prompt, out = [4, 5], [5]
+    running = RunningCounts(prompt, out)
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        out.append(-1)
+        assert _as_dict(*running.counts_of(prompt, out, len(out) - 1)) == _reference(prompt, out[:-1])
+        out[-1] = int(rng.integers(0, 8))
+    assert _as_dict(*running.counts_of(prompt, out, len(out))) == _reference(prompt, out)
+    fresh = RunningCounts(prompt, out + [-1], len(out))
+    assert _as_dict(*fresh.counts_of(prompt, fresh.out, len(out))) == _reference(prompt, out)
+
 def test_repetition_penalised_greedy_generation_matches_hf(tiny_llama_dir):
     """The engine's running counts over a whole generation: greedy with a repetition penalty
     (prompt and outputs penalised, HF's definition) equals HF transformers' generate."""
@@ -60,7 +75,9 @@ def test_repetition_penalised_greedy_generation_matches_hf(tiny_llama_dir):
     model = paxpage.load(tiny_llama_dir)
     prompts = random_prompts(3, 64, [5, 12, 3], seed=4)  # a small id range: repeats are likely
     params = SamplingParams(temperature=0.0, repetition_penalty=1.8, max_tokens=20, ignore_eos=True)
-    outs = paxpage.generate(model, prompts, sampling_params=params, use_tqdm=False)
+    config = paxpage.EngineConfig()  # async scheduling: each step's last token reaches the counts on device
+    outs = paxpage.generate(model, prompts, sampling_params=params, engine_config=config, use_tqdm=False)
+    assert model.engine(config).stats.overlapped_steps >= 15
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():

@@ -157,6 +157,40 @@ def test_all_penalties_together_and_logprobs_before_temperature():
     np.testing.assert_allclose(np.asarray(result.top_logprobs[0]), np.sort(logprobs)[::-1][:4], rtol=1e-5)
 
 
+
+def test_a_pending_token_counts_as_if_the_host_had_listed_it():
+    # Async scheduling: the host builds a penalised row's lists before its last token is back
+    # from the device, and the sampler adds that token (`pending`). Each row: the logits must be
+    # those of its full history, penalised by hand (HF's repetition over prompt + outputs,
+    # OpenAI's presence / frequency over output counts).
+    rng = np.random.default_rng(4)
+    vocab = 24
+    logits = rng.normal(size=(7, vocab)).astype(np.float32) * 2
+    both = dict(repetition_penalty=1.4, presence_penalty=0.3, frequency_penalty=0.2)
+    cases = [  # (params, prompt, outputs the host has, pending token or -1)
+        (SamplingParams(**both), [1, 2], [3, 3, 4], 3),  # already an output: one more occurrence
+        (SamplingParams(**both), [1, 2], [3], 2),  # only in the prompt so far
+        (SamplingParams(**both), [1, 2], [3], 9),  # new
+        (SamplingParams(frequency_penalty=0.5), [5], [], 6),  # the first output
+        (SamplingParams(**both), [1, 2], [3, 4], -1),  # nothing in flight
+        (SamplingParams(), [1], [2], 7),  # no penalty: untouched
+        (SamplingParams(repetition_penalty=1.4, min_tokens=4, stop_token_ids=[11]), [0], [8], 11),  # banned
+    ]
+    rows = [RowInfo(p, prompt, out, 0) for p, prompt, out, _ in cases]
+    t = SamplingTensors.build(rows, vocab, eos_token_ids=[])
+    pending = jnp.asarray([tok for *_, tok in cases], jnp.int32)
+    got = np.asarray(apply_penalties(jnp.asarray(logits), t, pending))
+    for r, (p, prompt, out, tok) in enumerate(cases):
+        full = out + ([tok] if tok >= 0 else [])
+        want = logits[r].copy()
+        seen = sorted(set(prompt + full))
+        want[seen] = np.where(want[seen] < 0, want[seen] * p.repetition_penalty, want[seen] / p.repetition_penalty)
+        counts = np.bincount(np.asarray(full, np.int64), minlength=vocab)
+        want = want - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+        if p.min_tokens > len(out):
+            want[p.stop_token_ids] = -np.inf
+        np.testing.assert_allclose(got[r], want, rtol=1e-6, err_msg=f"row {r}")
+
 def test_min_tokens_bans_eos_and_stop_tokens():
     vocab, eos = 16, 2
     logits = np.zeros((3, vocab), np.float32)
