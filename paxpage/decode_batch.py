@@ -2,7 +2,7 @@
 
 Most steps of a busy engine are the same step again: every running sequence decodes one token,
 nothing joins or leaves. When the step in flight is such a plain step (every row one sample of
-a request with n == 1: no beams, grammars, penalties, logprobs; see `DecodeBatch.build`), the
+a request with n == 1: no beams, grammars, logprobs; see `DecodeBatch.build`), the
 engine keeps its rows here, with their positions, page-table rows, sampling slots and output
 counts as arrays, and the next step, if nothing changed, is scheduled, packed and booked with
 numpy over those arrays (`Scheduler.schedule_decodes` / `update_decodes`, `ModelRunner.
@@ -53,7 +53,6 @@ class DecodeBatch:
             p, seq = request.params, sample.seq
             if item.seq is not seq or not item.samples or item.draft_token_ids or count != 1 or p.n != 1 \
                     or request.beam is not None or sample.matcher is not None or sample.logprobs is not None \
-                    or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 \
                     or sample.finish_reason is not None or row != len(seqs):
                 return None
             slot = table_slot(seq.seq_id)

@@ -280,12 +280,15 @@ class LLMEngine:
             tables.sync_many([seqs[i].seq_id for i in grown], [seqs[i].num_preemptions for i in grown],
                              [seqs[i].page_table for i in grown], [int(batch.positions[i]) for i in grown])
         step_batch, prev_rows = self.runner.pack_decode(batch.table_slots, batch.positions)
-        tensors = self._sampling.tensors(batch.sampling_slots, np.zeros(len(seqs), np.int64), batch.steps,
-                                         _no_row_tokens, pad_rows_to=len(step_batch.logits_indices))
+        tensors = self._sampling.tensors(  # penalised rows: their outputs end in the pending token
+            batch.sampling_slots, np.zeros(len(seqs), np.int64), batch.steps,
+            lambda r: (batch.rows[r][0].prompt_ids, seqs[r].output_token_ids),
+            pad_rows_to=len(step_batch.logits_indices))
         logits = self.runner.forward(step_batch, prev_rows, previous.next_tokens)
         step = Launched(None, batch.rows, previous.counts, [], None, None, None, previous.row_of_seq,
                         drafts=previous.drafts)
-        step.result, step.prompt_result, step.next_tokens = self.runner.sample(step_batch, logits, tensors)
+        step.result, step.prompt_result, step.next_tokens = self.runner.sample(
+            step_batch, logits, tensors, prev_rows=prev_rows, prev_tokens=previous.next_tokens)
         # the previous step's tokens
         self._inflight = None
         t = time.perf_counter()
@@ -591,7 +594,3 @@ class LLMEngine:
         if self.stats.steps % KV_SAMPLE_EVERY == 0:
             self.stats.kv_utilisation_sum += self.scheduler.stats().kv_utilization
             self.stats.kv_utilisation_samples += 1
-
-
-def _no_row_tokens(row: int):
-    raise AssertionError(f"logits row {row} of a plain decode batch has a penalty")

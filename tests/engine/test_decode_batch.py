@@ -110,12 +110,13 @@ def text_model(tiny_text_dir):
     model.close()
 
 
-def _check_batch(engine) -> bool:
-    """The in-flight decode batch's arrays against a rebuild from its sequences; True if any."""
+def _check_batch(engine) -> int:
+    """The in-flight decode batch's arrays against a rebuild from its sequences; 0 if none, 2 if
+    it has a penalised row, else 1."""
     step = engine._inflight
     batch = step.decode if step is not None else None
     if batch is None:
-        return False
+        return 0
     batch.check()
     tables = engine.runner.tables
     for i, seq in enumerate(batch.seqs):
@@ -128,7 +129,7 @@ def _check_batch(engine) -> bool:
         assert engine._sampling.slot(seq.seq_id, request.params, sample.seed) == batch.sampling_slots[i]
         assert batch.limits[i] == min(request.params.max_tokens,
                                       engine.config.max_model_len - seq.num_prompt_tokens)
-    return True
+    return 1 + any(request.params.repetition_penalty != 1.0 for request, _, _ in batch.rows)
 
 
 def _run(model, fast: bool, prompts, params, joins, abort_at, stream: bool = True):
@@ -139,7 +140,7 @@ def _run(model, fast: bool, prompts, params, joins, abort_at, stream: bool = Tru
     engine = LLMEngine(model.config, model.params, model.tokenizer, config)  # fresh: no cached prefix
     if not fast:
         engine._decode_step = lambda: None
-    ids, steps, finals, batches = {}, [], {}, 0
+    ids, steps, finals, batches = {}, [], {}, [0, 0]  # decode batches checked, with a penalised row
     step = 0
     while step == 0 or engine.has_unfinished() or len(ids) < len(prompts):
         for i, at in enumerate(joins):
@@ -155,7 +156,9 @@ def _run(model, fast: bool, prompts, params, joins, abort_at, stream: bool = Tru
                 finals[ids[request.request_id]] = [(c.text, c.token_ids, c.finish_reason, c.stop_reason,
                                                     c.logprobs, c.cumulative_logprob) for c in o.outputs]
         if fast:
-            batches += _check_batch(engine)
+            checked = _check_batch(engine)
+            batches[0] += checked > 0
+            batches[1] += checked == 2
             engine.scheduler.check_invariants()
         step += 1
         assert step < 400
@@ -178,7 +181,7 @@ def _workload():
         SP(temperature=0, max_tokens=36, ignore_eos=True),
         SP(temperature=1.0, seed=7, n=2, max_tokens=12, ignore_eos=True),  # forks
         SP(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True),  # per-token logprobs
-        SP(temperature=0.7, seed=8, repetition_penalty=1.2, max_tokens=14),  # general step, in flight
+        SP(temperature=0.7, seed=8, repetition_penalty=1.2, max_tokens=30),  # penalised, in flight
     ]
     joins = [0, 0, 0, 0, 0, 0, 0, 0, 44, 56, 60]
     return prompts, kinds, joins, (20, 1)  # at step 20, abort prompt 1
@@ -193,7 +196,7 @@ def test_fast_path_equals_general_path_on_a_mixed_workload(text_model):
     assert sorted(fast[1]) == [i for i in range(len(prompts)) if i != 1]
     stats = fast[2]
     assert stats.decode_batch_steps > 10 and general[2].decode_batch_steps == 0
-    assert fast[3] > 10  # decode batches checked against a rebuild
+    assert fast[3][0] > 10 and fast[3][1] > 3  # decode batches checked against a rebuild (penalised too)
     assert stats.steps == general[2].steps and stats.generated_tokens == general[2].generated_tokens
     assert fast[4] > 0  # preemptions happened
 
