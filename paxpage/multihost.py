@@ -115,8 +115,10 @@ class LockstepRunner:
 
     def sample(self, batch, logits, sampling, num_logprobs=0, num_prompt_logprobs=0, allowed=None,
                prev_rows=None, prev_tokens=None):
-        _broadcast(("sample", sampling, num_logprobs, num_prompt_logprobs, allowed, prev_rows, prev_tokens is not None))
-        return self._sample(batch, logits, sampling, num_logprobs, num_prompt_logprobs, allowed, prev_rows, prev_tokens)
+        _broadcast(("sample", sampling, num_logprobs, num_prompt_logprobs, allowed, prev_rows,
+                    prev_tokens is not None))
+        return self._sample(batch, logits, sampling, num_logprobs, num_prompt_logprobs, allowed, prev_rows,
+                            prev_tokens)
 
     def _sample(self, batch, logits, sampling, num_logprobs, num_prompt_logprobs, allowed, prev_rows, prev_tokens):
         out, prompt, next_tokens = self.inner.sample(batch, logits, sampling, num_logprobs,

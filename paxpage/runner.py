@@ -130,7 +130,8 @@ class ModelRunner:
         # The sampler and the fixed-width copy of its tokens are one executable per logits-row count.
         # On CPU with native kernels, sampled rows draw through the native proposal kernel.
         self.draw_impl = sampler_lib.resolve_draw_impl(impl == "native" and mesh is None)
-        self._sampler = jax.jit(functools.partial(sampler_lib.sample_rows, draw_impl=self.draw_impl), static_argnums=(4, 5))
+        self._sampler = jax.jit(functools.partial(sampler_lib.sample_rows, draw_impl=self.draw_impl),
+                                static_argnums=(4, 5))
         self._scorer = jax.jit(_score_prompt, static_argnums=(2,))
         # Each device call goes through these: the jitted functions, or the same behind the
         # executable cache (exec_cache.py) when cfg.executable_cache_dir is set.
@@ -395,8 +396,8 @@ class ModelRunner:
             results = [logits]
             if num_logits not in sampled:
                 sampled.add(num_logits)
-                results += [self.sample(batch, logits, sampling, allowed=allowed)[2]
-                            for sampling, allowed in sampler_lib.sampler_variants(sampling_for_rows, num_logits, num_mask_words)]
+                variants = sampler_lib.sampler_variants(sampling_for_rows, num_logits, num_mask_words)
+                results += [self.sample(batch, logits, sampling, allowed=allowed)[2] for sampling, allowed in variants]
             jax.block_until_ready(results)
         return len(shapes)
 
@@ -425,9 +426,9 @@ class ModelRunner:
                 info = steps[i].out_info[1]
                 logits = jnp.zeros(info.shape, info.dtype)
                 no_pending = (np.full(num_logits, -1, np.int32), self._no_prev_tokens)  # as sample() passes
+                variants = sampler_lib.sampler_variants(sampling_for_rows, num_logits, num_mask_words)
                 samplers += [(logits, sampling, allowed, no_pending if sampling.penalised else None, 0,
-                              self.max_logits_rows)
-                             for sampling, allowed in sampler_lib.sampler_variants(sampling_for_rows, num_logits, num_mask_words)]
+                              self.max_logits_rows) for sampling, allowed in variants]
             # The full sampler (draws, penalties; 1 MB and ~0.5 s to load per R on CPU, ~12 s to
             # compile) is only made sure of on disk: a first sampled batch loads it, no compile.
             sample = self._calls["sample"]

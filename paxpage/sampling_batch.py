@@ -103,9 +103,9 @@ class SamplingBatch:
         request's n parallel samples), token position steps[r] (its output tokens so far, as
         `RowInfo.step` and for min_tokens). `row_tokens(r) -> (prompt_ids, output_ids)` is called
         only for rows with a penalty (output_ids may end in the pending token: see __init__);
-        their counts run on per slot (penalty_counts.RunningCounts),
-        so a row whose output list is the one it had last step costs only its new tokens. Rows n .. pad_rows_to are padding (greedy, no penalties).
-        All index arrays are integer[n]."""
+        their counts run on per slot (penalty_counts.RunningCounts), so a row whose output list is
+        the one it had last step costs only its new tokens. Rows n .. pad_rows_to are padding
+        (greedy, no penalties). All index arrays are integer[n]."""
         n = slots.shape[0]
         num_rows = n if pad_rows_to is None else pad_rows_to
         if num_rows < n:

@@ -143,8 +143,8 @@ def test_a_changed_parameter_shape_misses(tmp_path):
 
 def test_precompile_through_the_cache_leaves_nothing_to_compile(tiny, tmp_path):
     """precompile=True with the cache: a cold engine compiles and stores every executable without
-    running it, a warm one loads them all, and serving greedy and sampled requests compiles
-    nothing more (compile_counter counts jax's backend compiles)."""
+    running it, a warm one loads them all, and serving greedy, sampled and penalised requests
+    compiles nothing more (compile_counter counts jax's backend compiles)."""
     from paxpage import compile_counter
 
     config = EngineConfig(executable_cache_dir=str(tmp_path), precompile=True, **SMALL)
@@ -159,9 +159,10 @@ def test_precompile_through_the_cache_leaves_nothing_to_compile(tiny, tmp_path):
     warm_loaded = warm["loaded"]
     before = compile_counter.compiles()
     prompts = random_prompts(5, 128, [3, 40, 9, 60, 17], seed=12)
-    kinds = [SP(temperature=0, max_tokens=9, ignore_eos=True), SP(temperature=0.8, top_p=0.9, seed=1, max_tokens=5)]
+    kinds = [SP(temperature=0, max_tokens=9, ignore_eos=True), SP(temperature=0.8, top_p=0.9, seed=1, max_tokens=5),
+             SP(temperature=0.8, seed=2, presence_penalty=0.5, max_tokens=5)]  # penalised, in flight
     for i, p in enumerate(prompts):
-        engine.add_request(p, kinds[i % 2])
+        engine.add_request(p, kinds[i % 3])
     while engine.has_unfinished():
         engine.step()
     assert compile_counter.compiles() == before
