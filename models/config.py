@@ -37,7 +37,7 @@ _GGUF_GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """HF rope-scaling variants. `kind` is "default", "linear" or "llama3".
+    """HF rope-scaling variants. `kind` is "default", "linear", "llama3" or "yarn".
 
     HF's "dynamic" NTK scaling rescales every cached key whenever the sequence grows,
     which a KV cache cannot follow, so it is rejected rather than silently approximated.
@@ -48,16 +48,51 @@ class RopeScaling:
     # llama3 only:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
+    # llama3 and yarn: the context the model was pretrained with
     original_max_position_embeddings: int = 8192
+    # yarn only (HF's names and defaults): the rotation counts bounding the interpolation ramp,
+    # whether its ends round to whole dimensions, and the cos / sin magnitude (attention_factor,
+    # else derived from factor, mscale and mscale_all_dim as DeepSeek's checkpoints state them)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
 
     def __post_init__(self):
-        if self.kind not in ("default", "linear", "llama3"):
-            raise ValueError(
-                f"rope scaling type {self.kind!r} is not supported; "
-                "expected one of 'default', 'linear', 'llama3'"
-            )
+        if self.kind not in ROPE_KINDS:
+            raise ValueError(f"rope scaling type {self.kind!r} is not supported; expected one of {ROPE_KINDS}")
         if self.factor <= 0:
             raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
+        if self.kind == "yarn" and self.original_max_position_embeddings <= 0:
+            raise ValueError(f"yarn original_max_position_embeddings must be > 0, "
+                             f"got {self.original_max_position_embeddings}")
+
+    @classmethod
+    def from_hf(cls, rope: dict, max_position_embeddings: int | None) -> "RopeScaling":
+        """From an HF `rope_scaling` / `rope_parameters` dict (absent keys take HF's defaults)."""
+        kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+        original = rope.get("original_max_position_embeddings")
+        factor = rope.get("factor")
+        if kind == "yarn" and factor is None and original and max_position_embeddings:
+            factor = max_position_embeddings / original  # DeepSeek-V3 states only the two lengths
+        optional = {name: float(rope[name]) for name in ("mscale", "mscale_all_dim", "attention_factor")
+                    if rope.get(name) is not None}
+        return cls(
+            kind=kind,
+            factor=float(1.0 if factor is None else factor),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(original or 8192),
+            beta_fast=float(rope.get("beta_fast") or 32.0),
+            beta_slow=float(rope.get("beta_slow") or 1.0),
+            truncate=bool(rope.get("truncate", True)),
+            **optional,
+        )
+
+
+ROPE_KINDS = ("default", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,14 +234,7 @@ class ModelConfig:
             rope = rope.get("full_attention") or {k: v for k, v in rope.items() if k != "sliding_attention"}
             rope.setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
         rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-        kind = rope.get("rope_type", rope.get("type", "default")) or "default"
-        scaling = RopeScaling(
-            kind=kind,
-            factor=float(rope.get("factor", 1.0)),
-            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
-        )
+        scaling = RopeScaling.from_hf(rope, d.get("max_position_embeddings"))
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         gemma = model_type in GEMMA_MODEL_TYPES
@@ -280,6 +308,9 @@ class ModelConfig:
             low_freq_factor=float(get("rope.scaling.low_freq_factor", 1.0)),
             high_freq_factor=float(get("rope.scaling.high_freq_factor", 4.0)),
             original_max_position_embeddings=int(get("rope.scaling.original_context_length", 8192)),
+            # llama.cpp's yarn keys; its attention factor is derived from the factor, as HF's default
+            beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
         )
         bos = metadata.get("tokenizer.ggml.bos_token_id")
         eos = metadata.get("tokenizer.ggml.eos_token_id")

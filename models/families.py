@@ -12,9 +12,15 @@ from models.llama import AttentionFn, LlamaModel, WriteKvFn
 
 
 def build_model(cfg: ModelConfig, attention: AttentionFn, write_kv: WriteKvFn, dtype: Any = jnp.float32,
-                scan_period: int = 0):
+                scan_period: int = 0, batch_invariant: bool = False):
     """The flax module for `cfg`: `.apply({"params": params}, batch, kv_cache) -> (logits, kv_cache)`.
     scan_period > 0: the layers run under a scan (models/layer_stack.py: stacked params and pool)."""
+    if batch_invariant:
+        # Only the Llama family's dense layers have the fixed-order forms (models/invariant_ops.py).
+        if cfg.is_gemma or cfg.num_experts:
+            raise ValueError("batch_invariant supports dense Llama-family models; got "
+                             f"{'a Gemma' if cfg.is_gemma else 'a mixture-of-experts'} model")
+        return LlamaModel(cfg, attention, write_kv, dtype, scan_period=scan_period, batch_invariant=True)
     if cfg.is_gemma:
         return GemmaModel(cfg, attention, write_kv, dtype, scan_period=scan_period)
     return LlamaModel(cfg, attention, write_kv, dtype, scan_period=scan_period)

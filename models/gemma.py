@@ -30,21 +30,23 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig, RopeScaling
-from models.layers import Embedding, RMSNorm, dense, gated_mlp, paged_attention_rows, qkv_heads
+from models.layers import Embedding, RMSNorm, dense, gated_mlp, paged_attention_rows, qkv_heads, sow_pooled
 from models.layer_stack import run_layers
+from models.lora_ops import row_slots
 from models.llama import AttentionFn, WriteKvFn
-from models.rope import apply_rope, inverse_frequencies
+from models.rope import apply_rope, attention_factor, inverse_frequencies
 
 
 def _norm(cfg: ModelConfig, dtype, name: str) -> RMSNorm:
     return RMSNorm(cfg.rms_norm_eps, dtype, unit_offset=True, name=name)
 
 
-def _layer_inv_freq(cfg: ModelConfig, window: int | None):
-    """Gemma 3's local layers use their own unscaled RoPE base; all other layers the global one."""
+def _layer_rope(cfg: ModelConfig, window: int | None):
+    """(inv_freq, cos / sin scale): Gemma 3's local layers use their own unscaled RoPE base; all
+    other layers the global one."""
     if window is not None and cfg.local_rope_theta is not None:
         cfg = dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=RopeScaling())
-    return inverse_frequencies(cfg)
+    return inverse_frequencies(cfg), attention_factor(cfg)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -58,22 +60,23 @@ class GemmaDecoderLayer(nn.Module):
     def __call__(self, x, batch, kv_pages):  # x: [T, H]; kv_pages: [2, P, page_size, K, D]
         cfg, dtype = self.cfg, self.dtype
         num_tokens = x.shape[0]
+        lora = row_slots(batch)  # each row's adapter slot, or None without LoRA
         h = _norm(cfg, dtype, "input_layernorm")(x)
-        q, k, v = qkv_heads(cfg, h, dtype)  # [T, N, D], [T, K, D], [T, K, D]
+        q, k, v = qkv_heads(cfg, h, dtype, lora_slots=lora)  # [T, N, D], [T, K, D], [T, K, D]
         if cfg.qk_norm:  # Gemma 3
             q = _norm(cfg, dtype, "q_norm")(q)
             k = _norm(cfg, dtype, "k_norm")(k)
-        inv_freq = _layer_inv_freq(cfg, self.sliding_window)
-        q = apply_rope(q, batch.positions, inv_freq).astype(dtype)
-        k = apply_rope(k, batch.positions, inv_freq).astype(dtype)
+        inv_freq, scale = _layer_rope(cfg, self.sliding_window)
+        q = apply_rope(q, batch.positions, inv_freq, scale).astype(dtype)
+        k = apply_rope(k, batch.positions, inv_freq, scale).astype(dtype)
         kv_pages = self.write_kv(kv_pages, k, v, batch.slot_mapping)
         out = paged_attention_rows(self.attention, q, kv_pages, batch, cfg.sm_scale,
                                    sliding_window=self.sliding_window, soft_cap=cfg.attn_logit_softcap)
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim).astype(dtype)
-        out = dense(cfg.hidden_size, "o_proj", dtype)(out)
+        out = dense(cfg.hidden_size, "o_proj", dtype)(out, lora)
         x = x + _norm(cfg, dtype, "post_attention_layernorm")(out)
         h = _norm(cfg, dtype, "pre_feedforward_layernorm")(x)
-        mlp = gated_mlp(cfg, h, functools.partial(jax.nn.gelu, approximate=True), dtype)
+        mlp = gated_mlp(cfg, h, functools.partial(jax.nn.gelu, approximate=True), dtype, lora_slots=lora)
         x = x + _norm(cfg, dtype, "post_feedforward_layernorm")(mlp)
         return x, kv_pages
 
@@ -101,7 +104,9 @@ class GemmaModel(nn.Module):
 
         x, new_cache = run_layers(make_layer, cfg.num_layers, self.scan_period, x, batch, kv_cache)
         rows = jnp.concatenate([batch.logits_indices, batch.prompt_logits_indices])
-        x = _norm(cfg, self.dtype, "norm")(x[rows])  # [R + Rp, H]
+        norm = _norm(cfg, self.dtype, "norm")
+        sow_pooled(self, norm, x, batch)
+        x = norm(x[rows])  # [R + Rp, H]
         if cfg.tie_word_embeddings:
             logits = embed.attend(x)
         else:

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from models import quant
+from models.lora_ops import lora_delta
+from models.invariant_ops import norm_mean_square, tiled_rows
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +23,7 @@ class RMSNorm(nn.Module):
     dtype: Any = jnp.float32
     # Gemma stores w and scales by (1 + w) (its weights start at 0); Llama stores the scale itself.
     unit_offset: bool = False
+    batch_invariant: bool = False  # a fixed-order sum per row (models/invariant_ops.py)
 
     @nn.compact
     def __call__(self, x):  # [..., H]
@@ -29,8 +32,20 @@ class RMSNorm(nn.Module):
         if self.unit_offset:
             scale = 1.0 + scale
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        mean_sq = norm_mean_square(x32) if self.batch_invariant else jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        x32 = x32 * jax.lax.rsqrt(mean_sq + self.eps)
         return (x32 * scale).astype(self.dtype)
+
+
+def sow_pooled(module: nn.Module, norm: nn.Module, x, batch) -> None:
+    """Embedding steps (batch.pool_rows set): sows the sums f32[R, H] of the final-normed hidden
+    states x [T, H] per pooled row into the "intermediates" collection (read back when the
+    caller applies the model with mutable=["intermediates"]). Row R (out of range) is dropped."""
+    if batch.pool_rows is None:
+        return
+    h = norm(x).astype(jnp.float32)  # the norm is per token: norm(x)[rows] == norm(x[rows])
+    num_rows = batch.logits_indices.shape[0]
+    module.sow("intermediates", "pooled", jax.ops.segment_sum(h, batch.pool_rows, num_segments=num_rows))
 
 
 def _quantized(module: nn.Module, name: str):
@@ -46,22 +61,29 @@ def _quantized(module: nn.Module, name: str):
 
 class Linear(nn.Module):
     """x @ kernel (+ bias), kernel [I, O] float or quantised (kernel_q / kernel_scale /
-    kernel_offset). Float params are named as flax's nn.Dense names them."""
+    kernel_offset). Float params are named as flax's nn.Dense names them. With LoRA slabs in
+    its params (lora_a [S, I, R], lora_b [S, R, O]; paxpage/lora_slab.py) and the step's row
+    slots, each row also gets its adapter's delta (models/lora_ops.py)."""
     features: int
     use_bias: bool = False
     dtype: Any = jnp.float32
+    batch_invariant: bool = False  # rows in fixed tiles (models/invariant_ops.py)
 
     @nn.compact
-    def __call__(self, x):  # [..., I] -> [..., O]
+    def __call__(self, x, lora_slots=None):  # [..., I] -> [..., O]; lora_slots: models/lora_ops.row_slots
         x = jnp.asarray(x, self.dtype)
         qparams = _quantized(self, "kernel")
         if qparams is not None:
-            y = quant.quantized_matmul(x, *qparams)
+            matmul = lambda rows: quant.quantized_matmul(rows, *qparams)
         else:
             kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.dtype)
-            y = jnp.dot(x, kernel.astype(self.dtype))
+            matmul = lambda rows: jnp.dot(rows, kernel.astype(self.dtype))
+        y = tiled_rows(matmul, x) if self.batch_invariant else matmul(x)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype).astype(self.dtype)
+        if lora_slots is not None and self.has_variable("params", "lora_a"):
+            y = y + lora_delta(x, self.get_variable("params", "lora_a"), self.get_variable("params", "lora_b"),
+                               lora_slots)
         return y
 
 
@@ -72,6 +94,7 @@ class Embedding(nn.Module):
     num_embeddings: int
     features: int
     dtype: Any = jnp.float32
+    batch_invariant: bool = False  # the LM head's rows in fixed tiles (models/invariant_ops.py)
 
     def setup(self):
         self.qtable = _quantized(self, "embedding")
@@ -88,32 +111,36 @@ class Embedding(nn.Module):
     def attend(self, x):  # [R, H] -> [R, V]
         x = jnp.asarray(x, self.dtype)
         if self.qtable is not None:
-            return quant.quantized_attend(x, *self.qtable)
-        return jnp.dot(x, self.embedding.astype(self.dtype).T)
+            head = lambda rows: quant.quantized_attend(rows, *self.qtable)
+        else:
+            head = lambda rows: jnp.dot(rows, self.embedding.astype(self.dtype).T)
+        return tiled_rows(head, x) if self.batch_invariant else head(x)
 
 
-def dense(features: int, name: str, dtype, use_bias: bool = False) -> Linear:
-    return Linear(features, use_bias=use_bias, dtype=dtype, name=name)
+def dense(features: int, name: str, dtype, use_bias: bool = False, batch_invariant: bool = False) -> Linear:
+    return Linear(features, use_bias=use_bias, dtype=dtype, batch_invariant=batch_invariant, name=name)
 
 
-def qkv_heads(cfg, h, dtype):
+def qkv_heads(cfg, h, dtype, batch_invariant: bool = False, lora_slots=None):
     """The attention's input projections of h [T, H] (q_proj, k_proj, v_proj; `cfg` a
-    ModelConfig): q [T, N, D], k and v [T, K, D]. Call inside a module's compact method."""
+    ModelConfig): q [T, N, D], k and v [T, K, D]. Call inside a module's compact method.
+    lora_slots: the step's adapter per row (models/lora_ops.row_slots), or None."""
     num_tokens = h.shape[0]
-    q = dense(cfg.num_heads * cfg.head_dim, "q_proj", dtype, cfg.qkv_bias)(h)
-    k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dtype, cfg.qkv_bias)(h)
-    v = dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dtype, cfg.qkv_bias)(h)
+    q = dense(cfg.num_heads * cfg.head_dim, "q_proj", dtype, cfg.qkv_bias, batch_invariant)(h, lora_slots)
+    k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dtype, cfg.qkv_bias, batch_invariant)(h, lora_slots)
+    v = dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dtype, cfg.qkv_bias, batch_invariant)(h, lora_slots)
     return (q.reshape(num_tokens, cfg.num_heads, cfg.head_dim),
             k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim),
             v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim))
 
 
-def gated_mlp(cfg, h, activation, dtype):
+def gated_mlp(cfg, h, activation, dtype, batch_invariant: bool = False, lora_slots=None):
     """down_proj(activation(gate_proj(h)) * up_proj(h)): h [T, H] -> [T, H] through width
     F = cfg.intermediate_size (Llama: silu; Gemma: gelu-tanh). Call inside a compact method."""
-    gate = dense(cfg.intermediate_size, "gate_proj", dtype)(h)
-    up = dense(cfg.intermediate_size, "up_proj", dtype)(h)
-    return dense(cfg.hidden_size, "down_proj", dtype)(activation(gate) * up)
+    gate = dense(cfg.intermediate_size, "gate_proj", dtype, batch_invariant=batch_invariant)(h, lora_slots)
+    up = dense(cfg.intermediate_size, "up_proj", dtype, batch_invariant=batch_invariant)(h, lora_slots)
+    return dense(cfg.hidden_size, "down_proj", dtype, batch_invariant=batch_invariant)(activation(gate) * up,
+                                                                                       lora_slots)
 
 
 def paged_attention_rows(attention, q, kv_pages, batch, sm_scale, *, sliding_window=None, soft_cap=None):

@@ -23,11 +23,12 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from models.layers import Embedding, RMSNorm, gated_mlp, paged_attention_rows, qkv_heads
+from models.layers import Embedding, RMSNorm, gated_mlp, paged_attention_rows, qkv_heads, sow_pooled
 from models.layers import dense as _dense
 from models.layer_stack import run_layers
+from models.lora_ops import row_slots
 from models.moe import SparseMoe
-from models.rope import apply_rope, inverse_frequencies
+from models.rope import apply_rope, attention_factor, inverse_frequencies
 
 # attention(q [B, Tq, N, D], kv_pages, page_indices, kv_lens, q_lens, *, sm_scale
 #           [, sliding_window, soft_cap]) -> [B, Tq, N, D]
@@ -44,30 +45,32 @@ class DecoderLayer(nn.Module):
     sliding_window: int | None = None  # this layer's window (Mistral; Qwen2/3 sliding layers)
     use_moe: bool = False  # this layer's MLP is a sparse mixture of experts
     moe_impl: str = "auto"  # models/moe.py's grouped-matmul implementation
+    batch_invariant: bool = False  # row results independent of the step's other rows
 
     @nn.compact
     def __call__(self, x, batch, kv_pages):  # x: [T, H]; kv_pages: [2, P, page_size, K, D]
-        cfg, dtype = self.cfg, self.dtype
+        cfg, dtype, inv = self.cfg, self.dtype, self.batch_invariant
         num_tokens = x.shape[0]
-        h = RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x)
-        q, k, v = qkv_heads(cfg, h, dtype)  # [T, N, D], [T, K, D], [T, K, D]
+        lora = row_slots(batch)  # each row's adapter slot, or None without LoRA
+        h = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="input_layernorm")(x)
+        q, k, v = qkv_heads(cfg, h, dtype, inv, lora)  # [T, N, D], [T, K, D], [T, K, D]
         if cfg.qk_norm:
-            q = RMSNorm(cfg.rms_norm_eps, dtype, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, dtype, name="k_norm")(k)
-        inv_freq = inverse_frequencies(cfg)
-        q = apply_rope(q, batch.positions, inv_freq).astype(dtype)
-        k = apply_rope(k, batch.positions, inv_freq).astype(dtype)
+            q = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="k_norm")(k)
+        inv_freq, scale = inverse_frequencies(cfg), attention_factor(cfg)
+        q = apply_rope(q, batch.positions, inv_freq, scale).astype(dtype)
+        k = apply_rope(k, batch.positions, inv_freq, scale).astype(dtype)
         kv_pages = self.write_kv(kv_pages, k, v, batch.slot_mapping)
         out = paged_attention_rows(self.attention, q, kv_pages, batch, cfg.head_dim**-0.5,
                                    sliding_window=self.sliding_window)
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim).astype(dtype)
-        x = x + _dense(cfg.hidden_size, "o_proj", dtype)(out)
-        h = RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
+        x = x + _dense(cfg.hidden_size, "o_proj", dtype, batch_invariant=inv)(out, lora)
+        h = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="post_attention_layernorm")(x)
         if self.use_moe:
             moe = SparseMoe(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                             cfg.norm_topk_prob, self.moe_impl, dtype, name="moe")
             return x + moe(h), kv_pages
-        x = x + gated_mlp(cfg, h, nn.silu, dtype)
+        x = x + gated_mlp(cfg, h, nn.silu, dtype, inv, lora)
         return x, kv_pages
 
 
@@ -80,26 +83,29 @@ class LlamaModel(nn.Module):
     # > 0: the layers run as a scan over groups of this many (models/layer_stack.py); the params
     # hold a stacked `layers` subtree and kv_cache is the stacked pool [2, L, P, ...].
     scan_period: int = 0
+    batch_invariant: bool = False  # EngineConfig.batch_invariant: dense MLPs only (refused for MoE)
 
     @nn.compact
     def __call__(self, batch, kv_cache):
         """Returns (logits f32[R + Rp, V], updated kv_cache): the sampling rows, then the
         prompt-logprob rows. kv_cache: one pool per layer, or the stacked pool when scanning."""
         cfg = self.cfg
-        embed = Embedding(cfg.vocab_size, cfg.hidden_size, self.dtype, name="embed_tokens")
+        inv = self.batch_invariant
+        embed = Embedding(cfg.vocab_size, cfg.hidden_size, self.dtype, batch_invariant=inv, name="embed_tokens")
         x = embed(batch.token_ids)  # [T, H]
 
         def make_layer(i: int, name: str) -> DecoderLayer:
             return DecoderLayer(cfg, self.attention, self.write_kv, self.dtype, cfg.layer_window(i),
-                                cfg.is_moe_layer(i), self.moe_impl, name=name)
+                                cfg.is_moe_layer(i), self.moe_impl, inv, name=name)
 
         x, new_cache = run_layers(make_layer, cfg.num_layers, self.scan_period, x, batch, kv_cache)
         # Only the rows that will be sampled pay for the final norm and the LM head.
         rows = jnp.concatenate([batch.logits_indices, batch.prompt_logits_indices])
-        x = x[rows]  # [R + Rp, H]
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
+        norm = RMSNorm(cfg.rms_norm_eps, self.dtype, batch_invariant=inv, name="norm")
+        sow_pooled(self, norm, x, batch)
+        x = norm(x[rows])  # [R + Rp, H]
         if cfg.tie_word_embeddings:
             logits = embed.attend(x)
         else:
-            logits = _dense(cfg.vocab_size, "lm_head", self.dtype)(x)
+            logits = _dense(cfg.vocab_size, "lm_head", self.dtype, batch_invariant=inv)(x)
         return logits.astype(jnp.float32), new_cache

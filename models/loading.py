@@ -4,8 +4,8 @@ A GGUF file is decoded once and kept in the on-disk cache of models/cache.py, it
 in their exact int8 form (models/gguf_quants.py). `quantization` then picks what the model holds:
     None    the source's own form where it pays: on a GPU / TPU a GGUF's quantised weights stay
             quantised (XLA fuses the dequantisation into the matmul); on CPU, where XLA dequantises
-            in a separate pass every step (measured: decode ~2.8x slower, README "Quantized
-            weights"), the f32 expansion, as "none". Float sources stay float.
+            in a separate pass every step (measured: decode ~2.8x slower, docs/quantisation.md),
+            the f32 expansion, as "none". Float sources stay float.
     "gguf"  the same, but only for GGUF files (ValueError for other sources)
     "none"  every weight in `dtype` (a GGUF's f32 expansion, what paxpage held before)
     "int8"  every Linear kernel and the embedding / LM head as int8 per output channel

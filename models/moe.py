@@ -15,6 +15,8 @@ Grouped-matmul implementations (`impl`):
     "tiled"       pure jnp: each expert's group is padded to whole tiles of `tile_rows` rows, so
                   every tile belongs to one expert, and a loop over the tiles in use multiplies
                   each by its expert's weights. Work is at most M + min(E, M) * (tile - 1) rows.
+                  Lowered for a GPU the loop runs over that many tiles always: a fixed trip
+                  count, so no step waits on the host for the count of tiles in use.
     "dense"       every expert on every token, combined with the routing weights (zero for the
                   experts a token did not pick): the baseline the benchmark compares against.
     "auto"        "ragged_dot" on TPU, "tiled" elsewhere.
@@ -97,8 +99,10 @@ def _experts_ragged(x, flat_experts, top_k, gate_up, down):
     return y_sorted[dest]
 
 
-def _experts_tiled(x, flat_experts, top_k, gate_up, down):
+def _experts_tiled(x, flat_experts, top_k, gate_up, down, fixed_trip_count: bool | None = None):
     """The same as `_experts_ragged` in plain jnp (see the module docstring).
+    fixed_trip_count: loop over every tile (True) or the tiles in use (False); None: fixed
+    where the step lowers for a GPU.
 
     A loop over the tiles in use, each sliced from the padded rows and multiplied by its
     expert's weights (indexed in place: a batched matmul over weights gathered per tile copied
@@ -124,8 +128,19 @@ def _experts_tiled(x, flat_experts, top_k, gate_up, down):
         out = _swiglu(x_tile @ gate_up[e]) @ down[e]  # [R, H]
         return jax.lax.dynamic_update_slice_in_dim(y, out.astype(y.dtype), g * tile, 0)
 
-    num_used = padded_end[-1] // tile  # the loop stops there: unused tiles cost nothing
-    y = jax.lax.fori_loop(0, num_used, one_tile, jnp.zeros((num_tiles * tile, hidden), x.dtype))
+    y = jnp.zeros((num_tiles * tile, hidden), x.dtype)
+
+    def until_used(y):  # the loop stops at the last tile in use: unused tiles cost nothing
+        return jax.lax.fori_loop(0, padded_end[-1] // tile, one_tile, y)
+
+    def every_tile(y):
+        # XLA:GPU copies a data-dependent trip count to the host every iteration; a fixed one
+        # runs on the device alone. Unused tiles multiply zero rows that no token gathers.
+        return jax.lax.fori_loop(0, num_tiles, one_tile, y)
+
+    if fixed_trip_count is not None:
+        return (every_tile if fixed_trip_count else until_used)(y)[dest]
+    y = jax.lax.platform_dependent(y, cuda=every_tile, rocm=every_tile, default=until_used)
     return y[dest]  # [M, H]
 
 

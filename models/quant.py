@@ -20,7 +20,7 @@ for Q4_x, against 4 for f32.
 Scales and offsets stay f32 whatever the model dtype (a bf16 scale would round GGUF's exact
 products); the matmul dequantises on the fly: per-channel as (x @ q) * scale, grouped by
 expanding the weight to the compute dtype first (on GPU/TPU XLA fuses the expansion into the
-dot's operand; on CPU it is a separate pass, see README "Quantized weights").
+dot's operand; on CPU it is a separate pass, see docs/quantisation.md).
 
 Why not Qwix: qwix 0.1.8 works with this jax and quantises flax Dense layers, but it wraps the
 model (`quantize_model`), stores each weight as a `WithAux(QArray)` pytree node, and expresses

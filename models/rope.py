@@ -32,17 +32,58 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:  # f32[D // 2]
         smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = np.where(medium, smoothed, scaled)
+    elif scaling.kind == "yarn":
+        inv_freq = _yarn_inverse_frequencies(inv_freq, dim, cfg.rope_theta, scaling)
     return inv_freq.astype(np.float32)
+
+
+def attention_factor(cfg: ModelConfig) -> float:
+    """The magnitude YaRN gives cos / sin (so q.k scales by its square); 1 for the other kinds."""
+    scaling = cfg.rope_scaling
+    if scaling.kind != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim)
+    return mscale(scaling.factor)
+
+
+def _yarn_inverse_frequencies(inv_freq: np.ndarray, dim: int, base: float, scaling) -> np.ndarray:
+    """YaRN: pairs rotating fewer than beta_slow times over the original context are interpolated
+    (divided by factor), those rotating more than beta_fast times are kept, with a linear ramp
+    over the dimensions between."""
+    original = scaling.original_max_position_embeddings
+
+    def dim_of(rotations):  # the pair index that turns `rotations` times over the original context
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a one-point ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    keep = 1.0 - ramp  # 1: extrapolate (the pretrained frequency), 0: interpolate
+    return inv_freq / scaling.factor * (1.0 - keep) + inv_freq * keep
 
 
 def apply_rope(
     x: jax.Array,  # [T, N, D]
     positions: jax.Array,  # i32[T]
     inv_freq: np.ndarray,  # f32[D // 2]
+    scale: float = 1.0,  # attention_factor(cfg): YaRN's cos / sin magnitude
 ) -> jax.Array:  # [T, N, D]
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
     cos = jnp.cos(angles)[:, None, :]
     sin = jnp.sin(angles)[:, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     x = x.astype(jnp.float32)
     x1, x2 = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

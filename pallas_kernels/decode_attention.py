@@ -1,30 +1,28 @@
-"""Paged decode attention (one query token per row) as Pallas kernels for GPU and TPU.
+"""Paged decode attention (one query token per row) as a Pallas kernel for TPU.
 
-Axis legend: B rows, N query heads, K kv heads, G = N // K query heads per kv head (Gp: G padded
-for the GPU dot), D head dim, P pages, S key length, C splits of the key length (flash-decoding).
+Axis legend: B rows, N query heads, K kv heads, G = N // K query heads per kv head, D head dim,
+P pages, S key length, C splits of the key length (flash-decoding).
 
 Semantics: `reference.paged_attention_ref` with Tq == 1 and q_lens == 1: row b attends to keys
 0..lengths[b]-1 of its pages (with a sliding window W only to keys lengths[b]-W..lengths[b]-1,
 and pages wholly before those are never read); a row with lengths[b] == 0 returns zeros. A soft
 cap c maps scaled scores s to c * tanh(s / c).
 
-Both backends split each row's keys into C parts that run as independent programs; each part keeps
-an online softmax (running max m, running sum l, unnormalised accumulator acc) and the parts are
+Each row's keys may be split into C parts that run as independent programs; each part keeps an
+online softmax (running max m, running sum l, unnormalised accumulator acc) and the parts are
 merged exactly afterwards with a log-sum-exp rescale (`combine_splits`).
 
-* GPU: the Triton lowering of Pallas (`jax.experimental.pallas.triton`): it gathers pages straight
-  from global memory (`k_ref[page_ids]`), as jax's own GPU paged_attention does, and runs in the
-  generic interpreter (`interpret=True`) on CPU. The Mosaic GPU kernel (TMA page copies into SMEM,
-  barriers) is `decode_attention_mgpu`; dispatch.py chooses between the two.
+The GPU family has its own kernels: `gpu_attention` (every step kind) and the Mosaic GPU decode
+kernel `decode_attention_mgpu`; dispatch.py chooses.
+
 * TPU: Mosaic TPU with `PrefetchScalarGridSpec`: lengths and the page table sit in SMEM and the
   BlockSpec index map fetches one page per grid step (Pallas double-buffers the DMAs). Interpreted on
   CPU with `pltpu.InterpretParams()`.
 
-Quantised pool (kv_quant.QuantizedKV: int8 / fp8 values, f32 scales [2, P, page_size, K]): each
-K/V block comes with the matching block of scales (GPU: kv head h's scales read in place like
-its pages; TPU: the page's scales fetched by the same index map). GPU keys stay in their stored
-values cast to q's dtype and the scores are scaled per key; values, and on TPU keys too, are
-dequantised in the block. A plain pool passes no scales and traces the kernel it always did.
+Quantised pool (kv_quant.QuantizedKV: int8 / fp8 values, bf16 scales [2, P, page_size, K]): each
+K/V block comes with the matching block of scales (the page's scales, fetched by the same index
+map); keys and values are dequantised in the block. A plain pool passes no scales and traces the
+kernel it always did.
 
 This module also holds the pieces the other kernels share (mask value, online-softmax step,
 version-guarded compiler params).
@@ -42,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels import kv_quant
+from pallas_kernels import kv_quant, tpu_target
 
 # Finite, so a fully masked row gives exp(0) junk that is later discarded, never inf - inf = NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -94,15 +92,8 @@ def scores_nt(q: jax.Array, k: jax.Array) -> jax.Array:
     )
 
 
-def quantized_scores(q: jax.Array, k: jax.Array, k_scales: jax.Array) -> jax.Array:
-    """f32[R, S] = q [R, D] . (k * k_scales)^T for int8 / fp8 keys k [S, D] with scales f32[1, S]:
-    the dot runs on the stored values cast to q's dtype (exact: int8 and e4m3 values fit in bf16)
-    and each key's column of scores is scaled after, which is the same sum."""
-    return scores_nt(q, k.astype(q.dtype)) * k_scales
-
-
 def dequantize_rows(x: jax.Array, scales: jax.Array, dtype) -> jax.Array:
-    """int8 / fp8 rows x [S, D] times their scales f32[S, 1], in `dtype`."""
+    """int8 / fp8 rows x [S, D] times their scales [S, 1] (kv_quant.SCALE_DTYPE), in `dtype`."""
     return (x.astype(jnp.float32) * scales).astype(dtype)
 
 
@@ -142,105 +133,6 @@ def combine_splits(acc, m, l):
     return acc_sum / jnp.where(l_sum == 0.0, 1.0, l_sum)  # rows with no keys -> zeros
 
 
-# ---------------------------------------------------------------- GPU (Triton lowering)
-def _decode_kernel_gpu(
-    lens_ref,  # i32[1] this row's length
-    pt_ref,  # i32[pages_per_split] this split's slice of the page table
-    q_ref,  # [Gp, D]
-    k_ref,  # [P, page_size, D] kv head h of the pool, read in place
-    v_ref,  # [P, page_size, D]
-    *refs,  # quantised: ks_ref, vs_ref f32[P, page_size] (kv head h's scales); then the outputs:
-    # acc_ref f32[Gp, D], m_ref f32[Gp, 1], l_ref f32[Gp, 1]
-    sm_scale: float, pages_per_block: int, sliding_window: int | None, soft_cap: float | None,
-    quantized: bool = False,
-):
-    ks_ref, vs_ref, acc_ref, m_ref, l_ref = refs if quantized else (None, None, *refs)
-    split = pl.program_id(2)
-    page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
-    pages_per_split = pt_ref.shape[0]
-    block_len = pages_per_block * page_size
-    length = lens_ref[0]
-    start = split * pages_per_split * page_size
-    end = jnp.minimum(length, start + pages_per_split * page_size)
-    num_blocks = jnp.where(end > start, pl.cdiv(end - start, block_len), 0)
-    lo = window_start(length, sliding_window)
-    # Blocks wholly before the window are skipped: they may be released pages.
-    first_block = jnp.clip((lo - start) // block_len, 0, num_blocks) if sliding_window else 0
-    q = q_ref[...]
-    rows = q.shape[0]
-
-    def body(i, carry):
-        ids = pt_ref[pl.ds(i * pages_per_block, pages_per_block)]
-        k = k_ref[ids].reshape(block_len, head_dim)
-        v = v_ref[ids].reshape(block_len, head_dim)
-        pos = start + i * block_len + jnp.arange(block_len, dtype=jnp.int32)
-        valid = pos < length  # [S]
-        if sliding_window is not None:
-            valid &= pos >= lo
-        if quantized:
-            s = quantized_scores(q, k, ks_ref[ids].reshape(1, block_len))
-            v = v.astype(jnp.float32) * vs_ref[ids].reshape(block_len, 1)
-        else:
-            s = scores_nt(q, k)
-        s = jnp.where(valid[None, :], cap_scores(s * sm_scale, soft_cap), MASK_VALUE)
-        v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
-        return online_softmax_step(s, v, *carry)
-
-    init = (
-        jnp.full((rows, 1), MASK_VALUE, jnp.float32),
-        jnp.zeros((rows, 1), jnp.float32),
-        jnp.zeros((rows, head_dim), jnp.float32),
-    )
-    m, l, acc = lax.fori_loop(first_block, num_blocks, body, init)
-    acc_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
-
-
-def _decode_gpu(q4, kv_pages, table, lengths, scales, *, sm_scale, pages_per_block, num_splits, interpret,
-                sliding_window, soft_cap):
-    batch, num_kv_heads, rows, head_dim = q4.shape  # [B, K, Gp, D]
-    _, num_pages, page_size, _, _ = kv_pages.shape
-    pages_per_split = table.shape[1] // num_splits
-    table = table.reshape(batch, num_splits, pages_per_split)
-    quantized = scales is not None
-    kernel = functools.partial(_decode_kernel_gpu, sm_scale=sm_scale, pages_per_block=pages_per_block,
-                               sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized)
-    pool_block = (None, num_pages, page_size, None, head_dim)
-    split_out = (batch, num_splits, num_kv_heads, rows)
-    scale_specs, scale_args = [], []
-    if quantized:  # kv head h's scales, read in place like its pages
-        scale_block = (None, num_pages, page_size, None)
-        scale_specs = [pl.BlockSpec(scale_block, lambda b, h, c: (0, 0, 0, h)),
-                       pl.BlockSpec(scale_block, lambda b, h, c: (1, 0, 0, h))]
-        scale_args = [scales, scales]
-    return pl.pallas_call(
-        kernel,
-        grid=(batch, num_kv_heads, num_splits),
-        in_specs=[
-            pl.BlockSpec((1,), lambda b, h, c: (b,)),
-            pl.BlockSpec((None, None, pages_per_split), lambda b, h, c: (b, c, 0)),
-            pl.BlockSpec((None, None, rows, head_dim), lambda b, h, c: (b, h, 0, 0)),
-            pl.BlockSpec(pool_block, lambda b, h, c: (0, 0, 0, h, 0)),  # K half
-            pl.BlockSpec(pool_block, lambda b, h, c: (1, 0, 0, h, 0)),  # V half
-            *scale_specs,
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, c: (b, c, h, 0, 0)),
-            pl.BlockSpec((None, None, None, rows, 1), lambda b, h, c: (b, c, h, 0, 0)),
-            pl.BlockSpec((None, None, None, rows, 1), lambda b, h, c: (b, c, h, 0, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((*split_out, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((*split_out, 1), jnp.float32),
-            jax.ShapeDtypeStruct((*split_out, 1), jnp.float32),
-        ],
-        compiler_params=triton_params(),
-        interpret=interpret_arg("gpu", interpret),
-        name="paxpage_decode_attention_gpu",
-    )(lengths, table, q4, kv_pages, kv_pages, *scale_args)
-
-
 # ---------------------------------------------------------------- TPU (Mosaic TPU)
 def _page_slot(b, c, p, lens_ref, *, page_size, pages_per_split, pages_per_row, sliding_window):
     """Flat page-table index fetched at grid step (b, c, p); past the row's end it repeats the
@@ -249,7 +141,8 @@ def _page_slot(b, c, p, lens_ref, *, page_size, pages_per_split, pages_per_row, 
     used = jnp.maximum(pl.cdiv(lens_ref[b], page_size) - 1, 0)
     page = c * pages_per_split + p
     if sliding_window is not None:
-        page = jnp.maximum(page, window_start(lens_ref[b], sliding_window) // page_size)
+        # lax.div: both operands are >= 0; a floor division would lower through lax.sign
+        page = jnp.maximum(page, lax.div(window_start(lens_ref[b], sliding_window), page_size))
     return b * pages_per_row + jnp.minimum(page, used)
 
 
@@ -336,18 +229,19 @@ def _decode_tpu(q4, kv_pages, table, lengths, scales, *, sm_scale, num_splits, i
     )
     kernel = functools.partial(_decode_kernel_tpu, sm_scale=sm_scale, pages_per_split=pages_per_split,
                                sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized)
-    return pl.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=[
-            jax.ShapeDtypeStruct((*split_out, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((*split_out, 1), jnp.float32),
-            jax.ShapeDtypeStruct((*split_out, 1), jnp.float32),
-        ],
-        compiler_params=tpu_params(("parallel", "parallel", "arbitrary")),
-        interpret=interpret_arg("tpu", interpret),
-        name="paxpage_decode_attention_tpu",
-    )(lengths, table.reshape(-1), q4, kv_pages, kv_pages, *scale_args)
+    with tpu_target.pinned("tpu", interpret):  # lowered for the TPU this compiles for
+        return pl.pallas_call(
+            kernel,
+            grid_spec=grid_spec,
+            out_shape=[
+                jax.ShapeDtypeStruct((*split_out, head_dim), jnp.float32),
+                jax.ShapeDtypeStruct((*split_out, 1), jnp.float32),
+                jax.ShapeDtypeStruct((*split_out, 1), jnp.float32),
+            ],
+            compiler_params=tpu_params(("parallel", "parallel", "arbitrary")),
+            interpret=interpret_arg("tpu", interpret),
+            name="paxpage_decode_attention_tpu",
+        )(lengths, table.reshape(-1), q4, kv_pages, kv_pages, *scale_args)
 
 
 # ---------------------------------------------------------------- public wrapper
@@ -359,8 +253,7 @@ def default_num_splits(backend: str, batch: int, num_kv_heads: int, num_blocks: 
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "pages_per_block", "num_splits", "backend", "interpret",
-                              "sliding_window", "soft_cap")
+    jax.jit, static_argnames=("sm_scale", "num_splits", "backend", "interpret", "sliding_window", "soft_cap")
 )
 def decode_attention(
     q: jax.Array,  # [B, N, D] f32 or bf16
@@ -369,14 +262,15 @@ def decode_attention(
     lengths: jax.Array,  # i32[B] keys of row b (0 = padding row -> zeros)
     *,
     sm_scale: float,
-    pages_per_block: int | None = None,  # GPU: pages per inner block (block = pages * page_size keys)
     num_splits: int | None = None,  # C: parts of the key range run in parallel, merged by LSE
-    backend: str = "gpu",
+    backend: str = "tpu",
     interpret: bool = False,
     sliding_window: int | None = None,  # W: row b sees keys lengths[b]-W..lengths[b]-1
     soft_cap: float | None = None,  # c: scaled scores s -> c * tanh(s / c)
 ) -> jax.Array:  # [B, N, D] dtype of q
     check_backend(backend)
+    if backend != "tpu":
+        raise ValueError(f"backend is {backend!r}: the GPU family runs pallas_kernels.gpu_attention.paged_attention")
     check_window_and_cap(sliding_window, soft_cap)
     batch, num_heads, head_dim = q.shape
     kv_pages, scales = kv_quant.split(kv_pages)
@@ -391,39 +285,19 @@ def decode_attention(
         )
     group = num_heads // num_kv_heads
     pages_per_seq = page_indices.shape[1]
-    if backend == "gpu":
-        # Triton wants power-of-two tiles and dots of at least 16 x 16 x 16.
-        if page_size & (page_size - 1) or head_dim & (head_dim - 1) or head_dim < 16:
-            raise ValueError(
-                f"GPU kernel needs power-of-two page_size and head_dim >= 16; got {page_size}, {head_dim}"
-            )
-        if pages_per_block is None:
-            pages_per_block = max(1, 64 // page_size)
-        pages_per_block = max(pages_per_block, pl.cdiv(16, page_size))
-        rows = max(16, next_pow2(group))
-    else:
-        pages_per_block = 1  # the TPU kernel streams one page per grid step
-        rows = group
-    num_blocks = pl.cdiv(pages_per_seq, pages_per_block)
+    num_blocks = pages_per_seq  # the TPU kernel streams one page per grid step
     if num_splits is None:
         num_splits = default_num_splits(backend, batch, num_kv_heads, num_blocks)
     num_splits = max(1, min(num_splits, num_blocks))
-    pages_per_split = pl.cdiv(num_blocks, num_splits) * pages_per_block
+    pages_per_split = pl.cdiv(num_blocks, num_splits)
     # Padding entries point at page 0; they are never read past a row's length.
     table = jnp.pad(page_indices.astype(jnp.int32), ((0, 0), (0, num_splits * pages_per_split - pages_per_seq)))
     lengths = lengths.astype(jnp.int32)
 
-    q4 = q.reshape(batch, num_kv_heads, group, head_dim)
-    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - group), (0, 0)))  # [B, K, Gp, D]
-    if backend == "gpu":
-        acc, m, l = _decode_gpu(
-            q4, kv_pages, table, lengths, scales, sm_scale=sm_scale, pages_per_block=pages_per_block,
-            num_splits=num_splits, interpret=interpret, sliding_window=sliding_window, soft_cap=soft_cap,
-        )
-    else:
-        acc, m, l = _decode_tpu(
-            q4, kv_pages, table, lengths, scales, sm_scale=sm_scale, num_splits=num_splits, interpret=interpret,
-            sliding_window=sliding_window, soft_cap=soft_cap,
-        )
-    out = combine_splits(acc, m, l)[:, :, :group]  # [B, K, G, D]
+    q4 = q.reshape(batch, num_kv_heads, group, head_dim)  # [B, K, G, D]
+    acc, m, l = _decode_tpu(
+        q4, kv_pages, table, lengths, scales, sm_scale=sm_scale, num_splits=num_splits, interpret=interpret,
+        sliding_window=sliding_window, soft_cap=soft_cap,
+    )
+    out = combine_splits(acc, m, l)  # [B, K, G, D]
     return out.reshape(batch, num_heads, head_dim).astype(q.dtype)

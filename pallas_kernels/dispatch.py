@@ -2,24 +2,31 @@
 
 Axis legend: B rows, Tq query tokens per row, T flat tokens, N query heads, K kv heads, D head dim,
 P pages. Semantics are exactly `reference.paged_attention_ref` / `reference.write_kv` (their
-docstrings define the row layout). Rows with Tq == 1 go to the decode kernel; Tq > 1 packs the real tokens of
-all rows back to back and runs the ragged kernel.
+docstrings define the row layout).
 
-impl: "pallas" compiles for the current accelerator (jax.default_backend() "gpu" or "tpu");
-"pallas-interpret" runs the same kernels in the Pallas interpreter (slow; CPU tests). `backend`
-picks which kernel family ("gpu" or "tpu") to run; by default the platform's, "gpu" on CPU.
+GPU family: every step (decode, prefill, chunked prefill, mixed, speculative verify) runs the one
+ragged kernel `gpu_attention.paged_attention`, which takes the row layout as it is. TPU family:
+rows with Tq == 1 go to the decode kernel; Tq > 1 packs the real tokens of all rows back to back
+and runs the ragged kernel.
 
-GPU decode kernel (`gpu_decode`, backend "gpu", Tq == 1 only): "triton" is the Triton-lowered
-kernel (`decode_attention`), "mosaic" the Mosaic GPU kernel (`decode_attention_mgpu`), and "auto"
-(the default) is Triton. On the first native run (H200, jax 0.11.2, B=64, S=32768) the Triton
-kernel read KV at 1156 GB/s and the Mosaic GPU one at 82 GB/s, so Mosaic GPU is opt-in until it
-is tuned. Asking for "mosaic" where it cannot run (it needs dtype f32/bf16/f16, head_dim % 64 == 0,
-page_size in 8..64, N // K <= 8 and, when compiling, compute capability >= 9.0 for TMA) raises
-ValueError with the reason. Prefill (Tq > 1) always uses the ragged kernel.
+impl: "pallas" compiles for an accelerator: the one this compiles for ("gpu" or "tpu", from
+`tpu_target.compile_platform()`: the abstract mesh's device, else jax's default device), or, when
+`backend` is given, that kernel family whatever this host has, so that
+`jax.export(..., platforms=["cuda"])` can lower the GPU kernels on a CPU-only machine (running
+such a function here fails at compile time). "pallas-interpret" runs the same kernels in the
+Pallas interpreter (slow; CPU tests); `backend` picks the family, by default the platform's,
+"gpu" on CPU.
+
+GPU decode kernel (`gpu_decode`, backend "gpu", Tq == 1 only): "auto" (the default) and "triton"
+are the ragged kernel above (Triton lowering); "mosaic" is the Mosaic GPU decode kernel
+(`decode_attention_mgpu`), opt-in: on the first native run (H200, jax 0.11.2, B=64, S=32768) it
+read KV at 82 GB/s. Asking for "mosaic" where it cannot run (it needs dtype f32/bf16/f16,
+head_dim % 64 == 0, page_size in 8..64, N // K <= 8 and, when compiling, compute capability
+>= 9.0 for TMA) raises ValueError with the reason.
 
 Quantised KV cache (kv_quant.QuantizedKV, EngineConfig.kv_cache_dtype "int8" / "fp8"): every
 kernel here takes it except Mosaic GPU (`decode_attention_mgpu.QUANTIZED_REASON`), so "auto"
-decodes such a pool with Triton and "mosaic" raises.
+decodes such a pool with the ragged kernel and "mosaic" raises.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import decode_attention_mgpu, kv_quant, kv_write
+from pallas_kernels import decode_attention_mgpu, gpu_attention, kv_quant, kv_write, tpu_target
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.ragged_attention import ragged_paged_attention
 
@@ -67,20 +74,21 @@ def resolve_impl(impl: str, backend: str | None = None) -> tuple[str, bool]:
     """(kernel backend, interpret) for `impl`."""
     if impl not in IMPLS:
         raise ValueError(f"impl is {impl!r}; expected one of {IMPLS}")
-    platform = jax.default_backend()
+    platform = tpu_target.compile_platform()  # the device this compiles for (tpu_target.py)
+    if backend is not None and backend not in ("gpu", "tpu"):
+        raise ValueError(f"backend is {backend!r}; expected 'gpu' or 'tpu'")
     if impl == "pallas":
+        if backend is not None:  # an explicit family: lowered for it, e.g. under jax.export
+            return backend, False
         if platform not in ("gpu", "tpu"):
             raise ValueError(
-                f"impl='pallas' needs a GPU or TPU but jax.default_backend() is {platform!r}; "
-                "use impl='pallas-interpret' (slow, for tests) or 'xla' on CPU"
+                f"impl='pallas' needs a GPU or TPU but the compile target is {platform!r}; "
+                "use impl='pallas-interpret' (slow, for tests) or 'xla' on CPU, or name the "
+                "backend to lower for it (jax.export)"
             )
-        if backend is not None and backend != platform:
-            raise ValueError(f"backend {backend!r} cannot compile on platform {platform!r}")
         return platform, False
     if backend is None:
         backend = platform if platform in ("gpu", "tpu") else "gpu"
-    if backend not in ("gpu", "tpu"):
-        raise ValueError(f"backend is {backend!r}; expected 'gpu' or 'tpu'")
     return backend, True
 
 
@@ -97,8 +105,12 @@ def paged_attention(
     gpu_decode: str = "auto",  # GPU decode kernel: "auto", "mosaic" or "triton" (module docstring)
     sliding_window: int | None = None,  # W: a query at position p sees keys p - W + 1..p
     soft_cap: float | None = None,  # c: scaled scores s -> c * tanh(s / c)
+    batch_invariant: bool = False,  # a row's result independent of the launch (GPU ragged kernel only)
 ) -> jax.Array:  # [B, Tq, N, D]; padding tokens are zeros
     kernel_backend, interpret = resolve_impl(impl, backend)
+    if batch_invariant and (kernel_backend != "gpu" or gpu_decode == "mosaic"):
+        raise ValueError(f"batch_invariant runs the GPU ragged kernel only; got backend {kernel_backend!r}, "
+                         f"gpu_decode {gpu_decode!r}")
     batch, num_q, num_heads, head_dim = q.shape
     if page_indices.shape[0] != batch or kv_lens.shape != (batch,) or q_lens.shape != (batch,):
         raise ValueError(
@@ -108,20 +120,23 @@ def paged_attention(
     q_lens = q_lens.astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)
     masking = dict(sliding_window=sliding_window, soft_cap=soft_cap)
-    if num_q == 1:
-        pages, _ = kv_quant.split(kv_pages)  # a quantised pool's 1-byte dtype routes it to Triton
-        mosaic = kernel_backend == "gpu" and select_gpu_decode(
-            gpu_decode, q.dtype, pages.shape, pages.dtype, num_heads, interpret=interpret
-        ) == "mosaic"
-        if mosaic:
+    if kernel_backend == "gpu":
+        pages, _ = kv_quant.split(kv_pages)  # a quantised pool's 1-byte dtype keeps it off Mosaic GPU
+        if num_q == 1 and not batch_invariant and select_gpu_decode(
+                gpu_decode, q.dtype, pages.shape, pages.dtype, num_heads, interpret=interpret) == "mosaic":
             out = decode_attention_mgpu.decode_attention_mgpu(
                 q[:, 0], kv_pages, page_indices, kv_lens, sm_scale=sm_scale, interpret=interpret, **masking,
             )  # [B, N, D]
-        else:
-            out = decode_attention(
-                q[:, 0], kv_pages, page_indices, kv_lens,
-                sm_scale=sm_scale, backend=kernel_backend, interpret=interpret, **masking,
-            )  # [B, N, D]
+            return jnp.where(q_lens[:, None, None] > 0, out, jnp.zeros_like(out))[:, None]
+        return gpu_attention.paged_attention(
+            q, kv_pages, page_indices, kv_lens, q_lens, sm_scale=sm_scale, interpret=interpret,
+            batch_invariant=batch_invariant, **masking,
+        )
+    if num_q == 1:
+        out = decode_attention(
+            q[:, 0], kv_pages, page_indices, kv_lens,
+            sm_scale=sm_scale, backend=kernel_backend, interpret=interpret, **masking,
+        )  # [B, N, D]
         return jnp.where(q_lens[:, None, None] > 0, out, jnp.zeros_like(out))[:, None]
 
     # Pack real tokens: token i of row b -> flat cu[b] + i; padding tokens go out of range.

@@ -4,13 +4,13 @@ Axis legend: T flat tokens, K kv heads, D head dim, P pages.
 
 One layer's cache is either a plain array [2, P, page_size, K, D] (the model's dtype; "auto") or a
 `QuantizedKV(pages, scales)`: `pages` [2, P, page_size, K, D] int8 / float8_e4m3fn and `scales`
-f32[2, P, page_size, K], so that row (half, page, slot, head) holds `pages[...] * scales[...]`.
+SCALE_DTYPE[2, P, page_size, K] (bf16), so that row (half, page, slot, head) holds `pages[...] * scales[...]`.
 The scales have the pool's leading axes, so anything that moves pages (copy-on-write, a page
 table, sharding over K) moves them the same way; a `jax.tree_util` map over the pytree does both.
 
 Quantisation is symmetric absmax per (token, kv head): scale = max|x| / QMAX, x / scale rounded
 (int8) or cast (fp8, e4m3 max 448), so an outlier token only coarsens its own row. Why per token
-and not per page: README "Quantised KV cache" gives the measured errors. An all-zero row gets
+and not per page: docs/quantisation.md gives the measured errors. An all-zero row gets
 scale 0 and stores zeros (never 0 / 0).
 """
 
@@ -23,9 +23,10 @@ import jax.numpy as jnp
 
 # EngineConfig.kv_cache_dtype values other than "auto" -> storage dtype.
 KV_CACHE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
-# f32 scales: 4 bytes per 64-value row (int8 holds 1.88x bf16's tokens at head_dim 64). bf16
-# scales would make it 1.94x at no measurable mean error (README "Quantised KV cache").
-SCALE_DTYPE = jnp.float32
+# bf16 scales: 2 bytes per 64-value row, so int8 holds 128 / 66 = 1.94x bf16's tokens at head_dim
+# 64 (f32 scales: 1.88x); the attention error is the same to the measured precision
+# (scripts/kv_quant_error.py, docs/quantisation.md). The stored scale is the one values are divided by.
+SCALE_DTYPE = jnp.bfloat16
 # Largest magnitude a stored value may have: int8 127 (symmetric: -128 never used), e4m3 448.
 QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 
@@ -36,11 +37,11 @@ class QuantizedKV:
     """One layer's quantised pool (a pytree: both fields are traced arrays)."""
 
     pages: jax.Array  # int8 | float8_e4m3fn [2, P, page_size, K, D] (0 = K, 1 = V)
-    scales: jax.Array  # f32[2, P, page_size, K] dequantised row = pages[..., :] * scales[...]
+    scales: jax.Array  # SCALE_DTYPE[2, P, page_size, K] dequantised row = pages[..., :] * scales[...]
 
 
 def split(kv):
-    """(pages [2, P, page_size, K, D], scales f32[2, P, page_size, K] or None) of one layer's cache."""
+    """(pages [2, P, page_size, K, D], scales SCALE_DTYPE[2, P, page_size, K] or None) of one layer's cache."""
     return (kv.pages, kv.scales) if isinstance(kv, QuantizedKV) else (kv, None)
 
 
@@ -64,8 +65,17 @@ def zeros(shape, kv_cache_dtype: str, model_dtype):
     return QuantizedKV(jnp.zeros(shape, KV_CACHE_DTYPES[kv_cache_dtype]), jnp.zeros(shape[:-1], SCALE_DTYPE))
 
 
+def write_scales(scales: jax.Array, slot_mapping: jax.Array, kv_scales: jax.Array) -> jax.Array:
+    """scales SCALE_DTYPE[2, P, page_size, K] with kv_scales [2, T, K] stored at token t's slot
+    (page_id * page_size + offset); padding (-1) and slots past the pool are dropped."""
+    _, num_pages, page_size, _ = scales.shape
+    # (page, offset) directly: a flat-slot reshape makes XLA copy the whole buffer (see reference.write_kv)
+    page = jnp.where(slot_mapping < 0, num_pages, slot_mapping // page_size)
+    return scales.at[:, page, slot_mapping % page_size].set(kv_scales.astype(scales.dtype), mode="drop")
+
+
 def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """x [..., D] -> (values [..., D] of `dtype`, scales f32[...]) with x ~= values * scales."""
+    """x [..., D] -> (values [..., D] of `dtype`, scales SCALE_DTYPE[...]) with x ~= values * scales."""
     dtype = jnp.dtype(dtype)
     qmax = QMAX[dtype]
     x32 = x.astype(jnp.float32)

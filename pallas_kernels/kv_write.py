@@ -11,8 +11,11 @@ TPU: Mosaic TPU; slots are scalar-prefetched into SMEM, the pool stays in HBM (`
 token's [K, D] rows are DMA'd from VMEM straight to their slot.
 
 Quantised pool (kv_quant.QuantizedKV): K/V are quantised per (token, kv head) in the wrapper
-(kv_quant.quantize, jnp), and the kernels store each row's int8/fp8 values and its f32 scale
-together; both buffers are aliased. A plain pool traces exactly the unquantised kernel.
+(kv_quant.quantize, jnp). The GPU kernel stores each row's int8/fp8 values and its scale
+(kv_quant.SCALE_DTYPE) together, both buffers aliased. On TPU the kernel stores the values and the
+scales go in by an in-place XLA scatter beside it: a scale row is one 16-bit element of a tiled
+[page_size, K] slab, and Mosaic DMAs only at tile-aligned offsets along it. A plain pool traces
+exactly the unquantised kernel.
 """
 
 from __future__ import annotations
@@ -25,13 +28,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import kv_quant
+from pallas_kernels import kv_quant, tpu_target
 from pallas_kernels.decode_attention import check_backend, interpret_arg, tpu_params, triton_params
 
 
 def _kv_write_kernel_gpu(slots_ref, k_ref, v_ref, *refs, page_size: int, quantized: bool):
     # slots_ref i32[T]; k_ref/v_ref [D] token t, kv head h; pool_ref [2, P, page_size, K, D] (aliased).
-    # Quantised: ks_ref/vs_ref f32[1] the row's scales, scales_ref f32[2, P, page_size, K, 1] (aliased).
+    # Quantised: ks_ref/vs_ref [1] the row's scales, scales_ref [2, P, page_size, K, 1] (SCALE_DTYPE) (aliased).
     if quantized:
         ks_ref, vs_ref, _, _, pool_ref, scales_ref = refs  # inputs 5, 6 are the aliased buffers
     else:
@@ -87,29 +90,17 @@ def _kv_write_gpu(kv_pages, k, v, slots, scales, ks, vs, *, interpret):
     return pages, scales[..., 0]
 
 
-def _kv_write_kernel_tpu(slots_ref, k_ref, v_ref, *refs, page_size: int, quantized: bool):
-    # slots_ref SMEM i32[T_pad]; k_ref/v_ref [block_t, K, D] VMEM; pool_ref HBM [2, P, page_size, K, D].
-    # Quantised: ks_ref/vs_ref f32[block_t, K] VMEM, scales_ref HBM f32[2, P, page_size, K].
-    if quantized:
-        ks_ref, vs_ref, _, _, pool_ref, scales_ref, sem = refs  # inputs 5, 6 are the aliased buffers
-    else:
-        _, pool_ref, sem = refs
+def _kv_write_kernel_tpu(slots_ref, k_ref, v_ref, _, pool_ref, sem, *, page_size: int):
+    # slots_ref SMEM i32[T_pad]; k_ref/v_ref [block_t, K, D] VMEM; pool_ref HBM [2, P, page_size, K, D]
+    # (input 3 is the aliased pool).
     block_t = k_ref.shape[0]
     t0 = pl.program_id(0) * block_t
 
     def copies(t):
         slot = slots_ref[t0 + t]
         page, offset = lax.div(slot, page_size), lax.rem(slot, page_size)  # slot >= 0 here
-        dmas = [
-            pltpu.make_async_copy(k_ref.at[t], pool_ref.at[0, page, offset], sem),
-            pltpu.make_async_copy(v_ref.at[t], pool_ref.at[1, page, offset], sem),
-        ]
-        if quantized:
-            dmas += [
-                pltpu.make_async_copy(ks_ref.at[t], scales_ref.at[0, page, offset], sem),
-                pltpu.make_async_copy(vs_ref.at[t], scales_ref.at[1, page, offset], sem),
-            ]
-        return slot, dmas
+        return slot, [pltpu.make_async_copy(k_ref.at[t], pool_ref.at[0, page, offset], sem),
+                      pltpu.make_async_copy(v_ref.at[t], pool_ref.at[1, page, offset], sem)]
 
     def start(t, carry):
         slot, dmas = copies(t)
@@ -139,38 +130,33 @@ def _kv_write_kernel_tpu(slots_ref, k_ref, v_ref, *refs, page_size: int, quantiz
 def _kv_write_tpu(kv_pages, k, v, slots, scales, ks, vs, *, block_t, interpret):
     num_tokens, num_kv_heads, head_dim = k.shape
     page_size = kv_pages.shape[2]
-    quantized = scales is not None
     num_blocks = pl.cdiv(num_tokens, block_t)
     pad = num_blocks * block_t - num_tokens
-    slots = jnp.pad(slots, (0, pad), constant_values=-1)
+    padded_slots = jnp.pad(slots, (0, pad), constant_values=-1)
     k = jnp.pad(k, ((0, pad), (0, 0), (0, 0)))
     v = jnp.pad(v, ((0, pad), (0, 0), (0, 0)))
     tok = pl.BlockSpec((block_t, num_kv_heads, head_dim), lambda i, slots_ref: (i, 0, 0))
     any_spec = pl.BlockSpec(memory_space=getattr(pltpu, "ANY", None) or pl.ANY)
-    in_specs, args = [tok, tok], [slots, k, v]
-    if quantized:
-        tok_scale = pl.BlockSpec((block_t, num_kv_heads), lambda i, slots_ref: (i, 0))
-        in_specs += [tok_scale, tok_scale]
-        args += [jnp.pad(ks, ((0, pad), (0, 0))), jnp.pad(vs, ((0, pad), (0, 0)))]
-    buffers = [kv_pages] + ([scales] if quantized else [])
-    first = len(args)  # operand index of the pool (the scalar-prefetch slots count)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(num_blocks,),
-        in_specs=in_specs + [any_spec] * len(buffers),
-        out_specs=[any_spec] * len(buffers),
+        in_specs=[tok, tok, any_spec],
+        out_specs=any_spec,
         scratch_shapes=[pltpu.SemaphoreType.DMA(())],
     )
-    out = pl.pallas_call(
-        functools.partial(_kv_write_kernel_tpu, page_size=page_size, quantized=quantized),
-        grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers],
-        input_output_aliases={first + i: i for i in range(len(buffers))},
-        compiler_params=tpu_params(("arbitrary",)),
-        interpret=interpret_arg("tpu", interpret),
-        name="paxpage_kv_write_tpu",
-    )(*args, *buffers)
-    return out[0] if not quantized else tuple(out)
+    with tpu_target.pinned("tpu", interpret):  # lowered for the TPU this compiles for
+        pages = pl.pallas_call(
+            functools.partial(_kv_write_kernel_tpu, page_size=page_size),
+            grid_spec=grid_spec,
+            out_shape=jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype),
+            input_output_aliases={3: 0},  # operand 3: the pool (the scalar-prefetch slots count)
+            compiler_params=tpu_params(("arbitrary",)),
+            interpret=interpret_arg("tpu", interpret),
+            name="paxpage_kv_write_tpu",
+        )(padded_slots, k, v, kv_pages)
+    if scales is None:
+        return pages
+    return pages, kv_quant.write_scales(scales, slots, jnp.stack([ks, vs]))
 
 
 @functools.partial(jax.jit, static_argnames=("block_t", "backend", "interpret"), donate_argnums=(0,))

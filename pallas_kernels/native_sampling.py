@@ -2,8 +2,9 @@
 custom call), beside `proposal_draw_ref`, the same draw in jnp with the same signature.
 
 The proposal draw is the costly step of a sampled row without top-k (paxpage/sampling_draw.py):
-one inverse-CDF draw from the whole temperature-scaled distribution, then the check that the
-drawn token is kept by min-p and top-p. In XLA on CPU it costs two fused passes over the [R, V]
+one two-level Gumbel-max draw from the whole temperature-scaled distribution (a block by its log
+mass, then a token inside it, the noise a hash of the row key and the index), then the check that
+the drawn token is kept by min-p and top-p. In XLA on CPU it costs two fused passes over the [R, V]
 logits, each with an exp per logit (~4 ms each at 256 x 49152 on the 2-core EPYC, and ~22 ms
 in some processes, where XLA's library fusion of the reduction goes slow); the kernel reads each
 row once, keeps its weights in cache for the top-p check, and spreads rows over XLA's intra-op
@@ -28,7 +29,7 @@ from pallas_kernels.native import build as native_build
 TARGET = "paxpage_proposal_draw_cpu"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "proposal_draw_cpu.cc")
 LIBRARY = native_build.NativeLibrary(SOURCE, {TARGET: "PaxpageProposalDrawCpu"}, "the native CPU proposal draw")
-BLOCK = 256  # tokens per block of the inverse-CDF draw (the kernel's kBlock)
+BLOCK = 256  # tokens per block of the two-level draw (the kernel's kBlock, sampling_draw._BLOCK)
 
 
 def load(build_dir: str, compiler: str = "g++") -> bool:
@@ -46,7 +47,7 @@ def proposal_draw_native(
     best: jax.Array,  # f32[R]: max(logits) / temperature
     l_min: jax.Array,  # f32[R]: min-p's logit floor (-inf: off)
     top_p: jax.Array,  # f32[R]: 1 = off
-    u: jax.Array,  # f32[R] uniforms in [0, 1)
+    keys: jax.Array,  # u32[R, 2]: the row keys (paxpage/sampler.py row_keys)
     active: jax.Array,  # bool[R]: rows to draw (others give token 0, not accepted)
 ) -> tuple[jax.Array, jax.Array]:  # (token i32[R], accepted bool[R])
     if not loaded():
@@ -54,16 +55,9 @@ def proposal_draw_native(
     num_rows = logits.shape[0]
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((num_rows,), jnp.int32),
                                      jax.ShapeDtypeStruct((num_rows,), jnp.int32)))
-    f32 = [jnp.asarray(a, jnp.float32) for a in (logits, temperature, best, l_min, top_p, u)]
-    token, accepted = call(*f32, jnp.asarray(active, jnp.int32))
+    f32 = [jnp.asarray(a, jnp.float32) for a in (logits, temperature, best, l_min, top_p)]
+    token, accepted = call(*f32, jnp.asarray(keys, jnp.uint32), jnp.asarray(active, jnp.int32))
     return token, accepted != 0
-
-
-def _pick(cum: jax.Array, target: jax.Array) -> jax.Array:
-    """First index whose prefix sum exceeds target, capped at the last entry of positive weight."""
-    below = jnp.sum(cum <= target[..., None], axis=-1)
-    last_positive = jnp.sum(cum < cum[..., -1:], axis=-1)
-    return jnp.minimum(below, last_positive).astype(jnp.int32)
 
 
 def proposal_draw_ref(
@@ -72,25 +66,19 @@ def proposal_draw_ref(
     best: jax.Array,  # f32[R]: max(logits) / temperature
     l_min: jax.Array,  # f32[R]: min-p's logit floor (-inf: off)
     top_p: jax.Array,  # f32[R]: 1 = off
-    u: jax.Array,  # f32[R] uniforms in [0, 1)
+    keys: jax.Array,  # u32[R, 2]: the row keys (paxpage/sampler.py row_keys)
     active: jax.Array,  # bool[R]: rows to draw (others give token 0, not accepted)
 ) -> tuple[jax.Array, jax.Array]:  # (token i32[R], accepted bool[R])
-    """Weights w = exp(logits / T - best) where logits > -inf (else 0); block sums over BLOCK
-    tokens, a block by inverse CDF of u * total, then a token inside it; accepted when its logit
-    is >= l_min and (top_p >= 1 or the weight of strictly better tokens < top_p * total)."""
-    num_rows, vocab = logits.shape
+    """The sampler's own proposal draw in XLA ops (paxpage/sampling_draw.py two_level_draw, round
+    0): weights w = exp(logits / T - best) where logits > -inf (else 0); a block of BLOCK tokens by
+    Gumbel-max over log block sums, a token in it by Gumbel-max over logits / T - best; accepted
+    when its logit is >= l_min and (top_p >= 1 or the weight of strictly better tokens < top_p *
+    total)."""
+    from paxpage.sampling_draw import two_level_draw
+
+    no_floor = jnp.full(temperature.shape, -jnp.inf, jnp.float32)
+    token, value, total = two_level_draw(logits, (temperature, best, no_floor, no_floor), keys, 0)
     w = jnp.where(logits > -jnp.inf, jnp.exp(logits / temperature[:, None] - best[:, None]), 0.0)
-    num_blocks = -(-vocab // BLOCK)
-    wb = jnp.pad(w, [(0, 0), (0, num_blocks * BLOCK - vocab)]).reshape(num_rows, num_blocks, BLOCK)
-    cum = jnp.cumsum(jnp.sum(wb, axis=-1), axis=-1)  # [R, N]
-    total = cum[:, -1]
-    target = u * total
-    block = _pick(cum, target)
-    before = jnp.where(block > 0, jnp.take_along_axis(cum, jnp.maximum(block - 1, 0)[:, None], -1)[:, 0], 0.0)
-    inner_cum = jnp.cumsum(jnp.take_along_axis(wb, block[:, None, None], axis=1)[:, 0], axis=-1)  # [R, B]
-    token = jnp.minimum(block * BLOCK + _pick(inner_cum, target - before), vocab - 1)
-    value = jnp.take_along_axis(logits, token[:, None], -1)[:, 0]
     mass_above = jnp.sum(jnp.where(logits > value[:, None], w, 0.0), axis=-1)
     accepted = (value >= l_min) & ((top_p >= 1.0) | (mass_above < top_p * total))
     return jnp.where(active, token, 0), active & accepted
-

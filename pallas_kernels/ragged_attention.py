@@ -1,8 +1,10 @@
-"""Ragged paged attention for mixed steps (chunked prefill + decode) as Pallas kernels.
+"""Ragged paged attention for mixed steps (chunked prefill + decode) as a Pallas kernel for TPU.
 
-Axis legend: T flat tokens, N query heads, K kv heads, G = N // K (Gp: padded for the GPU dot),
-D head dim, P pages, S_max sequence slots, Q = cdiv(T, block_q) query blocks, R = block_q * Gp
-rows of one query block for one kv head, W = Q + S_max work items (TPU).
+Axis legend: T flat tokens, N query heads, K kv heads, G = N // K (Gp = G here), D head dim,
+P pages, S_max sequence slots, Q = cdiv(T, block_q) query blocks, R = block_q * Gp rows of one
+query block for one kv head, W = Q + S_max work items.
+
+The GPU family runs `gpu_attention.paged_attention` for every step kind instead.
 
 Sequence i owns flat tokens cu_q_lens[i] .. cu_q_lens[i+1]-1 (q_len = their count >= 1) and has
 kv_lens[i] keys in its pages, this step's included. Its token j sits at position
@@ -10,7 +12,7 @@ kv_lens[i] - q_len + j and attends causally to keys 0..that position. Tokens pas
 cu_q_lens[num_seqs] return zeros. Shapes depend only on T and S_max; num_seqs is data.
 
 The grid walks fixed query blocks of the flat token array, so every output block is written by
-exactly one program (GPU) or one run of consecutive grid steps (TPU). A block may hold tokens of
+one run of consecutive grid steps. A block may hold tokens of
 several sequences: each is attended separately and merged by a row mask. Queries are laid out
 [Q, K, R, D] with row r = token * Gp + g, so the causal test needs no integer division:
 key kp is visible to row r iff (kp - base) * Gp <= r, base = position of the block's token 0.
@@ -19,12 +21,9 @@ wholly before the window of the sequence's first token in the query block are ne
 may be released pages). A soft cap c maps scaled scores s to c * tanh(s / c).
 
 Quantised pool (kv_quant.QuantizedKV): each K/V block is read with its block of scales and
-dequantised as in decode_attention.py (GPU: scores scaled per key, values in the block; TPU:
-both in the block). A plain pool traces the kernel it always did.
+dequantised in the block as in decode_attention.py. A plain pool traces the kernel it always did.
 
-GPU: Triton lowering (see decode_attention.py for why not Mosaic GPU); metadata are plain inputs
-read as scalars, the loop over sequences and key blocks runs inside the kernel.
-TPU: Mosaic TPU; metadata and a precomputed work list (query block, sequence) are scalar-prefetch
+Mosaic TPU: metadata and a precomputed work list (query block, sequence) are scalar-prefetch
 SMEM inputs, the grid is (W, pages) and each step's page is fetched by the BlockSpec index map.
 """
 
@@ -38,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import kv_quant
+from pallas_kernels import kv_quant, tpu_target
 from pallas_kernels.decode_attention import (
     MASK_VALUE,
     cap_scores,
@@ -46,12 +45,9 @@ from pallas_kernels.decode_attention import (
     check_window_and_cap,
     dequantize_rows,
     interpret_arg,
-    next_pow2,
     online_softmax_step,
-    quantized_scores,
     scores_nt,
     tpu_params,
-    triton_params,
 )
 
 
@@ -73,16 +69,16 @@ def _first_key(base, row_lo, sliding_window):
 
 
 def _masked_scores(q, k, v, key0, kv_len, base, row_lo, row_hi, first_key, *, sm_scale, rows_per_tok,
-                   sliding_window, soft_cap, k_scales=None):
+                   sliding_window, soft_cap):
     """Scores [R, S] with causal/window/sequence mask applied; v [S, D] with keys outside
-    first_key..kv_len-1 zeroed. k_scales f32[1, S]: k holds quantised values (quantized_scores)."""
+    first_key..kv_len-1 zeroed."""
     rows, block_len = q.shape[0], k.shape[0]
     r = lax.broadcasted_iota(jnp.int32, (rows, block_len), 0)
     kp = key0 + lax.broadcasted_iota(jnp.int32, (rows, block_len), 1)
     visible = ((kp - base) * rows_per_tok <= r) & (r >= row_lo * rows_per_tok) & (r < row_hi * rows_per_tok)
     if sliding_window is not None:
         visible &= (kp - base + sliding_window) * rows_per_tok > r
-    s = scores_nt(q, k) if k_scales is None else quantized_scores(q, k, k_scales)
+    s = scores_nt(q, k)
     s = jnp.where(visible, cap_scores(s * sm_scale, soft_cap), MASK_VALUE)
     key = key0 + lax.broadcasted_iota(jnp.int32, (block_len, 1), 0)
     key_ok = (key < kv_len) & (key >= first_key)
@@ -92,97 +88,6 @@ def _masked_scores(q, k, v, key0, kv_len, base, row_lo, row_hi, first_key, *, sm
 def _row_mask(rows, row_lo, row_hi, rows_per_tok):
     r = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
     return (r >= row_lo * rows_per_tok) & (r < row_hi * rows_per_tok)  # [R, 1]
-
-
-# ---------------------------------------------------------------- GPU (Triton lowering)
-def _ragged_kernel_gpu(
-    cu_ref,  # i32[S_max + 1]
-    kv_lens_ref,  # i32[S_max]
-    pt_ref,  # i32[S_max, pages_per_seq]
-    first_ref,  # i32[Q] first sequence touching block j
-    last_ref,  # i32[Q] last sequence touching block j
-    q_ref,  # [R, D]
-    k_ref,  # [P, page_size, D] kv head h of the pool, read in place
-    v_ref,  # [P, page_size, D]
-    *refs,  # quantised: ks_ref, vs_ref f32[P, page_size] kv head h's scales; then o_ref [R, D]
-    sm_scale: float, block_q: int, rows_per_tok: int, pages_per_block: int,
-    sliding_window: int | None, soft_cap: float | None, quantized: bool = False,
-):
-    ks_ref, vs_ref, o_ref = refs if quantized else (None, None, *refs)
-    j = pl.program_id(0)
-    page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
-    block_len = pages_per_block * page_size
-    q = q_ref[...]
-    rows = q.shape[0]
-
-    def seq_body(i, out):
-        kv_len = kv_lens_ref[i]
-        row_lo, row_hi, base, num_keys = _seq_geometry(j, cu_ref[i], cu_ref[i + 1], kv_len, block_q=block_q)
-        first_key = _first_key(base, row_lo, sliding_window)
-
-        def kv_body(kb, carry):
-            ids = pt_ref[i, pl.ds(kb * pages_per_block, pages_per_block)]
-            k = k_ref[ids].reshape(block_len, head_dim)
-            v = v_ref[ids].reshape(block_len, head_dim)
-            quant = {}
-            if quantized:
-                quant["k_scales"] = ks_ref[ids].reshape(1, block_len)
-                v = v.astype(jnp.float32) * vs_ref[ids].reshape(block_len, 1)
-            s, v = _masked_scores(
-                q, k, v, kb * block_len, kv_len, base, row_lo, row_hi, first_key,
-                sm_scale=sm_scale, rows_per_tok=rows_per_tok, sliding_window=sliding_window, soft_cap=soft_cap,
-                **quant,
-            )
-            return online_softmax_step(s, v, *carry)
-
-        init = (
-            jnp.full((rows, 1), MASK_VALUE, jnp.float32),
-            jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros((rows, head_dim), jnp.float32),
-        )
-        num_blocks = pl.cdiv(num_keys, block_len)
-        first_block = jnp.minimum(first_key // block_len, num_blocks) if sliding_window else 0
-        _, l, acc = lax.fori_loop(first_block, num_blocks, kv_body, init)
-        seq_out = acc / jnp.where(l == 0.0, 1.0, l)
-        return jnp.where(_row_mask(rows, row_lo, row_hi, rows_per_tok), seq_out, out)
-
-    out = lax.fori_loop(first_ref[j], last_ref[j] + 1, seq_body, jnp.zeros((rows, head_dim), jnp.float32))
-    o_ref[...] = out.astype(o_ref.dtype)
-
-
-def _ragged_gpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, *, sm_scale, block_q, rows_per_tok,
-                pages_per_block, interpret, sliding_window, soft_cap):
-    num_q_blocks, num_kv_heads, rows, head_dim = qw.shape
-    _, num_pages, page_size, _, _ = kv_pages.shape
-    quantized = scales is not None
-    kernel = functools.partial(
-        _ragged_kernel_gpu, sm_scale=sm_scale, block_q=block_q, rows_per_tok=rows_per_tok,
-        pages_per_block=pages_per_block, sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized,
-    )
-    full = lambda x: pl.BlockSpec(x.shape, lambda j, h: (0,) * x.ndim)
-    pool_block = (None, num_pages, page_size, None, head_dim)
-    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda j, h: (j, h, 0, 0))
-    scale_specs, scale_args = [], []
-    if quantized:  # kv head h's scales, read in place like its pages
-        scale_block = (None, num_pages, page_size, None)
-        scale_specs = [pl.BlockSpec(scale_block, lambda j, h: (0, 0, 0, h)),
-                       pl.BlockSpec(scale_block, lambda j, h: (1, 0, 0, h))]
-        scale_args = [scales, scales]
-    return pl.pallas_call(
-        kernel,
-        grid=(num_q_blocks, num_kv_heads),
-        in_specs=[
-            full(cu), full(kv_lens), full(table), full(first), full(last), q_spec,
-            pl.BlockSpec(pool_block, lambda j, h: (0, 0, 0, h, 0)),
-            pl.BlockSpec(pool_block, lambda j, h: (1, 0, 0, h, 0)),
-            *scale_specs,
-        ],
-        out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(qw.shape, qw.dtype),
-        compiler_params=triton_params(),
-        interpret=interpret_arg("gpu", interpret),
-        name="paxpage_ragged_attention_gpu",
-    )(cu, kv_lens, table, first, last, qw, kv_pages, kv_pages, *scale_args)
 
 
 # ---------------------------------------------------------------- TPU (Mosaic TPU)
@@ -277,7 +182,8 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, *, sm_sca
             used = jnp.maximum(pl.cdiv(num_keys, page_size) - 1, 0)
             page = p
             if sliding_window is not None:  # before the window: its first page (released pages unread)
-                page = jnp.maximum(p, _first_key(base, row_lo, sliding_window) // page_size)
+                # lax.div: both operands are >= 0; a floor division would lower through lax.sign
+                page = jnp.maximum(p, lax.div(_first_key(base, row_lo, sliding_window), page_size))
             # Past the keys this item needs, repeat the last page: no new DMA, no stray read.
             return (half, pt_r[ws_r[w] * pages_per_seq + jnp.minimum(page, used)]) + (0,) * trailing
         return index_map
@@ -309,21 +215,21 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, *, sm_sca
     )
     kernel = functools.partial(_ragged_kernel_tpu, sm_scale=sm_scale, block_q=block_q, rows_per_tok=rows_per_tok,
                                sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized)
-    return pl.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(qw.shape, qw.dtype),
-        # Output blocks are revisited by consecutive work items: both axes must run in order.
-        compiler_params=tpu_params(("arbitrary", "arbitrary")),
-        interpret=interpret_arg("tpu", interpret),
-        name="paxpage_ragged_attention_tpu",
-    )(cu, kv_lens, table.reshape(-1), wb, ws, wi, wv, qw, kv_pages, kv_pages, *scale_args)
+    with tpu_target.pinned("tpu", interpret):  # lowered for the TPU this compiles for
+        return pl.pallas_call(
+            kernel,
+            grid_spec=grid_spec,
+            out_shape=jax.ShapeDtypeStruct(qw.shape, qw.dtype),
+            # Output blocks are revisited by consecutive work items: both axes must run in order.
+            compiler_params=tpu_params(("arbitrary", "arbitrary")),
+            interpret=interpret_arg("tpu", interpret),
+            name="paxpage_ragged_attention_tpu",
+        )(cu, kv_lens, table.reshape(-1), wb, ws, wi, wv, qw, kv_pages, kv_pages, *scale_args)
 
 
 # ---------------------------------------------------------------- public wrapper
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "block_q", "pages_per_block", "backend", "interpret",
-                              "sliding_window", "soft_cap")
+    jax.jit, static_argnames=("sm_scale", "block_q", "backend", "interpret", "sliding_window", "soft_cap")
 )
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, D] f32 or bf16, flat tokens of all sequences back to back
@@ -335,13 +241,14 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     block_q: int | None = None,  # tokens per query block
-    pages_per_block: int | None = None,  # GPU: pages per inner key block
-    backend: str = "gpu",
+    backend: str = "tpu",
     interpret: bool = False,
     sliding_window: int | None = None,  # W: a token at position p sees keys p - W + 1..p
     soft_cap: float | None = None,  # c: scaled scores s -> c * tanh(s / c)
 ) -> jax.Array:  # [T, N, D] dtype of q
     check_backend(backend)
+    if backend != "tpu":
+        raise ValueError(f"backend is {backend!r}: the GPU family runs pallas_kernels.gpu_attention.paged_attention")
     check_window_and_cap(sliding_window, soft_cap)
     num_tokens, num_heads, head_dim = q.shape
     kv_pages, scales = kv_quant.split(kv_pages)
@@ -356,23 +263,9 @@ def ragged_paged_attention(
             f"cu_q_lens {cu_q_lens.shape} / kv_lens {kv_lens.shape} do not match {num_slots} sequence slots"
         )
     group = num_heads // num_kv_heads
-    if backend == "gpu":
-        if page_size & (page_size - 1) or head_dim & (head_dim - 1) or head_dim < 16:
-            raise ValueError(
-                f"GPU kernel needs power-of-two page_size and head_dim >= 16; got {page_size}, {head_dim}"
-            )
-        rows_per_tok = next_pow2(group)
-        if block_q is None:
-            block_q = max(16 // rows_per_tok, min(64 // rows_per_tok, next_pow2(num_tokens)))
-        block_q = max(next_pow2(block_q), pl.cdiv(16, rows_per_tok))  # dot rows >= 16
-        if pages_per_block is None:
-            pages_per_block = max(1, 64 // page_size)
-        pages_per_block = max(pages_per_block, pl.cdiv(16, page_size))
-        pages_pad = pl.cdiv(pages_per_seq, pages_per_block) * pages_per_block
-    else:
-        rows_per_tok = group
-        block_q = block_q or 8
-        pages_pad = pages_per_seq
+    rows_per_tok = group
+    block_q = block_q or 8
+    pages_pad = pages_per_seq
     num_q_blocks = pl.cdiv(num_tokens, block_q)
 
     # Clean the metadata so that slots past num_seqs are empty and never read pages.
@@ -395,10 +288,7 @@ def ragged_paged_attention(
     qw = qw.transpose(0, 2, 1, 3, 4).reshape(num_q_blocks, num_kv_heads, block_q * rows_per_tok, head_dim)
     kw = dict(sm_scale=sm_scale, block_q=block_q, rows_per_tok=rows_per_tok, interpret=interpret,
               sliding_window=sliding_window, soft_cap=soft_cap)
-    if backend == "gpu":
-        out = _ragged_gpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, pages_per_block=pages_per_block, **kw)
-    else:
-        out = _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, **kw)
+    out = _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, **kw)
     out = out.reshape(num_q_blocks, num_kv_heads, block_q, rows_per_tok, head_dim)[:, :, :, :group]
     out = out.transpose(0, 2, 1, 3, 4).reshape(num_q_blocks * block_q, num_heads, head_dim)
     return out[:num_tokens]

@@ -34,7 +34,7 @@ def write_kv(
         return kv_pages.at[:, page, offset].set(kv, mode="drop")
     kv, kv_scales = kv_quant.quantize(jnp.stack([k, v]), pages.dtype)  # [2, T, K, D], f32[2, T, K]
     return kv_quant.QuantizedKV(pages.at[:, page, offset].set(kv, mode="drop"),
-                                scales.at[:, page, offset].set(kv_scales, mode="drop"))
+                                kv_quant.write_scales(scales, slot_mapping, kv_scales))
 
 
 def paged_attention_ref(
@@ -49,7 +49,7 @@ def paged_attention_ref(
     soft_cap: float | None = None,  # c: scores become c * tanh(scores / c) before the mask
 ) -> jax.Array:  # [B, Tq, N, D]
     """Causal paged attention in the row layout: row b holds the q_lens[b] new query tokens of
-    one sequence (a decode row 1, a prefill row up to Tq; README.md, "How a step flows").
+    one sequence (a decode row 1, a prefill row up to Tq; docs/architecture.md, "How a step flows").
 
     Query token i of row b is at position p = kv_lens[b] - q_lens[b] + i and sees keys
     0..p, or with a sliding window W only keys p - W + 1..p (HF transformers' convention:

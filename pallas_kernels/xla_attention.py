@@ -60,7 +60,7 @@ What sets those costs (each measured alone in a loop like this one's):
 - Reductions fused with elementwise work (YNN's or XLA's own emitter) cost 1-2 ns per element.
 - glibc's transparent huge pages for the heap (GLIBC_TUNABLES=glibc.malloc.hugetlb=1 at
   process start, with tune_malloc's thresholds) made this step ~10% faster at both shapes.
-Tried and dropped in that session (bench_attention_ab-style A/B in one process, 2 layers tiny /
+Tried and dropped (bench_attention_ab-style A/B in one process, 2 layers tiny /
 30 layers SmolLM2, CPU ms): separate K/V gathers at the tiny shape (102 vs 79 ms); row blocks as
 2 / 4 / 8 independent loops with chunks sized to the 1 MiB L2 (72-92 vs 79 ms); CHUNK_BYTES from
 256 KiB to 4 MiB (no change at SmolLM2); gathering chunk c + 1 in iteration c (carried:
@@ -72,8 +72,8 @@ two pages at once and the dots run on the combined block with zero-padded q / p 
 [B, S, 2, J]: 1.1x slower; 1-4 KiB blocks: 3x; complex64 K + iV: 1.7x, complex dots are slow);
 page size 32 / 64 instead of 16 (no change); separate K / V gathers kept at the wide root by a
 second (dummy, NaN-safe) consumer of each, V masked in the wide shape, so no slices (tiny 68.5
-vs 71.6 ms, SmolLM2 44 vs 37 ms). The issue's targets (>= 14 GB/s at 256 x 1536,
-<= 15% of SmolLM2's step) are not met: at 256 x 1536 the read-only loop alone reaches ~14-16
+vs 71.6 ms, SmolLM2 44 vs 37 ms). The targets (>= 14 GB/s at 256 x 1536,
+<= 15% of SmolLM2's step) are out of reach here: at 256 x 1536 the read-only loop alone reaches ~14-16
 GB/s, so no formulation in XLA ops that also computes the dots can. Hence the native kernel.
 
 Axis legend: B rows, Tq query tokens per row, S keys in a chunk, N query heads,

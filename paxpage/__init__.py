@@ -7,9 +7,10 @@
     print(out[0].text)
 """
 
-from paxpage.api import Model, chat, generate, load, save, stream
+from paxpage.api import Model, chat, embed, generate, load, save, stream
 from paxpage.async_engine import AsyncEngine
 from paxpage.config import EngineConfig
+from paxpage.embedding import EmbeddingOutput
 from paxpage.engine import LLMEngine
 from paxpage.engine_loop import EngineDeadError, EngineLoop, EngineOverloadedError
 from paxpage.outputs import Completion, RequestMetrics, RequestOutput, StreamDelta
@@ -17,8 +18,9 @@ from paxpage.sampling_params import SamplingParams
 from paxpage.structured import StructuredOutputs
 
 __all__ = [
-    "AsyncEngine", "Completion", "EngineConfig", "EngineDeadError", "EngineLoop", "EngineOverloadedError",
+    "AsyncEngine", "Completion", "EmbeddingOutput", "EngineConfig", "EngineDeadError", "EngineLoop",
+    "EngineOverloadedError",
     "LLMEngine", "Model", "RequestMetrics", "RequestOutput", "SamplingParams", "StreamDelta",
     "StructuredOutputs",
-    "chat", "generate", "load", "save", "stream",
+    "chat", "embed", "generate", "load", "save", "stream",
 ]

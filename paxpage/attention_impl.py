@@ -28,8 +28,21 @@ def resolve(impl: str) -> str:
     return "native" if native_attention.load(native_dir()) else "xla"
 
 
-def functions(impl: str):
-    """(attention, write_kv) of a resolved impl ("native" only once `resolve` returned it)."""
+def kernel_family(impl: str) -> str | None:
+    """"gpu" or "tpu" for a Pallas impl (the kernels it runs here), None for "native" / "xla"."""
+    if impl not in ("pallas", "pallas-interpret"):
+        return None
+    from pallas_kernels import dispatch
+
+    return dispatch.resolve_impl(impl)[0]
+
+
+def functions(impl: str, backend: str | None = None, batch_invariant: bool = False):
+    """(attention, write_kv) of a resolved impl ("native" only once `resolve` returned it).
+    backend: "gpu" or "tpu" makes the Pallas kernels lower for that family whatever this host
+    is (pallas_kernels/dispatch.py); None: the compile target's.
+    batch_invariant: the Pallas GPU kernel's fixed-split plan (the native kernel's order per row
+    is fixed already; the XLA path has no such form)."""
     if impl == "native":
         from pallas_kernels.native_attention import paged_attention_native
 
@@ -39,6 +52,6 @@ def functions(impl: str):
     from pallas_kernels import dispatch  # imported lazily: Pallas is not needed on the fast CPU path
 
     return (
-        functools.partial(dispatch.paged_attention, impl=impl),
-        functools.partial(dispatch.write_kv, impl=impl),
+        functools.partial(dispatch.paged_attention, impl=impl, backend=backend, batch_invariant=batch_invariant),
+        functools.partial(dispatch.write_kv, impl=impl, backend=backend),
     )

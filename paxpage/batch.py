@@ -34,6 +34,13 @@ class StepBatch:
     # prefix ending at flat token prompt_logits_indices[i]. Rp = 0 in the common case.
     prompt_logits_indices: jax.Array  # i32[Rp]
     prompt_targets: jax.Array  # i32[Rp]
+    # Embedding requests (paxpage/embedding.py): the pooled-output row each token's normed hidden
+    # state adds into, R for none; the model then also returns f32[R, H] sums. None in a step
+    # that pools nothing (its own compiled variant, like Rp = 0).
+    pool_rows: jax.Array | None = None  # i32[T]
+    # LoRA (max_loras > 0): each row's adapter slot, decode rows then prefill rows; -1 = the
+    # base model. None without LoRA, so such an engine's step is the same as before.
+    lora_slots: jax.Array | None = None  # i32[Bd + Bp]
 
     @property
     def num_decode_rows(self) -> int:

@@ -1,4 +1,4 @@
-"""Command line: `paxpage generate "What is the capital of France?"`, `paxpage cache info`.
+"""Command line: `paxpage generate "What is the capital of France?"`, `paxpage cache info`, `paxpage docs`.
 
 A user's mistake (a bad value, a missing file) prints one line, `paxpage: error: <message>`, and
 exits with status 2; `paxpage --debug ...` shows the traceback instead.
@@ -34,8 +34,10 @@ def _generate(args: argparse.Namespace) -> int:
     config = paxpage.EngineConfig(tensor_parallel_size=args.tensor_parallel_size,
                                   data_parallel_size=args.data_parallel_size,
                                   kv_cache_dtype=args.kv_cache_dtype,
+                                  batch_invariant=args.batch_invariant,
                                   executable_cache_dir=default_directory())
-    multi = multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    multi = multihost.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                                 peer_timeout_s=args.peer_timeout)
     xla_cache.enable_unless_executable_cache(config, multi)
     model = paxpage.load(args.model, quantization=args.quantization)
     if "temperature" not in given and model.config.generation.temperature is None:
@@ -141,15 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="send prompts as plain text, not as a chat")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="a request's tokens bitwise the same whatever shares its step")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
                    help="KV cache storage: the model's dtype (auto), or int8 / fp8 with per-token scales")
-    p = g.add_argument_group("parallelism (README: Parallelism)")
+    p = g.add_argument_group("parallelism (docs/parallelism.md)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the weights and KV split over")
     p.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas")
     p.add_argument("--coordinator-address", default=None,
                    help="multi-host: process 0's HOST:PORT (or PAXPAGE_COORDINATOR_ADDRESS)")
     p.add_argument("--num-processes", type=int, default=None, help="multi-host: processes (or PAXPAGE_NUM_PROCESSES)")
     p.add_argument("--process-id", type=int, default=None, help="multi-host: this one's id (or PAXPAGE_PROCESS_ID)")
+    p.add_argument("--peer-timeout", type=float, default=None,
+                   help="multi-host: seconds of silence after which a peer process counts as lost (default 5)")
     g.set_defaults(func=_generate)
     b = sub.add_parser("bench", help=f"run a benchmark script ({' | '.join(BENCH_SCRIPTS)})")
     b.add_argument("which", choices=list(BENCH_SCRIPTS))
@@ -161,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     c.set_defaults(func=_cache)
     from paxpage.server.cli import add_serve_parser
     add_serve_parser(sub)
+    from paxpage.docs_cli import add_docs_parser
+    add_docs_parser(sub)
     args = parser.parse_args(argv)
     if args.command in _OWNS_PROCESS:
         from paxpage import process_tuning

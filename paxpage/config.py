@@ -21,12 +21,12 @@ ATTENTION_IMPLS = ("native", "xla", "pallas", "pallas-interpret")
 CPU_ATTENTION_IMPLS = ("native", "xla")
 DTYPES = ("float32", "bfloat16")
 # "auto": the pool in the model's dtype; "int8" / "fp8" (float8_e4m3fn): quantised per (token,
-# kv head) with f32 scales beside the pages (pallas_kernels/kv_quant.py).
+# kv head) with bf16 scales beside the pages (pallas_kernels/kv_quant.py).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
 # Decoding sequences up to which a step speculates by default. Provisional: to be measured
-# with scripts/bench_speculative.py --sweep on a quiet machine (README "Speculative decoding").
+# with scripts/bench_speculative.py --sweep on a quiet machine (docs/speculative-decoding.md).
 AUTO_SPECULATIVE_MAX_BATCH = 4
 
 
@@ -68,14 +68,14 @@ class EngineConfig:
     # "auto": where the layer kinds repeat and attention is "native" or "xla"; True: also with Pallas
     # attention (the kernels then see one pool of L * P pages); False: the unrolled loop.
     scan_layers: bool | str = "auto"
-    # Parallelism (paxpage/sharding.py, paxpage/mesh.py, README "Parallelism"): weights and the
+    # Parallelism (paxpage/sharding.py, paxpage/mesh.py, docs/parallelism.md): weights and the
     # KV pool split over tensor_parallel_size devices; data_parallel_size such engine replicas
     # behind one front door. `mesh`: an explicit jax.sharding.Mesh with a "model" axis (and a
     # "data" axis when data_parallel_size > 1) instead of the first tp * dp devices.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     mesh: jax.sharding.Mesh | None = None
-    # Speculative decoding (paxpage/spec/, README "Speculative decoding"): None, "ngram" (prompt
+    # Speculative decoding (paxpage/spec/, docs/speculative-decoding.md): None, "ngram" (prompt
     # lookup of the sequence's own earlier tokens) or "draft" (a smaller paxpage model,
     # `draft_model`). Each decoding sequence proposes up to num_speculative_tokens tokens that
     # the target verifies in one step; outputs keep the target's distribution (greedy: token for
@@ -88,6 +88,17 @@ class EngineConfig:
     # Adaptive: a step speculates only while at most this many sequences run ("auto":
     # AUTO_SPECULATIVE_MAX_BATCH); past it verification costs more than it saves.
     speculative_max_batch: int | str = "auto"
+    # A request's logits and tokens bitwise the same whatever shares its step: matmul rows in
+    # fixed tiles, norms in a fixed order (models/invariant_ops.py). Needs "native" attention (its
+    # per-row order is fixed) or the Pallas GPU kernel (fixed key segments); the XLA path's
+    # order follows the padding width.
+    batch_invariant: bool = False
+    # LoRA adapters (docs/lora.md): max_loras > 0 gives the step a device slab of that many
+    # adapter slots, each up to max_lora_rank; requests then name an adapter (or the base).
+    # More adapters may be loaded than fit: they swap into slots least recently used first.
+    # 0: no slab, and the step is the base model's alone.
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_row_len",
@@ -124,6 +135,15 @@ class EngineConfig:
                 f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}"
             )
         self._validate_speculative()
+        for name, low in (("max_loras", 0), ("max_lora_rank", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise TypeError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
+        if self.batch_invariant and self.attention_impl == "xla":
+            raise ValueError("batch_invariant needs attention_impl 'native', 'pallas' (GPU) or "
+                             f"'pallas-interpret' (or None), got {self.attention_impl!r}")
         if self.mesh is not None and not isinstance(self.mesh, jax.sharding.Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(self.mesh).__name__}")
 
@@ -165,12 +185,15 @@ class EngineConfig:
         """Fills the defaults that depend on the model and the backend (jax's default one unless
         given). On GPU / TPU without num_pages or kv_cache_bytes, num_pages stays None: the
         runner sizes the pool from the device's free memory once the weights are placed."""
-        on_cpu = (backend or jax.default_backend()) == "cpu"
+        backend = backend or jax.default_backend()
+        if backend not in ("cpu", "gpu", "tpu"):
+            raise ValueError(f"backend is {backend!r}; expected 'cpu', 'gpu' or 'tpu'")
+        on_cpu = backend == "cpu"
         dtype = self.dtype or ("float32" if on_cpu else "bfloat16")
         impl = self.attention_impl or ("native" if on_cpu else "pallas")
         if impl == "native" and not on_cpu:
             raise ValueError(f"attention_impl='native' is a CPU kernel, but the backend is "
-                             f"{backend or jax.default_backend()!r}; use 'pallas'")
+                             f"{backend!r}; use 'pallas'")
         max_model_len = self.max_model_len or model.max_position_embeddings
         if max_model_len > model.max_position_embeddings:
             raise ValueError(
@@ -204,7 +227,7 @@ class EngineConfig:
                     f"kv_cache_bytes {budget} is smaller than one page ({page_bytes} bytes)"
                 )
         return ResolvedConfig(self, dtype, impl, max_model_len, num_pages, page_bytes, source,
-                              self._scan_period(model, impl))
+                              self._scan_period(model, impl), backend)
 
     def _scan_period(self, model: ModelConfig, impl: str) -> int:
         """Layers per scanned group (models/layer_stack.py), 0 for the unrolled loop."""
@@ -234,6 +257,9 @@ class ResolvedConfig:
     page_bytes: int  # one page's K and V over all layers, on one device (+ the draft model's, if any)
     kv_source: str = "num_pages"  # where num_pages came from, for the start-up line
     scan_period: int = 0  # > 0: layers under a scan in groups of this many; 0: unrolled
+    # The platform family the step compiles for ("cpu", "gpu", "tpu"): Pallas kernels lower for
+    # it, so a runner resolved for "gpu" can be exported for CUDA from a CPU-only host.
+    backend: str = "cpu"
 
     def __getattr__(self, name):
         # Only reached for names ResolvedConfig lacks. `copy` and `pickle` probe dunders on an

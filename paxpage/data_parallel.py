@@ -10,16 +10,16 @@ Requests never span replicas, so a request's tokens are those one engine alone w
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import Future
 
 from paxpage.dp_router import PrefixRouter
 from paxpage.engine import LLMEngine
-from paxpage.engine_loop import EngineLoop, EngineSnapshot, Submission
-from paxpage.outputs import RequestOutput
+from paxpage.engine_loop import FINAL_OUTPUTS, EngineLoop, EngineSnapshot, Submission
 
 
-def build_replicas(model_cfg, params, tokenizer, config) -> list[LLMEngine]:
+def build_replicas(model_cfg, params, tokenizer, config, loras=None) -> list[LLMEngine]:
     """One LLMEngine per data-parallel replica, each on its own devices."""
     import jax
 
@@ -29,22 +29,31 @@ def build_replicas(model_cfg, params, tokenizer, config) -> list[LLMEngine]:
         raise ValueError(f"data_parallel_size {config.data_parallel_size} > 1 is not supported across "
                          f"{jax.process_count()} processes yet; use tensor parallelism over the hosts")
     meshes = replica_meshes(config.tensor_parallel_size, config.data_parallel_size, config.mesh)
-    return [LLMEngine(model_cfg, params, tokenizer, config, mesh=mesh) for mesh in meshes]
+    return [LLMEngine(model_cfg, params, tokenizer, config, mesh=mesh, loras=loras) for mesh in meshes]
 
 
 class DataParallelLoop:
     """EngineLoop's interface over one EngineLoop per replica."""
 
-    def __init__(self, engines: list[LLMEngine], *, max_waiting_requests: int | None = None):
-        self.engines = engines
-        self.engine = engines[0]  # config, eos ids, precompile facts: the same on every replica
+    def __init__(self, engines: list[LLMEngine], *, max_waiting_requests: int | None = None,
+                 **restart):
+        """restart: EngineLoop's restart_on_error / max_restarts_per_minute, for each replica."""
         # max_waiting_requests applies per replica (each has its own waiting queue)
-        self.loops = [EngineLoop(e, max_waiting_requests=max_waiting_requests) for e in engines]
+        self.loops = [EngineLoop(e, max_waiting_requests=max_waiting_requests, **restart) for e in engines]
         self.router = PrefixRouter(len(engines), engines[0].config.page_size)
         self._lock = threading.Lock()
         self._replica_of: dict[str, int] = {}  # live request id -> replica, guarded by _lock
         self._loads = [0] * len(engines)  # live requests per replica, guarded by _lock
         self._ids = iter(range(1 << 62))
+
+    @property
+    def engines(self) -> list[LLMEngine]:
+        return [loop.engine for loop in self.loops]  # each loop's current one (rebuilt after a failure)
+
+    @property
+    def engine(self) -> LLMEngine:
+        """Replica 0's: config, eos ids, precompile facts are the same on every replica."""
+        return self.loops[0].engine
 
     def new_request_id(self) -> str:
         with self._lock:
@@ -59,9 +68,7 @@ class DataParallelLoop:
                 replica = self.router.route(sub.prompt_token_ids, self._loads)
                 self._loads[replica] += 1
                 self._replica_of[sub.request_id] = replica
-                groups.setdefault(replica, []).append(
-                    Submission(sub.request_id, sub.prompt_token_ids, sub.params, self._sink(sub),
-                               sub.prompt, sub.index, sub.stream))
+                groups.setdefault(replica, []).append(dataclasses.replace(sub, sink=self._sink(sub)))
         done: Future = Future()
         futures = []
         try:
@@ -89,7 +96,7 @@ class DataParallelLoop:
 
     def _sink(self, sub: Submission):
         def sink(item):
-            if isinstance(item, (RequestOutput, BaseException)):
+            if isinstance(item, (*FINAL_OUTPUTS, BaseException)):
                 self._forget([sub.request_id])
             sub.sink(item)
         return sink
@@ -125,6 +132,7 @@ class DataParallelLoop:
         """The replicas' counters summed (KV usage averaged; errors: the first)."""
         snaps = [loop.snapshot() for loop in self.loops]
         errors = [s.error for s in snaps if s.error is not None]
+        recovering = [s.recovering for s in snaps if s.recovering is not None]
         return EngineSnapshot(
             num_running=sum(s.num_running for s in snaps), num_waiting=sum(s.num_waiting for s in snaps),
             kv_cache_usage=sum(s.kv_cache_usage for s in snaps) / len(snaps),
@@ -133,7 +141,10 @@ class DataParallelLoop:
             num_preemptions=sum(s.num_preemptions for s in snaps),
             num_steps=sum(s.num_steps for s in snaps), alive=all(s.alive for s in snaps),
             error=errors[0] if errors else None,
-            seconds_since_progress=max(s.seconds_since_progress for s in snaps))
+            seconds_since_progress=max(s.seconds_since_progress for s in snaps),
+            recovering=recovering[0] if recovering else None,
+            **{name: sum(getattr(s, name) for s in snaps)
+               for name in ("num_restarts", "num_received", "num_finished", "num_aborted", "num_failed")})
 
     @property
     def alive(self) -> bool:
@@ -148,15 +159,16 @@ class DataParallelLoop:
             loop.shutdown(timeout)
 
 
-def make_engine(model_cfg, params, tokenizer, config):
-    """An LLMEngine, or the list of replicas when config.data_parallel_size > 1."""
+def make_engine(model_cfg, params, tokenizer, config, loras=None):
+    """An LLMEngine, or the list of replicas when config.data_parallel_size > 1. `loras`: the
+    model's LoRA adapters by name (LLMEngine's)."""
     if config is not None and config.data_parallel_size > 1:
-        return build_replicas(model_cfg, params, tokenizer, config)
-    return LLMEngine(model_cfg, params, tokenizer, config)
+        return build_replicas(model_cfg, params, tokenizer, config, loras)
+    return LLMEngine(model_cfg, params, tokenizer, config, loras=loras)
 
 
-def make_loop(engine, *, max_waiting_requests: int | None = None):
-    """The loop that owns what `make_engine` built."""
+def make_loop(engine, *, max_waiting_requests: int | None = None, **restart):
+    """The loop that owns what `make_engine` built (restart: EngineLoop's restart options)."""
     if isinstance(engine, list):
-        return DataParallelLoop(engine, max_waiting_requests=max_waiting_requests)
-    return EngineLoop(engine, max_waiting_requests=max_waiting_requests)
+        return DataParallelLoop(engine, max_waiting_requests=max_waiting_requests, **restart)
+    return EngineLoop(engine, max_waiting_requests=max_waiting_requests, **restart)

@@ -26,7 +26,7 @@ from paxpage.sequence import Sequence
 class DecodeBatch:
     def __init__(self, rows: list, seqs: list[Sequence], positions: np.ndarray, table_slots: np.ndarray,
                  sampling_slots: np.ndarray, steps: np.ndarray, limits: np.ndarray,
-                 stop_ids: list[frozenset]):
+                 stop_ids: list[frozenset], lora_slots: np.ndarray | None = None):
         self.rows = rows  # (request, sample, logits row i) per row, as the engine's _Launched.rows
         self.seqs = seqs  # [B] the rows' sequences
         self.positions = positions  # i64[B] position of the token the next step writes
@@ -36,13 +36,16 @@ class DecodeBatch:
         self.limits = limits  # i64[B] output tokens at which a row finishes by length
         self.stop_ids = stop_ids  # [B] tokens that may stop a row (EOS unless ignored, stop_token_ids)
         self.limit_list = limits.tolist()
+        self.lora_slots = lora_slots  # i64[B] the rows' LoRA slab slots (-1: base), or None without LoRA
 
     @classmethod
     def build(cls, scheduled: Seq, rows: list, counts: Seq[int], sampling_slots: Seq[int], steps: Seq[int],
-              table_slot, eos_token_ids: Seq[int], max_model_len: int) -> DecodeBatch | None:
+              table_slot, eos_token_ids: Seq[int], max_model_len: int, lora: bool = False
+              ) -> DecodeBatch | None:
         """From a step that is about to stay in flight: `scheduled` its ScheduledSeqs, `rows` /
         `counts` its sampling entries, `sampling_slots` / `steps` per logits row, and
-        `table_slot(seq_id)` its sequences' page-table rows. None unless every scheduled sequence
+        `table_slot(seq_id)` its sequences' page-table rows; `lora`: keep the rows' adapter
+        slots. None unless every scheduled sequence
         is a plain sampling row (see the module docstring), one logits row each, in order."""
         n = len(rows)
         if n == 0 or len(scheduled) != n or len(sampling_slots) != n:
@@ -65,7 +68,8 @@ class DecodeBatch:
             tables.append(slot)
         as_array = lambda values: np.asarray(values, np.int64)  # noqa: E731
         return cls(rows, seqs, as_array(positions), as_array(tables), as_array(sampling_slots),
-                   as_array(steps) + 1, as_array(limits), stop_ids)
+                   as_array(steps) + 1, as_array(limits), stop_ids,
+                   as_array([seq.lora_slot for seq in seqs]) if lora else None)
 
     def __len__(self) -> int:
         return len(self.seqs)

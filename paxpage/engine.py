@@ -14,7 +14,9 @@ import bisect
 import itertools
 import logging
 import os
+import threading
 import time
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -25,7 +27,9 @@ from paxpage import compile_counter, kv_sizing
 from paxpage import spec as spec_lib
 from paxpage.config import EngineConfig
 from paxpage.decode_batch import DecodeBatch
+from paxpage.embedding import EmbeddingOutput, EmbeddingRequest, Pooling
 from paxpage.engine_stats import EngineStats
+from paxpage.lora_slots import LoraSlots
 from paxpage.launched import PENDING_TOKEN, Launched, fetch, logprob_bucket
 from paxpage.output_processor import NewToken, OutputProcessor, Request
 from paxpage.outputs import RequestOutput, StreamDelta
@@ -46,21 +50,27 @@ KV_SAMPLE_EVERY = 8
 
 class LLMEngine:
     def __init__(self, model_cfg: ModelConfig, params, tokenizer, config: EngineConfig | None = None,
-                 *, mesh=None):
+                 *, mesh=None, runner: ModelRunner | None = None, loras: Mapping[str, Any] | None = None):
         """`mesh`: the 1-D ("model",) mesh of this engine's devices when it is one data-parallel
-        replica (paxpage/data_parallel.py builds them); by default the config's own mesh."""
+        replica (paxpage/data_parallel.py builds them); by default the config's own mesh.
+        `runner`: an existing engine's runner (weights, compiled steps) to start afresh on; see
+        `rebuilt`. `loras`: name -> models.lora.LoraAdapter, the adapters requests may name
+        (read at each request: adapters loaded later are seen; needs max_loras > 0)."""
         compile_counter.install()
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
-        cfg = (config or EngineConfig()).resolve(model_cfg)
-        if mesh is None and cfg.is_parallel:
-            from paxpage.mesh import replica_meshes
+        fresh = runner is None
+        if fresh:
+            cfg = (config or EngineConfig()).resolve(model_cfg)
+            if mesh is None and cfg.is_parallel:
+                from paxpage.mesh import replica_meshes
 
-            if cfg.data_parallel_size > 1:
-                raise ValueError(f"data_parallel_size is {cfg.data_parallel_size}; one LLMEngine is one "
-                                 "replica: use paxpage.generate / stream / AsyncEngine, or give mesh=")
-            mesh = replica_meshes(cfg.tensor_parallel_size, 1, cfg.mesh)[0]
-        self.runner = ModelRunner(model_cfg, params, cfg, mesh)
+                if cfg.data_parallel_size > 1:
+                    raise ValueError(f"data_parallel_size is {cfg.data_parallel_size}; one LLMEngine is one "
+                                     "replica: use paxpage.generate / stream / AsyncEngine, or give mesh=")
+                mesh = replica_meshes(cfg.tensor_parallel_size, 1, cfg.mesh)[0]
+            runner = ModelRunner(model_cfg, params, cfg, mesh)
+        self.runner = runner
         # num_pages is set now (on GPU / TPU maybe from the device's free memory)
         self.config = cfg = self.runner.cfg
         if jax.process_count() > 1:  # multi-host: every device call also runs on the followers
@@ -92,6 +102,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, cfg.max_model_len)
         self._request_ids = itertools.count()
+        self._embeds: dict[int, EmbeddingRequest] = {}  # live embedding requests by request id
         self._seq_ids = itertools.count()
         self._beams = beam_lib.BeamCoordinator(self.scheduler, self.outputs, self.new_sequence)
         self._inflight: Launched | None = None  # async scheduling: the step still on the device
@@ -103,13 +114,28 @@ class LLMEngine:
         self._spec_max_batch = cfg.resolved_speculative_max_batch
         self._draft_dists = None  # this step's Proposals.draft_dists, when the proposer gives them
         self._grammars: GrammarBackend | None = None  # built by the first structured request
+        self._grammars_lock = threading.Lock()
         # the running sequences' sampling parameters, one slot each, kept between steps
         self._sampling = SamplingBatch(model_cfg.vocab_size, self.eos_token_ids, token_width=cfg.max_model_len,
                                        pending_token=PENDING_TOKEN)  # token_width caps the penalty-token width
 
+        self.loras = loras if loras is not None else {}
+        if cfg.max_loras:
+            self.scheduler.lora_slots = LoraSlots(cfg.max_loras, self.runner.load_lora)
+
         self.precompiled: tuple[int, float] | None = None  # (shapes, seconds) once precompile() ran
-        if self.config.precompile:
+        if self.config.precompile and fresh:  # a rebuilt engine's runner has its steps compiled
             self.precompile()
+
+    def rebuilt(self) -> "LLMEngine":
+        """A fresh engine on this one's weights and compiled steps, with an empty KV pool and no
+        requests: what the engine loop runs after a step failed (this engine is then unusable).
+        Not for multi-host engines, whose followers would have to rebuild in step."""
+        if jax.process_count() > 1:
+            raise RuntimeError("a multi-host engine cannot be rebuilt in place")
+        self._inflight = None
+        self.runner.reset_state()
+        return LLMEngine(self.model_cfg, None, self.tokenizer, None, runner=self.runner, loras=self.loras)
 
     def describe_kv_cache(self) -> str:
         """One line: pages, tokens, GiB, and where the size came from."""
@@ -152,14 +178,17 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, index: int = 0,
-                    prompt: str | None = None, stream: bool = True) -> int:
+                    prompt: str | None = None, stream: bool = True, lora: str | None = None) -> int:
         """Queues a prompt; raises ValueError at once if it can never be served. Sampling fields
         that `params` leaves unset take the model's defaults (`self.sampling_defaults`).
         stream=False: `step` makes no deltas for it and lists it only in the step it finishes
-        (with none); read its result with `output` (vLLM's FINAL_ONLY)."""
+        (with none); read its result with `output` (vLLM's FINAL_ONLY). `lora`: the name of a
+        loaded LoRA adapter the request runs (None: the base model)."""
+        adapter = self.lora_adapter(lora)
         params = params.with_defaults(self.sampling_defaults)
         params.validate_for(self.model_cfg.vocab_size, self.config.max_model_len, len(prompt_ids),
                             prompt_token_ids=prompt_ids)
+        self._check_num_samples(params)
         matcher = self._matcher(params) if params.structured_outputs is not None else None
         request_id = next(self._request_ids)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -169,6 +198,7 @@ class LLMEngine:
                                                self.model_cfg.vocab_size, self.config)
             request.params = request.beam.row_params
         seq = self.new_sequence(prompt_ids, request.params.max_tokens, request_id)
+        seq.lora = adapter  # its children (n > 1, beams) inherit it when forked
         sample = self.outputs.new_sample(request, seq, seed)
         sample.matcher = matcher
         try:
@@ -182,19 +212,80 @@ class LLMEngine:
         self.stats.prompt_tokens += len(prompt_ids)
         return request_id
 
+    def add_embedding(self, prompt_ids: list[int], pooling: Pooling | str = "last", *, index: int = 0) -> int:
+        """Queues an embedding request (paxpage/embedding.py): the prompt is prefilled like any
+        other, never samples, and once its last chunk ran its pages are freed and the step that
+        ran it lists it, finished; read the vector with `output`. ValueError at once if the
+        prompt can never be served."""
+        pooling = Pooling.parse(pooling)
+        prompt_ids = [int(t) for t in prompt_ids]
+        vocab, max_len = self.model_cfg.vocab_size, self.config.max_model_len
+        if not 1 <= len(prompt_ids) < max_len:
+            raise ValueError(f"input has {len(prompt_ids)} tokens; an embedding input needs 1 to "
+                             f"{max_len - 1} (max_model_len {max_len} less one)")
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of range; the vocabulary has {vocab} tokens")
+        request_id = next(self._request_ids)
+        seq = self.new_sequence(prompt_ids, 1, request_id)
+        # mean pooling needs every token's state: no prefix-cache hit may skip one
+        seq.use_prefix_cache = pooling.kind != "mean"
+        self.scheduler.add(seq)  # raises ValueError for a request that can never fit
+        self._embeds[request_id] = EmbeddingRequest(request_id, index, prompt_ids, pooling, seq)
+        self.stats.prompt_tokens += len(prompt_ids)
+        return request_id
+
+    def lora_adapter(self, name: str | None):
+        """The loaded adapter `name` (None for None); ValueError naming the name and the limit
+        when this engine cannot run it."""
+        if name is None:
+            return None
+        if not isinstance(name, str):
+            raise TypeError(f"lora must be an adapter name (str) or None, got {type(name).__name__}")
+        adapter = self.loras.get(name)
+        if adapter is None:
+            raise ValueError(f"unknown LoRA adapter {name!r}; loaded adapters: {sorted(self.loras)}")
+        if not self.config.max_loras:
+            raise ValueError(f"request names LoRA adapter {name!r} but this engine's max_loras is 0; "
+                             "build it with max_loras >= 1")
+        if adapter.rank > self.config.max_lora_rank:
+            raise ValueError(f"LoRA adapter {name!r} has rank {adapter.rank}; max_lora_rank is "
+                             f"{self.config.max_lora_rank}")
+        return adapter
+
+    def _check_num_samples(self, params: SamplingParams) -> None:
+        """The n samples' first tokens are drawn in one step (n rows from the prompt's logits row)
+        and each sample then holds a KV page of its own: n beyond either bound could never run."""
+        limit = min(self.config.max_num_batched_tokens, self.config.num_pages)
+        if params.n > limit:
+            raise ValueError(f"n is {params.n}; this engine runs at most {limit} samples of one prompt "
+                             f"(max_num_batched_tokens {self.config.max_num_batched_tokens}, "
+                             f"num_pages {self.config.num_pages})")
+
     def _matcher(self, params: SamplingParams):
         """A fresh llguidance matcher for the request's structured_outputs (ValueError when the
         model has no usable tokenizer or the grammar does not compile against it)."""
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("structured_outputs needs the model's tokenizer; this model has none")
-            self._grammars = GrammarBackend(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids)
-        return self._grammars.matcher(params.structured_outputs)
+        return self.grammars().matcher(params.structured_outputs)
+
+    def grammars(self) -> GrammarBackend:
+        """The engine's grammar backend, built on first use; any thread may call it (and its
+        `compile`), e.g. to compile a request's grammar before submitting it."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured_outputs needs the model's tokenizer; this model has none")
+                self._grammars = GrammarBackend(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids)
+            return self._grammars
 
     def new_sequence(self, prompt_ids: list[int], max_tokens: int, request_id: int) -> Sequence:
         return Sequence(prompt_ids, max_tokens, seq_id=next(self._seq_ids), group_id=request_id)
 
     def abort(self, request_id: int) -> None:
+        embed = self._embeds.pop(request_id, None)
+        if embed is not None:
+            self.scheduler.abort(embed.seq.seq_id)
+            embed.finish_reason = "abort"
+            return
         _, seqs = self.outputs.abort(request_id)
         for seq in seqs:
             if seq.output_token_ids and seq.output_token_ids[-1] == PENDING_TOKEN:
@@ -205,9 +296,12 @@ class LLMEngine:
 
     def request(self, request_id: int) -> Request | None:
         """A live request (None once it finished or was aborted)."""
-        return self.outputs.get(request_id)
+        embed = self._embeds.get(request_id)
+        return embed if embed is not None else self.outputs.get(request_id)
 
-    def output(self, request: Request) -> RequestOutput:
+    def output(self, request: Request | EmbeddingRequest) -> RequestOutput | EmbeddingOutput:
+        if isinstance(request, EmbeddingRequest):
+            return request.output()
         if request.beam is not None:
             return self._beams.output(request, self.tokenizer)
         return self.outputs.output(request)
@@ -253,7 +347,8 @@ class LLMEngine:
                 self._inflight = launched
                 launched.decode = DecodeBatch.build(
                     launched.sched.scheduled, launched.rows, launched.counts, *launched.sampling_rows,
-                    self.runner.tables.slot, self.eos_token_ids, self.config.max_model_len)
+                    self.runner.tables.slot, self.eos_token_ids, self.config.max_model_len,
+                    lora=bool(self.config.max_loras))
                 self.stats.overlapped_steps += 1
             else:
                 deltas += self._complete(launched)
@@ -279,7 +374,7 @@ class LLMEngine:
         if grown:  # their new pages: the one changed entry of each table row
             tables.sync_many([seqs[i].seq_id for i in grown], [seqs[i].num_preemptions for i in grown],
                              [seqs[i].page_table for i in grown], [int(batch.positions[i]) for i in grown])
-        step_batch, prev_rows = self.runner.pack_decode(batch.table_slots, batch.positions)
+        step_batch, prev_rows = self.runner.pack_decode(batch.table_slots, batch.positions, batch.lora_slots)
         tensors = self._sampling.tensors(  # penalised rows: their outputs end in the pending token
             batch.sampling_slots, np.zeros(len(seqs), np.int64), batch.steps,
             lambda r: (batch.rows[r][0].prompt_ids, seqs[r].output_token_ids),
@@ -318,7 +413,7 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         # An in-flight step with no live request left carries only tokens to discard.
-        return len(self.outputs) > 0
+        return len(self.outputs) > 0 or bool(self._embeds)
 
     # ------------------------------------------------------------------ speculation
     def _speculating(self) -> bool:
@@ -335,7 +430,7 @@ class LLMEngine:
         k, max_len = self._proposer.num_speculative_tokens, self.config.max_model_len
         inputs = []
         for seq in self.scheduler.running:
-            if seq.num_uncomputed_tokens != 1 or seq.last_token_id == PENDING_TOKEN:
+            if seq.num_uncomputed_tokens != 1 or seq.last_token_id == PENDING_TOKEN or seq.group_id in self._embeds:
                 continue
             request, sample = self.outputs.lookup(seq.seq_id)
             if request.beam is not None or sample.matcher is not None or sample.finish_reason is not None \
@@ -374,15 +469,25 @@ class LLMEngine:
         rows, counts, row_drafts = [], [], []
         slots, offsets, steps = [], [], []
         num_logprobs = 0
+        pooling = []  # (embedding request, chunk start, whether it is the last chunk, pooled row)
         for item in sched.scheduled:
             seq = item.seq
+            embed = self._embeds.get(seq.group_id)
+            if embed is not None:  # an embedding's chunk: no logits row, maybe a pooled row
+                row = len(pooling) if embed.pools(item.start, item.end) else -1
+                plans.append(RowPlan(seq.tokens, seq.page_table, item.start, item.num_new_tokens, 0, 0,
+                                     seq.seq_id, seq.num_preemptions, pool_row=row,
+                                     pool_from=embed.pooling.first_pooled(len(embed.prompt_ids))))
+                if row >= 0:
+                    pooling.append((embed, item.start, item.end == seq.num_prompt_tokens, row))
+                continue
             request, sample = self.outputs.lookup(seq.seq_id)
             drafts = item.draft_token_ids
             if drafts:  # verify row: its last token and drafts, a logits row at each
                 num_samples = 1 + len(drafts)
                 plans.append(RowPlan(seq.token_ids + list(drafts), seq.page_table, item.start,
                                      item.num_new_tokens, num_samples, 0, seq.seq_id,
-                                     seq.num_preemptions, num_drafts=len(drafts)))
+                                     seq.num_preemptions, num_drafts=len(drafts), lora_slot=seq.lora_slot))
             else:
                 fork_now = item.samples and not request.forked
                 wants_prompt = sample.prompt_logprobs is not None and item.start < seq.num_prompt_tokens
@@ -390,7 +495,8 @@ class LLMEngine:
                 num_samples = (request.params.n if fork_now else 1) if item.samples else 0
                 plans.append(RowPlan(seq.tokens, seq.page_table, item.start, item.num_new_tokens, num_samples,
                                      seq.num_prompt_tokens if wants_prompt else 0, seq.seq_id,
-                                     seq.num_preemptions, inflight[seq.seq_id] if pending else -1))
+                                     seq.num_preemptions, inflight[seq.seq_id] if pending else -1,
+                                     lora_slot=seq.lora_slot))
             if not num_samples:
                 continue
             rows.append((request, sample, len(slots)))
@@ -425,13 +531,17 @@ class LLMEngine:
             (self.outputs.lookup(sched.scheduled[i].seq.seq_id)[0].params.prompt_logprobs or 0
              for i, _ in prompt_plan), default=0))
         prev_tokens = self._inflight.next_tokens if self._inflight is not None else None
-        logits = self.runner.forward(batch, prev_rows, prev_tokens)
+        pooled = None
+        if pooling:
+            logits, pooled = self.runner.forward_pooled(batch, prev_rows, prev_tokens)
+        else:
+            logits = self.runner.forward(batch, prev_rows, prev_tokens)
         if self._draft_hooks is not None:
             self._draft_hooks.on_step(batch, prev_rows, prev_tokens)
         step = Launched(sched, rows, counts, prompt_plan, None, None, None,
                         sampler_args=(batch, logits, tensors, num_logprobs, num_prompt_logprobs, prev_rows,
                                       prev_tokens),
-                        drafts=row_drafts, sampling_rows=(slots, steps))
+                        drafts=row_drafts, sampling_rows=(slots, steps), pooling=pooling, pooled=pooled)
         # Structured rows' bitmasks follow from every earlier token: with a step in flight they
         # are built once its tokens are read (step() does it), while the device runs this step's
         # model, and only its sampler waits for them.
@@ -476,7 +586,8 @@ class LLMEngine:
         rows overlap too: the next step's bitmasks wait for these tokens, but only its sampler
         does (see `_launch`), not its model. While speculation is on (few sequences run, see
         `_speculating`) no step stays in flight: proposals need every last token on the host."""
-        if not self.config.async_scheduling or step.prompt_plan or step.speculates or self._speculating():
+        if not self.config.async_scheduling or step.prompt_plan or step.pooling or step.speculates \
+                or self._speculating():
             return False
         return all(request.beam is None and count == 1 for (request, _, _), count in zip(step.rows, step.counts))
 
@@ -517,9 +628,11 @@ class LLMEngine:
     def _complete(self, step: "Launched") -> list[tuple[Request, list[StreamDelta]]]:
         """The synchronous path: waits for the step's tokens, then books them."""
         t = time.perf_counter()
-        result, prompt_result, accepted = fetch((step.result, step.prompt_result, step.accepted))
+        result, prompt_result, accepted, pooled = fetch((step.result, step.prompt_result, step.accepted,
+                                                         step.pooled))
         self.stats.device_seconds += time.perf_counter() - t
         sched = step.sched
+        embedded = self._pool(step.pooling, pooled)
         for j, (plan_index, position) in enumerate(step.prompt_plan):
             self.outputs.record_prompt_logprobs(
                 sched.scheduled[plan_index].seq, position, prompt_result.target_logprobs[j],
@@ -577,7 +690,22 @@ class LLMEngine:
             if not seq.is_finished:
                 self._proposer.on_verified(seq.seq_id, seq.num_tokens)
         deltas += self._beams.apply(self.tokenizer)  # forks, dropped beams, finished beam requests
-        return deltas
+        return deltas + embedded
+
+    def _pool(self, pooling, pooled) -> list[tuple[EmbeddingRequest, list]]:
+        """Adds a step's pooled rows to their embedding requests; those whose last chunk ran
+        finish (their pages are freed before `scheduler.update`, which then skips them)."""
+        done = []
+        for embed, start, last, row in pooling:
+            if embed.finished:  # aborted while the step ran
+                continue
+            embed.add(start, pooled[row])
+            if last:
+                embed.finish()
+                self.scheduler.finish(embed.seq, "stop")
+                del self._embeds[embed.request_id]
+                done.append((embed, []))
+        return done
 
     def _process(self, new_tokens: list[NewToken], result) -> list[tuple[Request, list[StreamDelta]]]:
         deltas, to_finish = self.outputs.process(new_tokens, result)

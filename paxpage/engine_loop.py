@@ -7,7 +7,14 @@ calls from its thread), so callers never see each other's outputs, and a caller 
 only has to `abort` its ids: their pages are freed before the next step.
 
 Sinks receive, in order: `StreamDelta`s (when the request streams), then exactly one final
-item: the request's `RequestOutput`, or an exception (`EngineDeadError` when the loop died).
+item: the request's `RequestOutput` (`EmbeddingOutput` for an embedding request), or an
+exception (`EngineStepError` when a step failed under it, `EngineDeadError` when the loop died).
+
+A step that raises (a device fault, out of memory) fails every request then live with an
+`EngineStepError` naming the failure. With `restart_on_error`, the loop then rebuilds its engine
+(`LLMEngine.rebuilt`: same weights and compiled steps, an empty KV pool) and goes on serving;
+at most `max_restarts_per_minute` times in any minute, after which it stays down and says why.
+Requests that finished before the failure were delivered already and are not touched.
 The sync API (api.py), the asyncio front end (async_engine.py) and the HTTP server are all
 clients of this loop.
 """
@@ -16,23 +23,32 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import gc
 import itertools
+import logging
 import threading
 import time
 import weakref
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from paxpage.embedding import EmbeddingOutput, Pooling
 from paxpage.engine import LLMEngine
 from paxpage.outputs import RequestOutput, StreamDelta
 from paxpage.sampling_params import SamplingParams
 
 Sink = Callable[[Any], None]
+log = logging.getLogger("paxpage")
 _LOOPS: "weakref.WeakSet[EngineLoop]" = weakref.WeakSet()  # shut down at interpreter exit
+FINAL_OUTPUTS = (RequestOutput, EmbeddingOutput)  # what a request's last item is, unless an error
 
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped after an error (or was shut down); no request can run on it."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step failed while this request was live; the request ended with it."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -54,6 +70,8 @@ class Submission:
     prompt: str | None = None
     index: int = 0  # reported back as the outputs' `index`
     stream: bool = True  # False: the sink gets only the final output
+    pooling: Pooling | None = None  # set: an embedding request (`params` unused, stream False)
+    lora: str | None = None  # a loaded LoRA adapter's name; None: the base model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +88,13 @@ class EngineSnapshot:
     alive: bool
     error: str | None
     seconds_since_progress: float  # 0 while idle (no live request)
+    recovering: str | None = None  # the failure the engine is being rebuilt after, while it is
+    num_restarts: int = 0  # engine rebuilds after failed steps, since the loop started
+    # requests, since the loop started: received = finished + aborted + failed + live ones
+    num_received: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    num_failed: int = 0
 
 
 @dataclasses.dataclass
@@ -79,12 +104,23 @@ class _Live:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None):
+    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None,
+                 restart_on_error: bool = False, max_restarts_per_minute: int = 3):
         if max_waiting_requests is not None and (not isinstance(max_waiting_requests, int)
                                                  or max_waiting_requests < 1):
             raise ValueError(f"max_waiting_requests must be a positive int or None, got {max_waiting_requests!r}")
+        if isinstance(max_restarts_per_minute, bool) or not isinstance(max_restarts_per_minute, int) \
+                or max_restarts_per_minute < 0:
+            raise ValueError(f"max_restarts_per_minute must be an int >= 0, got {max_restarts_per_minute!r}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.restart_on_error = bool(restart_on_error)
+        self.max_restarts_per_minute = max_restarts_per_minute
+        self._restarts: list[float] = []  # monotonic times of the rebuilds in the last minute
+        self._num_restarts = 0
+        self._recovering: str | None = None
+        self._requests = {"received": 0, "finished": 0, "aborted": 0, "failed": 0}  # loop thread
+        self._totals = {"prompt_tokens": 0, "generation_tokens": 0, "num_preemptions": 0, "num_steps": 0}
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, Any]] = []  # guarded by _cv
         self._num_pending_adds = 0  # submissions in the inbox, guarded by _cv
@@ -139,17 +175,24 @@ class EngineLoop:
             generation_tokens=counts["generation_tokens"], num_preemptions=counts["num_preemptions"],
             num_steps=counts["num_steps"], alive=self.alive,
             error=None if self._error is None else repr(self._error),
-            seconds_since_progress=time.monotonic() - self._last_progress if busy else 0.0)
+            seconds_since_progress=time.monotonic() - self._last_progress if busy else 0.0,
+            recovering=self._recovering, num_restarts=self._num_restarts,
+            num_received=counts["received"], num_finished=counts["finished"],
+            num_aborted=counts["aborted"], num_failed=counts["failed"])
 
     def _publish(self) -> None:
         """On the loop thread: O(1) counters for `snapshot`, replaced as one dict."""
         engine, scheduler = self.engine, self.engine.scheduler
+        totals = self._totals  # of the engines that failed before this one
         self._counts = {
             "num_live": len(self._live), "num_running": scheduler.num_running,
             "num_waiting": scheduler.num_waiting,
             "kv_cache_usage": scheduler.page_manager.num_used_pages / engine.config.num_pages,
-            "prompt_tokens": engine.stats.prompt_tokens, "generation_tokens": engine.stats.generated_tokens,
-            "num_preemptions": scheduler.num_preemptions, "num_steps": engine.stats.steps,
+            "prompt_tokens": totals["prompt_tokens"] + engine.stats.prompt_tokens,
+            "generation_tokens": totals["generation_tokens"] + engine.stats.generated_tokens,
+            "num_preemptions": totals["num_preemptions"] + scheduler.num_preemptions,
+            "num_steps": totals["num_steps"] + engine.stats.steps,
+            **self._requests,
         }
 
     @property
@@ -190,7 +233,10 @@ class EngineLoop:
                 if commands:
                     self._publish()
                 if self._live:
-                    self._step()
+                    try:
+                        self._step()
+                    except Exception as exc:  # noqa: BLE001 - fail the live requests, maybe rebuild
+                        self._recover(exc)
                     self._publish()
         except BaseException as exc:  # noqa: BLE001 - every live caller must hear of it
             self._error = exc
@@ -205,11 +251,15 @@ class EngineLoop:
             for sub in submissions:
                 if sub.request_id in self._live:
                     raise ValueError(f"request_id {sub.request_id!r} is already running")
-                engine_id = self.engine.add_request(sub.prompt_token_ids, sub.params, index=sub.index,
-                                                    prompt=sub.prompt, stream=sub.stream)
+                if sub.pooling is not None:
+                    engine_id = self.engine.add_embedding(sub.prompt_token_ids, sub.pooling, index=sub.index)
+                else:
+                    engine_id = self.engine.add_request(sub.prompt_token_ids, sub.params, index=sub.index,
+                                                        prompt=sub.prompt, stream=sub.stream, lora=sub.lora)
                 self._live[sub.request_id] = _Live(sub, engine_id)
                 self._by_engine_id[engine_id] = sub.request_id
                 added.append(sub)
+                self._requests["received"] += 1
         except Exception as exc:  # noqa: BLE001 - handed to the caller
             for sub in added:
                 self._drop(sub.request_id)
@@ -228,6 +278,7 @@ class EngineLoop:
                 continue
             request = self.engine.request(live.engine_id)
             self._drop(request_id)
+            self._requests["aborted"] += 1
             if request is None:
                 continue
             output = self.engine.output(request)
@@ -259,13 +310,49 @@ class EngineLoop:
             if request.finished:
                 self._live.pop(request_id)
                 self._by_engine_id.pop(request.request_id)
+                self._requests["finished"] += 1
                 self._send(sub, self.engine.output(request))
+
+    def _recover(self, exc: Exception) -> None:
+        """A step raised. Restarts off: `exc` stops the loop. On: every live request ends with an
+        EngineStepError naming `exc`, then the engine is rebuilt, unless that would pass
+        max_restarts_per_minute: then the loop stops, saying so."""
+        if not self.restart_on_error:
+            raise exc  # the loop stops; its live requests get EngineDeadError
+        reason = f"{type(exc).__name__}: {exc}"
+        failure = EngineStepError(f"the engine step failed: {reason}")
+        failure.__cause__ = exc
+        live, self._live, self._by_engine_id = self._live, {}, {}
+        self._requests["failed"] += len(live)
+        for item in live.values():
+            self._send(item.submission, failure)
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < 60.0]
+        if len(self._restarts) >= self.max_restarts_per_minute:
+            raise EngineDeadError(f"the engine step failed ({reason}) after {len(self._restarts)} restarts in "
+                                  f"the last minute; max_restarts_per_minute is {self.max_restarts_per_minute}, "
+                                  "so the engine stays down") from exc
+        log.error("paxpage: engine step failed (%s); rebuilding the engine", reason, exc_info=exc)
+        self._recovering = reason
+        old = self.engine
+        for name in self._totals:
+            self._totals[name] = self._counts[name]
+        try:
+            engine = old.rebuilt()
+            del old
+            gc.collect()  # the failed step's buffers, before the next one allocates
+        finally:
+            self._recovering = None
+        self.engine = engine
+        self._restarts.append(now)
+        self._num_restarts += 1
+        self._last_progress = time.monotonic()
 
     def _send(self, sub: Submission, item: Any) -> None:
         try:
             sub.sink(item)
         except Exception:  # noqa: BLE001 - a broken channel (closed event loop) aborts its request
-            if not isinstance(item, (RequestOutput, BaseException)):
+            if not isinstance(item, (*FINAL_OUTPUTS, BaseException)):
                 self._drop(sub.request_id)
 
     def _close(self) -> None:
@@ -279,6 +366,7 @@ class EngineLoop:
         for kind, payload in commands:
             if kind == "add" and payload[1].set_running_or_notify_cancel():
                 payload[1].set_exception(error)
+        self._requests["failed"] += len(self._live)
         for request_id in list(self._live):
             sub = self._live[request_id].submission
             try:
@@ -286,6 +374,11 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - the engine may be broken; the callers must still hear
                 pass
             self._send(sub, error)
+
+
+def live_loops() -> list[EngineLoop]:
+    """The loops of this process that have not been garbage-collected."""
+    return list(_LOOPS)
 
 
 @atexit.register

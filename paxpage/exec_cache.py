@@ -111,6 +111,9 @@ def _describe_sharding(s) -> str:
     return f"{type(s).__name__}:{s}"
 
 
+_MAGIC = b"paxpage-exe-1\n"  # then the sha256 of the pickled (blob, in_tree, out_tree), then those bytes
+
+
 def default_directory() -> str:
     """paxpage's cache directory + /executables (`paxpage cache` shows and empties it)."""
     from models.cache import EXECUTABLES_DIR, cache_dir
@@ -152,7 +155,14 @@ class ExecutableCache:
         t = time.perf_counter()
         try:
             with open(path, "rb") as f:
-                blob, in_tree, out_tree = pickle.load(f)
+                data = f.read()
+            # A damaged file never reaches pickle or XLA's deserialiser, which can abort the
+            # process on bytes it cannot parse: its digest is checked first.
+            start = len(_MAGIC) + 32
+            digest, body = data[len(_MAGIC):start], data[start:]
+            if not data.startswith(_MAGIC) or hashlib.sha256(body).digest() != digest:
+                raise ValueError("the file's digest does not match its contents")
+            blob, in_tree, out_tree = pickle.loads(body)
             compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
         except Exception as e:  # a stale or damaged file: compile as if it were not there
             log.warning("paxpage: executable cache: cannot load %s (%s: %s); compiling instead",
@@ -167,7 +177,8 @@ class ExecutableCache:
 
         try:
             blob, in_tree, out_tree = serialize_executable.serialize(compiled)
-            data = pickle.dumps((blob, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
+            body = pickle.dumps((blob, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
+            data = _MAGIC + hashlib.sha256(body).digest() + body
             os.makedirs(self.directory, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
             try:

@@ -38,6 +38,10 @@ class Launched:
     sampling_rows: tuple[list[int], list[int]] = ((), ())
     # while in flight: the rows as a steady decode batch, when they are plain (decode_batch.py)
     decode: DecodeBatch | None = None
+    # embedding chunks: (EmbeddingRequest, chunk start, last chunk, pooled row), and the step's
+    # pooled hidden states f32[R, H] (device) that those rows index
+    pooling: list = dataclasses.field(default_factory=list)
+    pooled: object = None
 
     @property
     def speculates(self) -> bool:

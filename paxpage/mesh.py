@@ -74,11 +74,16 @@ def place(x, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def place_params(params, mesh: Mesh, plan: ShardingPlan):
+def place_abstract(x, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    """`place` for ahead-of-time compilation: the shape, dtype and sharding, no array."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def place_params(params, mesh: Mesh, plan: ShardingPlan, place_fn=place):
     from paxpage.sharding import param_specs
 
     specs = param_specs(plan, params)
-    return jax.tree.map(lambda x, spec: place(x, NamedSharding(mesh, spec)), params, specs,
+    return jax.tree.map(lambda x, spec: place_fn(x, NamedSharding(mesh, spec)), params, specs,
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
@@ -105,8 +110,9 @@ def shard_attention(attention, write_kv, mesh: Mesh, plan: ShardingPlan, kv_cach
     q_spec, kv_spec, pool_spec = plan.spec(Q_AXES), plan.spec(NEW_KV_AXES), plan.kv_cache_spec(kv_cache_dtype)
     rep = PartitionSpec()
 
-    def sharded_attention(q, kv_pages, page_indices, kv_lens, q_lens, *, sm_scale):
-        local = functools.partial(attention, sm_scale=sm_scale)
+    def sharded_attention(q, kv_pages, page_indices, kv_lens, q_lens, *, sm_scale, **masking):
+        # masking: the layer's sliding_window / soft_cap, static per layer like sm_scale
+        local = functools.partial(attention, sm_scale=sm_scale, **masking)
         return shard_map(local, mesh=mesh, in_specs=(q_spec, pool_spec, rep, rep, rep),
                          out_specs=q_spec)(q, kv_pages, page_indices, kv_lens, q_lens)
 
@@ -130,19 +136,25 @@ def _host_array(x, dtype=None):
     return np.asarray(x) if dtype is None else np.asarray(x).astype(dtype)
 
 
+def _abstract_array(x, dtype=None):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype if dtype is None else dtype)
+
+
 def shard_runner_state(model_cfg, params, dtype, mesh: Mesh, attention, write_kv, kv_cache_dtype: str = "auto",
-                       stacked_pool: bool = False):
+                       stacked_pool: bool = False, abstract: bool = False):
     """What ModelRunner needs on a tensor-parallel mesh: (model config the step runs, plan,
     sharded params, the KV cache's sharding, a pytree like one layer's cache (each layer's
     cache: `cache_zeros(shape, kv_cache_dtype, dtype, it)`; with stacked_pool the one stacked
     [2, L, P, ...] cache), attention and write_kv under shard_map, jit kwargs of the step, jit
     kwargs of the page copy). Stacked layer params (models/layer_stack.py) keep their leading
-    layer axis unsharded."""
+    layer axis unsharded. abstract: `params` may be jax.ShapeDtypeStructs and the params come back
+    as ShapeDtypeStructs with their shardings (nothing placed: ahead-of-time compilation)."""
     from paxpage.sharding import replicate_kv_heads
 
     plan = ShardingPlan.for_model(model_cfg, mesh.shape[MODEL_AXIS])
-    params = cast_params(params, dtype, to_array=_host_array)  # quantised: int8 values, f32 scales
-    params = place_params(replicate_kv_heads(plan, model_cfg, params), mesh, plan)
+    to_array, place_fn = (_abstract_array, place_abstract) if abstract else (_host_array, place)
+    params = cast_params(params, dtype, to_array=to_array)  # quantised: int8 values, f32 scales
+    params = place_params(replicate_kv_heads(plan, model_cfg, params), mesh, plan, place_fn)
     model_cfg = plan.sharded_model_config(model_cfg)
     pool = jax.tree.map(lambda spec: NamedSharding(mesh, spec), plan.kv_cache_spec(kv_cache_dtype, stacked_pool),
                         is_leaf=lambda x: isinstance(x, PartitionSpec))

@@ -9,7 +9,7 @@ Allocation order (deterministic, tested): free pages lowest id first; only when 
 in LRU order (least recently released first), which drops them from the prefix cache.
 
 Prefix caching: a FULL, computed page is keyed by hash((parent_key, tuple(its token ids))), parent_key of the
-first page = None, so a key names the whole prefix. The manager also stores (parent_key, tokens) per cached
+first page = the sequence's `prefix_root` (None, or its LoRA adapter), so a key names the whole prefix. The manager also stores (parent_key, tokens) per cached
 page and compares them on lookup, so a hash collision is a miss, never wrong K/V. Cached pages are immutable;
 only a sequence's last, partial page is ever written. A sequence frees its pages last-page-first, so the tail
 of a prefix chain is evicted before its head (a head without its tail is still useful; a tail without its
@@ -265,7 +265,7 @@ class PageManager:
         assert (index + 1) * self.page_size <= seq.num_tokens, "only full pages have keys"
         while len(keys) <= index:
             j = len(keys)
-            parent = keys[j - 1] if j else None
+            parent = keys[j - 1] if j else seq.prefix_root
             keys.append(hash((parent, seq.page_tokens(j, self.page_size))))
         return keys[index]
 
@@ -275,7 +275,7 @@ class PageManager:
         if not self.enable_prefix_caching or not seq.use_prefix_cache:
             return []
         pages: list[int] = []
-        parent = None
+        parent = seq.prefix_root
         for i in range((seq.num_tokens - 1) // self.page_size):
             key = self._key(seq, i)
             page = self._key_to_page.get(key)
@@ -315,7 +315,7 @@ class PageManager:
             key = self._key(seq, i)
             if key in self._key_to_page:
                 continue
-            parent = seq.page_keys[i - 1] if i else None
+            parent = seq.page_keys[i - 1] if i else seq.prefix_root
             self._key_to_page[key] = page
             self._page_key[page] = key
             self._page_content[page] = (parent, seq.page_tokens(i, self.page_size))

@@ -24,7 +24,7 @@ from models.config import ModelConfig
 from models import layer_stack, param_forms
 from models.families import build_model
 from pallas_kernels import kv_quant
-from paxpage import attention_impl, kv_sizing
+from paxpage import attention_impl, kv_sizing, lora_slab
 from paxpage import sampler as sampler_lib
 from paxpage.batch import StepBatch
 from paxpage.config import ResolvedConfig
@@ -34,10 +34,21 @@ from paxpage.page_tables import PageTables
 log = logging.getLogger("paxpage")
 
 
-# Decode rows are padded to at least this many: a decode step's cost barely grows with its first
-# few rows (it reads every weight once either way), and 1 and 2 rows would be two more shapes
-# for every prefill-row count.
+# Decode rows are padded to at least this many: on accelerators a decode step's cost barely
+# grows with its first few rows (it reads every weight once either way), and 1 and 2 rows would
+# be two more shapes for every prefill-row count. See `decode_rows` for the one exception.
 MIN_DECODE_ROWS = 4
+
+
+def decode_rows(num_decodes: int, num_prefill_rows: int, single_row: bool) -> int:
+    """Decode-row bucket of a step with these real decode and prefill rows. With `single_row`
+    (the CPU backend) a step of one decode row and no prefill keeps its one row: XLA CPU runs a
+    one-row matmul as a matrix-vector product, and SmolLM2's decode matmuls cost ~3x less CPU
+    time at 1 row than at 4 (~20 against ~65 ms per step on a 2-core AMD EPYC), so a lone
+    sequence decodes ~3x cheaper for one more compiled shape. Every other step pads as `bucket`."""
+    if single_row and num_decodes == 1 and num_prefill_rows == 0:
+        return 1
+    return bucket(num_decodes, MIN_DECODE_ROWS)
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -75,30 +86,54 @@ class RowPlan:
     # Speculative decoding: the last num_drafts tokens are drafts; each of the row's last
     # num_drafts + 1 positions gets a logits row (num_samples == num_drafts + 1), in order.
     num_drafts: int = 0
+    # Embedding requests: the pooled-output row (< the step's logits rows) that this row's tokens
+    # at positions >= pool_from add their final-normed hidden states into; -1: none.
+    pool_row: int = -1
+    pool_from: int = 0
+    lora_slot: int = -1  # the sequence's LoRA slab slot; -1: the base model
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, params, cfg: ResolvedConfig, mesh=None):
+    def __init__(self, model_cfg: ModelConfig, params, cfg: ResolvedConfig, mesh=None, *, abstract: bool = False):
         """`params`: the model's per-layer params, or a models.param_forms.ParamForms whose
         runners share one cast / stacked copy (what paxpage.Model passes).
         `mesh`: a 1-D ("model",) jax Mesh to split weights and the KV pool over (tensor
         parallelism, paxpage/sharding.py); None runs on the default device, as before.
         `cfg.num_pages` None: the pool is sized from the device's free memory once the weights
-        are placed (kv_sizing.py)."""
+        are placed (kv_sizing.py).
+        `abstract`: for ahead-of-time compilation (`lower_step`; scripts/tpu_compile_check.py):
+        `params` may be jax.ShapeDtypeStructs, nothing is placed or allocated, and `params` and
+        `kv_cache` are ShapeDtypeStructs (with their shardings on a mesh; without a mesh the step
+        compiles for jax's default device). Needs cfg.num_pages; such a runner cannot run."""
+        if abstract and (cfg.num_pages is None or cfg.executable_cache_dir is not None):
+            raise ValueError("an abstract ModelRunner needs num_pages set and no executable_cache_dir; got "
+                             f"num_pages={cfg.num_pages!r}, executable_cache_dir={cfg.executable_cache_dir!r}")
+        self.abstract = abstract
         self.model_cfg = model_cfg
         self.cfg = cfg
         self.mesh = mesh
+        self.single_row_decode = cfg.backend == "cpu"  # decode_rows: the compile target's backend, not this host's
         dtype = jnp.dtype(cfg.dtype)
         impl = attention_impl.resolve(cfg.attention_impl)
         if impl != cfg.attention_impl:  # what runs: the step's code and the executable cache's key
             self.cfg = cfg = dataclasses.replace(cfg, attention_impl=impl)
-        attention, write_kv = attention_impl.functions(impl)
+        backend = cfg.backend if cfg.backend != "cpu" else None
+        family = backend or attention_impl.kernel_family(impl)
+        if cfg.batch_invariant and impl != "native" and family != "gpu":
+            raise ValueError("batch_invariant needs the native CPU attention or the Pallas GPU kernel; "
+                             f"attention_impl resolved to {impl!r}")
+        attention, write_kv = attention_impl.functions(impl, backend, cfg.batch_invariant)
         self._pool_sharding = None  # None: the default device
         # Scanned layers (models/layer_stack.py): the params are stacked and the pool is one
         # stacked [2, L, P, ...] array instead of a list of L pools.
         self.scanned = cfg.scan_period > 0
         num_layers = model_cfg.num_layers
-        if mesh is None:
+        if mesh is None and abstract:
+            self.params = jax.eval_shape(functools.partial(param_forms.make_form, num_layers=num_layers,
+                                                           period=cfg.scan_period, dtype=dtype.name),
+                                         param_forms.per_layer(params))
+            step_shardings = copy_shardings = {}
+        elif mesh is None:
             # Cast (and stacked) once per model: runners of one ParamForms share the arrays.
             self._param_form = param_forms.runner_params(params, num_layers, cfg.scan_period, dtype)
             self.params = self._param_form.tree
@@ -108,19 +143,23 @@ class ModelRunner:
 
             params = param_forms.per_layer(params)
             if self.scanned:
-                params = layer_stack.host_stack(params, num_layers, cfg.scan_period)
+                params = (layer_stack.stack_layers(params, num_layers, cfg.scan_period, stack=_stack_abstract)
+                          if abstract else layer_stack.host_stack(params, num_layers, cfg.scan_period))
             (model_cfg, self.plan, self.params, self._pool_sharding, attention, write_kv, step_shardings,
              copy_shardings) = mesh_lib.shard_runner_state(model_cfg, params, dtype, mesh, attention, write_kv,
-                                                           cfg.kv_cache_dtype, stacked_pool=self.scanned)
+                                                           cfg.kv_cache_dtype, stacked_pool=self.scanned,
+                                                           abstract=abstract)
         self.step_model_cfg = model_cfg  # the config the step runs (sharded: KV heads maybe replicated)
-        self.model = build_model(model_cfg, attention, write_kv, dtype, scan_period=cfg.scan_period)
+        self.model = build_model(model_cfg, attention, write_kv, dtype, scan_period=cfg.scan_period,
+                                 batch_invariant=cfg.batch_invariant)
         # The model step and the sampler compile separately: sampler options (logprob widths,
         # penalty lists) then never recompile the model, and a new batch shape reuses the
         # sampler. Logits stay on device between the two calls.
         self.tables = PageTables(cfg.pages_per_seq, cfg.page_size)
         # The most sampling rows a step that can stay in flight has (one per sequence row).
         self.max_logits_rows = max(bucket(dec + pre) for dec, pre in self.step_shapes())
-        self._no_prev_tokens = jnp.zeros(self.max_logits_rows, jnp.int32)
+        self._no_prev_tokens = (jax.ShapeDtypeStruct((self.max_logits_rows,), jnp.int32) if abstract
+                                else jnp.zeros(self.max_logits_rows, jnp.int32))
         self._decode_consts: dict[tuple[int, int], tuple] = {}  # see _decode_constants
         # Sharded: the pool keeps its sharding across steps (out_shardings), so a step never
         # reshards it or recompiles; logits come back replicated for the sampler.
@@ -149,11 +188,45 @@ class ModelRunner:
                                for name, fn in self._calls.items()}
             else:  # sharded or multi-host executables are not serialised: the plain jit path
                 log.info("paxpage: the executable cache is for single-device engines; not used here")
+        # Steps with embedding rows (batch.pool_rows set) also return the pooled hidden states;
+        # they compile on first use and are not in the executable cache.
+        pool_shardings = {}
+        if step_shardings:
+            outs = step_shardings["out_shardings"]
+            pool_shardings = {"out_shardings": (*outs, outs[1])}
+        self._calls["pool_step"] = jax.jit(functools.partial(self._forward, pooled=True), donate_argnums=(1,),
+                                           **pool_shardings)
+        # LoRA (paxpage/lora_slab.py): max_loras slots of stacked A / B, merged into the params the
+        # step takes. None without LoRA: the step and its params are exactly the base model's.
+        self.lora_slab = None
+        self._step_params = self.params
+        if cfg.max_loras:
+            zeros = functools.partial(lora_slab.zeros, self.model_cfg, cfg.max_loras, cfg.max_lora_rank, dtype,
+                                      cfg.scan_period)
+            if mesh is not None:  # split with its layers' kernels (sharding.PARAM_AXES)
+                from paxpage import mesh as mesh_lib
+
+                self.lora_slab = mesh_lib.place_params(self._widen_kv(jax.eval_shape(zeros)), mesh, self.plan,
+                                                       mesh_lib.place_abstract if abstract else _sharded_zeros)
+            else:
+                self.lora_slab = jax.eval_shape(zeros) if abstract else zeros()
+            self._step_params = lora_slab.merge(self.params, self.lora_slab)
+            shardings = ({} if mesh is None else
+                         {"out_shardings": jax.tree.map(lambda x: x.sharding, self.lora_slab)})
+            self._write_lora = jax.jit(lora_slab.write_slot, donate_argnums=(0,), **shardings)
         self.memory_budget: kv_sizing.MemoryBudget | None = None  # when sized from device memory
         if cfg.num_pages is None:
             num_pages = self._pages_from_memory()
             self.cfg = cfg = dataclasses.replace(self.cfg, num_pages=num_pages)
-        self.kv_cache = self._pool(cfg.num_pages, dtype)
+        self.kv_cache = self._pool(cfg.num_pages, dtype, self._abstract_cache if abstract else None)
+
+    def reset_state(self) -> None:
+        """A fresh, empty KV pool and page tables in place of the current ones (a failed step may
+        have consumed the pool: it is donated to each step). The old pool is released first, so
+        a pool that fitted once fits again."""
+        self.kv_cache = None
+        self.kv_cache = self._pool(self.cfg.num_pages, jnp.dtype(self.cfg.dtype))
+        self.tables = PageTables(self.cfg.pages_per_seq, self.cfg.page_size)
 
     def _pool(self, num_pages: int, dtype, make=None):
         """The KV cache of num_pages pages per layer: a list of L caches (each a [2, P, page_size, K, D]
@@ -196,21 +269,11 @@ class ModelRunner:
         four MLP-wide activations per token."""
         row_len = self.cfg.prefill_row_len
         dec, pre = max(self.step_shapes(), key=lambda s: (s[0] + s[1] * row_len, s[0] + s[1]))
-        batch = self._padding_batch(dec, pre)
         m = self.step_model_cfg
-        num_tokens = batch.token_ids.shape[0]
+        num_tokens = dec + pre * row_len
         estimate = num_tokens * (m.vocab_size + 4 * m.intermediate_size) * 4
-        def abstract(shape, dtype):
-            cache = jax.eval_shape(lambda: kv_quant.zeros(shape, self.cfg.kv_cache_dtype, dtype))
-            if self._pool_sharding is None:
-                return cache
-            return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                cache, self._pool_sharding)
-
-        pool = self._pool(self.cfg.pages_per_seq + 1, jnp.dtype(self.cfg.dtype), abstract)
         try:
-            compiled = self._step.lower(self.params, pool, batch,
-                                        np.full(num_tokens, -1, np.int32), self._no_prev_tokens).compile()
+            compiled = self.lower_step(dec, pre, self.cfg.pages_per_seq + 1).compile()
             stats = compiled.memory_analysis()
         except Exception as e:  # a backend that cannot compile or analyse it: estimate
             log.warning("paxpage: cannot measure the step's memory (%s: %s); assuming %d bytes",
@@ -221,14 +284,75 @@ class ModelRunner:
         return max(0, int(stats.temp_size_in_bytes) + int(stats.output_size_in_bytes)
                    - int(stats.alias_size_in_bytes))
 
-    def _forward(self, params, kv_cache, batch: StepBatch, prev_rows, prev_tokens):
+    def _abstract_cache(self, shape, dtype):
+        """One layer's cache as jax.ShapeDtypeStructs, split as the step expects it."""
+        cache = jax.eval_shape(lambda: kv_quant.zeros(shape, self.cfg.kv_cache_dtype, dtype))
+        if self._pool_sharding is None:
+            return cache
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache,
+                            self._pool_sharding)
+
+    def lower_step(self, dec: int, pre: int, num_pages: int | None = None):
+        """The step of `dec` decode rows and `pre` prefill rows (a `step_shapes()` pair), lowered
+        (jax.stages.Lowered) against an abstract pool of num_pages pages (default: the runner's)
+        and the runner's params: `.compile()` it for its memory and cost analyses. Nothing runs."""
+        batch = self._padding_batch(dec, pre)
+        pool = self._pool(num_pages or self.cfg.num_pages, jnp.dtype(self.cfg.dtype), self._abstract_cache)
+        return self._step.lower(self._step_params, pool, batch, np.full(batch.token_ids.shape[0], -1, np.int32),
+                                self._no_prev_tokens)
+
+    def export_step(self, dec: int, pre: int, platform: str):
+        """`lower_step`'s step exported (jax.export.Exported) for `platform` ("cuda", "rocm",
+        "tpu", "cpu"), on any host: with a runner resolved for "gpu" the Pallas kernels lower to
+        their Triton calls, which the export's safety check is told to accept."""
+        from jax import export
+
+        from pallas_kernels.gpu_launches import KERNEL_CALLS
+
+        batch = self._padding_batch(dec, pre)
+        pool = self._pool(self.cfg.num_pages, jnp.dtype(self.cfg.dtype), self._abstract_cache)
+        checks = [export.DisabledSafetyCheck.custom_call(name) for name in KERNEL_CALLS]
+        return export.export(self._step, platforms=[platform], disabled_checks=checks)(
+            self._step_params, pool, batch, np.full(batch.token_ids.shape[0], -1, np.int32), self._no_prev_tokens)
+
+    def _forward(self, params, kv_cache, batch: StepBatch, prev_rows, prev_tokens, pooled: bool = False):
         # prev_rows i32[T], prev_tokens i32[R_max]: async scheduling's tokens that are still on
         # device (the previous step's samples), merged here so they add no compiled shape.
         token_ids = jnp.where(prev_rows >= 0, prev_tokens[jnp.maximum(prev_rows, 0)], batch.token_ids)
         batch = dataclasses.replace(batch, token_ids=token_ids)
-        logits, kv_cache = self.model.apply({"params": params}, batch, kv_cache)
         num_rows = batch.logits_indices.shape[0]
-        return kv_cache, logits[:num_rows], logits[num_rows:]
+        if not pooled:
+            logits, kv_cache = self.model.apply({"params": params}, batch, kv_cache)
+            return kv_cache, logits[:num_rows], logits[num_rows:]
+        (logits, kv_cache), state = self.model.apply({"params": params}, batch, kv_cache,
+                                                     mutable=["intermediates"])
+        return kv_cache, logits[:num_rows], logits[num_rows:], state["intermediates"]["pooled"][0]
+
+    def load_lora(self, slot: int, adapter) -> None:
+        """Writes `adapter` (models.lora.LoraAdapter) into slab slot `slot` (ValueError when its
+        rank exceeds max_lora_rank). A step still in flight keeps reading the slab it was given."""
+        tree = self._widen_kv(lora_slab.slot_tree(adapter, self.model_cfg, self.cfg.max_lora_rank, np.float32,
+                                                  self.cfg.scan_period))
+        self.lora_slab = self._write_lora(self.lora_slab, np.int32(slot), tree)
+        self._step_params = lora_slab.merge(self.params, self.lora_slab)
+
+    def _widen_kv(self, tree):
+        """A slab-shaped tree with its k / v output halves widened as the sharded kernels are
+        (sharding.replicate_kv_heads); unchanged on one device."""
+        if self.mesh is None:
+            return tree
+        from paxpage.sharding import replicate_kv_heads
+
+        return replicate_kv_heads(self.plan, self.model_cfg, tree)
+
+    def _lora_rows(self, dec_slots, num_dec: int, pre_slots, num_pre: int) -> np.ndarray | None:
+        """The batch's lora_slots i32[Bd + Bp] (padding rows -1), or None without LoRA."""
+        if self.lora_slab is None:
+            return None
+        out = np.full(num_dec + num_pre, -1, np.int32)
+        out[:len(dec_slots)] = dec_slots
+        out[num_dec:num_dec + len(pre_slots)] = pre_slots
+        return out
 
     # ------------------------------------------------------------------ packing
     def pack(self, rows: Sequence[RowPlan]
@@ -256,10 +380,10 @@ class ModelRunner:
             # Only speculative verify rows (1 + k tokens): rows as wide as the longest, bucketed,
             # instead of prefill_row_len, so a verify step costs little more than a decode step.
             row_len = min(row_len, bucket(max(rows[i].num_new for i in prefill), 4))
-        num_dec = bucket(len(decode), MIN_DECODE_ROWS)
         pre_rows = [(i, a, min(a + row_len, rows[i].start + rows[i].num_new))
                     for i in prefill
                     for a in range(rows[i].start, rows[i].start + rows[i].num_new, row_len)]
+        num_dec = decode_rows(len(decode), len(pre_rows), self.single_row_decode)
         num_pre = bucket(len(pre_rows))
         total = num_dec + num_pre * row_len
         token_ids = np.zeros(total, np.int32)
@@ -319,25 +443,50 @@ class ModelRunner:
         prompt_targets = np.zeros(num_prompt_rows, np.int32)
         for j, (_, _, flat, target) in enumerate(prompt_rows):
             prompt_indices[j], prompt_targets[j] = flat, target
+        lora = self._lora_rows([rows[i].lora_slot for i in decode], num_dec,
+                               [rows[i].lora_slot for i, _, _ in pre_rows], num_pre)
         batch = StepBatch(token_ids, positions, slots, dec_pages, dec_lens, pre_pages, pre_lens,
-                          pre_q, logits_indices, prompt_indices, prompt_targets)
+                          pre_q, logits_indices, prompt_indices, prompt_targets,
+                          self._pool_rows(rows, decode, pre_rows, num_dec, row_len, total, num_logits), lora)
         return batch, logits_plan, [(plan, pos) for plan, pos, _, _ in prompt_rows], prev_rows
 
-    def pack_decode(self, table_slots: np.ndarray, positions: np.ndarray) -> tuple[StepBatch, np.ndarray]:
+    @staticmethod
+    def _pool_rows(rows: Sequence[RowPlan], decode: list[int], pre_rows: list[tuple[int, int, int]], num_dec: int,
+                   row_len: int, total: int, num_logits: int) -> np.ndarray | None:
+        """StepBatch.pool_rows i32[T] for `pack`'s layout (decode rows, then prefill rows of
+        row_len tokens); None when no row pools."""
+        if all(r.pool_row < 0 for r in rows):
+            return None
+        pool_rows = np.full(total, num_logits, np.int32)
+        for flat, i in enumerate(decode):
+            if rows[i].pool_row >= 0 and rows[i].start >= rows[i].pool_from:
+                pool_rows[flat] = rows[i].pool_row
+        for row, (i, lo, hi) in enumerate(pre_rows):
+            plan = rows[i]
+            if plan.pool_row >= 0 and hi > plan.pool_from:
+                assert plan.pool_row < num_logits, (plan.pool_row, num_logits)
+                flat = num_dec + row * row_len
+                pool_rows[flat + max(lo, plan.pool_from) - lo:flat + hi - lo] = plan.pool_row
+        return pool_rows
+
+    def pack_decode(self, table_slots: np.ndarray, positions: np.ndarray, lora_slots: np.ndarray | None = None
+                    ) -> tuple[StepBatch, np.ndarray]:
         """`pack` for a step of decode rows only, each writing the token that row r of the
         previous (still running) step samples: table_slots integer[B] (rows of `self.tables`,
-        already synced), positions integer[B]. Returns the batch and its i32[T] prev_rows; equal
-        to what `pack` returns for the same rows, in numpy operations over the rows."""
+        already synced), positions integer[B], lora_slots integer[B] (with LoRA). Returns the batch
+        and its i32[T] prev_rows; equal to what `pack` returns for the same rows, in numpy
+        operations over the rows."""
         n = table_slots.shape[0]
-        num_dec = bucket(n, MIN_DECODE_ROWS)
+        num_dec = decode_rows(n, 0, self.single_row_decode)
         pos = np.zeros(num_dec, np.int32)
         slots = np.full(num_dec, -1, np.int32)
         dec_pages = np.zeros((num_dec, self.cfg.pages_per_seq), np.int32)
         dec_lens = np.zeros(num_dec, np.int32)
         self._lay_out_decodes(table_slots, positions, pos, slots, dec_pages, dec_lens)
         token_ids, prev_rows, logits_indices, empty, rows0 = self._decode_constants(n, num_dec)
+        lora = self._lora_rows(lora_slots if lora_slots is not None else [], num_dec, [], 0)
         batch = StepBatch(token_ids, pos, slots, dec_pages, dec_lens, rows0, empty, empty,
-                          logits_indices, empty, empty)
+                          logits_indices, empty, empty, lora_slots=lora)
         return batch, prev_rows
 
     def _decode_constants(self, n: int, num_dec: int) -> tuple:
@@ -377,7 +526,7 @@ class ModelRunner:
         """Every (decode rows, prefill rows) bucket pair a step of this config can have: the
         step's shape depends on nothing else (the logits rows follow from the two)."""
         return step_shapes(self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.cfg.prefill_row_len,
-                           self.cfg.prefill_rows)
+                           self.cfg.prefill_rows, self.single_row_decode)
 
     def precompile(self, sampling_for_rows, num_mask_words: int = 0) -> int:
         """Compiles (by running it on an all-padding batch, whose K/V writes are dropped) the
@@ -413,7 +562,7 @@ class ModelRunner:
         calls = []
         for dec, pre in shapes:
             batch = self._padding_batch(dec, pre)
-            calls.append((self.params, self.kv_cache, batch, np.full(batch.token_ids.shape[0], -1, np.int32),
+            calls.append((self._step_params, self.kv_cache, batch, np.full(batch.token_ids.shape[0], -1, np.int32),
                           self._no_prev_tokens))
             prev.setdefault(batch.logits_indices.shape[0], len(calls) - 1)  # a step with R logits rows
         workers = max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1, 8))
@@ -445,7 +594,8 @@ class ModelRunner:
             np.zeros(total, np.int32), np.zeros(total, np.int32), np.full(total, -1, np.int32),
             np.zeros((dec, pages_per_seq), np.int32), np.zeros(dec, np.int32),
             np.zeros((pre, pages_per_seq), np.int32), np.zeros(pre, np.int32), np.zeros(pre, np.int32),
-            np.zeros(num_logits, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
+            np.zeros(num_logits, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32),
+            lora_slots=self._lora_rows([], dec, [], pre))
 
     # ------------------------------------------------------------------ device calls
     def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
@@ -480,9 +630,24 @@ class ModelRunner:
             prev_rows = np.full(batch.token_ids.shape[0], -1, np.int32)
         if prev_tokens is None:
             prev_tokens = self._no_prev_tokens
-        self.kv_cache, logits, prompt_logits = self._calls["step"](self.params, self.kv_cache, batch, prev_rows,
-                                                                   prev_tokens)
+        self.kv_cache, logits, prompt_logits = self._calls["step"](self._step_params, self.kv_cache, batch,
+                                                                   prev_rows, prev_tokens)
         return logits, prompt_logits
+
+    def forward_pooled(self, batch: StepBatch, prev_rows: np.ndarray | None = None,
+                       prev_tokens: jax.Array | None = None):
+        """`forward` for a batch with pool_rows: ((logits, prompt logits), pooled f32[R, H]) on
+        device, pooled row r the sum of the final-normed hidden states of the tokens that
+        batch.pool_rows sends to r."""
+        if batch.pool_rows is None:
+            raise ValueError("forward_pooled needs a batch with pool_rows (a RowPlan with pool_row >= 0)")
+        if prev_rows is None:
+            prev_rows = np.full(batch.token_ids.shape[0], -1, np.int32)
+        if prev_tokens is None:
+            prev_tokens = self._no_prev_tokens
+        self.kv_cache, logits, prompt_logits, pooled = self._calls["pool_step"](
+            self._step_params, self.kv_cache, batch, prev_rows, prev_tokens)
+        return (logits, prompt_logits), pooled
 
     def sample(self, batch: StepBatch, logits, sampling, num_logprobs: int = 0,
                num_prompt_logprobs: int = 0, allowed: np.ndarray | None = None,
@@ -550,7 +715,7 @@ class ModelRunner:
 
 
 def step_shapes(max_num_seqs: int, max_num_batched_tokens: int, prefill_row_len: int,
-                max_prefill_rows: int) -> list[tuple[int, int]]:
+                max_prefill_rows: int, single_row_decode: bool = False) -> list[tuple[int, int]]:
     """The (decode rows, prefill rows) bucket pairs of a config (see ModelRunner.step_shapes)."""
     seqs, tokens = max_num_seqs, max_num_batched_tokens
     # each prefill row holds >= 1 token; a sequence's chunk adds at most one partial row; the
@@ -560,8 +725,20 @@ def step_shapes(max_num_seqs: int, max_num_batched_tokens: int, prefill_row_len:
     for dec in range(seqs + 1):
         for pre in range(max_pre + 1):
             if (dec or pre) and dec + pre <= tokens and dec + (1 if pre else 0) <= seqs:
-                shapes.add((bucket(dec, MIN_DECODE_ROWS), bucket(pre)))
+                shapes.add((decode_rows(dec, pre, single_row_decode), bucket(pre)))
     return sorted(shapes)
+
+
+def _sharded_zeros(x, sharding):
+    """mesh.place_params' `place_fn` for an empty slab: zeros of x's shape, made split."""
+    from paxpage import mesh as mesh_lib
+
+    return mesh_lib.zeros(x.shape, x.dtype, sharding)
+
+
+def _stack_abstract(xs):
+    """layer_stack.stack_layers' `stack` on jax.ShapeDtypeStructs (abstract runners)."""
+    return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
 
 
 def _copy_pages(kv_cache, src, dst, page_axis: int):  # src, dst: i32[C]

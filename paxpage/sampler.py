@@ -13,11 +13,14 @@ Order of operations in `sample` (vLLM semantics):
   3. logprobs = log_softmax(penalised logits): the reported logprobs, before temperature
   4. greedy rows (temperature ~ 0) take argmax of the penalised logits
   5. sampled rows: / temperature, top-k, top-p, min-p filtering, then one draw with the row key
-     (paxpage/sampling_draw.py: exact, without sorting the vocabulary)
+     (paxpage/sampling_draw.py: an exact Gumbel-max, without sorting the vocabulary, whose token
+     moves under a rounding change of the logits only at a near tie of two noisy scores)
 
 The host never builds [R, V] arrays: penalties get each row's distinct token ids with their
 output counts, and only those logits are gathered, penalised and scattered back. Which rows are
-greedy / filtered is data: the costly stages sit behind `lax.cond(any row needs it)`. Two host
+greedy / filtered is data: the costly stages sit behind `lax.cond(any row needs it)` (lowered
+for a GPU, where a conditional waits on the host, every stage runs and selects combine them:
+sampling_draw.by_platform). Two host
 facts are static (SamplingTensors.greedy_only, .penalised), so a shape has three variants: all
 greedy, none penalised, any. Only the shapes compile besides: R, V, S (powers of two >= 16
 capped at `token_width`), E (powers of two >= 4) and the static num_logprobs.
@@ -41,7 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxpage.penalty_counts import distinct_counts
-from paxpage.sampling_draw import argmax_rows, draw, largest_threshold, sortable_keys
+from paxpage.sampling_draw import (argmax_rows, by_platform, cond_or_select, draw, largest_threshold,
+                                   sortable_keys)
 from paxpage.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -308,7 +312,7 @@ def filter_logits(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
         p_floor = jnp.where(t.top_p[:, None] >= 1.0, k_floor, p_floor)
         return jnp.where(keys >= jnp.maximum(k_floor, p_floor), scaled, -jnp.inf)
 
-    scaled = jax.lax.cond(needs_top_k_top_p, top_k_top_p, lambda s: s, scaled)
+    scaled = cond_or_select(needs_top_k_top_p, top_k_top_p, lambda s: s, scaled)
     # min-p compares probabilities to the best one: p_i >= min_p * p_max
     # <=> x_i >= x_max + log(min_p), unaffected by the renormalisation after top-k / top-p.
     best = jnp.max(scaled, axis=-1, keepdims=True)
@@ -341,7 +345,9 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
     all ones). The two are separate executables, so unconstrained batches pay nothing for it;
     which rows are constrained is data again.
     draw_impl: "xla", or "native" (CPU only, once `resolve_draw_impl` returned it): the proposal
-    draw of sampled rows without top-k runs as the native kernel (pallas_kernels/native_sampling.py).
+    draw of sampled rows without top-k runs as the native kernel (pallas_kernels/native_sampling.py);
+    or "select": no stage behind a branch on any platform, as "xla" lowers for a GPU on its own
+    (sampling_draw.by_platform; tests run it on the CPU).
     pending: None, or i32[R] each row's output token that t's penalty lists leave out (-1: none;
     see apply_penalties)."""
     logits = logits.astype(jnp.float32)
@@ -351,7 +357,11 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
         return _sample(logits, t, num_logprobs, greedy_only=True)
     if t.penalised:
         logits = apply_penalties(logits, t, pending)
-    return _sample(logits, t, num_logprobs, proposal=_proposal(draw_impl))
+    return _sample(logits, t, num_logprobs, proposal=_proposal(draw_impl),
+                   branchless=True if draw_impl == "select" else None)
+
+
+DRAW_IMPLS = ("xla", "native", "select")
 
 
 def resolve_draw_impl(native_allowed: bool) -> str:
@@ -366,28 +376,33 @@ def resolve_draw_impl(native_allowed: bool) -> str:
 
 
 def _proposal(draw_impl: str):
-    if draw_impl == "xla":
-        return None
+    if draw_impl not in DRAW_IMPLS:
+        raise ValueError(f"draw_impl is {draw_impl!r}; expected one of {DRAW_IMPLS}")
     if draw_impl != "native":
-        raise ValueError(f"draw_impl is {draw_impl!r}; expected 'xla' or 'native'")
+        return None
     from pallas_kernels.native_sampling import proposal_draw_native
 
     return proposal_draw_native
 
 
 def _sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int, greedy_only: bool = False,
-            proposal=None) -> SamplerOutput:
+            proposal=None, branchless: bool | None = None) -> SamplerOutput:
     """`sample` on penalised f32 logits (greedy_only: every row is greedy; no draw compiled;
-    proposal: see sampling_draw.draw)."""
+    proposal, branchless: see sampling_draw.draw)."""
     best = jnp.max(logits, axis=-1)  # [R]
     # log_softmax's own terms, so a gathered logprob equals its entry of log_softmax(logits)
     log_total = jnp.log(jnp.sum(jnp.exp(logits - best[:, None]), axis=-1))  # [R]
     greedy = t.temperature <= GREEDY_TEMPERATURE
 
     def draw_rows(logits):
-        return draw(logits, best, t.temperature, t.top_k, t.top_p, t.min_p, t.keys, greedy, proposal)
+        return draw(logits, best, t.temperature, t.top_k, t.top_p, t.min_p, t.keys, greedy, proposal, branchless)
 
-    token_ids = argmax_rows(logits) if greedy_only else jax.lax.cond(jnp.all(greedy), argmax_rows, draw_rows, logits)
+    def greedy_or_draw(logits):  # the draw's stages only when some row draws
+        return jax.lax.cond(jnp.all(greedy), argmax_rows, draw_rows, logits)
+
+    # Without branches the draw serves greedy rows too (their argmax is its candidates' first).
+    token_ids = argmax_rows(logits) if greedy_only else by_platform(draw_rows, greedy_or_draw, logits,
+                                                                    branchless=branchless)
     if num_logprobs > 0:
         logprobs = (logits - best[:, None]) - log_total[:, None]  # [R, V]
         chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]

@@ -5,7 +5,7 @@ Axis legend: R rows, V vocabulary, C candidates (a row's C best tokens, descendi
 the vocabulary, B tokens per block.
 
 A non-greedy row with scaled logits x = logits / temperature draws token i with probability
-proportional to exp(x_i) over the kept set {logits >= max(v_k, v_p, v_m)} (`filter_logits`'
+proportional to exp(x_i) over the kept set {logits >= max(v_k, v_p, v_m)} (`filter_logits'`
 semantics, ties at a threshold kept):
   v_k  the top_k-th largest logit (top_k off: -inf)
   v_p  the largest v whose {logits >= v} holds top_p of the top-k set's mass (top_p 1: -inf)
@@ -14,16 +14,26 @@ Thresholds compare logits, not x, which has their order (up to ties made by roun
 recomputed in each pass, possibly rounded differently, and a drawn token must compare equal
 to itself from one pass to the next.
 
+Every draw is a Gumbel-max: the argmax of log-weight + Gumbel noise, the noise a pure function
+of the row's key and the block or token id (paxpage/sampling_noise.py). So a draw is exact in
+distribution and moves only when two noisy scores nearly tie: a logit changed by a rounding
+error (another tensor-parallel reduction order, another batch) leaves the token alone unless
+its score and another's are that close. No draw walks cumulative sums, where the same error
+would shift every tail token's interval. A draw over the whole vocabulary is two-level: a block
+by Gumbel-max over the log of the block sums, then a token inside it by Gumbel-max over its
+tokens; P(block) * P(token | block) is the token's probability, and the noise of V / B + B
+indices per row costs little beside the one exp pass that the block sums need.
+
 Each row takes one of three paths, chosen from the row alone, so a seeded row draws the same
 token whatever batch it is in:
   candidates  top_k <= C and no tie across the C-th candidate: the top-k set lies in
-              lax.top_k's C best, every threshold is found there, and the draw is an inverse
-              CDF over at most C tokens.
-  proposal    top_k off: one inverse-CDF draw from the whole distribution (block sums, then
-              one block), accepted when the token is kept (min-p: a comparison; top-p: the mass
-              of strictly better tokens is below the target, one masked sum). Accepted draws
-              are distributed exactly as the kept set; a row accepts with probability at least
-              top_p * (mass kept by min-p), so few rows go on.
+              lax.top_k's C best, every threshold is found there, and the draw is a Gumbel-max
+              over at most C tokens.
+  proposal    top_k off: one two-level draw from the whole distribution, accepted when the token
+              is kept (min-p: a comparison; top-p: the mass of strictly better tokens is below
+              the target, one masked sum). Accepted draws are distributed exactly as the kept
+              set; a row accepts with probability at least top_p * (mass kept by min-p), so few
+              rows go on.
   exact       the rest (top_k > C, a tie at the C-th candidate, rejected proposals), one row at
               a time: the top-k threshold by bisection, then rejection rounds restricted to
               {logits > the last rejected logit}, each a few passes over one row; the best token is
@@ -31,8 +41,8 @@ token whatever batch it is in:
 
 On CPU at R = 256, V = 49152 an elementwise pass over [R, V] costs ~30-60 ms; the first two paths
 cost one or two such passes (plus lax.top_k over C when some row sets top_k), instead of the
-64 passes of a threshold bisection. Randomness: one uniform per row and round, from
-fold_in(row key, round); round 0 is the candidate or proposal draw.
+64 passes of a threshold bisection. Randomness: round 0 is the candidate or proposal draw, round
+r > 0 the exact path's r-th rejection round, each with its own noise streams.
 """
 
 from __future__ import annotations
@@ -40,9 +50,33 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from paxpage.sampling_noise import BLOCK_STREAM, TOKEN_STREAM, gumbel
+
 NUM_CANDIDATES = 128  # top_k up to this takes the candidate path
-_BLOCK = 256  # tokens per block of the inverse-CDF draw over the whole vocabulary
+_BLOCK = 256  # tokens per block of the two-level draw over the whole vocabulary
 _MAX_ROUNDS = 200  # rejection rounds of one row on the exact path (a guard: see exact_row)
+_GPU_PLATFORMS = ("cuda", "rocm")
+
+
+def by_platform(select_fn, branch_fn, *operands, branchless: bool | None = None):
+    """select_fn(*operands) where this lowers for a GPU, branch_fn(*operands) elsewhere.
+
+    XLA:GPU copies a conditional's predicate and a data-dependent loop's condition to the host
+    and waits for them, each time; XLA:CPU and TPU decide on the device. So the GPU lowering
+    computes every stage and combines them with selects (select_fn), where the CPU skips the
+    stages no row needs (branch_fn). branchless True / False picks one on any platform (tests)."""
+    if branchless is not None:
+        return (select_fn if branchless else branch_fn)(*operands)
+    return jax.lax.platform_dependent(*operands, **{p: select_fn for p in _GPU_PLATFORMS}, default=branch_fn)
+
+
+def cond_or_select(pred, true_fn, false_fn, *operands, branchless: bool | None = None):
+    """lax.cond(pred, true_fn, false_fn, *operands), or on a GPU both and a select (by_platform)."""
+    def select(*ops):
+        return jax.tree.map(lambda a, b: jnp.where(pred, a, b), true_fn(*ops), false_fn(*ops))
+
+    return by_platform(select, lambda *ops: jax.lax.cond(pred, true_fn, false_fn, *ops), *operands,
+                       branchless=branchless)
 
 
 def argmax_rows(x: jax.Array) -> jax.Array:
@@ -84,15 +118,10 @@ def largest_threshold(keys: jax.Array, ok_fn) -> jax.Array:
     return lo
 
 
-def _uniform(key: jax.Array, round_: int | jax.Array) -> jax.Array:
-    """One f32 in [0, 1) for round `round_` of the row with typed key `key`."""
-    return jax.random.uniform(jax.random.fold_in(key, round_), (), jnp.float32)
-
-
 def _pick(cum: jax.Array, target: jax.Array) -> jax.Array:
-    """Index of the draw `target` (in [0, total)) in non-decreasing cumulative sums cum[..., M]:
-    the first entry above target, never an entry of zero weight (rounding past the end lands
-    on the last entry of positive weight). -> i32[...]."""
+    """Index of `target` (in [0, total)) in non-decreasing cumulative sums cum[..., M]: the first
+    entry above target, never an entry of zero weight (rounding past the end lands on the last
+    entry of positive weight). -> i32[...]. Finds thresholds (top-p's), never a draw."""
     total = cum[..., -1:]
     below = jnp.sum(cum <= target[..., None], axis=-1)
     last_positive = jnp.sum(cum < total, axis=-1)
@@ -127,23 +156,40 @@ def _blocks(x: jax.Array) -> jax.Array:
     return x.reshape(x.shape[:-1] + (num_blocks, _BLOCK))
 
 
-def _inverse_cdf(logits: jax.Array, weight_args, u: jax.Array):
-    """Draw from _weights(logits, *weight_args) with uniforms u, over the whole vocabulary:
-    block sums, pick a block, then pick inside it. logits f32[..., V], u f32[...].
-    -> (token i32[...], its logit f32[...], total weight f32[...])."""
-    xb = _blocks(logits)  # [..., N, B]
-    block_sums = jnp.sum(_weights(xb, *weight_args), axis=-1)  # [..., N]
-    cum = jnp.cumsum(block_sums, axis=-1)
-    total = cum[..., -1]
-    target = u * total
-    block = _pick(cum, target)
-    # weight of the blocks before the chosen one
-    previous = jnp.take_along_axis(cum, jnp.maximum(block - 1, 0)[..., None], -1)[..., 0]
-    before = jnp.where(block > 0, previous, 0.0)
-    xin = jnp.take_along_axis(xb, block[..., None, None], axis=-2)[..., 0, :]  # [..., B]
-    inner = _pick(jnp.cumsum(_weights(xin, *weight_args), axis=-1), target - before)
-    value = jnp.take_along_axis(xin, inner[..., None], axis=-1)[..., 0]
-    return block * _BLOCK + inner, value, total
+def _log_weights(logits: jax.Array, temperature, best, floor, low) -> jax.Array:
+    """log of `_weights`: logits / temperature - best where kept, else -inf."""
+    temperature, best, floor, low = (_expand(a, logits.ndim) for a in (temperature, best, floor, low))
+    kept = (logits >= floor) & (logits > low)
+    return jnp.where(kept, logits / temperature - best, -jnp.inf)
+
+
+def gumbel_argmax(scores: jax.Array, keys: jax.Array, stream, ids: jax.Array) -> jax.Array:
+    """Position of the largest scores + gumbel(keys, stream, ids) per row: a draw from
+    softmax(scores). scores f32[R, M] (-inf: never drawn, unless the whole row is), keys
+    u32[R, 2], ids i32[R, M] or i32[M] the noise indices. -> i32[R]."""
+    noisy = jnp.where(scores > -jnp.inf, scores + gumbel(keys, stream, ids), -jnp.inf)
+    return jax.lax.top_k(noisy, 1)[1][:, 0].astype(jnp.int32)
+
+
+def two_level_draw(logits: jax.Array, weight_args, keys: jax.Array, round_):
+    """Draw from _weights(logits, *weight_args) over the whole vocabulary: a block by Gumbel-max
+    over the log block sums (noise stream 2 round + BLOCK_STREAM, indexed by block), then a token
+    in it by Gumbel-max over its log-weights (2 round + TOKEN_STREAM, indexed by token id).
+    logits f32[R, V], weight_args per-row f32[R] each, keys u32[R, 2] -> (token i32[R], its
+    logit f32[R], total weight f32[R]). A row of zero weight gives token 0 (never used)."""
+    num_rows = logits.shape[0]
+    xb = _blocks(logits)  # [R, N, B]
+    num_blocks = xb.shape[1]
+    block_sums = jnp.sum(_weights(xb, *weight_args), axis=-1)  # [R, N]
+    total = jnp.sum(block_sums, axis=-1)
+    stream = 2 * jnp.asarray(round_, jnp.int32)
+    block = gumbel_argmax(jnp.log(block_sums), keys, stream + BLOCK_STREAM,
+                          jnp.arange(num_blocks, dtype=jnp.int32))
+    xin = jnp.take_along_axis(xb, block[:, None, None], axis=1)[:, 0, :]  # [R, B]
+    ids = block[:, None] * _BLOCK + jnp.arange(_BLOCK, dtype=jnp.int32)  # [R, B]
+    inner = gumbel_argmax(_log_weights(xin, *weight_args), keys, stream + TOKEN_STREAM, ids)
+    value = jnp.take_along_axis(xin, inner[:, None], axis=-1)[:, 0]
+    return (block * _BLOCK + inner).reshape(num_rows), value, total
 
 
 def _mass_above(logits: jax.Array, temperature, best, floor, value) -> jax.Array:
@@ -153,18 +199,19 @@ def _mass_above(logits: jax.Array, temperature, best, floor, value) -> jax.Array
 
 def draw(logits: jax.Array, best_logit: jax.Array, temperature: jax.Array, top_k: jax.Array,
          top_p: jax.Array, min_p: jax.Array, keys: jax.Array, greedy: jax.Array,
-         proposal=None) -> jax.Array:
+         proposal=None, branchless: bool | None = None) -> jax.Array:
     """Tokens i32[R] for logits f32[R, V] (penalised), best_logit f32[R] = their row max,
     temperature f32[R] (rows with `greedy` take the argmax), top_k i32[R] (0 off),
-    top_p f32[R], min_p f32[R], keys u32[R, 2] raw threefry key data.
+    top_p f32[R], min_p f32[R], keys u32[R, 2] the row keys (sampler.row_keys).
     proposal: None (the proposal path in XLA ops), or a function with the signature of
-    pallas_kernels.native_sampling.proposal_draw_ref that runs it instead (the native CPU kernel)."""
+    pallas_kernels.native_sampling.proposal_draw_ref that runs it instead (the native CPU kernel).
+    branchless: see by_platform (None: selects where this lowers for a GPU). Without branches
+    every path is computed for every row, and the exact path's rows draw by `exact_rows`."""
     num_rows, vocab = logits.shape
     num_cands = min(NUM_CANDIDATES, vocab)
     temperature = jnp.where(greedy, 1.0, temperature)
     best = best_logit / temperature  # == max(x) exactly: x / t is monotone in x
-    keys = jax.random.wrap_key_data(keys, impl="threefry2x32")
-    u0 = jax.vmap(_uniform, in_axes=(0, None))(keys, 0)  # [R]
+    keys = keys.astype(jnp.uint32)
     # min-p keeps x >= max(x) + log(min_p), i.e. logits >= max(logits) + T log(min_p): the
     # best token always passes, whatever the rounding
     l_min = jnp.where(min_p > 0, best_logit + temperature * jnp.log(jnp.where(min_p > 0, min_p, 1.0)),
@@ -188,7 +235,9 @@ def draw(logits: jax.Array, best_logit: jax.Array, temperature: jax.Array, top_k
                 jnp.zeros((num_rows, num_cands), jnp.int32))
 
     which = jnp.where(jnp.any(wants_top_k), 2, jnp.where(jnp.any(greedy), 1, 0))
-    cand_logits, cand_ids = jax.lax.switch(which, (no_candidates, argmax_only, top_candidates), logits)
+    cand_logits, cand_ids = by_platform(
+        top_candidates, lambda x: jax.lax.switch(which, (no_candidates, argmax_only, top_candidates), x), logits,
+        branchless=branchless)
     cand_ids = cand_ids.astype(jnp.int32)
     argmax = cand_ids[:, 0]
     # Thresholds compare logits (descending here), weights use the scaled x.
@@ -201,9 +250,11 @@ def draw(logits: jax.Array, best_logit: jax.Array, temperature: jax.Array, top_k
     j = _pick(cum_k, top_p * cum_k[:, -1])
     l_top_p = jnp.where(top_p < 1.0, jnp.take_along_axis(cand_logits, j[:, None], -1)[:, 0], -jnp.inf)
     floor = jnp.maximum(jnp.maximum(l_top_k, l_top_p), l_min)
-    w = jnp.where(cand_logits >= floor[:, None], cand_w, 0.0)
-    cum_w = jnp.cumsum(w, axis=-1)
-    cand_token = jnp.take_along_axis(cand_ids, _pick(cum_w, u0 * cum_w[:, -1])[:, None], -1)[:, 0]
+    # the draw: Gumbel-max over the kept candidates, noise indexed by token id
+    cand_scores = jnp.where(cand_logits >= floor[:, None], cand_logits / temperature[:, None] - best[:, None],
+                            -jnp.inf)
+    picked = gumbel_argmax(cand_scores, keys, TOKEN_STREAM, cand_ids)
+    cand_token = jnp.take_along_axis(cand_ids, picked[:, None], -1)[:, 0]
 
     # ---- proposal: rows without top_k draw from the whole distribution, then check the draw.
     proposing = sampled & (top_k <= 0)
@@ -211,22 +262,22 @@ def draw(logits: jax.Array, best_logit: jax.Array, temperature: jax.Array, top_k
 
     def propose(logits):
         if proposal is not None:
-            return proposal(logits, temperature, best, l_min, top_p, u0, proposing)
-        token, value, total = _inverse_cdf(
-            logits, (temperature, best, no_floor, no_floor), u0)
+            return proposal(logits, temperature, best, l_min, top_p, keys, proposing)
+        token, value, total = two_level_draw(logits, (temperature, best, no_floor, no_floor), keys, 0)
         kept = value >= l_min
 
         def top_p_test(_):
             return _mass_above(logits, temperature, best, no_floor, value) < top_p * total
 
         checks_top_p = proposing & (top_p < 1.0)
-        kept &= jax.lax.cond(jnp.any(checks_top_p), top_p_test,
-                             lambda _: jnp.ones((num_rows,), bool), None) | ~checks_top_p
+        kept &= cond_or_select(jnp.any(checks_top_p), top_p_test, lambda _: jnp.ones((num_rows,), bool), None,
+                               branchless=branchless) | ~checks_top_p
         return token, kept
 
-    prop_token, accepted = jax.lax.cond(
+    prop_token, accepted = cond_or_select(
         jnp.any(proposing), propose,
-        lambda _: (jnp.zeros((num_rows,), jnp.int32), jnp.zeros((num_rows,), bool)), logits)
+        lambda _: (jnp.zeros((num_rows,), jnp.int32), jnp.zeros((num_rows,), bool)), logits,
+        branchless=branchless)
 
     tokens = jnp.where(greedy, argmax, jnp.where(fits, cand_token, prop_token))
     pending = sampled & ~fits & ~(proposing & accepted)
@@ -253,8 +304,8 @@ def draw(logits: jax.Array, best_logit: jax.Array, temperature: jax.Array, top_k
         def round_(state):
             round_, low, _, _ = state
             floor = jnp.maximum(l_k, lmin)
-            token, value, _ = _inverse_cdf(lr, (t_r, best_r, floor, low),
-                                           _uniform(keys[r], round_))
+            token, value, _ = two_level_draw(lr[None], (t_r, best_r, floor, low), keys[r][None], round_)
+            token, value = token[0], value[0]
             # value strictly increases from round to round, and the best token is accepted
             ok = (p >= 1.0) | (_mass_above(lr, t_r, best_r, l_k, value) < target)
             return round_ + 1, value, token, ok
@@ -269,5 +320,36 @@ def draw(logits: jax.Array, best_logit: jax.Array, temperature: jax.Array, top_k
         r = jnp.argmax(pending)
         return tokens.at[r].set(exact_row(r)), pending.at[r].set(False)
 
-    tokens, _ = jax.lax.while_loop(lambda s: jnp.any(s[1]), next_row, (tokens, pending))
-    return tokens
+    def one_row_at_a_time(tokens):
+        return jax.lax.while_loop(lambda s: jnp.any(s[1]), next_row, (tokens, pending))[0]
+
+    def every_row(tokens):
+        exact = exact_rows(logits, temperature, best, top_k, top_p, l_min, keys)
+        return jnp.where(pending, exact, tokens)
+
+    return by_platform(every_row, one_row_at_a_time, tokens, branchless=branchless)
+
+
+def exact_rows(logits: jax.Array, temperature: jax.Array, best: jax.Array, top_k: jax.Array,
+               top_p: jax.Array, l_min: jax.Array, keys: jax.Array) -> jax.Array:
+    """The exact path for every row at once, in a fixed number of passes (no data-dependent
+    loop): the top-k threshold by bisection over the sortable keys, then top-p's (the largest
+    key whose {keys >= it} holds top_p of the top-k set's mass: a token is kept exactly when
+    the mass strictly above it is below the target, as on the one-row path), then one two-level
+    draw (round 1's noise) from the kept set. About 70 passes over [R, V]: the branchless
+    lowering pays them every sampled step, where the one-row path runs only for the rows the
+    other paths leave. logits f32[R, V]; temperature, best (max logit / temperature), top_p,
+    l_min (min-p's floor on logits) f32[R]; top_k i32[R] (0 off); keys u32[R, 2] -> i32[R]."""
+    vocab = logits.shape[-1]
+    sort_keys = sortable_keys(logits)  # [R, V]
+    top_k = jnp.where(top_k > 0, top_k, vocab)[:, None]
+    k_tau = largest_threshold(sort_keys, lambda kept: jnp.sum(kept, -1, keepdims=True) >= top_k)  # [R, 1]
+    no_floor = jnp.full(best.shape, -jnp.inf, jnp.float32)
+    weights = jnp.where(sort_keys >= k_tau, _weights(logits, temperature, best, no_floor, no_floor), 0.0)
+    target = top_p[:, None] * jnp.sum(weights, -1, keepdims=True)
+    p_tau = largest_threshold(
+        sort_keys, lambda kept: jnp.sum(jnp.where(kept, weights, 0.0), -1, keepdims=True) >= target)
+    tau = jnp.where(top_p[:, None] >= 1.0, k_tau, jnp.maximum(k_tau, p_tau))
+    floor = jnp.min(jnp.where(sort_keys >= tau, logits, jnp.inf), axis=-1)  # the kept set's least logit
+    token, _, _ = two_level_draw(logits, (temperature, best, jnp.maximum(floor, l_min), no_floor), keys, 1)
+    return token

@@ -161,6 +161,9 @@ class Scheduler:
         self._live: dict[int, Sequence] = {}  # seq_id -> waiting or running sequence
         self._arrivals = itertools.count()
         self._reserve_tokens = config.max_model_len if config.allocation == "contiguous" else 0
+        # LoRA (paxpage/lora_slots.py): a sequence with an adapter is admitted only once its
+        # adapter holds a slot of the device slab; it keeps the slot until it finishes.
+        self.lora_slots = None
 
     # ---- queries ------------------------------------------------------------------------------------
     @property
@@ -253,6 +256,10 @@ class Scheduler:
                 f"{nc} computed tokens by at least one token"
             )
         child.group_id = parent.group_id
+        child.lora = parent.lora
+        if parent.lora_slot >= 0:
+            child.lora_slot = parent.lora_slot
+            self.lora_slots.retain(child.lora_slot)
         child.arrival = next(self._arrivals)
         queue = self.running if parent.status is SequenceStatus.RUNNING else self.waiting
         idx = queue.index(parent) + 1
@@ -273,6 +280,9 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.page_manager.release(seq)
+        if seq.lora_slot >= 0:
+            self.lora_slots.release(seq.lora_slot)
+            seq.lora_slot = -1
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._live[seq.seq_id]
@@ -377,6 +387,11 @@ class Scheduler:
             num_new = max(0, pm.num_pages_for(max(num_hit + q, self._reserve_tokens)) - len(hits))
             if not pm.can_allocate(pm.num_revived(hits) + num_new):
                 break
+            if seq.lora is not None and seq.lora_slot < 0:
+                slot = self.lora_slots.acquire(seq.lora)
+                if slot is None:  # every slot runs another adapter: wait for one to be released
+                    break
+                seq.lora_slot = slot
             self.waiting.popleft()
             pm.acquire_prefix(seq, hits)
             copies += pm.prepare_write(seq, q, self._reserve_tokens)  # own fresh pages: never copies

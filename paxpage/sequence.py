@@ -34,7 +34,7 @@ class Sequence:
     __slots__ = ("seq_id", "group_id", "prompt_token_ids", "output_token_ids", "max_tokens", "sampling_params",
                  "status", "num_computed_tokens", "page_table", "num_released_pages", "arrival",
                  "num_preemptions", "num_cached_tokens", "use_prefix_cache", "finish_reason", "page_keys",
-                 "num_pages_cache_checked")
+                 "num_pages_cache_checked", "lora", "lora_slot")
 
     def __init__(
         self,
@@ -70,6 +70,16 @@ class Sequence:
         # sequence's leading pages cache_full_pages() has already looked at.
         self.page_keys: list[int] = []
         self.num_pages_cache_checked: int = 0
+        # LoRA: the adapter the sequence runs (opaque here, hashable; None: the base model) and
+        # its slot in the device slab while the sequence holds one (-1: none; paxpage/lora_slots.py).
+        self.lora: Any = None
+        self.lora_slot: int = -1
+
+    @property
+    def prefix_root(self) -> Any:
+        """The parent key of the first page's prefix-cache key: sequences of different adapters
+        never share cached pages (their K/V differ)."""
+        return None if self.lora is None else ("lora", self.lora)
 
     # ---- tokens -------------------------------------------------------------------------------------
     @property
@@ -129,6 +139,7 @@ class Sequence:
             sampling_params=self.sampling_params,
         )
         child.output_token_ids = list(self.output_token_ids)
+        child.lora = self.lora
         return child
 
     def __repr__(self) -> str:

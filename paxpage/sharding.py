@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 from jax.sharding import PartitionSpec
 
 from models.config import ModelConfig
@@ -51,6 +52,15 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "up_proj/kernel": (None, "mlp"),
     "down_proj/kernel": ("mlp", None),  # [F, H]
     "lm_head/kernel": (None, "vocab"),  # [H, V]
+    # LoRA slabs (paxpage/lora_slab.py): lora_a [S, I, R], lora_b [S, R, O], split with their
+    # layer's kernel (the rank axis never); the others' halves are replicated.
+    "q_proj/lora_b": (None, None, "heads"),
+    "k_proj/lora_b": (None, None, "kv_heads"),
+    "v_proj/lora_b": (None, None, "kv_heads"),
+    "o_proj/lora_a": (None, "heads", None),
+    "gate_proj/lora_b": (None, None, "mlp"),
+    "up_proj/lora_b": (None, None, "mlp"),
+    "down_proj/lora_a": (None, "mlp", None),
 }
 # The stacked layer params' subtree (models/layer_stack.STACKED_KEY).
 STACKED_LAYERS = "layers"
@@ -160,7 +170,8 @@ def param_specs(plan: ShardingPlan, params) -> dict:
 
 def replicate_kv_heads(plan: ShardingPlan, cfg: ModelConfig, params) -> dict:
     """Widens every k/v projection from K to K * r heads (head j of the result is original head
-    j // r), so query head h still reads original KV head h // (N / K). Host arrays in and out."""
+    j // r), so query head h still reads original KV head h // (N / K). Host arrays in and out
+    (or jax.ShapeDtypeStructs: their widened shapes)."""
     r = plan.kv_replicas
     if r == 1:
         return params
@@ -168,6 +179,8 @@ def replicate_kv_heads(plan: ShardingPlan, cfg: ModelConfig, params) -> dict:
 
     def widen(x):  # [..., K*D] -> [..., K*r*D]
         lead = x.shape[:-1]
+        if isinstance(x, jax.ShapeDtypeStruct):  # ahead-of-time compilation: the shape alone
+            return jax.ShapeDtypeStruct((*lead, x.shape[-1] * r), x.dtype)
         x = np.asarray(x).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
         return np.repeat(x, r, axis=-2).reshape(*lead, cfg.num_kv_heads * r * cfg.head_dim)
 
@@ -175,7 +188,8 @@ def replicate_kv_heads(plan: ShardingPlan, cfg: ModelConfig, params) -> dict:
         if isinstance(tree, dict):
             return {k: walk(v, f"{path}{k}/") for k, v in tree.items()}
         name = path[:-1]
-        leaves = ("kernel", "bias", "kernel_q", "kernel_scale", "kernel_offset")  # quantised: models/quant.py
+        # quantised: models/quant.py; lora_b: a LoRA slab's output half (paxpage/lora_slab.py)
+        leaves = ("kernel", "bias", "kernel_q", "kernel_scale", "kernel_offset", "lora_b")
         if any(name.endswith(f"{proj}/{leaf}") for proj in ("k_proj", "v_proj") for leaf in leaves):
             return widen(tree)
         return tree
@@ -184,7 +198,7 @@ def replicate_kv_heads(plan: ShardingPlan, cfg: ModelConfig, params) -> dict:
 
 def param_bytes_per_device(cfg: ModelConfig, plan: ShardingPlan, itemsize: int) -> int:
     """Bytes of weights each device holds under `plan`, from the shapes alone (the same rules
-    the engine places real arrays by; README's per-device tables come from here)."""
+    the engine places real arrays by; the per-device tables of docs/parallelism.md come from here)."""
     from models.param_layout import param_specs as layout
 
     heads_cfg = plan.sharded_model_config(cfg)  # k/v widened when KV heads are replicated

@@ -17,6 +17,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from paxpage.structured_regex import ascii_classes
+
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
@@ -30,13 +32,17 @@ class StructuredOutputs:
     regex: str | None = None  # the whole output must match (re.fullmatch semantics)
     choice: Sequence[str] | None = None  # normalised to tuple[str, ...]
     grammar: str | None = None  # Lark (llguidance dialect) or GBNF
+    # regex only: \d \w \s are ASCII (0-9, [0-9A-Za-z_], [\t\n\v\f\r ]) unless this is True,
+    # which gives them Rust's Unicode meaning (structured_regex.py says why ASCII is the default)
+    unicode_regex: bool = False
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
         if self.json_schema is not None:
             set_("json_schema", _schema_text(self.json_schema))
-        if not isinstance(self.json_object, bool):
-            raise TypeError(f"json_object must be a bool, got {self.json_object!r}")
+        for name in ("json_object", "unicode_regex"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -58,6 +64,8 @@ class StructuredOutputs:
         if len(given) != 1:
             raise ValueError(f"structured_outputs needs exactly one of {list(KINDS)}, got "
                              f"{given or 'none'}")
+        if self.unicode_regex and self.regex is None:
+            raise ValueError(f"unicode_regex applies to a regex constraint only, not to {given[0]}")
         message = _validate(self.to_grammar())
         if message:
             raise ValueError(f"structured_outputs {self.kind} is invalid: {message.strip()}")
@@ -68,10 +76,11 @@ class StructuredOutputs:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, Mapping):
-            unknown = sorted(set(value) - set(KINDS))
+            names = (*KINDS, "unicode_regex")
+            unknown = sorted(set(value) - set(names))
             if unknown:
                 raise TypeError(f"unknown structured_outputs field(s) {unknown}; valid names are "
-                                f"{list(KINDS)}")
+                                f"{list(names)}")
             return cls(**value)
         raise TypeError(f"structured_outputs must be a StructuredOutputs, a dict or None, got {value!r}")
 
@@ -88,7 +97,7 @@ class StructuredOutputs:
         if self.json_object:
             return LLMatcher.grammar_from_json_schema({"type": "object"})
         if self.regex is not None:
-            return LLMatcher.grammar_from_regex(self.regex)
+            return LLMatcher.grammar_from_regex(self.regex if self.unicode_regex else ascii_classes(self.regex))
         if self.choice is not None:
             return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
         try:  # Lark, or GBNF converted to Lark

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -60,24 +61,33 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.num_words = bitmask_words(self.num_tokens)
         self._executor = LLExecutor()
-        self._templates: OrderedDict[StructuredOutputs, object] = OrderedDict()
+        self._templates: OrderedDict[StructuredOutputs, object] = OrderedDict()  # guarded by _lock
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutputs):
+        """The compiled grammar of `spec` (cached); ValueError if it does not compile against this
+        tokenizer. Thread-safe, and llguidance compiles outside the GIL: callers compile ahead
+        of submission on their own threads, so the engine's `matcher` finds it cached."""
+        from llguidance import LLMatcher
+
+        with self._lock:
+            template = self._templates.get(spec)
+            if template is not None:
+                self._templates.move_to_end(spec)
+                return template
+        template = LLMatcher(self.tokenizer, spec.to_grammar(), log_level=0)
+        if template.is_error():
+            raise ValueError(f"structured_outputs {spec.kind} is invalid: {template.get_error()}")
+        with self._lock:
+            self._templates[spec] = template
+            if len(self._templates) > _CACHED_GRAMMARS:
+                self._templates.popitem(last=False)
+        return template
 
     def matcher(self, spec: StructuredOutputs):
         """A fresh matcher for `spec` at the start of the output; ValueError if the grammar does
         not compile against this tokenizer."""
-        from llguidance import LLMatcher
-
-        template = self._templates.get(spec)
-        if template is None:
-            template = LLMatcher(self.tokenizer, spec.to_grammar(), log_level=0)
-            if template.is_error():
-                raise ValueError(f"structured_outputs {spec.kind} is invalid: {template.get_error()}")
-            self._templates[spec] = template
-            if len(self._templates) > _CACHED_GRAMMARS:
-                self._templates.popitem(last=False)
-        else:
-            self._templates.move_to_end(spec)
-        return template.deep_copy()
+        return self.compile(spec).deep_copy()
 
     def bitmask(self, rows: Sequence[tuple[object, int]], num_rows: int) -> np.ndarray:
         """i32[num_rows, W]: each (matcher, row) pair's allowed tokens; other rows allow all."""

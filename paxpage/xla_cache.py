@@ -1,6 +1,6 @@
 """Opt-in persistent XLA compilation cache for command-line runs.
 
-A CPU run of the default model spends most of a short session compiling its step shapes;
+A CPU run of the default model spends most of a short run compiling its step shapes;
 jax can keep compiled executables on disk so the next run reuses them (measured with the
 CLI on the 2-core dev machine: 23 s cold, 10 s warm). jax's cache is process-wide
 configuration, so the library never sets it on its own: the CLI and benchmark scripts call

@@ -104,7 +104,9 @@ def main(argv=None) -> int:
     parser.add_argument("--baseline", required=True, help="root of the tree to compare against")
     parser.add_argument("--shapes", nargs="+", default=sorted(SHAPES), choices=sorted(SHAPES))
     parser.add_argument("--rounds", type=int, default=6, help="turns; each calls every variant twice")
+    parser.add_argument("--json", metavar="PATH", help="write the figures here")
     args = parser.parse_args(argv)
+    rows = []
     variants = {"baseline": load_baseline(args.baseline), "this tree": xla_attention.paged_attention_xla}
     print(f"jax {jax.__version__}: read bandwidth {read_bandwidth():.1f} GB/s (jitted sum, best of 5)")
     for name in args.shapes:
@@ -127,8 +129,27 @@ def main(argv=None) -> int:
             print(f"{name:8s} {label:10s} wall min {w * 1e3:7.1f} ms  median {np.median(wall[label]) * 1e3:7.1f} ms  "
                   f"cpu min {min(cpu[label]) * 1e3:7.1f} ms  {kv_bytes / w / 1e9:5.2f} GB/s  "
                   f"lower {lower_s:5.2f} s  compile {compile_s:5.2f} s", flush=True)
+            rows.append({"shape": name, "variant": label, "wall_min_ms": w * 1e3,
+                         "wall_median_ms": float(np.median(wall[label])) * 1e3, "cpu_min_ms": min(cpu[label]) * 1e3,
+                         "gb_per_s": kv_bytes / w / 1e9, "lower_s": lower_s, "compile_s": compile_s})
     print(f"read bandwidth after: {read_bandwidth():.1f} GB/s")
+    if args.json:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from provenance import write_record  # the figures with machine, versions, date, command, commit
+
+        data = {"rounds": args.rounds, "rows": rows}
+        write_record(args.json, data, doc_tables(data), measures=("pallas_kernels/xla_attention.py",))
     return 0
+
+
+def doc_tables(data: dict) -> dict:
+    """The table it prints, as rows a docs page may show: each tree's attention step per shape."""
+    return {"attention_ab": {
+        "caption": f"Every layer's KV write and decode attention, the two trees called in turns ({data['rounds']} rounds)",
+        "columns": ["shape", "tree", "wall min ms", "wall median ms", "CPU min ms", "GB/s", "lower s", "compile s"],
+        "rows": [[r["shape"], r["variant"], round(r["wall_min_ms"], 1), round(r["wall_median_ms"], 1),
+                  round(r["cpu_min_ms"], 1), round(r["gb_per_s"], 2), round(r["lower_s"], 2), round(r["compile_s"], 2)]
+                 for r in data["rows"]]}}
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ processes under three settings, alternated over rounds (the machine is noisy):
 
 Prints, per figure, the median over rounds of each setting and its ratio to `default`.
 
-    python scripts/bench_malloc.py --rounds 2
+    python scripts/bench_malloc.py --rounds 2 --json /tmp/malloc.json
 """
 
 from __future__ import annotations
@@ -86,14 +86,27 @@ def _run(bench: str, setting: str, timeout: float) -> dict[str, float]:
     return figures
 
 
-def main() -> int:
+def doc_tables(data: dict) -> dict:
+    """The table it prints (and a docs page may show): per figure, each setting's median over the
+    rounds and its ratio to the first setting."""
+    settings, runs = data["settings"], data["runs"]
+    base = settings[0]
+    rows = []
+    for k in runs[base]:
+        med = {s: statistics.median(runs[s][k]) for s in settings}
+        rows.append([k, *(round(med[s], 1) for s in settings), *(f"{med[s] / med[base]:.2f}x" for s in settings[1:])])
+    return {"malloc": {"caption": f"Median of {data['rounds']} rounds per setting, in separate processes; lower is better",
+                       "columns": ["figure", *settings, *(f"{s} / {base}" for s in settings[1:])], "rows": rows}}
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--benches", nargs="+", default=list(BENCHES), choices=list(BENCHES))
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per subprocess")
     parser.add_argument("--json", metavar="PATH")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     runs: dict[str, dict[str, list[float]]] = {s: {} for s in args.settings}
     for r in range(args.rounds):
         for bench in args.benches:
@@ -105,17 +118,16 @@ def main() -> int:
                       + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()), flush=True)
                 for k, v in figures.items():
                     runs[setting].setdefault(k, []).append(v)
-    base = runs[args.settings[0]]
-    print(f"\n| figure (median of {args.rounds}, lower is better) | "
-          + " | ".join(args.settings) + " | " + " | ".join(f"{s} / {args.settings[0]}" for s in args.settings[1:]) + " |")
-    print("|---" * (2 * len(args.settings)) + "|")
-    for k in base:
-        med = {s: statistics.median(runs[s][k]) for s in args.settings}
-        print(f"| {k} | " + " | ".join(f"{med[s]:.1f}" for s in args.settings) + " | "
-              + " | ".join(f"{med[s] / med[args.settings[0]]:.2f}x" for s in args.settings[1:]) + " |")
+    data = {"settings": args.settings, "rounds": args.rounds, "benches": args.benches, "runs": runs}
+    table = doc_tables(data)["malloc"]
+    print("\n| " + " | ".join(table["columns"]) + " |\n" + "|---" * len(table["columns"]) + "|")
+    for row in table["rows"]:
+        print("| " + " | ".join(str(c) for c in row) + " |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(runs, f, indent=1)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from provenance import write_record  # the figures with machine, versions, date, command, commit
+
+        write_record(args.json, data, doc_tables(data), measures=("paxpage/process_tuning.py",))
     return 0
 
 

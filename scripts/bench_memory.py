@@ -290,10 +290,10 @@ def main(argv=None) -> int:
             args.kv_cache_bytes = args.contiguous_seqs * -(-args.max_model_len // args.page_size) * f32.page_bytes
         results = compare_kv_dtypes(model, work, args)
         if args.json:
-            wl.write_json(args.json, {
-                "backend": jax.default_backend(), "model": args.model or "SmolLM2-135M-Instruct",
-                "workload": work.summary(), "page_size": args.page_size, "kv_cache_bytes": args.kv_cache_bytes,
-                "kv_dtypes": results})
+            data = {"backend": jax.default_backend(), "model": args.model or "SmolLM2-135M-Instruct",
+                    "workload": work.summary(), "page_size": args.page_size, "kv_cache_bytes": args.kv_cache_bytes,
+                    "kv_dtypes": results}
+            wl.write_json(args.json, data, tables=kv_dtype_tables(data))
         return 0
     num_pages = args.num_pages
     if num_pages is None and args.kv_cache_bytes is None:
@@ -329,15 +329,36 @@ def main(argv=None) -> int:
     if args.json:
         for r in results.values():
             r.pop("_snapshot")
-        wl.write_json(args.json, {
-            "backend": jax.default_backend(), "model": args.model or "SmolLM2-135M-Instruct",
-            "workload": summary, "shared_prefix": args.shared_prefix, "max_model_len": args.max_model_len,
-            "page_size": args.page_size, "pool_bytes": pool_bytes, **results,
-            "paged_utilisation": results["paged"]["mean_kv_utilisation"],
-            "contiguous_utilisation": results["contiguous"]["mean_kv_utilisation"],
-            "throughput_ratio": speedup, "plots": plots,
-        })
+        data = {"backend": jax.default_backend(), "model": args.model or "SmolLM2-135M-Instruct",
+                "workload": summary, "shared_prefix": args.shared_prefix, "max_model_len": args.max_model_len,
+                "page_size": args.page_size, "pool_bytes": pool_bytes, **results,
+                "paged_utilisation": results["paged"]["mean_kv_utilisation"],
+                "contiguous_utilisation": results["contiguous"]["mean_kv_utilisation"],
+                "throughput_ratio": speedup, "plots": plots}
+        wl.write_json(args.json, data, tables=doc_tables(data))
     return 0
+
+
+def doc_tables(data: dict) -> dict:
+    """The docs' table (docs/benchmarks.md): one row per allocation scheme."""
+    rows = [[name, data[name]["max_running"], round(data[name]["mean_running"], 1),
+             f"{data[name]['mean_kv_utilisation']:.1%}", round(data[name]["output_tok_per_s"], 1)] for name in SCHEMES]
+    paged = data["paged"]
+    caption = (f"{data['model']}, {data['workload']['num_requests']} requests on one "
+               f"{data['pool_bytes'] / 2**20:.0f} MiB KV pool ({paged['num_pages']} pages of {data['page_size']} "
+               f"tokens); contiguous reserves max_model_len = {data['max_model_len']} tokens per admitted sequence")
+    return {"memory": {"caption": caption, "columns": ["scheme", "max sequences running", "mean running", "KV utilisation",
+                                   "output tok/s"], "rows": rows}}
+
+
+def kv_dtype_tables(data: dict) -> dict:
+    """--kv-dtypes' table: one row per KV cache dtype at one byte budget."""
+    rows = [[name, r["num_pages"], r["page_bytes"], r["max_running"], round(r["mean_running"], 1),
+             round(r["output_tok_per_s"], 1)] for name, r in data["kv_dtypes"].items()]
+    caption = (f"{data['model']}, {data['workload']['num_requests']} requests on one KV budget of "
+               f"{data['kv_cache_bytes'] / 2**20:.1f} MiB, {data['page_size']}-token pages")
+    return {"kv_dtypes": {"caption": caption, "columns": ["KV dtype", "pages", "page bytes", "max sequences running",
+                                                         "mean running", "output tok/s"], "rows": rows}}
 
 
 if __name__ == "__main__":

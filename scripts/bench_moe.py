@@ -19,7 +19,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -98,6 +97,26 @@ def time_layer(cfg, params, impl: str, num_tokens: int, repeats: int = 5) -> flo
         fn(x, *w).block_until_ready()
         best = min(best, time.perf_counter() - t)
     return best * 1e3
+
+
+def doc_tables(result: dict) -> dict:
+    """The docs' table (docs/benchmarks.md): one row for the model measured."""
+    m = result["model"]
+    grouped = result["grouped_impl"]
+    systems = result["systems"]
+    layer = " / ".join(f"{ms['dense'] / ms[grouped]:.1f}x" for _, ms in sorted(result["moe_layer_ms"].items(),
+                                                                              key=lambda kv: int(kv[0])))
+    row = [f"{m['num_experts']} experts of width {m['moe_intermediate_size']}, top {m['num_experts_per_tok']}",
+           round(systems[grouped]["output_tok_s"]), round(systems["dense"]["output_tok_s"]),
+           f"{result['ratio_output_tok_s']:.1f}x", layer]
+    tokens = " / ".join(str(n) for n in sorted(int(n) for n in result["moe_layer_ms"]))
+    w = result["workload"]
+    caption = (f"Engine output tok/s on a Qwen3-MoE-shaped model with random weights ({m['num_layers']} layers, "
+               f"hidden {m['hidden_size']}, vocabulary {m['vocab_size']}; {w['num_requests']} requests of "
+               f"{w['prompt_len']} prompt + {w['output_len']} output tokens; greedy outputs identical: "
+               f"{result['identical_greedy_outputs']}; compiles after warm-up: {result['compiles_after_warmup']})")
+    return {"moe": {"caption": caption, "columns": ["model", f"grouped ({grouped})", "dense over experts", "ratio",
+                                                    f"MoE MLP alone, {tokens} tokens"], "rows": [row]}}
 
 
 def main(argv=None) -> int:
@@ -179,8 +198,10 @@ def main(argv=None) -> int:
               f"({ms['dense'] / ms[grouped]:.2f}x)")
     result["moe_layer_ms"] = layer
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from provenance import write_record  # the figures with machine, versions, date, command, commit
+
+        write_record(args.json, result, doc_tables(result))
     return 0
 
 

@@ -4,7 +4,7 @@ For each configuration it builds the engine(s) on a forced-device CPU mesh (or t
 on GPU/TPU) and reports, from the arrays' real shardings (summed over each device's shards):
 weight bytes and KV-pool bytes per device, the KV page's bytes per device, and the largest KV
 pool (pages, tokens) that fits --budget-bytes per device next to the weights. It checks them
-against the shape-only rules (paxpage/sharding.py) the README's accelerator tables use.
+against the shape-only rules (paxpage/sharding.py) the accelerator tables of docs/parallelism.md use.
 
 Then it times a steady decode step (--num-seqs sequences decoding) for every TP size, and for
 DP the output tok/s of one batch of requests through the front door. On a CPU the "devices"
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -71,6 +70,41 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+# The code these figures measure (scripts/provenance.py: write_record).
+MEASURES = ("paxpage/sharding.py", "paxpage/mesh.py", "paxpage/kv_sizing.py", "models")
+
+
+def doc_tables(results: dict) -> dict:
+    """The docs' tables (docs/parallelism.md): memory per layout, step time per TP size, front-door
+    throughput per DP size, and the on-paper table when it was asked for."""
+    tables = {"memory": {
+        "caption": f"{results['model']} ({results['num_heads']} query / {results['num_kv_heads']} KV heads) on "
+                   f"{results['device']}, {results['page_size']}-token pages, "
+                   f"{_size(results['budget_bytes'])} per device for weights + KV",
+        "columns": ["tp", "dp", "plan", "weights / device", f"KV pool / device ({results['num_pages']} pages)",
+                    "page / device", "largest pool in budget (pages / tokens per replica)"],
+        "rows": [[r["tp"], r["dp"], r["plan"], _size(r["weights_bytes_per_device"]), _size(r["kv_bytes_per_device"]),
+                  _size(r["page_bytes_per_device"]), f"{r['max_pages_in_budget']:,} / {r['max_tokens_in_budget']:,}"]
+                 for r in results["memory"]]}}
+    tables["step"] = {"columns": ["measure", *(f"tp = {r['tp']}" for r in results["step"])],
+                      "rows": [[f"one steady decode step, {results['num_seqs']} sequences",
+                                *(f"{r['decode_step_ms']:.1f} ms" for r in results["step"])]]}
+    if results["dp"]:
+        tables["dp"] = {"columns": ["measure", *(f"dp = {r['dp']}" for r in results["dp"])],
+                        "rows": [[f"{results['dp_requests']} requests x {results['dp_tokens']} tokens through the "
+                                  "front door, output tok/s", *(round(r["output_tok_s"], 1) for r in results["dp"])]]}
+    if "paper" in results:
+        tables["paper"] = {
+            "caption": f"On paper, from the same sharding rules (bf16 weights and KV, {results['page_size']}-token "
+                       "pages, 90% of device memory for weights + KV)",
+            "columns": ["system", "model", "dp x tp", "weights / device", "KV per token / device",
+                        "KV tokens per replica"],
+            "rows": [[r["system"], r["model"], f"{r['dp']} x {r['tp']}", f"{r['weights_gib']:.1f} GiB",
+                      f"{r['kv_bytes_per_token'] / 1024:.0f} KiB",
+                      f"{r['kv_tokens_per_replica']:,}" if r["fits"] else "does not fit"] for r in results["paper"]]}
+    return tables
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
@@ -105,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     base = dict(num_pages=args.num_pages, page_size=args.page_size, max_num_seqs=max(args.num_seqs, 8))
     rng = np.random.default_rng(0)
     results = {"device": f"{jax.devices()[0].platform} x {num_devices} ({jax.devices()[0].device_kind})",
-               "model": model.source or "SmolLM2-135M-Instruct", "memory": [], "step": [], "dp": []}
+               "model": model.source or "SmolLM2-135M-Instruct", "num_pages": args.num_pages, "page_size": args.page_size,
+               "num_seqs": args.num_seqs, "dp_requests": args.dp_requests, "dp_tokens": args.dp_tokens,
+               "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "budget_bytes": args.budget_bytes,
+               "memory": [], "step": [], "dp": []}
     print(f"{results['model']}: N={cfg.num_heads} K={cfg.num_kv_heads} F={cfg.intermediate_size} "
           f"V={cfg.vocab_size}; {results['device']}; budget {args.budget_bytes / 2**20:.0f} MiB per device")
 
@@ -184,8 +221,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r['system']} | {r['model']} | {r['dp']} x {r['tp']} | {r['weights_gib']:.1f} GiB | "
                   f"{r['kv_bytes_per_token'] / 1024:.0f} KiB | {room} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from provenance import write_record  # the figures with machine, versions, date, command, commit
+
+        write_record(args.json, results, doc_tables(results), measures=MEASURES)
     return 0
 
 

@@ -79,7 +79,18 @@ def _logits(kind: str, rows: int, vocab: int) -> jax.Array:
     return jnp.asarray(x)
 
 
-def main() -> None:
+def doc_tables(data: dict) -> dict:
+    """The table it prints, as rows a docs page may show: ms per call per case and sampler."""
+    labels = data["samplers"]
+    rows = [[r["logits"], r["case"], *(round(r[label][k], 1) for label in labels for k in ("device_ms", "host_ms"))]
+            for r in data["rows"]]
+    return {"sampler": {"caption": f"{data['rows_per_call']} rows x {data['vocab']} vocabulary, context {data['context']}; "
+                                   f"median of {data['iters']}; device: sample(), host: SamplingTensors.build",
+                        "columns": ["logits", "case", *(f"{label} {k}" for label in labels
+                                                        for k in ("device ms", "host ms"))], "rows": rows}}
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=49152)
@@ -92,7 +103,8 @@ def main() -> None:
     ap.add_argument("--draw-impl", choices=["xla", "native", "both"], default="both",
                     help="this sampler's proposal draw: XLA ops, the native CPU kernel, or both side by side "
                          "(native: when it builds here)")
-    args = ap.parse_args()
+    ap.add_argument("--json", metavar="PATH", help="write the figures here")
+    args = ap.parse_args(argv)
 
     impls = ["xla", "native"] if args.draw_impl == "both" else [args.draw_impl]
     if "native" in impls and sampler_lib.resolve_draw_impl(jax.default_backend() == "cpu") != "native":
@@ -106,6 +118,8 @@ def main() -> None:
     output = rng.integers(0, args.vocab, size=args.context - len(prompt)).tolist()
     names = args.cases.split(",")
     kinds = ["flat", "peaked"] if args.logits == "both" else [args.logits]
+    data = {"rows_per_call": args.rows, "vocab": args.vocab, "context": args.context, "iters": args.iters,
+            "samplers": list(modules), "rows": []}
     print(f"{args.rows} rows x {args.vocab} vocab, context {args.context}, "
           f"token_width {args.max_model_len}; median ms of {args.iters}", flush=True)
     for kind in kinds:
@@ -135,10 +149,19 @@ def main() -> None:
         print(f"{'case':<20}" + "".join(f"{label + ' dev':>14}{label + ' host':>14}" for label in modules))
         for name in names:
             cells = []
+            row = {"logits": kind, "case": name}
             for label in modules:
                 build, dev = np.median(np.array(times[(label, name)]), axis=0)
                 cells.append(f"{1e3 * dev:>14.1f}{1e3 * build:>14.1f}")
+                row[label] = {"device_ms": 1e3 * float(dev), "host_ms": 1e3 * float(build)}
+            data["rows"].append(row)
             print(f"{name:<20}" + "".join(cells), flush=True)
+    if args.json:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from provenance import write_record  # the figures with machine, versions, date, command, commit
+
+        write_record(args.json, data, doc_tables(data), measures=("paxpage/sampler.py", "paxpage/sampling_draw.py",
+                                                                   "paxpage/sampling_batch.py"))
 
 
 if __name__ == "__main__":

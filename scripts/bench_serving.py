@@ -1,4 +1,4 @@
-"""Online serving: normalised latency against request rate, paxpage's server and HF's, side by side.
+"""Online serving: normalised latency against request rate, paxpage's server, HF's and vLLM's, side by side.
 
 The vLLM paper's measurement (its Figure 12): requests arrive as a Poisson process at a
 given rate; each is a streamed OpenAI `/v1/completions` call; a system sustains a rate while
@@ -13,7 +13,12 @@ unless given) and starts, on 127.0.0.1 at ephemeral ports, both
     paxpage  python -m paxpage.cli serve --model HF_COPY ...
     hf       transformers serve HF_COPY --continuous-batching ...
 on that same directory (same weights, same tokenizer, float32), and stops them at the end,
-on errors and on Ctrl-C. The KV budget is the same (1 GiB, paxpage's default; HF gets as
+on errors and on Ctrl-C. With a vLLM venv (--vllm-python or $PAXPAGE_VLLM_PYTHON;
+scripts/vllm_peer.py; without one it is skipped with a message) also
+    vllm     VENV/bin/python -m vllm.entrypoints.openai.api_server --model HF_COPY ...
+tuned as vLLM's CPU docs say (tcmalloc and Intel OpenMP preloaded, OpenMP threads on every
+core, none reserved), with the same KV budget (VLLM_CPU_KVCACHE_SPACE) and per-step token
+budget, and its own page size (its CPU attention takes multiples of 32). The KV budget is the same (1 GiB, paxpage's default; HF gets as
 many 256-token blocks) and so is the per-step token budget (512); HF's torch runs on one
 thread (--hf-threads: on a busy 2-core machine OpenMP's spinning made 2 threads ~5x slower).
 Before measuring, each server gets a burst and an unmeasured pass over the rates (paxpage
@@ -54,7 +59,6 @@ import shlex
 import signal
 import sys
 import tempfile
-import textwrap
 
 import numpy as np
 
@@ -63,6 +67,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import serving_load as load  # noqa: E402
 import serving_servers as srv  # noqa: E402
+import vllm_peer  # noqa: E402
+# the run's figures (scripts/serving_report.py); the tests reach them as bench_serving.<name>
+from serving_report import capacity, doc_charts, doc_tables, latency_limit, rate_ratios, report  # noqa: E402,F401
 import workload as wl  # noqa: E402
 
 KV_CACHE_BYTES = 1 << 30  # paxpage's default KV budget; HF's server gets the same
@@ -70,7 +77,6 @@ MAX_BATCH_TOKENS = 512  # paxpage's default max_num_batched_tokens
 # Extras each API accepts for forcing the output length (None: it cannot).
 APIS = ("paxpage", "vllm", "hf", "openai")
 MODES = ("natural", "forced")
-COLORS = {"paxpage": "tab:blue", "hf": "tab:orange"}  # the same in every plot
 
 
 # ---------------------------------------------------------------------------------------- requests
@@ -108,97 +114,6 @@ def request_body(api: str, mode: str, model_id: str, prompt: str, output_len: in
 
 
 # ---------------------------------------------------------------------------------------- capacity
-def capacity(points: list[dict], limit: float) -> dict:
-    """Highest offered rate sustained under `limit` s/token: every rate up to it finished
-    all requests within the limit. `interpolated` is where the curve crosses the limit
-    (linear in log rate between the last rate under it and the first over it); when no
-    measured rate exceeds the limit it is the highest rate, and `limit_reached` is False."""
-    points = sorted(points, key=lambda p: p["rate"])
-    highest, interpolated, reached = None, None, False
-    for i, p in enumerate(points):
-        lat = p["normalised_latency_s"]
-        within = lat is not None and lat <= limit and p["num_finished"] == p["num_requests"]
-        if within:
-            highest = interpolated = p["rate"]
-            continue
-        reached = True
-        if highest is not None and lat is not None and lat > limit:
-            prev = points[i - 1]
-            frac = (limit - prev["normalised_latency_s"]) / (lat - prev["normalised_latency_s"])
-            interpolated = math.exp(math.log(prev["rate"]) + frac * (math.log(p["rate"]) - math.log(prev["rate"])))
-        break
-    return {"highest_rate": highest, "interpolated_rate": interpolated, "limit_reached": reached}
-
-
-def ratio(a: dict, b: dict, key: str) -> float | None:
-    if a[key] is None or not b[key]:
-        return None
-    return a[key] / b[key]
-
-
-# ---------------------------------------------------------------------------------------- output
-def _ms(x):
-    return "    -" if x is None else f"{x * 1000:5.0f}"
-
-
-def print_table(results: dict, systems: list[str]) -> None:
-    head = (f"{'mode':>7} {'system':>8} {'rate':>5} {'done':>5} {'req/s':>6} {'tok/s':>6} "
-            f"{'TTFT p50/p90/p99 ms':>19} {'TPOT p50/p90/p99 ms':>19} {'norm s/tok':>10} {'stall s':>7}")
-    print(head)
-    print("-" * len(head))
-    for mode, per_system in results.items():
-        for system in systems:
-            for p in per_system.get(system, []):
-                t, o = p["ttft_s"], p["tpot_s"]
-                lat = p["normalised_latency_s"]
-                print(f"{mode:>7} {system:>8} {p['rate']:5g} {p['num_finished']:2d}/{p['num_requests']:<2d} "
-                      f"{p['requests_per_s']:6.2f} {p['output_tok_per_s']:6.1f} "
-                      f"{_ms(t['p50'])}/{_ms(t['p90'])}/{_ms(t['p99'])} "
-                      f"{_ms(o['p50'])}/{_ms(o['p90'])}/{_ms(o['p99'])} "
-                      f"{'-' if lat is None else f'{lat:10.4f}':>10} "
-                      f"{p.get('max_token_gap_s', float('nan')):7.2f}", flush=True)
-
-
-def plot(results: dict, capacities: dict, limits: dict, path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    modes = [m for m in results if results[m]]
-    fig, axes = plt.subplots(1, len(modes), figsize=(6.2 * len(modes), 4.8), squeeze=False)
-    labels = {"natural": "natural EOS (max_tokens = drawn length)", "forced": "forced lengths (EOS ignored)"}
-    for ax, mode in zip(axes[0], modes):
-        rates = set()
-        for system, points in results[mode].items():
-            xs = [p["rate"] for p in points if p["normalised_latency_s"] is not None]
-            ys = [p["normalised_latency_s"] for p in points if p["normalised_latency_s"] is not None]
-            rates.update(xs)
-            cap = capacities[mode].get(system, {})
-            if cap.get("interpolated_rate") is None:
-                extra = ", sustains no rate"
-            elif cap["limit_reached"]:
-                extra = f", sustains {cap['interpolated_rate']:.2f} req/s"
-            else:
-                extra = f", sustains >= {cap['interpolated_rate']:.2f} req/s (limit not reached)"
-            ax.plot(xs, ys, marker="o", label=f"{system}{extra}", color=COLORS.get(system))
-        ax.axhline(limits[mode], color="grey", linestyle="--", linewidth=1,
-                   label=f"latency limit {limits[mode]:.3g} s/token")
-        if rates:
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(sorted(rates), [f"{r:g}" for r in sorted(rates)])
-        ax.set_xlabel("offered request rate (req/s, Poisson arrivals)")
-        ax.set_ylabel("normalised latency (s/token)")
-        ax.set_title(labels.get(mode, mode))
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    # wrapped to the figure's width: one long line was cut at both edges of a one-panel plot
-    fig.suptitle(textwrap.fill(title, width=60 * len(modes)), fontsize="medium")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------------- main
@@ -208,7 +123,8 @@ def parse_args(argv):
     parser.add_argument("--request-rates", default="0.5,1,2,4,8",
                         help="comma-separated offered rates in req/s ('inf': all at once)")
     parser.add_argument("--modes", default="natural,forced", help="natural and/or forced (see above)")
-    parser.add_argument("--systems", default="paxpage,hf", help="servers to start: paxpage and/or hf")
+    parser.add_argument("--systems", default="paxpage,hf,vllm",
+                        help="servers to start: paxpage, hf, vllm (vllm only with a vLLM venv: see --vllm-python)")
     parser.add_argument("--base-url", help="benchmark this running server instead of starting any")
     parser.add_argument("--api", choices=APIS, default="vllm",
                         help="with --base-url: how it forces lengths (paxpage, vllm: ignore_eos; "
@@ -223,6 +139,9 @@ def parse_args(argv):
     parser.add_argument("--hf-threads", type=int, default=1,
                         help="torch threads of HF's server (OMP_NUM_THREADS; 0: torch's default). On this "
                              "loaded 2-core machine 1 thread decoded ~5x faster than 2 (OpenMP spin barriers)")
+    parser.add_argument("--vllm-args", default="",
+                        help="extra arguments of vLLM's server (one string)")
+    vllm_peer.add_args(parser)
     parser.add_argument("--latency-limit", default="auto",
                         help="normalised latency (s/token) a sustained rate stays under. 'auto' (per mode): "
                              "twice the slower system's light-load value (its lowest over the rates), so "
@@ -251,8 +170,16 @@ def parse_args(argv):
         parser.error(f"--request-rates must be > 0, got {args.request_rates}")
     if not set(args.modes) <= set(MODES):
         parser.error(f"--modes must be among {MODES}, got {args.modes}")
-    if not args.base_url and not set(args.systems) <= {"paxpage", "hf"}:
-        parser.error(f"--systems must be among paxpage,hf, got {args.systems}")
+    if not args.base_url and not set(args.systems) <= {"paxpage", "hf", "vllm"}:
+        parser.error(f"--systems must be among paxpage,hf,vllm, got {args.systems}")
+    args.vllm_version = None
+    if "vllm" in args.systems and not args.base_url:
+        python, why = (None, "--no-vllm") if args.no_vllm else vllm_peer.find_python(args.vllm_python)
+        if python is None:
+            vllm_peer.skipped(why)
+            args.systems = [s for s in args.systems if s != "vllm"]
+        else:
+            args.vllm_python, args.vllm_version = python, why
     if args.base_url and args.api == "openai" and "forced" in args.modes:
         print("--api openai cannot force output lengths: measuring natural EOS only", file=sys.stderr)
         args.modes = [m for m in args.modes if m != "forced"]
@@ -283,15 +210,19 @@ def start_servers(args, stack: contextlib.ExitStack, hf_dir: str) -> dict:
     out = {}
     for system in args.systems:
         port = srv.free_port()
+        env = None
         if system == "paxpage":
             command = srv.paxpage_command(hf_dir, port, "smollm2", shlex.split(args.paxpage_args))
+        elif system == "vllm":
+            extra = ["--max-num-batched-tokens", str(MAX_BATCH_TOKENS), *shlex.split(args.vllm_args)]
+            command = vllm_peer.server_command(args.vllm_python, args.vllm_model or hf_dir, port, "smollm2", extra)
+            env = vllm_peer.environment(args.vllm_python, KV_CACHE_BYTES / (1 << 30))
         else:
             extra = args.hf_args
             if extra is None:
                 blocks = max(1, KV_CACHE_BYTES // srv.hf_kv_block_bytes(hf_dir))
                 extra = f"--cb-num-blocks {blocks} --cb-max-batch-tokens {MAX_BATCH_TOKENS}"
             command = srv.hf_command(hf_dir, port, shlex.split(extra))
-        env = None
         if system == "hf" and args.hf_threads > 0:
             env = dict(os.environ, OMP_NUM_THREADS=str(args.hf_threads), MKL_NUM_THREADS=str(args.hf_threads))
         print(f"starting {system}: {shlex.join(command)}", flush=True)
@@ -332,18 +263,6 @@ def run(args, specs_for, servers: dict) -> dict:
                       f"{point['normalised_latency_s'] or float('nan'):.4f} s/token "
                       f"{point['errors'] or ''}", flush=True)
     return results
-
-
-def latency_limit(spec: str, per_system: dict) -> float:
-    """--latency-limit as a number, or 'auto': twice the slower system's light-load latency,
-    each system's lowest normalised latency over the rates (a stall, such as a compile, can
-    spoil any one point, the lowest rate's included)."""
-    if spec != "auto":
-        return float(spec)
-    best = [min((p["normalised_latency_s"] for p in points if p["normalised_latency_s"] is not None),
-                default=None) for points in per_system.values()]
-    best = [x for x in best if x is not None]
-    return 2 * max(best) if best else float("nan")
 
 
 def main(argv=None) -> int:
@@ -396,63 +315,6 @@ def main(argv=None) -> int:
         servers = start_servers(args, stack, hf_dir)
         results = run(args, specs_for, servers)
     return report(args, results, servers, lengths, {f"{m}/{i}": v for (m, i), v in real_lens.items()})
-
-
-def report(args, results: dict, servers: dict, lengths: list, prompt_lens: dict) -> int:
-    """Capacities under the latency limit, the table, the notes, the plot and the JSON."""
-    systems = list(servers)
-    limits = {mode: latency_limit(args.latency_limit, results[mode]) for mode in args.modes}
-    capacities = {mode: {s: capacity(results[mode][s], limits[mode]) for s in systems} for mode in args.modes}
-    print()
-    print_table(results, systems)
-    ratios = {}
-    print("\nhighest rate sustained at normalised latency <= the limit (interpolated crossing in brackets):")
-    for mode in args.modes:
-        caps = capacities[mode]
-        line = ", ".join(f"{s} {_rate(caps[s]['highest_rate'])} ({_rate(caps[s]['interpolated_rate'])}"
-                         f"{'' if caps[s]['limit_reached'] else ', limit not reached'})" for s in systems)
-        if {"paxpage", "hf"} <= set(systems):
-            ratios[mode] = {k: ratio(caps["paxpage"], caps["hf"], k)
-                            for k in ("highest_rate", "interpolated_rate")}
-            r = ratios[mode]
-            bound = "" if caps["paxpage"]["limit_reached"] else ">= "
-            line += (f"; ratio paxpage / HF {bound}{_x(r['highest_rate'])} measured, "
-                     f"{bound}{_x(r['interpolated_rate'])} interpolated")
-        print(f"  {mode}, limit {limits[mode]:.3g} s/token: {line}")
-    notes = []
-    for mode in args.modes:
-        for system in systems:
-            shares = [p.get("share_exact_length") for p in results[mode][system]]
-            if mode == "forced" and any(s is not None and s < 1 for s in shares):
-                notes.append(f"{system} did not honour forced lengths on every request ({min(shares):.0%} exact): "
-                             f"compare the natural mode only")
-    for note in notes:
-        print(f"NOTE: {note}")
-    name = os.path.basename(os.path.normpath(args.model)) if args.model else "SmolLM2-135M-Instruct"
-    (p_lo, o_lo), (p_hi, o_hi) = np.min(lengths, axis=0), np.max(lengths, axis=0)
-    title = (f"Online serving, {name}: {args.num_requests} requests per rate, "
-             f"prompts {p_lo}-{p_hi}, outputs {o_lo}-{o_hi} tokens")
-    if args.plot:
-        plot(results, capacities, limits, args.plot, title)
-        print(f"plot: {args.plot}")
-    if args.json:
-        wl.write_json(args.json, {
-            "systems": systems, "servers": {s: {"base_url": u, "model": m} for s, (u, m) in servers.items()},
-            "request_rates": args.request_rates, "latency_limit": args.latency_limit,
-            "latency_limit_s_per_token": limits,
-            "workload": {"num_requests": args.num_requests, "lengths": lengths,
-                         "prompt_tokens_by_tokenizer": prompt_lens},
-            "results": results, "capacity": capacities, "ratio_paxpage_over_hf": ratios, "notes": notes,
-        })
-    return 0
-
-
-def _rate(x):
-    return "none" if x is None else f"{x:.2f} req/s"
-
-
-def _x(x):
-    return "n/a" if x is None else f"{x:.2f}x"
 
 
 def threading_main() -> bool:

@@ -96,8 +96,23 @@ def main(argv: list[str] | None = None) -> int:
     model = paxpage.load(args.model)
     result = dict(prefix_caching=prefix_caching(model, args), forks=fork_sharing(model, args))
     if args.json:
-        wl.write_json(args.json, result)
+        wl.write_json(args.json, result, tables=doc_tables(result))
     return 0
+
+
+def doc_tables(result: dict) -> dict:
+    """The docs' table (docs/benchmarks.md): each measurement without and with sharing."""
+    p, f = result["prefix_caching"], result["forks"]
+    rows = [
+        [f"{p['num_requests']} requests behind one {p['shared_prefix_tokens']}-token prefix: output tok/s "
+         f"(prefix hit rate {p['on']['prefix_hit_rate']:.0%}; greedy tokens identical: {p['identical_tokens']})",
+         round(p["off"]["output_tok_s"], 1), f"{p['on']['output_tok_s']:.1f} ({p['ratio']:.2f}x)"],
+        [f"n = 4 parallel samples, {f['prompt_tokens']}-token prompt, {f['new_tokens']} new tokens: peak KV pages",
+         f"{f['pages_unshared_x4']} (4 x n = 1's {f['pages_n1']})", f"{f['pages_n4']} ({f['saved_n4']:.0%} saved)"],
+        ["beam width 4, same prompt: peak KV pages", f["pages_unshared_x4"],
+         f"{f['pages_beam4']} ({f['saved_beam4']:.0%} saved)"],
+    ]
+    return {"sharing": {"columns": ["measurement", "without sharing", "with sharing"], "rows": rows}}
 
 
 if __name__ == "__main__":

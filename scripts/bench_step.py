@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import tempfile
@@ -279,14 +278,12 @@ def run_interleaved(models: dict, cases: list, steps: int, warmup: int, seed: in
     totals = [_Totals() for _ in cases]
     windows = [[] for _ in cases]
     for _ in range(rounds):
-        window = [_Totals() for _ in cases]
+        start = [total.cpu for total in totals]
         for _ in range(steps):
-            for (engine, *_), total, w in zip(filled, totals, window):
-                cpu = total.cpu
+            for (engine, *_), total in zip(filled, totals):
                 total.step(engine)
-                w.steps, w.cpu = w.steps + 1, w.cpu + total.cpu - cpu
-        for out, w in zip(windows, window):
-            out.append(w.cpu / w.steps)
+        for out, total, cpu in zip(windows, totals, start):
+            out.append((total.cpu - cpu) / steps)
     busy_s = busy([engine for engine, *_ in filled], steps)
     return [{"cfg": cfg, **total.result(), "busy_s": b, "fill_steps": fill_steps, "fill_s": fill_s,
              "window_host_cpu_s": w}
@@ -303,6 +300,38 @@ def context_ratios(results: list[dict]) -> list[tuple[dict, dict]]:
             if rest(short) == rest(long) and short["context"] < long["context"]:
                 pairs.append((short, long))
     return pairs
+
+
+def case_label(row: dict) -> str:
+    """A case as the docs name it: "tiny 256 x 1536, temperature 0.7, top-p 0.9"."""
+    parts = [f"{'SmolLM2' if row['model'] == 'smollm2' else row['model']} {row['rows']} x {row['context']}"]
+    if row["temperature"]:
+        parts.append(f"temperature {row['temperature']:g}")
+    if row["top_p"] != 1:
+        parts.append(f"top-p {row['top_p']:g}")
+    if row["repetition_penalty"] != 1:
+        parts.append(f"repetition penalty {row['repetition_penalty']:g}")
+    if row["stream"]:
+        parts.append("streamed")
+    return ", ".join(parts)
+
+
+def doc_tables(data: dict) -> dict:
+    """The docs' table (docs/benchmarks.md): one row per case, times in ms per step."""
+    def ms(seconds):
+        return round(seconds * 1e3, 1)
+
+    rows = [[case_label(r), ms(r["host_s"]), ms(r["host_cpu_s"]), ms(r["device_s"]), ms(r["busy_s"]), ms(r["wall_s"]),
+             round(r["wall_s"] / max(r["host_cpu_s"], r["busy_s"]), 2), f"{r['overlap']:.0%}",
+             f"{r['attention_share']:.0%}", round(r["attention_gb_per_s"], 1)] for r in data["cases"]]
+    tiny = TINY_CONFIG
+    caption = (f"One steady decode step per case ({data['steps']} measured), rows x context; tiny: a random "
+               f"{tiny['num_hidden_layers']}-layer Llama (hidden {tiny['hidden_size']}, vocabulary "
+               f"{tiny['vocab_size']:,}); this machine's read bandwidth {data['read_bandwidth_gb_per_s']:.1f} GB/s")
+    return {"step": {"caption": caption,
+                     "columns": ["case", "host ms", "host CPU ms", "device wait ms", "device busy ms", "wall ms",
+                                 "wall / max(host CPU, busy)", "overlap", "attention share", "attention GB/s"],
+                     "rows": rows}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -383,18 +412,17 @@ def main(argv: list[str] | None = None) -> int:
               f"({long['host_cpu_s'] * 1e3:.2f} vs {short['host_cpu_s'] * 1e3:.2f} ms/step"
               f"{', side by side' if args.interleave else ', one after the other'}){windows}", flush=True)
 
-    print("\n| case | host ms/step | host CPU ms/step | device ms/step | device busy ms/step | wall ms/step "
-          "| wall / max(host CPU, busy) | overlap | attention share | attention GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in results:
         row["wall_vs_bound"] = row["wall_s"] / max(row["host_cpu_s"], row["busy_s"])
-        print(f"| {row['case']} | {row['host_s'] * 1e3:.1f} | {row['host_cpu_s'] * 1e3:.1f} | {row['device_s'] * 1e3:.1f} | "
-              f"{row['busy_s'] * 1e3:.1f} | {row['wall_s'] * 1e3:.1f} | {row['wall_vs_bound']:.2f} | {row['overlap']:.0%} | "
-              f"{row['attention_share']:.0%} | {row['attention_gb_per_s']:.1f} |")
+    data = {"backend": jax.default_backend(), "read_bandwidth_gb_per_s": bandwidth, "steps": steps, "cases": results}
+    table = doc_tables(data)["step"]
+    print("\n| " + " | ".join(table["columns"]) + " |\n" + "|---" * len(table["columns"]) + "|")
+    for cells in table["rows"]:
+        print("| " + " | ".join(str(c) for c in cells) + " |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"backend": jax.default_backend(), "read_bandwidth_gb_per_s": bandwidth,
-                       "steps": steps, "cases": results}, f, indent=2)
+        from provenance import write_record  # the figures with machine, versions, date, command, commit
+
+        write_record(args.json, data, doc_tables(data))
     return 0
 
 

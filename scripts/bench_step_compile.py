@@ -10,6 +10,7 @@ full one (draws, penalties).
 Usage:
     python scripts/bench_step_compile.py                       # SmolLM2, a few shapes
     python scripts/bench_step_compile.py --shapes 64,0 4,16 --rows 8 64
+    python scripts/bench_step_compile.py --shapes 64,0 4,16 --rows 8 --json docs/benchmarks/step_compile.json
 """
 
 from __future__ import annotations
@@ -39,6 +40,29 @@ def lower_compile(jitted, *args) -> tuple[float, float]:
     return t1 - t, time.perf_counter() - t1
 
 
+def doc_tables(data: dict) -> dict:
+    """The docs' tables (docs/benchmarks.md): seconds per step shape, with and without attention;
+    the sampler's variants per logits row count."""
+    steps = data["steps"]
+    lower = [1 - s["bare_lower_s"] / s["lower_s"] for s in steps if s["lower_s"]]
+    compile_ = [max(0.0, s["compile_s"] - s["bare_compile_s"]) / s["compile_s"] for s in steps if s["compile_s"]]
+    share = (f"; attention is {min(lower):.0%}-{max(lower):.0%} of lowering and {min(compile_):.0%}-"
+             f"{max(compile_):.0%} of the compile" if lower and compile_ else "")
+    tables = {"step_compile": {
+        "caption": f"One step shape (decode rows, prefill rows) of {data['model']}: seconds to lower and to compile, "
+                   f"with attention and the KV write as they are and as no-ops{share}",
+        "columns": ["shape", "lower s", "compile s", "lower s, no attention", "compile s, no attention"],
+        "rows": [[f"({s['decode_rows']}, {s['prefill_rows']})", round(s["lower_s"], 1), round(s["compile_s"], 1),
+                  round(s["bare_lower_s"], 1), round(s["bare_compile_s"], 1)] for s in steps]}}
+    if data["sampler"]:
+        tables["sampler"] = {
+            "caption": "The sampler alone: the all-greedy variant and the full one (draws, penalties)",
+            "columns": ["logits rows", "greedy lower s", "greedy compile s", "full lower s", "full compile s"],
+            "rows": [[s["rows"], round(s["greedy_lower_s"], 2), round(s["greedy_compile_s"], 2),
+                      round(s["full_lower_s"], 2), round(s["full_compile_s"], 2)] for s in data["sampler"]]}
+    return tables
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None)
@@ -46,7 +70,9 @@ def main(argv=None) -> int:
                         help="decode rows,prefill rows")
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 64], help="sampler logits rows")
     parser.add_argument("--num-pages", type=int, default=1024)
+    parser.add_argument("--json", metavar="PATH", help="write the figures here")
     args = parser.parse_args(argv)
+    data = {"model": args.model or "SmolLM2-135M-Instruct", "steps": [], "sampler": []}
 
     model = paxpage.load(args.model)
     engine = model.engine(paxpage.EngineConfig(num_pages=args.num_pages, max_model_len=256))
@@ -74,6 +100,8 @@ def main(argv=None) -> int:
         without = lower_compile(jax.jit(bare_step, donate_argnums=(1,)), runner.params, runner.kv_cache,
                                 batch, *prev)
         share = max(0.0, full[1] - without[1]) / full[1]
+        data["steps"].append({"decode_rows": dec, "prefill_rows": pre, "lower_s": full[0], "compile_s": full[1],
+                              "bare_lower_s": without[0], "bare_compile_s": without[1]})
         print(f"{dec:>5},{pre:<4} {full[0]:>10.2f}s {full[1]:>7.2f}s {without[0]:>18.2f}s {without[1]:>7.2f}s "
               f"{share:>15.0%}", flush=True)
 
@@ -86,6 +114,13 @@ def main(argv=None) -> int:
         g = lower_compile(sample, logits, greedy)
         f = lower_compile(sample, logits, dataclasses.replace(greedy, greedy_only=False, penalised=True))
         print(f"{rows:>10} {g[0]:>12.2f}s {g[1]:>7.2f}s {f[0]:>10.2f}s {f[1]:>7.2f}s", flush=True)
+        data["sampler"].append({"rows": rows, "greedy_lower_s": g[0], "greedy_compile_s": g[1],
+                                "full_lower_s": f[0], "full_compile_s": f[1]})
+    if args.json:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from provenance import write_record  # the figures with machine, versions, date, command, commit
+
+        write_record(args.json, data, doc_tables(data))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Offline throughput: paxpage against HF transformers `generate` on the same weights.
+"""Offline throughput: paxpage against HF transformers `generate` and vLLM on the same weights.
 
 Every request is queued at t=0 (offline batch inference, as in vLLM's benchmark_throughput):
 N requests with ShareGPT-like prompt / output lengths (scripts/workload.py), random token
@@ -21,6 +21,14 @@ best of a small sweep (--hf-batch-sizes), every size measured on the whole workl
 gets as many threads as the machine has cores (as jax does), or 1 if a quick timing finds
 that faster (on a loaded machine OpenMP's spinning barriers can make 2 threads ~10x slower).
 
+vLLM peer (optional, scripts/vllm_peer.py): vLLM's CPU build from its own venv
+(--vllm-python or $PAXPAGE_VLLM_PYTHON; skipped with a message without one), one `vllm.LLM`
+in a subprocess with the same engine limits (max_num_seqs, max_num_batched_tokens,
+max_model_len, KV budget, float32), fed the same token-id prompts and lengths, greedy, EOS
+ignored (its own page size: its CPU attention takes multiples of 32). Its start-up (model load, torch.compile) and its warm-up pass (the same prompts as
+paxpage's) are timed apart; then its passes alternate with paxpage's on the same prompts, the
+fastest counts. The first tokens of every output are compared (same greedy tokens).
+
 Last, one steady decode step of max_num_seqs rows is profiled: full jitted step, the step
 with attention (and the KV write) swapped for no-ops, the model without the sampler, the
 sampler alone, and host packing; shares are rough (separately timed parts, noisy machine).
@@ -28,6 +36,7 @@ sampler alone, and host packing; shares are rough (separately timed parts, noisy
 Usage:
     python scripts/bench_throughput.py --json /tmp/throughput.json
     python scripts/bench_throughput.py --num-requests 8 --no-hf --model PATH
+    python scripts/bench_throughput.py --no-hf --vllm-python ~/venvs/vllm-cpu/bin/python
 """
 
 from __future__ import annotations
@@ -39,21 +48,26 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import paxpage  # noqa: E402
+import vllm_peer  # noqa: E402
 import workload as wl  # noqa: E402
+from step_profile import profile_decode_step  # noqa: E402
 from timing import median_seconds  # noqa: E402
 from paxpage import compile_counter  # noqa: E402
 
 
+FIRST_TOKENS = 8  # of each output, compared across systems (greedy: the same tokens)
+
+
 # ---------------------------------------------------------------------------------------- paxpage
-def _step(engine, first: list, finish: list, counts: list) -> None:
-    """One engine step; stamps each request's first token and finish with the time."""
+def _step(engine, first: list, finish: list, counts: list, tokens: list) -> None:
+    """One engine step; stamps each request's first token and finish with the time, and keeps
+    each request's first FIRST_TOKENS token ids."""
     results = engine.step()
     now = time.perf_counter()
     for request, deltas in results:
@@ -63,6 +77,8 @@ def _step(engine, first: list, finish: list, counts: list) -> None:
                 if first[i] is None:
                     first[i] = now
                 counts[i] += len(d.token_ids)
+                if len(tokens[i]) < FIRST_TOKENS:
+                    tokens[i] += list(d.token_ids)[:FIRST_TOKENS - len(tokens[i])]
             if d.finish_reason is not None:
                 finish[i] = now
 
@@ -73,7 +89,7 @@ def run_paxpage(model: paxpage.Model, work: wl.Workload, cfg: paxpage.EngineConf
     stats0 = dataclasses.replace(engine.stats)
     preempt0 = engine.scheduler.num_preemptions
     n = work.num_requests
-    first, finish, counts = [None] * n, [None] * n, [0] * n
+    first, finish, counts, tokens = [None] * n, [None] * n, [0] * n, [[] for _ in range(n)]
     start = time.perf_counter()
     for i, (prompt, out_len) in enumerate(zip(work.prompts, work.output_lens)):
         engine.add_request(prompt, paxpage.SamplingParams(max_tokens=out_len, temperature=0,
@@ -98,7 +114,7 @@ def run_paxpage(model: paxpage.Model, work: wl.Workload, cfg: paxpage.EngineConf
     engine.runner.pack = counting_pack
     try:
         while engine.has_unfinished():
-            _step(engine, first, finish, counts)
+            _step(engine, first, finish, counts, tokens)
             max_running = max(max_running, engine.scheduler.num_running)
     finally:
         del engine.runner.pack  # back to the class method
@@ -123,6 +139,7 @@ def run_paxpage(model: paxpage.Model, work: wl.Workload, cfg: paxpage.EngineConf
         "padding": pad,
         "ttft_s": wl.percentiles(ttft),
         "tpot_s": wl.percentiles(tpot),
+        "first_tokens": tokens,
     }
 
 
@@ -223,106 +240,49 @@ def run_hf(source: str | None, work: wl.Workload, batch_sizes, threads: int | No
             **sweep[best]}
 
 
+# ---------------------------------------------------------------------------------------- vLLM
+def start_vllm(args, cfg: paxpage.EngineConfig, warm: wl.Workload):
+    """The vLLM peer, built and warmed up on `warm`; (peer, record) or (None, None) when skipped."""
+    if args.no_vllm:
+        return None, None
+    python, why = vllm_peer.find_python(args.vllm_python)
+    if python is None:
+        vllm_peer.skipped(why)
+        return None, None
+    model_dir = vllm_peer.model_dir(args.vllm_model, args.model)
+    engine = {"max_model_len": cfg.max_model_len, "max_num_seqs": cfg.max_num_seqs,
+              "max_num_batched_tokens": max(cfg.max_num_batched_tokens, cfg.max_model_len),
+              "kv_cache_gib": (cfg.kv_cache_bytes or 1 << 30) / (1 << 30)}
+    print(f"vLLM {why} ({python}) on {model_dir}:", flush=True)
+    peer = vllm_peer.OfflinePeer(python, model_dir, engine, args.vllm_timeout)
+    try:
+        started = peer.start()
+        print(f"  vLLM start-up (load, compile): {started['startup_s']:.1f} s; log {peer.log.name}", flush=True)
+        t = time.perf_counter()
+        warm_pass = _vllm_pass(peer, warm)
+        started.update(warmup_pass_s=time.perf_counter() - t, version=why, python=python, model_dir=model_dir)
+    except BaseException:
+        peer.close()
+        raise
+    print(f"  vLLM warm-up pass: {started['warmup_pass_s']:.1f} s "
+          f"({warm_pass['output_tok_per_s']:.1f} output tok/s)", flush=True)
+    return peer, started
+
+
+def _vllm_pass(peer, work: wl.Workload) -> dict:
+    out = peer.run(work.prompts, work.output_lens)
+    if out["output_lens"] != work.output_lens:
+        raise RuntimeError(f"vLLM generated {sum(out['output_lens'])} tokens, expected {work.num_output_tokens}")
+    out.update(rates(work, out["wall_s"]))
+    return out
+
+
+def same_tokens(a: list, b: list) -> float:
+    """Share of requests whose first tokens (FIRST_TOKENS of them) agree in both systems."""
+    return sum(x == y for x, y in zip(a, b)) / max(1, len(a))
+
+
 # ---------------------------------------------------------------------------------------- profile
-def _interleaved(fns: dict, iters: int) -> dict:
-    """Median seconds of each blocking callable, timed round-robin after one warm-up call
-    each, so slow drifts in machine load hit every variant alike."""
-    for fn in fns.values():
-        fn()
-    times = {name: [] for name in fns}
-    for _ in range(iters):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    return {name: float(np.median(v)) for name, v in times.items()}
-
-
-def profile_decode_step(model: paxpage.Model, cfg: paxpage.EngineConfig, context: int,
-                        iters: int) -> dict:
-    """Rough breakdown of one decode step of cfg.max_num_seqs rows at `context` tokens each:
-    the engine's jitted step; the same step with attention and the KV write swapped for
-    no-ops (XLA then also drops the K/V projections); the sampler alone; host packing.
-    On the XLA attention path also the step with one-page attention chunks.
-
-    Run after the measured passes: it writes K/V into the pool's first pages (finished
-    sequences' prefix-cache entries there become stale; nothing runs on this engine after)."""
-    import functools
-    import inspect
-
-    from models.families import build_model
-    from pallas_kernels import reference
-    from pallas_kernels.xla_attention import paged_attention_xla
-    from paxpage import sampler as sampler_lib
-    from paxpage.runner import RowPlan
-
-    engine = model.engine(cfg)
-    runner, rcfg = engine.runner, engine.config
-    rows = rcfg.max_num_seqs
-    context = max(1, min(context, rcfg.max_model_len - 1, rcfg.num_pages * rcfg.page_size // rows - 1))
-    pages_per_row = -(-(context + 1) // rcfg.page_size)
-    rng = np.random.default_rng(0)
-    sp = paxpage.SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-
-    def host_pack():
-        plans, infos = [], []
-        for r in range(rows):
-            tokens = rng.integers(0, model.config.vocab_size, context + 1).tolist()
-            table = list(range(r * pages_per_row, (r + 1) * pages_per_row))
-            plans.append(RowPlan(tokens, table, context, 1, 1))
-            infos.append(sampler_lib.RowInfo(sp, tokens[:context], tokens[context:], r))
-        batch = runner.pack(plans)[0]
-        tensors = sampler_lib.SamplingTensors.build(
-            infos, model.config.vocab_size, pad_rows_to=len(batch.logits_indices),
-            eos_token_ids=engine.eos_token_ids, token_width=rcfg.max_model_len)
-        return batch, tensors
-
-    batch, tensors = host_pack()
-    num_rows = len(batch.logits_indices)  # the model returns the sampling rows' logits first
-    dtype = jnp.dtype(rcfg.dtype)
-
-    def variant(attention, write_kv):
-        """A donated step like the engine's (no copy of the pool), with other attention."""
-        m = build_model(model.config, attention, write_kv, dtype, scan_period=rcfg.scan_period)
-
-        def step(p, kv, b, s):
-            logits, kv = m.apply({"params": p}, b, kv)
-            return kv, sampler_lib.sample(logits[:num_rows], s, 0).token_ids
-
-        jitted = jax.jit(step, donate_argnums=(1,))
-
-        def call():
-            runner.kv_cache, out = jitted(runner.params, runner.kv_cache, batch, tensors)
-            jax.block_until_ready(out)
-        return call
-
-    def no_attention(q, kv_pages, page_indices, kv_lens, q_lens, *, sm_scale):
-        return q
-
-    logits = jnp.zeros((num_rows, model.config.vocab_size), jnp.float32)
-    sample = jax.jit(lambda lg, s: sampler_lib.sample(lg, s, 0))
-    fns = {
-        "step": lambda: runner.run(batch, tensors),
-        "step_without_attention": variant(no_attention, lambda pages, k, v, slots: pages),
-        "sampler": lambda: jax.block_until_ready(sample(logits, tensors)),
-        "host_pack": host_pack,
-    }
-    if rcfg.attention_impl == "xla" and "chunk_tokens" in inspect.signature(paged_attention_xla).parameters:
-        # The XLA path walks the context in chunks; one page per chunk is its smallest setting.
-        fns[f"step_attention_chunk_{rcfg.page_size}_tokens"] = variant(
-            functools.partial(paged_attention_xla, chunk_tokens=rcfg.page_size), reference.write_kv)
-    t = _interleaved(fns, iters)
-    total = t["step"] + t["host_pack"]
-    attention = max(0.0, t["step"] - t["step_without_attention"])
-    return {
-        "rows": rows, "context": context, "seconds": t,
-        "shares": {  # of (jitted step + host packing)
-            "matmuls_and_rest": max(0.0, t["step_without_attention"] - t["sampler"]) / total,
-            "attention_and_kv_write": attention / total,
-            "sampling": t["sampler"] / total,
-            "host_packing": t["host_pack"] / total,
-        },
-    }
 
 
 # ---------------------------------------------------------------------------------------- main
@@ -338,6 +298,46 @@ def _print_pass(k: int, pax: dict) -> None:
     print(f"  padding: {p['tokens']} real tokens in {p['token_slots']} token slots "
           f"({p['tokens'] / p['token_slots']:.0%}); decode rows {p['decode_rows']}/{p['decode_row_slots']}, "
           f"prefill tokens {p['prefill_tokens']}/{p['prefill_token_slots']}", flush=True)
+
+
+def compare_batch_invariant(model, work: wl.Workload, cfg: paxpage.EngineConfig, default_pass, args) -> dict:
+    """The workload on EngineConfig(batch_invariant=True) beside the default: a warm-up, then
+    `args.repeats` passes of each, interleaved so both see the same machine load; the fastest of
+    each counts. Returns both walls and their ratio (invariant / default time)."""
+    inv_cfg = dataclasses.replace(cfg, batch_invariant=True)
+    t = time.perf_counter()
+    run_paxpage(model, work.with_fresh_prompts(model.config.vocab_size, args.seed + 104729), inv_cfg)
+    print(f"batch-invariant warm-up: {time.perf_counter() - t:.1f} s (engine build included)", flush=True)
+    inv, default = [], []
+    for k in range(args.repeats):
+        w = work if k == 0 else work.with_fresh_prompts(model.config.vocab_size, args.seed + 104729 * (k + 1))
+        result = run_paxpage(model, w, inv_cfg)
+        result.update(rates(w, result["wall_s"]))
+        inv.append(result)
+        default.append(default_pass(k + args.repeats))
+    best_inv = min(r["wall_s"] for r in inv)
+    best_default = min(r["wall_s"] for r in default)
+    ratio = best_inv / best_default
+    print(f"default: {best_default:.2f} s, {max(r['output_tok_per_s'] for r in default):.1f} output tok/s | "
+          f"batch-invariant: {best_inv:.2f} s, {max(r['output_tok_per_s'] for r in inv):.1f} output tok/s | "
+          f"time ratio batch-invariant / default: {ratio:.2f}x (fastest of {args.repeats} passes each)",
+          flush=True)
+    return {"default_wall_s": best_default, "invariant_wall_s": best_inv, "time_ratio": ratio,
+            "invariant_passes": inv, "default_passes": default}
+
+
+def doc_tables(data: dict) -> dict:
+    """The docs' table (docs/benchmarks.md): one row per system."""
+    def row(name, r):
+        return [name, round(r["requests_per_s"], 2), round(r["output_tok_per_s"], 1),
+                round(r["total_tok_per_s"], 1)]
+
+    rows = [row("paxpage", data["paxpage"])]
+    if data.get("vllm"):
+        rows.append(row(f"vLLM {data['vllm']['version']} (CPU build, tuned)", data["vllm"]))
+    if data["hf"]:
+        rows.append(row(f"HF transformers `generate`, batch {data['hf']['best_batch_size']}", data["hf"]))
+    return {"throughput": {"columns": ["system", "requests/s", "output tok/s", "total tok/s"], "rows": rows}}
 
 
 def main(argv=None) -> int:
@@ -367,7 +367,11 @@ def main(argv=None) -> int:
                         help="compile every step shape when the engine is built (EngineConfig.precompile)")
     parser.add_argument("--xla-cache", metavar="DIR", default=None,
                         help="jax's persistent compilation cache directory (paxpage/xla_cache.py); off by default")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="also time EngineConfig(batch_invariant=True) on the same workload, passes "
+                             "interleaved with the default's, and print the two side by side")
     parser.add_argument("--json", metavar="PATH", help="write every figure here")
+    vllm_peer.add_args(parser)
     args = parser.parse_args(argv)
 
     compile_counter.install()
@@ -407,6 +411,17 @@ def main(argv=None) -> int:
           f"misses" + (f", precompiled {warm['precompiled'][0]} shapes in {warm['precompiled'][1]:.1f} s"
                        if warm["precompiled"] else ""), flush=True)
 
+    vllm, vllm_info = start_vllm(args, cfg, work.with_fresh_prompts(model.config.vocab_size, args.seed + 7919))
+    try:
+        return _measure(args, model, cfg, work, summary, warm, vllm, vllm_info)
+    finally:
+        if vllm is not None:
+            vllm.close()
+
+
+def _measure(args, model, cfg, work, summary, warm, vllm, vllm_info) -> int:
+    vllm_passes = []
+
     def measured_pass(k: int) -> dict:
         # Pass k > 0 gets fresh prompts of the same lengths: no prefix-cache hits on earlier passes.
         c0 = compile_counter.compiles()
@@ -414,6 +429,14 @@ def main(argv=None) -> int:
         result = run_paxpage(model, w, cfg)
         result.update(rates(w, result["wall_s"]), compiles=compile_counter.compiles() - c0)
         _print_pass(k, result)
+        if vllm is not None:  # the same prompts, right after: the same machine load for both
+            v = _vllm_pass(vllm, w)
+            v["same_first_tokens"] = same_tokens(result["first_tokens"], v.pop("first_tokens"))
+            vllm_passes.append(v)
+            print(f"vLLM pass {k}: {v['requests_per_s']:.2f} req/s, {v['output_tok_per_s']:.1f} output tok/s, "
+                  f"{v['total_tok_per_s']:.1f} total tok/s ({v['wall_s']:.1f} s); first {FIRST_TOKENS} "
+                  f"tokens equal to paxpage's in {v['same_first_tokens']:.0%} of requests", flush=True)
+        result.pop("first_tokens")
         return result
 
     # Passes alternate with the HF sweep so that both see similar machine load (noisy machine).
@@ -433,6 +456,29 @@ def main(argv=None) -> int:
         print(f"HF (batch {hf['best_batch_size']}): {hf['requests_per_s']:.2f} req/s, "
               f"{hf['output_tok_per_s']:.1f} output tok/s, {hf['total_tok_per_s']:.1f} total tok/s", flush=True)
         print(f"ratio paxpage / HF (output tok/s): {ratio:.2f}x", flush=True)
+    vllm_record, vllm_ratios = None, None
+    if vllm_passes:
+        best = max(vllm_passes, key=lambda r: r["output_tok_per_s"])
+        vllm_record = dict(vllm_info, **{k: best[k] for k in ("wall_s", "requests_per_s", "output_tok_per_s",
+                                                              "total_tok_per_s")},
+                           passes_output_tok_per_s=[r["output_tok_per_s"] for r in vllm_passes],
+                           same_first_tokens=[r["same_first_tokens"] for r in vllm_passes])
+        vllm_ratios = {
+            "output_tok_per_s": pax["output_tok_per_s"] / best["output_tok_per_s"],
+            "passes_output_tok_per_s": [p["output_tok_per_s"] / v["output_tok_per_s"]
+                                        for p, v in zip(passes, vllm_passes)],
+            "warmup_s": warm["wall_s"] / (vllm_info["startup_s"] + vllm_info["warmup_pass_s"]),
+            "warmup_pass_s": warm["wall_s"] / vllm_info["warmup_pass_s"],
+        }
+        print(f"vLLM (fastest of {len(vllm_passes)} passes): {best['output_tok_per_s']:.1f} output tok/s; "
+              f"start-up {vllm_info['startup_s']:.1f} s + warm-up pass {vllm_info['warmup_pass_s']:.1f} s "
+              f"(paxpage warm-up {warm['wall_s']:.1f} s)", flush=True)
+        print(f"ratio paxpage / vLLM (output tok/s): {vllm_ratios['output_tok_per_s']:.2f}x fastest, pass by pass "
+              + ", ".join(f"{r:.2f}x" for r in vllm_ratios["passes_output_tok_per_s"])
+              + f"; warm-up paxpage / vLLM {vllm_ratios['warmup_pass_s']:.2f}x the warm-up pass, "
+              f"{vllm_ratios['warmup_s']:.2f}x with its start-up", flush=True)
+
+    invariant = compare_batch_invariant(model, work, cfg, measured_pass, args) if args.batch_invariant else None
 
     profile = None
     if not args.no_profile:
@@ -444,12 +490,14 @@ def main(argv=None) -> int:
         print("  shares: " + ", ".join(f"{k} {v:.0%}" for k, v in profile["shares"].items()), flush=True)
 
     if args.json:
-        wl.write_json(args.json, {
+        data = {
             "backend": jax.default_backend(), "model": args.model or "SmolLM2-135M-Instruct",
             "workload": summary, "engine_config": dataclasses.asdict(cfg),
             "paxpage": pax, "warmup": warm, "hf": hf, "ratio": ratio,
-            "compiles_after_warmup": compiles_after, "profile": profile,
-        })
+            "vllm": vllm_record, "ratio_paxpage_over_vllm": vllm_ratios,
+            "compiles_after_warmup": compiles_after, "profile": profile, "batch_invariant": invariant,
+        }
+        wl.write_json(args.json, data, tables=doc_tables(data))
     if compiles_after and not args.allow_compiles:
         print(f"FAIL: {compiles_after} XLA compiles during the measured pass (after warm-up): a shape "
               "escaped its bucket. Pass --allow-compiles to ignore.", file=sys.stderr, flush=True)

@@ -8,6 +8,7 @@ with scanned layers, the CPU default) and reports VmRSS after each; the KV pools
 
     python scripts/bench_weight_copies.py            # SmolLM2-135M in f32
     python scripts/bench_weight_copies.py --model DIR --dtype bfloat16
+    python scripts/bench_weight_copies.py --json docs/benchmarks/weight_copies.json
 """
 
 from __future__ import annotations
@@ -52,13 +53,27 @@ def measure(mode: str, model_source: str | None, dtype: str, num_pages: int) -> 
     return out
 
 
-def main() -> int:
+LABELS = {"shared": "sharing the model's weight forms", "own": "its own copy of the weights"}
+
+
+def doc_tables(data: dict) -> dict:
+    """The docs' table (docs/models.md): what a second engine of one model adds to the process."""
+    rows = [[LABELS[r["mode"]], f"{(r['engine_2'] - r['engine_1']) / MB:+.0f} MB"]
+            for r in sorted(data["rows"], key=lambda r: r["mode"] != "shared")]
+    caption = (f"{data['model']} in {data['dtype']} ({data['rows'][0]['weights'] / MB:.0f} MB of weights): resident "
+               "memory a second engine with another config adds")
+    return {"weight_copies": {"caption": caption, "columns": ["second engine config of one model", "RSS added"],
+                              "rows": rows}}
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="anything paxpage.load accepts (default: SmolLM2)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-pages", type=int, default=16)
+    parser.add_argument("--json", metavar="PATH", help="write the figures here")
     parser.add_argument("--one", choices=["own", "shared"], help=argparse.SUPPRESS)  # the child process
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(measure(args.one, args.model, args.dtype, args.num_pages)))
         return 0
@@ -79,6 +94,13 @@ def main() -> int:
         print(f"| {r['mode']} | {r['loaded'] / MB:.0f} MB | {(r['engine_1'] - r['loaded']) / MB:+.0f} MB "
               f"| {(r['engine_2'] - r['engine_1']) / MB:+.0f} MB | {(r['engine_2'] - r['loaded']) / MB:+.0f} MB |")
     print(f"shared: {rows[1]['describe']}")
+    if args.json:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from provenance import write_record  # the figures with machine, versions, date, command, commit
+
+        data = {"model": args.model or "SmolLM2-135M-Instruct", "dtype": args.dtype, "num_pages": args.num_pages,
+                "rows": rows}
+        write_record(args.json, data, doc_tables(data), measures=("paxpage", "models"))
     return 0
 
 

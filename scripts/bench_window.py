@@ -115,12 +115,27 @@ def main(argv=None) -> int:
     if args.json:
         for r in results.values():
             r.pop("_snapshot")
-        wl.write_json(args.json, {
-            "backend": jax.default_backend(), "model": args.model or "SmolLM2-135M-Instruct",
-            "sliding_window": args.sliding_window, "page_size": args.page_size, "num_pages": num_pages,
-            "lengths": lengths[0], **results, "pages_per_seq_ratio": ratio, "plots": plots,
-        })
+        data = {"backend": jax.default_backend(), "model": args.model or "SmolLM2-135M-Instruct",
+                "sliding_window": args.sliding_window, "page_size": args.page_size, "num_pages": num_pages,
+                "max_num_batched_tokens": args.max_num_batched_tokens, "num_requests": args.num_requests, "lengths": lengths[0], **results,
+                "pages_per_seq_ratio": ratio, "plots": plots}
+        wl.write_json(args.json, data, tables=doc_tables(data))
     return 0
+
+
+def doc_tables(data: dict) -> dict:
+    """The docs' table (docs/benchmarks.md): one row per variant."""
+    labels = {"full": "full", "window": f"window of {data['sliding_window']} in every layer"}
+    rows = [[labels[name], r["max_pages_per_seq"], round(r["mean_running"], 1), r["preemptions"],
+             f"{r['mean_pool_occupancy']:.0%}", round(r["output_tok_per_s"], 1)]
+            for name, r in ((name, data[name]) for name in VARIANTS)]
+    prompt, output = data["lengths"]
+    caption = (f"{data['model']} weights, {data['num_requests']} requests of {prompt} + {output} tokens, "
+               f"{data['num_pages']} pages of {data['page_size']} tokens, "
+               f"--max-num-batched-tokens {data['max_num_batched_tokens']}")
+    return {"window": {"caption": caption,
+                       "columns": ["attention", "pages held per sequence (max)", "mean sequences running",
+                                   "preemptions", "mean pool occupancy", "output tok/s"], "rows": rows}}
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ export PYTHONDONTWRITEBYTECODE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 command -v nvidia-smi >/dev/null && nvidia-smi >> "$OUT_DIR/env.txt" 2>&1
 
 start=$(date +%s)
-PAXPAGE_KERNEL_INTERPRET=0 timeout 360 "$PY" -m pytest tests/kernels -q -rs --durations=10 \
+PAXPAGE_KERNEL_INTERPRET=0 timeout 360 "$PY" -m pytest tests/kernels --extended -q -rs --durations=10 \
     --junitxml="$OUT_DIR/tests.xml" 2>&1 | tee "$OUT_DIR/tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "tests rc=$tests_rc in $(( $(date +%s) - start ))s" | tee -a "$OUT_DIR/summary.txt"

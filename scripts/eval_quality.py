@@ -16,7 +16,7 @@ Figures, each variant against the reference:
     ppl      perplexity of a fixed text, teacher-forced in chunks of --ppl-chunk tokens; the text
              is the docstrings of Python's own argparse, logging, json and textwrap modules
              (module docstring, then each public class / function defined there, sorted by name)
-             of the running interpreter (pinned: Python 3.11; the README's figures name theirs)
+             of the running interpreter (pinned: Python 3.11; the docs' figures name theirs)
     finite   no NaN / inf in any logit of the teacher-forced passes
     weights  bytes the weights hold (int8 values + f32 scales for quantised ones)
     KV/token bytes of K and V per token, all layers (the engine's page bytes / page size)
@@ -38,7 +38,6 @@ import argparse
 import dataclasses
 import importlib
 import inspect
-import json
 import math
 import os
 import sys
@@ -218,18 +217,29 @@ def run(args) -> dict:
             "speed_seqs": len(speed_prompts), "rows": rows, "skipped": skipped}
 
 
+QUALITY_COLUMNS = ["variant", "agree (all / prefix)", "mean KL", "ppl", "ppl vs f32", "finite", "weights MB",
+                   "KV bytes/token", "tok/s"]
+
+
+def doc_tables(result: dict) -> dict:
+    """The docs' table (docs/quantisation.md): one row per variant, skipped ones with the reason."""
+    rows = [[name, f"{r['agree']:.3f} / {r['prefix']:.3f}", f"{r['kl']:.2e}", round(r["ppl"], 3),
+             f"{100 * r['ppl_change']:+.2f}%", "yes" if r["finite"] else "NO", round(r["weights_bytes"] / 1e6, 1),
+             r["kv_bytes_per_token"], round(r["tok_s"], 1)] for name, r in result["rows"].items()]
+    rows += [[name, why, *[""] * (len(QUALITY_COLUMNS) - 2)] for name, why in result["skipped"].items()]
+    caption = (f"{result['model']} against f32 on the same weights: {result['prompts']} prompts x "
+               f"{result['tokens']} greedy tokens; perplexity over {result['ppl_tokens']} tokens of Python "
+               f"{result['python']} docstrings; tok/s: {result['speed_seqs']} sequences")
+    return {"quality": {"caption": caption, "columns": QUALITY_COLUMNS, "rows": rows}}
+
+
 def markdown(result: dict) -> str:
+    table = doc_tables(result)["quality"]
     lines = [f"Against f32 on the same weights: {result['prompts']} prompts x {result['tokens']} greedy tokens; "
              f"perplexity over {result['ppl_tokens']} tokens of Python {result['python']} docstrings; "
              f"tok/s: {result['speed_seqs']} sequences, this CPU.", "",
-             "| variant | agree (all / prefix) | mean KL | ppl | ppl vs f32 | finite | weights MB | KV bytes/token | tok/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for name, r in result["rows"].items():
-        lines.append(f"| {name} | {r['agree']:.3f} / {r['prefix']:.3f} | {r['kl']:.2e} | {r['ppl']:.3f} | "
-                     f"{100 * r['ppl_change']:+.2f}% | {'yes' if r['finite'] else 'NO'} | "
-                     f"{r['weights_bytes'] / 1e6:.1f} | {r['kv_bytes_per_token']} | {r['tok_s']:.1f} |")
-    for name, why in result["skipped"].items():
-        lines.append(f"| {name} | {why} | | | | | | | |")
+             "| " + " | ".join(table["columns"]) + " |", "|---" * len(table["columns"]) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in table["rows"]]
     return "\n".join(lines)
 
 
@@ -257,8 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(result)
     print(table)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from provenance import write_record  # the figures with machine, versions, date, command, commit
+
+        write_record(args.json, result, doc_tables(result))
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table + "\n")

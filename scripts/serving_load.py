@@ -6,6 +6,7 @@ Per request it records, on one monotonic clock:
     start        when the request was sent (its Poisson arrival time)
     first_token  when the first chunk carrying non-empty text arrived (TTFT = first_token - start)
     max_gap      the longest wait between two such chunks (a stall: a compile, a long prefill)
+    chunk_times  when each such chunk arrived (and response_id, the chunks' "id")
     end          when the stream ended (end-to-end latency = end - start)
     output_tokens  `usage.completion_tokens` of the final chunk when the server sends usage,
                  else the number of chunks that carried text (one token per chunk)
@@ -46,6 +47,8 @@ class RequestRecord:
     counted_from_usage: bool = False
     max_gap: float = 0.0  # longest wait between text chunks: a stall (a compile, a long prefill)
     error: str | None = None
+    response_id: str | None = None  # the chunks' "id"
+    chunk_times: list = dataclasses.field(default_factory=list)  # arrival of each text chunk
 
     @property
     def ok(self) -> bool:
@@ -101,6 +104,8 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, record: Reque
             if any(choice.get("text") for choice in chunk.get("choices") or ()):
                 chunks_with_text += 1
                 now = time.perf_counter()
+                record.chunk_times.append(now)
+                record.response_id = chunk.get("id", record.response_id)
                 if record.first_token is None:
                     record.first_token = now
                 else:

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 
 import jax
 import numpy as np
@@ -154,11 +155,14 @@ def workload_from_args(args, vocab_size: int, shared_prefix: int = 0) -> Workloa
     return make_workload(lengths, vocab_size, args.seed, shared_prefix)
 
 
-def write_json(path: str, data: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
+def write_json(path: str, data: dict, tables: dict | None = None, measures=None, charts: dict | None = None) -> None:
+    """The figures with their provenance (scripts/provenance.py: write_record)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:  # this module may be loaded by path, without scripts/ on sys.path
+        sys.path.insert(0, here)
+    import provenance
+
+    provenance.write_record(path, data, tables, measures or provenance.ENGINE_CODE, charts=charts)
 
 
 def percentiles(values, qs=(50, 90, 99)) -> dict[str, float]:

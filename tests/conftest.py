@@ -11,16 +11,48 @@ import pytest
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--extended", action="store_true", default=False,
+                     help="also run the extended tier (tests marked `extended`): long workloads, the "
+                          "full kernel matrices; PAXPAGE_EXTENDED_TESTS=1 does the same")
+
+
+@pytest.hookimpl(trylast=True)  # after the folders' conftests have marked their items
+def pytest_collection_modifyitems(config, items):
+    """The default run (CI's) skips the extended tier, saying so; `--extended` runs everything."""
+    if config.getoption("--extended") or os.environ.get("PAXPAGE_EXTENDED_TESTS") == "1":
+        return
+    skip = pytest.mark.skip(reason="extended tier: run with --extended")
+    for item in items:
+        if "extended" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _no_persistent_compilation_cache():
-    """Tests that call the CLI in this process (`paxpage.cli.main`) would switch on jax's
-    persistent compilation cache, which is process-wide: it would then stay on for every later
-    test, writing each compiled executable into the user's cache. Keep it off here; subprocess
-    tests of the CLI still exercise it."""
+def _session_compilation_cache(tmp_path_factory):
+    """One jax persistent compilation cache for the whole test run, in a temporary directory: many
+    modules and servers compile the same step shapes of the same tiny models, and each module ends
+    by clearing jax's in-memory caches (below), so without it they would compile them again.
+    Subprocesses (CLI, multi-process and worker tests) inherit it through the environment.
+    `PAXPAGE_TEST_XLA_CACHE=0` runs without it. The CLI's own `xla_cache.enable()` keeps a cache
+    that is already configured, so nothing is written into the user's cache either way."""
+    import jax
+
     from paxpage import xla_cache
 
     patch = pytest.MonkeyPatch()
-    patch.setattr(xla_cache, "enable", lambda directory=None: None)
+    patch.setattr(xla_cache, "enable", lambda directory=None: jax.config.jax_compilation_cache_dir or None)
+    if os.environ.get("PAXPAGE_TEST_XLA_CACHE", "1") != "0":
+        directory = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+        if not directory:  # pytest-xdist workers (and their subprocesses) share one cache
+            root = tmp_path_factory.getbasetemp()
+            directory = str((root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "xla_cache")
+        # A size limit switches on jax's file lock: workers and subprocesses write the same entries
+        settings = {"jax_compilation_cache_dir": directory, "jax_persistent_cache_min_compile_time_secs": 0.0,
+                    "jax_compilation_cache_max_size": 8 << 30}
+        for name, value in settings.items():
+            patch.setenv(name.upper(), str(value))
+            jax.config.update(name, value)
     yield
     patch.undo()
 
@@ -28,8 +60,8 @@ def _no_persistent_compilation_cache():
 @pytest.fixture(scope="module", autouse=True)
 def _drop_compiled_executables():
     """After each test module: collect dropped models and clear jax's caches, so the process does not
-    keep every executable the whole session compiled. The CI run (~900 tests in one process)
-    segfaulted inside XLA CPU's compiler late in the session, in tests that pass on their own:
+    keep every executable the whole test run compiled. The CI run (~900 tests in one process)
+    segfaulted inside XLA CPU's compiler late in the run, in tests that pass on their own:
     the live JIT-compiled code only grows otherwise."""
     yield
     import gc
@@ -50,7 +82,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def default_model_cache(tmp_path_factory):
     """A private PAXPAGE_CACHE_DIR for tests that load the default model through a cold cache; shared
-    by them so the ~10 s conversion happens once a session, never in the user's own cache."""
+    by them so the ~10 s conversion happens once a test run, never in the user's own cache."""
     return tmp_path_factory.mktemp("paxpage_cache")
 
 

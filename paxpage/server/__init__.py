@@ -3,7 +3,7 @@
     app = build_app(engine, served_model_name="SmolLM2-135M-Instruct")
 
 Files: protocol (request bodies), sampling (body -> SamplingParams), prompts (chat template,
-token ids), dispatch (engine requests, client disconnects), chat_routes / completion_routes /
+token ids), tools + tool_parsers/ (tool calling in chat completions), dispatch (engine requests, client disconnects), chat_routes / completion_routes /
 info_routes, sse, logprobs, metrics (Prometheus), auth (API key), errors (OpenAI error shape),
 app (the factory), cli (the `serve` command)."""
 

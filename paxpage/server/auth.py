@@ -1,4 +1,6 @@
-"""`--api-key`: every route but /health demands `Authorization: Bearer KEY` (401 otherwise).
+"""`--api-key`: every route but /health demands `Authorization: Bearer KEY` (401 otherwise);
+/metrics too, unless the server opts it out (`--metrics-without-key`). The key is compared in
+constant time (`hmac.compare_digest`), so response timing does not reveal how much of it matched.
 
 A plain ASGI middleware (not BaseHTTPMiddleware), so streaming responses and disconnect
 messages pass through untouched."""
@@ -14,12 +16,13 @@ OPEN_PATHS = frozenset({"/health"})
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str, open_paths: frozenset[str] = OPEN_PATHS):
         self.app = app
+        self.open_paths = open_paths
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         if hmac.compare_digest(given, self._expected):

@@ -9,6 +9,8 @@ import os
 import socket
 import threading
 
+from paxpage.embedding import POOLING_CHOICES
+
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API (loopback by default)")
@@ -21,12 +23,39 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $PAXPAGE_API_KEY, if set)")
+    s.add_argument("--metrics-without-key", action="store_true",
+                   help="with --api-key, let /metrics answer without the key (default: it needs it)")
+    s.add_argument("--allowed-origin", action="append", default=None, metavar="ORIGIN",
+                   help="let browsers on ORIGIN call the API (CORS; repeat for several, '*' for any); "
+                        "default: no CORS headers")
+    s.add_argument("--max-request-bytes", type=int, default=None,
+                   help="bodies past this size get 413 (default: 16 MiB)")
     s.add_argument("--max-waiting-requests", type=int, default=None,
                    help="past this many waiting requests new ones get 503 + Retry-After (default: no limit)")
+    s.add_argument("--restart-on-error", action=argparse.BooleanOptionalAction, default=True,
+                   help="after a failed engine step (its live requests get an error), rebuild the engine "
+                        "and go on serving (default: on)")
+    s.add_argument("--max-restarts-per-minute", type=int, default=3,
+                   help="past this many rebuilds in a minute the engine stays down (/health says why)")
+    s.add_argument("--grammar-timeout", type=float, default=10.0,
+                   help="seconds a structured-output grammar may take to compile (off the engine "
+                        "thread); past it the request gets 400")
     s.add_argument("--stall-timeout", type=float, default=None,
                    help="/health answers 503 when live requests make no progress this many seconds")
     s.add_argument("--graceful-timeout", type=float, default=5.0,
                    help="on SIGINT/SIGTERM, seconds to let open connections finish")
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="how tool calls are read from the model's text (default: from the chat template)")
+    s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split the model's <think>...</think> text into reasoning_content "
+                        "(default: no split, it stays in the answer)")
+    s.add_argument("--pooling", default="last", choices=list(POOLING_CHOICES),
+                   help="how /v1/embeddings pools the last layer's hidden states (after the final norm): "
+                        "the last token's or the mean of all, L2-normalised unless -unnormalized "
+                        "(default: last, as vLLM for decoder embedding models)")
+    s.add_argument("--max-stored-responses", type=int, default=1000,
+                   help="/v1/responses answers kept in memory for previous_response_id; the oldest "
+                        "are dropped first (0: keep none)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     e = s.add_argument_group("engine options (see paxpage.EngineConfig)")
     e.add_argument("--page-size", type=int, default=None)
@@ -35,10 +64,17 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="GPU / TPU: fraction of device memory to fill; the KV cache gets what the "
                         "weights and a step leave (default 0.9; CPU: a fixed 1 GiB cache)")
+    e.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (HF PEFT directories) clients pick with the request's model field")
+    e.add_argument("--max-loras", type=int, default=None,
+                   help="adapter slots in one step (default with --lora-modules: their number, at most 8)")
+    e.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank (default 16)")
     e.add_argument("--max-num-seqs", type=int, default=None)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    e.add_argument("--batch-invariant", action="store_true",
+                   help="a request's tokens bitwise the same whatever shares its step")
     e.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8"],
                    help="KV cache storage: the model's dtype (auto), or int8 / fp8 with per-token scales")
     e.add_argument("--attention-impl", default=None, choices=["native", "xla", "pallas", "pallas-interpret"],
@@ -63,8 +99,14 @@ def engine_config_from_args(args: argparse.Namespace):
 
     kw = {name: getattr(args, name) for name in ("page_size", "num_pages", "kv_cache_bytes", "gpu_memory_utilization", "max_num_seqs",
                                                  "max_num_batched_tokens", "max_model_len", "dtype", "kv_cache_dtype",
-                                                 "attention_impl", "tensor_parallel_size", "data_parallel_size")
+                                                 "attention_impl", "tensor_parallel_size", "data_parallel_size",
+                                                 "max_loras", "max_lora_rank")
           if getattr(args, name, None) is not None}
+    modules = lora_modules(getattr(args, "lora_modules", None))
+    if modules and "max_loras" not in kw:
+        kw["max_loras"] = min(len(modules), 8)
+    if getattr(args, "batch_invariant", False):
+        kw["batch_invariant"] = True
     if args.no_prefix_caching:
         kw["enable_prefix_caching"] = False
     if args.no_chunked_prefill:
@@ -77,6 +119,19 @@ def engine_config_from_args(args: argparse.Namespace):
 
         kw["executable_cache_dir"] = default_directory()
     return EngineConfig(**kw)
+
+
+def lora_modules(values: list[str] | None) -> dict[str, str]:
+    """--lora-modules NAME=PATH ... as {name: path}; ValueError names a malformed or repeated one."""
+    modules: dict[str, str] = {}
+    for value in values or ():
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH entries, got {value!r}")
+        if name in modules:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        modules[name] = path
+    return modules
 
 
 def default_model_name(source: str | None) -> str:
@@ -95,9 +150,21 @@ def run_serve(args: argparse.Namespace) -> int:
     """Bad options raise ValueError before the model loads (paxpage.cli prints it on one line)."""
     config = engine_config_from_args(args)
     api_key = args.api_key if args.api_key is not None else (os.environ.get("PAXPAGE_API_KEY") or None)
+    if not args.grammar_timeout > 0:
+        raise ValueError(f"--grammar-timeout must be > 0, got {args.grammar_timeout}")
+    if args.max_restarts_per_minute < 0:
+        raise ValueError(f"--max-restarts-per-minute must be >= 0, got {args.max_restarts_per_minute}")
+    if args.max_stored_responses < 0:
+        raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
 
+    from paxpage.server.limits import RequestLimits
+
+    limits = RequestLimits(**({"max_request_bytes": args.max_request_bytes}
+                              if args.max_request_bytes is not None else {}))
+
+    import jax
     import uvicorn
 
     import paxpage
@@ -114,13 +181,25 @@ def run_serve(args: argparse.Namespace) -> int:
         sock.close()
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     sock.listen(2048)  # clients that connect before uvicorn runs wait in the backlog
-    model = paxpage.load(args.model, dtype=config.dtype or "float32", quantization=args.quantization)
-    engine = AsyncEngine(model, config, max_waiting_requests=args.max_waiting_requests)
+    model = paxpage.load(args.model, dtype=config.dtype, quantization=args.quantization)
+    served_name = args.served_model_name or default_model_name(args.model)
+    for name, path in lora_modules(args.lora_modules).items():
+        if name == served_name:
+            raise ValueError(f"--lora-modules name {name!r} is the base model's served name")
+        model.load_lora(name, path)
+    engine = AsyncEngine(model, config, max_waiting_requests=args.max_waiting_requests,
+                         # a multi-host engine's followers cannot rebuild in step with it
+                         restart_on_error=args.restart_on_error and jax.process_count() == 1,
+                         max_restarts_per_minute=args.max_restarts_per_minute,
+                         grammar_timeout_s=args.grammar_timeout)
     try:
-        app = build_app(engine, served_model_name=args.served_model_name or default_model_name(args.model),
+        app = build_app(engine, served_model_name=served_name,
                         api_key=api_key,
                         stall_timeout_s=args.stall_timeout if args.stall_timeout is not None
-                        else DEFAULT_STALL_TIMEOUT_S)
+                        else DEFAULT_STALL_TIMEOUT_S, tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser, max_stored_responses=args.max_stored_responses,
+                        limits=limits, metrics_need_key=not args.metrics_without_key,
+                        cors_origins=args.allowed_origin, pooling=args.pooling)
         server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_timeout,
                                         access_log=args.log_level == "debug"), engine)
         host, port = sock.getsockname()[:2]

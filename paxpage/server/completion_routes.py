@@ -30,21 +30,21 @@ def _prompt_text(ctx, ids: list[int], text: str | None) -> str:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     ctx = context(request)
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     prompts = encode_completion_prompts(ctx.tokenizer, body.prompt, ctx.vocab_size)
     params = completion_sampling_params(body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    head = {"id": request_id, "created": int(time.time()), "model": ctx.served_model_name}
+    head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name(body.model)}
     echoes = [_prompt_text(ctx, ids, text) if body.echo else "" for ids, text in prompts]
     try:
         if body.stream:
-            stream = MergedStream(ctx, prompts, params, request_id, "prompt")
+            stream = MergedStream(ctx, prompts, params, request_id, "prompt", lora)
             await stream.start(request)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             prompt_tokens = sum(len(ids) for ids, _ in prompts)
             return sse.response(_chunks(ctx, stream, head, params.n, body.logprobs, echoes, prompt_tokens,
                                         include_usage))
-        outputs = await generate_all(ctx, request, prompts, params, request_id, "prompt")
+        outputs = await generate_all(ctx, request, prompts, params, request_id, "prompt", lora)
     except ClientGone:
         return Response(status_code=499)
     k = body.logprobs

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request
 
-from paxpage.async_engine import EngineDeadError, EngineOverloadedError
+from paxpage.async_engine import EngineDeadError, EngineOverloadedError, EngineStepError
 from paxpage.server import sse
 from paxpage.server.errors import APIError, error_body, logger
 from paxpage.server.sampling import engine_error
@@ -30,6 +30,9 @@ def api_error(e: Exception, prompt_param: str) -> APIError:
         return APIError(503, f"server overloaded: {e}", code="overloaded", headers={"Retry-After": str(retry)})
     if isinstance(e, EngineDeadError):
         return APIError(503, f"engine is not running: {e}", code="engine_dead")
+    if isinstance(e, EngineStepError):
+        logger.error("a failed engine step ended a request: %s", e)
+        return APIError(500, str(e), code="engine_step_failed")
     if isinstance(e, (ValueError, TypeError)):
         return engine_error(e, prompt_param)
     logger.error("engine request failed", exc_info=e)
@@ -57,12 +60,30 @@ def _retrieve(task: asyncio.Task) -> None:
 
 
 async def generate_all(ctx, request: Request, prompts: list[tuple[list[int], str | None]], params,
-                       request_id: str, prompt_param: str) -> list[Any]:
-    """Final RequestOutputs, one per prompt, in order."""
+                       request_id: str, prompt_param: str, lora: str | None = None) -> list[Any]:
+    """Final RequestOutputs, one per prompt, in order (`lora`: the adapter they run, or None)."""
+    def start(i: int, rid: str):
+        return ctx.engine.generate(prompts[i][0], params, request_id=rid, prompt=prompts[i][1], lora=lora)
+
+    outputs = await _all(ctx, request, len(prompts), request_id, prompt_param, start)
+    for out in outputs:
+        ctx.metrics.observe_output(out)
+    return outputs
+
+
+async def embed_all(ctx, request: Request, prompts: list[tuple[list[int], str | None]], pooling,
+                    request_id: str) -> list[Any]:
+    """EmbeddingOutputs, one per input, in order."""
+    return await _all(ctx, request, len(prompts), request_id, "input",
+                      lambda i, rid: ctx.engine.embed(prompts[i][0], pooling, request_id=rid))
+
+
+async def _all(ctx, request: Request, num: int, request_id: str, prompt_param: str, start) -> list[Any]:
+    """Runs `start(i, engine request id)` for each of num inputs at once; their results in order.
+    The client going away (ClientGone) or any failure aborts the ones still running."""
     engine = ctx.engine
-    ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-    tasks = [asyncio.ensure_future(engine.generate(p, params, request_id=rid, prompt=text))
-             for rid, (p, text) in zip(ids, prompts)]
+    ids = [f"{request_id}-{i}" for i in range(num)]
+    tasks = [asyncio.ensure_future(start(i, rid)) for i, rid in enumerate(ids)]
     watcher = asyncio.ensure_future(wait_disconnect(request))
     try:
         pending = set(tasks)
@@ -82,8 +103,6 @@ async def generate_all(ctx, request: Request, prompts: list[tuple[list[int], str
                 task.cancel()
                 engine.abort(rid)
             task.add_done_callback(_retrieve)
-    for out in outputs:
-        ctx.metrics.observe_output(out)
     return outputs
 
 
@@ -93,8 +112,8 @@ class MergedStream:
     `start()` waits until every prompt has produced its first delta (or failed), so submission
     errors become a proper HTTP status before any byte of the event stream is sent."""
 
-    def __init__(self, ctx, prompts, params, request_id: str, prompt_param: str):
-        self._ctx, self._params, self._prompt_param = ctx, params, prompt_param
+    def __init__(self, ctx, prompts, params, request_id: str, prompt_param: str, lora: str | None = None):
+        self._ctx, self._params, self._prompt_param, self._lora = ctx, params, prompt_param, lora
         self._ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._first = [asyncio.Event() for _ in prompts]
@@ -106,7 +125,7 @@ class MergedStream:
         arrival, first, longest = time.monotonic(), None, {}
         try:
             async for delta in self._ctx.engine.stream(prompt_ids, self._params, request_id=self._ids[i],
-                                                       prompt=text):
+                                                       prompt=text, lora=self._lora):
                 if first is None and delta.token_ids:
                     first = time.monotonic()
                 longest[delta.sample] = longest.get(delta.sample, 0) + len(delta.token_ids)

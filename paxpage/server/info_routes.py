@@ -24,6 +24,9 @@ async def health(request: Request):
     s = ctx.engine.stats()
     if not s.alive:
         return JSONResponse(error_body(503, f"engine loop died: {s.error}", code="engine_dead"), status_code=503)
+    if s.recovering is not None:
+        return JSONResponse(error_body(503, f"engine is being rebuilt after a failed step: {s.recovering}",
+                                       code="engine_recovering"), status_code=503, headers={"Retry-After": "1"})
     if s.seconds_since_progress > ctx.stall_timeout_s:
         return JSONResponse(error_body(503, f"engine made no progress for {s.seconds_since_progress:.0f} s "
                                             f"(limit {ctx.stall_timeout_s:.0f} s)", code="engine_stalled"),
@@ -35,8 +38,10 @@ async def health(request: Request):
 async def models(request: Request):
     ctx = context(request)
     card = {"id": ctx.served_model_name, "object": "model", "created": _STARTED, "owned_by": "paxpage",
-            "max_model_len": ctx.engine.config.max_model_len}
-    return {"object": "list", "data": [card]}
+            "root": ctx.served_model_name, "parent": None, "max_model_len": ctx.engine.config.max_model_len}
+    adapters = [dict(card, id=name, root=ctx.loras[name].source, parent=ctx.served_model_name)
+                for name in ctx.adapters]
+    return {"object": "list", "data": [card, *adapters]}
 
 
 @router.get("/metrics")
@@ -53,7 +58,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
     if ctx.tokenizer is None:
         raise bad_request("this model has no tokenizer", "prompt")
     if body.messages is not None:
-        text = chat_text(ctx.tokenizer, body.messages, body.add_generation_prompt)
+        text = chat_text(ctx.tokenizer, body.messages, body.add_generation_prompt, rendering=ctx.tools)
         tokens = ctx.tokenizer.encode(text, add_special_tokens=False)
     else:
         tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

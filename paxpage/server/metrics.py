@@ -32,6 +32,11 @@ class _EngineCollector:
             ("paxpage_generation_tokens", "Tokens generated.", s.generation_tokens),
             ("paxpage_num_preemptions", "Sequences preempted for lack of KV pages.", s.num_preemptions),
             ("paxpage_engine_steps", "Engine steps run.", s.num_steps),
+            ("paxpage_engine_restarts", "Engine rebuilds after a failed step.", s.num_restarts),
+            ("paxpage_requests_received", "Engine requests accepted (one per prompt).", s.num_received),
+            ("paxpage_requests_finished", "Engine requests that ran to their end.", s.num_finished),
+            ("paxpage_requests_aborted", "Engine requests aborted (client gone, cancelled).", s.num_aborted),
+            ("paxpage_requests_failed", "Engine requests ended by a failed step or shutdown.", s.num_failed),
         ):
             yield CounterMetricFamily(name, doc, value=value)  # exposed with a _total suffix
 

@@ -1,18 +1,40 @@
 """Request bodies of the OpenAI-compatible routes (pydantic), with vLLM's extra sampling fields.
 
 Only types and shapes are checked here; value ranges are `paxpage.SamplingParams`'s job (see
-sampling.py), so one place owns each rule. Unknown fields are ignored, as OpenAI clients send
-fields (user, metadata, ...) that do not change generation."""
+sampling.py), so one place owns each rule. A field no model declares is a 400 naming it (pydantic
+extra="forbid"): a client that asks for something paxpage does not do is told so, never answered
+as if it had been done. The one exception is `IGNORED_FIELDS`: OpenAI fields that only label or
+bill a request and do not change what is generated; they are accepted and dropped."""
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+
+# Accepted and ignored, per body kind: request metadata (user, store, metadata, service_tier,
+# prompt_cache_key, safety_identifier) and, in messages, what an assistant turn returned by the
+# API carries when a client sends it back (refusal, annotations).
+IGNORED_FIELDS: dict[str, tuple[str, ...]] = {
+    "request": ("user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"),
+    "message": ("refusal", "annotations"),
+}
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
+    ignored_fields: ClassVar[tuple[str, ...]] = ()  # from IGNORED_FIELDS: dropped before validation
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored(cls, data):
+        if isinstance(data, dict) and cls.ignored_fields:
+            data = {k: v for k, v in data.items() if k not in cls.ignored_fields}
+        return data
+
+
+class _RequestBody(_Body):
+    ignored_fields = IGNORED_FIELDS["request"]
 
 
 class StreamOptions(_Body):
@@ -31,7 +53,7 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(_RequestBody):
     """Fields shared by chat and completions; None means "the default"."""
 
     model: str | None = None
@@ -68,10 +90,24 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
+    ignored_fields = IGNORED_FIELDS["message"]
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: which call this result answers
 
     def text(self) -> str:
         if self.content is None:
@@ -81,8 +117,32 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; None means no arguments
+    strict: bool | None = None  # arguments follow the schema: always so for "required" / named choices
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: StrictBool = True
     max_completion_tokens: int | None = None
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     logprobs: StrictBool = False
@@ -100,7 +160,14 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = False
 
 
-class TokenizeRequest(_Body):
+class EmbeddingRequest(_RequestBody):
+    model: str | None = None
+    input: PromptField
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # refused: no model paxpage serves was trained to be truncated
+
+
+class TokenizeRequest(_RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -108,6 +175,6 @@ class TokenizeRequest(_Body):
     add_generation_prompt: StrictBool = True
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(_RequestBody):
     model: str | None = None
     tokens: list[int]

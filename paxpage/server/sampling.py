@@ -9,6 +9,7 @@ from __future__ import annotations
 from paxpage.sampling_params import SamplingParams
 from paxpage.structured import StructuredOutputs
 from paxpage.server.errors import APIError, bad_request
+from paxpage.server.limits import check_sampling_fields
 from paxpage.server.protocol import ChatCompletionRequest, CompletionRequest
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -18,6 +19,7 @@ _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_p
 
 
 def _common(req) -> dict:
+    check_sampling_fields(req)
     kw = dict(n=req.n, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
               skip_special_tokens=req.skip_special_tokens,
               include_stop_str_in_output=req.include_stop_str_in_output)
@@ -125,7 +127,8 @@ def engine_error(e: Exception, prompt_param: str) -> APIError:
     """A ValueError from the engine at submission (prompt too long, can never fit, bad ids)."""
     message = str(e)
     field = message.split(" ", 1)[0]
-    if field in ("max_tokens", "stop_token_ids", "logprobs", "prompt_logprobs", "structured_outputs"):
+    if field in ("n", "beam_width", "max_tokens", "stop_token_ids", "logprobs", "prompt_logprobs",
+                 "structured_outputs"):
         return bad_request(message, field)
     if prompt_param not in message:
         message = f"{prompt_param} cannot be served: {message}"

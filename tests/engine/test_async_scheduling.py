@@ -43,6 +43,7 @@ TIGHT = dict(page_size=8, num_pages=48, max_model_len=256, max_num_batched_token
              enable_prefix_caching=True)
 
 
+@pytest.mark.extended
 def test_async_equals_sync_under_preemption_and_prefix_caching(tiny, tiny_llama_dir):
     prompts, params = _workload()
     results, engines = {}, {}
@@ -78,6 +79,7 @@ def test_plain_decoding_overlaps_nearly_every_step(tiny):
 
 
 
+@pytest.mark.extended
 def test_penalised_rows_overlap_and_equal_the_synchronous_engine(tiny):
     # Penalised rows stay in flight: the host's counts lack the token the device still has, and
     # the sampler adds it there. Repetition (prompt too), presence and frequency penalties,
@@ -136,6 +138,7 @@ def test_stop_strings_cut_exactly_with_async(smollm2):
     assert [o.token_ids for o in fast] == [o.token_ids for o in sync]
 
 
+@pytest.mark.extended
 def test_precompile_leaves_nothing_to_compile(tiny):
     from paxpage import compile_counter
 

@@ -21,6 +21,7 @@ def _generate(model, impl, **kw):
     return [o.token_ids for o in paxpage.generate(model, prompts, attention_impl=impl, **{**COMMON, **kw})]
 
 
+@pytest.mark.extended
 def test_pallas_interpret_matches_xla(tiny_llama_dir):
     model = paxpage.load(tiny_llama_dir)
     assert _generate(model, "pallas-interpret") == _generate(model, "xla")

@@ -254,6 +254,7 @@ CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_smollm2_matches_hf_beam_search(smollm2, hf_smollm2):
     import torch
 

@@ -26,8 +26,8 @@ def test_one_conversation_or_a_list(generate_calls):
     (one, kw1), (two, kw2) = generate_calls
     assert one == [[system, USER]]
     assert two == [[USER], [system, USER]]
-    assert kw1 == dict(sampling_params=None, engine_config=None, use_tqdm=True)
-    assert kw2 == dict(sampling_params=None, engine_config=None, use_tqdm=False, max_tokens=3)
+    assert kw1 == dict(sampling_params=None, engine_config=None, lora=None, use_tqdm=True)
+    assert kw2 == dict(sampling_params=None, engine_config=None, lora=None, use_tqdm=False, max_tokens=3)
 
 
 @pytest.mark.parametrize("messages,error,match", [

@@ -187,6 +187,7 @@ def _workload():
     return prompts, kinds, joins, (20, 1)  # at step 20, abort prompt 1
 
 
+@pytest.mark.extended
 def test_fast_path_equals_general_path_on_a_mixed_workload(text_model):
     prompts, params, joins, abort = _workload()
     general = _run(text_model, False, prompts, params, joins, abort)

@@ -20,6 +20,7 @@ def tiny(tiny_llama_dir):
     return paxpage.load(tiny_llama_dir)
 
 
+@pytest.mark.extended
 def test_64_requests_in_a_tenth_of_the_memory(tiny):
     rng = np.random.default_rng(0)
     lengths = rng.integers(4, 40, size=64)

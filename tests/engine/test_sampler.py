@@ -1,6 +1,7 @@
 """Sampler: filtering supports and frequencies, penalties against HF / numpy, compiles, seeds."""
 
 import dataclasses
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,11 +19,11 @@ PROBS = np.array([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015, 0.005])
 LOGITS = np.log(PROBS).astype(np.float32)  # [V=8], token i has probability PROBS[i]
 
 
-def _draw(params: SamplingParams, logits=LOGITS, num_draws=4000, step=0):
+def _draw(params: SamplingParams, logits=LOGITS, num_draws=4000, step=0, draw_impl="xla"):
     """num_draws independent samples of one logits row: one row per seed."""
     rows = [RowInfo(params, [1], [], seed, step) for seed in range(num_draws)]
     t = SamplingTensors.build(rows, vocab_size=len(logits))
-    out = sample(jnp.tile(jnp.asarray(logits), (num_draws, 1)), t)
+    out = sample(jnp.tile(jnp.asarray(logits), (num_draws, 1)), t, draw_impl=draw_impl)
     return np.asarray(out.token_ids)
 
 
@@ -366,35 +367,39 @@ def test_top_p_mass_spread_over_more_tokens_than_candidates():
     _grouped_check(_draw(SamplingParams(top_p=0.7), logits), np.exp(logits))
 
 
-def test_min_p_rejections_finish_on_the_exact_path():
+# "select": the GPU lowering's draw (no branches; the exact path for every row at once), run here.
+@pytest.mark.parametrize("draw_impl", ["xla", "select"])
+def test_min_p_rejections_finish_on_the_exact_path(draw_impl):
     # min_p 0.5 keeps the 10 tokens at logit 2 (7% of the mass): most proposals are rejected.
     logits = np.where(np.arange(1000) < 10, 2.0, 0.0).astype(np.float32)
-    _grouped_check(_draw(SamplingParams(min_p=0.5), logits), _keep(np.exp(logits), np.arange(1000) < 10),
+    _grouped_check(_draw(SamplingParams(min_p=0.5), logits, draw_impl=draw_impl), _keep(np.exp(logits), np.arange(1000) < 10),
                    num_groups=500)  # pairs of tokens: 5 groups with support
 
 
-def test_top_k_beyond_the_candidates_and_ties():
+@pytest.mark.parametrize("draw_impl", ["xla"])
+def test_top_k_beyond_the_candidates_and_ties(draw_impl):
+    draw = functools.partial(_draw, draw_impl=draw_impl)
     # 200 tokens tied at the top: top_k 150 (> 128 candidates) keeps all 200 (ties are kept).
     logits = np.where(np.arange(400) < 200, 0.0, -1.0).astype(np.float32)
-    _grouped_check(_draw(SamplingParams(top_k=150), logits, num_draws=2000),
+    _grouped_check(draw(SamplingParams(top_k=150), logits, num_draws=2000),
                    _keep(np.exp(logits), np.arange(400) < 200))
     # top_k 10 inside the candidates, but its threshold ties with the 128th candidate: tokens
     # 5..299 tie, so all 295 of them are kept besides the 5 best.
     logits = np.full(400, -2.0, np.float32)
     logits[:5] = [3.0, 2.5, 2.0, 1.5, 1.0]
     logits[5:300] = 0.0
-    _grouped_check(_draw(SamplingParams(top_k=10), logits, num_draws=2000),
+    _grouped_check(draw(SamplingParams(top_k=10), logits, num_draws=2000),
                    _keep(np.exp(logits), np.arange(400) < 300), num_groups=4)
     # top_k 3 with top_p 0.85 on the candidates: the renormalised top 3 are .51 .31 .19, so
     # the first two (.82) fall short and all 3 stay
-    _grouped_check(_draw(SamplingParams(top_k=3, top_p=0.85), logits, num_draws=2000),
+    _grouped_check(draw(SamplingParams(top_k=3, top_p=0.85), logits, num_draws=2000),
                    _keep(np.exp(logits), np.arange(400) < 3), num_groups=400)
     # ... while top_p 0.8 keeps 2
-    _grouped_check(_draw(SamplingParams(top_k=3, top_p=0.8), logits, num_draws=2000),
+    _grouped_check(draw(SamplingParams(top_k=3, top_p=0.8), logits, num_draws=2000),
                    _keep(np.exp(logits), np.arange(400) < 2), num_groups=400)
 
 
-def test_draws_stay_inside_filter_logits_support():
+def test_draws_stay_inside_filter_logits_support(draw_impl="xla"):
     rng = np.random.default_rng(8)
     num_rows, vocab, seeds = 48, 700, 40
     x = rng.normal(size=(num_rows, vocab)).astype(np.float32) * rng.uniform(0.1, 4, size=(num_rows, 1))
@@ -408,7 +413,7 @@ def test_draws_stay_inside_filter_logits_support():
     t = SamplingTensors.build([RowInfo(p, [0], [], 0) for p in params], vocab)
     kept = np.isfinite(np.asarray(jax.jit(filter_logits)(jnp.asarray(x / temperature[:, None]), t)))
     rows = [RowInfo(params[r], [0], [], seed) for seed in range(seeds) for r in range(num_rows)]
-    out = sample(jnp.asarray(np.tile(x, (seeds, 1))), SamplingTensors.build(rows, vocab))
+    out = sample(jnp.asarray(np.tile(x, (seeds, 1))), SamplingTensors.build(rows, vocab), draw_impl=draw_impl)
     tokens = np.asarray(out.token_ids).reshape(seeds, num_rows)
     assert kept[np.arange(num_rows)[None, :], tokens].all()
 

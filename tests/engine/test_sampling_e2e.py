@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import paxpage
 from paxpage import SamplingParams
 from tests.conftest import random_prompts
 
 
+@pytest.mark.extended
 def test_seeded_request_is_batch_independent(tiny_llama_dir):
     model = paxpage.load(tiny_llama_dir)
     target_prompt = random_prompts(1, 128, [13], seed=21)[0]

@@ -58,6 +58,7 @@ def _prompts():
             + [shared + rng.integers(0, 128, 8).tolist()])
 
 
+@pytest.mark.extended
 def test_greedy_outputs_equal_no_speculation(models):
     """One tight pool (preemptions), stop tokens, max_tokens, a prefix shared with a finished
     request, n = 2: token for token HF's greedy outputs. Two sampled requests share the run (their

@@ -49,6 +49,7 @@ def _run(model, prompts, params, **config):
     return outs, model.engine(config)
 
 
+@pytest.mark.extended
 def test_outputs_equal_no_speculation_under_preemption_and_prefix_caching(tiny, tiny_llama_dir):
     """Greedy and seeded sampled requests (n-gram drafts are accepted when the plain sampler's
     draw equals them, so a seeded request's tokens do not change either)."""

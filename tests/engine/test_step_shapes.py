@@ -41,3 +41,13 @@ def test_prefill_row_cap_default_and_validation():
     assert EngineConfig(max_prefill_rows=3).resolve(model, backend="cpu").prefill_rows == 3
     with pytest.raises(ValueError, match="max_prefill_rows must be a positive int or None, got 0"):
         EngineConfig(max_prefill_rows=0)
+
+
+def test_single_row_decode_shape():
+    """On CPU one decode row alone keeps its one row: one more shape, (1, 0); a decode row
+    beside prefill rows, and 2-3 decode rows, still pad to 4."""
+    from paxpage.runner import decode_rows
+
+    assert step_shapes(8, 64, 16, 4, single_row_decode=True) == sorted([(1, 0), *step_shapes(8, 64, 16, 4)])
+    assert [decode_rows(n, 0, True) for n in (0, 1, 2, 3, 5)] == [0, 1, 4, 4, 8]
+    assert [decode_rows(1, 1, True), decode_rows(1, 0, False)] == [4, 4]

@@ -80,6 +80,7 @@ def _check_all(params, results):
             assert "<eos>" not in text and 0 not in token_ids[:-1]
 
 
+@pytest.mark.extended
 def test_no_recompiles_as_constrained_requests_come_and_go(tiny_text):
     from paxpage import compile_counter
 
@@ -93,6 +94,7 @@ def test_no_recompiles_as_constrained_requests_come_and_go(tiny_text):
     assert compile_counter.compiles() == before
 
 
+@pytest.mark.extended
 def test_outputs_match_and_async_equals_sync_under_preemption(tiny_text):
     prompts, params = _workload()
     params[1] = params[1].replace(n=3)  # each sample its own matcher, forked from the first

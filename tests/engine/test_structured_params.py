@@ -125,3 +125,43 @@ def test_every_sampling_mode_respects_the_mask():
         penalised = logits[6].copy()
         penalised[1:5] = np.where(penalised[1:5] < 0, penalised[1:5] * 1.5, penalised[1:5] / 1.5)
         assert tokens[6] == allowed_sets[6][np.argmax(penalised[allowed_sets[6]])]
+
+
+@pytest.mark.parametrize("pattern, ascii_form", [
+    (r"\d{4}-\d{2}", "[[:digit:]]{4}-[[:digit:]]{2}"),
+    (r"[\d.]+\W", "[[:digit:].]+[^[:word:]]"),
+    (r"[^\D]\S", "[^[^[:digit:]]][^[:space:]]"),
+    (r"\\d\p{Nd}", r"\\d\p{Nd}"),  # an escaped backslash, an explicit Unicode class: kept
+    (r"[]\d][[:alpha:]\s]", "[][:digit:]][[:alpha:][:space:]]"),
+])
+def test_ascii_classes_rewrites_the_six_escapes_only(pattern, ascii_form):
+    from paxpage.structured_regex import ascii_classes
+
+    assert ascii_classes(pattern) == ascii_form
+
+
+def test_regex_classes_are_ascii_unless_unicode_is_asked_for(smollm2):
+    """Which strings a regex constraint accepts, through llguidance on the default model's
+    tokenizer, against Python's `re` (re.ASCII by default; Unicode for unicode_regex)."""
+    import re
+
+    from paxpage.structured_backend import GrammarBackend
+
+    tok = smollm2.tokenizer
+    backend = GrammarBackend(tok, len(tok), [tok.eos_token_id])
+    strings = ["2024", "\U0001FBF8\U0001FBF8", "\u0663\u0661", "a_9", "\u00e9t\u00e9", "a b", "a\u3000b", "x.y"]
+    for pattern in (r"\d+", r"\w+", r"\w\s\w", r"[^\d]+", r"\D\W\S"):
+        for unicode_regex, flags in ((False, re.ASCII), (True, 0)):
+            spec = StructuredOutputs(regex=pattern, unicode_regex=unicode_regex)
+            for s in strings:
+                matcher = backend.matcher(spec)
+                accepted = all(matcher.consume_token(t) for t in tok.encode(s, add_special_tokens=False)) \
+                    and matcher.is_accepting()
+                assert accepted == bool(re.fullmatch(pattern, s, flags)), (pattern, unicode_regex, s)
+
+
+def test_unicode_regex_is_for_regex_constraints_only():
+    with pytest.raises(ValueError, match="unicode_regex applies to a regex constraint only"):
+        StructuredOutputs(choice=["a"], unicode_regex=True)
+    with pytest.raises(TypeError, match="unicode_regex must be a bool"):
+        StructuredOutputs(regex="a", unicode_regex="yes")

@@ -32,6 +32,7 @@ def _chat(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+@pytest.mark.extended
 def test_json_schema_samples_all_validate(smollm2):
     params = [SP(temperature=1.0, seed=seed, max_tokens=160, structured_outputs={"json_schema": PERSON})
               for seed in range(20)]

@@ -56,7 +56,7 @@ def test_cli_prints_answer(smollm2, capsys):
 
 def test_chat_answers_with_the_chat_template(smollm2):
     """chat == generate on the token ids of transformers' own apply_chat_template, one output per
-    conversation; the raw-text generate of the same question is what the README used to show."""
+    conversation."""
     ids = list(smollm2.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)["input_ids"])
     kw = dict(max_tokens=12, temperature=0, use_tqdm=False)
     (want,) = paxpage.generate(smollm2, [ids], **kw)

@@ -43,6 +43,10 @@ CONFIGS = [
     (jnp.bfloat16, 32, 3, 128, 2),
 ]
 
+# The default tier's configurations (tests/kernels/conftest.py): f32 and bf16, D 64 and 128, MHA and
+# GQA 8:1, pages of 8.
+CORE_CONFIGS = [CONFIGS[0], CONFIGS[3]]
+
 
 def config_id(cfg) -> str:
     dtype, page_size, ratio, head_dim, num_kv_heads = cfg
@@ -147,6 +151,8 @@ def quantize_case(case: PagedCase, kv_cache_dtype: str):
     pool = np.asarray(jnp.asarray(case.kv_pages, jnp.float32))
     nan_rows = np.isnan(pool).any(axis=-1)  # [2, P, page_size, K]
     values, scales = kv_quant.quantize(jnp.asarray(np.nan_to_num(pool)), KV_QUANT_DTYPES[kv_cache_dtype])
-    poisoned = np.where(nan_rows, np.nan, np.asarray(scales)).astype(np.float32)
-    return (kv_quant.QuantizedKV(values, jnp.asarray(poisoned)),
-            kv_quant.QuantizedKV(values, jnp.asarray(np.where(nan_rows, 0.0, np.asarray(scales)), jnp.float32)))
+    scales = np.asarray(scales, np.float32)
+    poisoned = np.where(nan_rows, np.nan, scales)
+    # Both in the pool's scale dtype, so the kernels read what an engine's pool holds.
+    return (kv_quant.QuantizedKV(values, jnp.asarray(poisoned, kv_quant.SCALE_DTYPE)),
+            kv_quant.QuantizedKV(values, jnp.asarray(np.where(nan_rows, 0.0, scales), kv_quant.SCALE_DTYPE)))

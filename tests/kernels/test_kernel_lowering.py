@@ -3,6 +3,8 @@
 This runs the Pallas -> Triton IR and Pallas -> Mosaic TPU lowering in Python, which catches
 unsupported ops, block shapes and dtypes; the final compile (Triton -> PTX, Mosaic -> TPU code)
 needs the device. A jax that cannot lower for a platform at all is skipped with the reason.
+The GPU attention kernel is lowered through the engine's entry point in
+test_gpu_attention_lowering.py; here the TPU attention kernels and both KV writes.
 """
 
 from __future__ import annotations
@@ -12,21 +14,14 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from jax import export
 from jax.experimental import pallas as pl
 
 from pallas_kernels.decode_attention import decode_attention, triton_params
+from pallas_kernels.gpu_launches import export_for as _export
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.ragged_attention import ragged_paged_attention
 
 PLATFORMS = {"gpu": "cuda", "tpu": "tpu"}
-# Kernel custom calls carry no serialisation-compatibility promise; we only lower, never store.
-_CUSTOM_CALLS = ("__gpu$xla.gpu.triton", "tpu_custom_call", "mosaic_gpu_v2")
-
-
-def _export(fn, args, platform):
-    checks = [export.DisabledSafetyCheck.custom_call(name) for name in _CUSTOM_CALLS]
-    return export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args)
 
 
 @functools.cache
@@ -52,7 +47,7 @@ T, N, K, D, P, PAGE, PPS, SLOTS = 20, 24, 3, 128, 32, 16, 4, 4
 
 
 def _cases(dtype, backend):
-    return {
+    attention = {} if backend == "gpu" else {
         "decode": (
             functools.partial(decode_attention, sm_scale=0.1, num_splits=2, backend=backend),
             (S((3, N, D), dtype), S((2, P, PAGE, K, D), dtype), S((3, PPS), I32), S((3,), I32)),
@@ -62,6 +57,9 @@ def _cases(dtype, backend):
             (S((T, N, D), dtype), S((2, P, PAGE, K, D), dtype), S((SLOTS, PPS), I32),
              S((SLOTS + 1,), I32), S((SLOTS,), I32), S((1,), I32)),
         ),
+    }
+    return {
+        **attention,
         "kv_write": (
             functools.partial(write_kv, backend=backend),
             (S((2, P, PAGE, K, D), dtype), S((T, K, D), dtype), S((T, K, D), dtype), S((T,), I32)),
@@ -69,9 +67,11 @@ def _cases(dtype, backend):
     }
 
 
-@pytest.mark.parametrize("kernel", ["decode", "ragged", "kv_write"])
+KERNELS = [("gpu", "kv_write"), ("tpu", "decode"), ("tpu", "ragged"), ("tpu", "kv_write")]
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("backend,kernel", KERNELS)
 def test_kernel_lowers_for_platform(backend, dtype, kernel):
     _assert_lowers(backend, lambda: _cases(dtype, backend)[kernel])
 
@@ -87,17 +87,17 @@ def _assert_lowers(backend, case):
 
 
 def _quantized_cases(kv_dtype, backend):
-    """The same kernels on a quantised pool: QuantizedKV(values [2, P, page, K, D], f32 scales)."""
-    from pallas_kernels.kv_quant import QuantizedKV
+    """The same kernels on a quantised pool: QuantizedKV(values [2, P, page, K, D], scales in the
+    pool's SCALE_DTYPE)."""
+    from pallas_kernels.kv_quant import SCALE_DTYPE, QuantizedKV
 
-    pool = QuantizedKV(S((2, P, PAGE, K, D), kv_dtype), S((2, P, PAGE, K), jnp.float32))
+    pool = QuantizedKV(S((2, P, PAGE, K, D), kv_dtype), S((2, P, PAGE, K), SCALE_DTYPE))
     cases = _cases(jnp.bfloat16, backend)
     return {name: (fn, (args[0], pool, *args[2:]) if name != "kv_write" else (pool, *args[1:]))
             for name, (fn, args) in cases.items()}
 
 
-@pytest.mark.parametrize("kernel", ["decode", "ragged", "kv_write"])
 @pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("backend,kernel", KERNELS)
 def test_quantized_kernel_lowers_for_platform(backend, kv_dtype, kernel):
     _assert_lowers(backend, lambda: _quantized_cases(kv_dtype, backend)[kernel])

@@ -16,17 +16,18 @@ from pallas_kernels.xla_attention import paged_attention_xla
 def test_quantize_int8_by_hand():
     x = np.array([[1.0, -2.54, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]], np.float32)
     values, scales = kv_quant.quantize(jnp.asarray(x), jnp.int8)
-    # amax 2.54 -> scale 0.02; x / scale = 50, -127, 25, 0. The zero row: scale 0, zeros, no NaN.
-    np.testing.assert_allclose(np.asarray(scales), [2.54 / 127, 0.0], rtol=1e-7)
+    # amax 2.54 -> scale 0.02, stored as bf16 0.02001953125 (8 significant bits); x / scale =
+    # 49.95, -126.88, 24.98, 0 -> 50, -127, 25, 0. The zero row: scale 0, zeros, no NaN.
+    np.testing.assert_array_equal(np.asarray(scales, np.float32), [0.02001953125, 0.0])
     np.testing.assert_array_equal(np.asarray(values), [[50, -127, 25, 0], [0, 0, 0, 0]])
-    assert values.dtype == jnp.int8 and scales.dtype == jnp.float32
+    assert values.dtype == jnp.int8 and scales.dtype == jnp.bfloat16
     assert np.isfinite(np.asarray(kv_quant.dequantize(values, scales))).all()
 
 
 def test_quantize_fp8_by_hand():
     x = np.array([[448.0, -224.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]], np.float32) * 1e3
     values, scales = kv_quant.quantize(jnp.asarray(x), jnp.float8_e4m3fn)
-    np.testing.assert_allclose(np.asarray(scales), [1e3, 0.0])
+    np.testing.assert_allclose(np.asarray(scales, np.float32), [1e3, 0.0])  # 1000 is exact in bf16
     # e4m3 holds 448, -224 and 1 exactly; magnitudes far past 448 are absorbed by the scale.
     np.testing.assert_array_equal(np.asarray(values, np.float32), [[448, -224, 1, 0], [0, 0, 0, 0]])
 
@@ -40,9 +41,11 @@ def test_quantize_error_is_bounded_with_outliers(name):
     back = np.asarray(kv_quant.dequantize(values, scales))
     assert np.isfinite(back).all()
     amax = np.abs(x).max(-1, keepdims=True)
-    # int8: half a step of amax / 127; e4m3: 3 mantissa bits, half an ulp <= 1/16 relative.
+    # int8: half a step of amax / 127; e4m3: 3 mantissa bits, half an ulp <= 1/16 relative. The
+    # scale is a bf16 (8 significant bits): the step is up to 2^-8 coarser, and a value past
+    # 127 steps when the scale rounded down is clipped by at most amax * 2^-9.
     bound = amax / 254 if name == "int8" else np.maximum(np.abs(x) / 16, amax / 448 * 2.0 ** -9)
-    assert (np.abs(back - x) <= bound * 1.0001 + 1e-30).all()
+    assert (np.abs(back - x) <= bound * (1 + 2.0 ** -8) + 1e-30).all()
 
 
 def test_reference_write_kv_quantizes_into_slots():
@@ -57,8 +60,9 @@ def test_reference_write_kv_quantizes_into_slots():
     for t, slot in ((0, 13), (2, 30)):
         for half, x in ((0, k), (1, v)):
             got = back[half, slot // page_size, slot % page_size]
-            scale = np.abs(x[t]).max(-1, keepdims=True) / 127  # by hand
-            np.testing.assert_allclose(got, np.round(x[t] / scale) * scale, rtol=1e-6, atol=1e-7)
+            # by hand: the scale rounded to bf16 as stored, values clipped to +-127 steps
+            scale = (np.abs(x[t]).max(-1, keepdims=True) / 127).astype(jnp.bfloat16).astype(np.float32)
+            np.testing.assert_allclose(got, np.clip(np.round(x[t] / scale), -127, 127) * scale, rtol=1e-6, atol=1e-7)
     written = np.zeros((num_pages, page_size), bool)
     written[1, 5] = written[3, 6] = True
     assert (back[:, ~written] == 0).all()  # padding token dropped, other slots untouched
@@ -73,7 +77,7 @@ def test_reference_reads_the_dequantized_pool(qc):
                      pages_per_seq=-(-40 // page_size) + 1)
     _, ref_pool = quantize_case(case, name)
     # Dequantised by hand in numpy: the plain f32 pool the reference already trusts.
-    plain = np.asarray(ref_pool.pages, np.float32) * np.asarray(ref_pool.scales)[..., None]
+    plain = np.asarray(ref_pool.pages, np.float32) * np.asarray(ref_pool.scales, np.float32)[..., None]
     args = (case.page_indices, case.kv_lens, case.q_lens)
     got = reference.paged_attention_ref(jnp.asarray(case.q), ref_pool, *args, sm_scale=head_dim ** -0.5)
     want = reference.paged_attention_ref(jnp.asarray(case.q), jnp.asarray(plain), *args, sm_scale=head_dim ** -0.5)
@@ -81,7 +85,7 @@ def test_reference_reads_the_dequantized_pool(qc):
 
 
 @pytest.mark.parametrize("qc", QUANT_CASES, ids=quant_case_id)
-@pytest.mark.parametrize("chunk_tokens", [8, 64])
+@pytest.mark.parametrize("chunk_tokens", [8, pytest.param(64, marks=pytest.mark.extended)])
 @pytest.mark.parametrize("kv_lens,q_lens", [([1, 17, 64, 0, 33], [1, 1, 1, 0, 1]), ([40, 7, 64, 0], [9, 7, 5, 0])],
                          ids=["decode", "prefill"])
 def test_xla_matches_reference_on_quantized_pool(qc, chunk_tokens, kv_lens, q_lens):
@@ -115,3 +119,11 @@ def test_outlier_keys_and_values_stay_finite_and_close(name):
         assert np.isfinite(got).all()
         tol = 0.02 if name == "int8" else 0.1  # of the output's largest magnitude
         assert np.abs(got - want).max() <= tol * np.abs(want).max(), np.abs(got - want).max() / np.abs(want).max()
+
+
+def test_int8_pool_holds_1_9x_bf16_tokens_at_head_dim_64():
+    # 64 bf16 values = 128 bytes against 64 int8 values + one bf16 scale = 66 bytes.
+    auto, int8 = (kv_quant.bytes_per_row(name, 2, 64) for name in ("auto", "int8"))
+    assert (auto, int8) == (128, 66) and auto / int8 >= 1.9
+    pool = kv_quant.zeros((2, 4, 16, 2, 64), "int8", jnp.bfloat16)
+    assert pool.pages.nbytes + pool.scales.nbytes == 2 * 4 * 16 * 2 * int8

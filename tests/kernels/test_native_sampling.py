@@ -32,27 +32,18 @@ def native():
     assert native_sampling.load(os.path.join(cache_dir(), NATIVE_DIR)), native_sampling.LIBRARY.error
 
 
-def _rows(logits, temperature=1.0, top_p=1.0, min_p=0.0, u=None, active=None, seed=0):
-    """The kernel's per-row operands for logits f32[R, V] (numpy), as the sampler builds them."""
+def _rows(logits, temperature=1.0, top_p=1.0, min_p=0.0, active=None, seed=0):
+    """The kernel's per-row operands for logits f32[R, V] (numpy), as the sampler builds them:
+    row r's key is the sampler's for seed `seed` at position r."""
     num_rows = logits.shape[0]
     t = np.full(num_rows, temperature, np.float32)
     best_logit = np.nanmax(logits, axis=-1)
     best = best_logit / t
     l_min = (best_logit + t * np.log(min_p)) if min_p > 0 else np.full(num_rows, -np.inf)
-    if u is None:
-        u = np.random.default_rng(seed).random(num_rows, dtype=np.float32)
+    keys = sampler_lib.row_keys(np.full(num_rows, seed), np.arange(num_rows))
     active = np.ones(num_rows, bool) if active is None else active
     return [jnp.asarray(a) for a in (logits, t, best, l_min.astype(np.float32),
-                                     np.full(num_rows, top_p, np.float32), u, active)]
-
-
-def _adjacent_or_equal(a, b, logits):
-    """Draws of one uniform from two float orders of summation: the same token, or neighbours
-    in the inverse CDF's order (index order over tokens of positive weight)."""
-    for r in np.flatnonzero(a != b):
-        lo, hi = sorted((int(a[r]), int(b[r])))
-        between = logits[r, lo + 1:hi]
-        assert np.all(np.isneginf(between)), f"row {r}: tokens {a[r]} and {b[r]} are not neighbours"
+                                     np.full(num_rows, top_p, np.float32), keys, active)]
 
 
 @pytest.mark.parametrize("vocab", [1000, 4099, 49152])
@@ -64,26 +55,30 @@ def test_native_matches_reference(vocab, temperature, top_p, min_p):
     args = _rows(logits, temperature, top_p, min_p, seed=vocab)
     (tok, acc), (tok_ref, acc_ref) = (tuple(np.asarray(x) for x in f(*args)) for f in (NATIVE, REF))
     same = tok == tok_ref
-    assert same.mean() >= 0.9, f"{same.mean():.2f} of draws equal"
-    _adjacent_or_equal(tok, tok_ref, logits)
+    # the same Gumbel-max draw: only a near tie between two noisy scores, decided by the exp
+    # polynomial's or the summation order's rounding, may differ
+    assert same.mean() >= 0.98, f"{same.mean():.2f} of draws equal"
     np.testing.assert_array_equal(acc[same], acc_ref[same])
     assert np.all((0 <= tok) & (tok < vocab))
 
 
-def test_stratified_draws_follow_the_distribution():
-    """Uniforms (i + 0.5) / n through the inverse CDF hit each token n * p_i times, to within 1."""
+def test_draws_follow_the_distribution():
+    """20000 rows of one distribution (50 banned tokens), one key each: the kernel's draws pass a
+    chi-square test against the exact probabilities, over 20 groups of tokens."""
     rng = np.random.default_rng(7)
     vocab, n, temperature = 700, 20000, 0.8
     row = (rng.standard_normal(vocab) * 1.5).astype(np.float32)
     row[rng.choice(vocab, 50, replace=False)] = -np.inf  # banned tokens: never drawn
     logits = np.repeat(row[None], n, axis=0)
-    u = ((np.arange(n) + 0.5) / n).astype(np.float32)
-    tok, acc = (np.asarray(x) for x in NATIVE(*_rows(logits, temperature, u=u)))
+    tok, acc = (np.asarray(x) for x in NATIVE(*_rows(logits, temperature)))
     p = np.exp((row.astype(np.float64) - row[np.isfinite(row)].max()) / temperature)
     p /= p.sum()
     counts = np.bincount(tok, minlength=vocab)
     assert np.all(counts[np.isneginf(row)] == 0)
-    assert np.max(np.abs(counts - n * p)) <= 2.0
+    groups = np.arange(vocab) * 20 // vocab
+    observed, expected = (np.bincount(groups, weights=w) for w in (counts, n * p))
+    chi2 = float(np.sum((observed - expected) ** 2 / expected))
+    assert chi2 < 43.8, (observed, expected)  # chi-square, 19 degrees of freedom, p = 0.001
     assert acc.all()  # top_p 1, min_p off: every draw is kept
 
 
@@ -91,11 +86,10 @@ def test_top_p_and_min_p_acceptance_is_exact():
     """Acceptance against hand-computed sets: top-p keeps the smallest prefix (by probability)
     whose strictly-better mass is below top_p; min-p keeps p_i >= min_p * p_max."""
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 4000, np.float32))
-    u = ((np.arange(4000) + 0.5) / 4000).astype(np.float32)
-    tok, acc = (np.asarray(x) for x in NATIVE(*_rows(logits, top_p=0.7, u=u)))
+    tok, acc = (np.asarray(x) for x in NATIVE(*_rows(logits, top_p=0.7)))
     # strictly-better masses 0, 0.5, 0.8, 0.95: tokens 0 and 1 are kept
     np.testing.assert_array_equal(acc, tok <= 1)
-    tok, acc = (np.asarray(x) for x in NATIVE(*_rows(logits, min_p=0.4, u=u)))
+    tok, acc = (np.asarray(x) for x in NATIVE(*_rows(logits, min_p=0.4)))
     np.testing.assert_array_equal(acc, tok <= 1)  # p >= 0.2: tokens 0 and 1
 
 

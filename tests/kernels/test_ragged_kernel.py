@@ -1,4 +1,5 @@
-"""Tier (b): the ragged (mixed prefill + decode) kernel against the jnp reference, flat layout."""
+"""Tier (b): the TPU ragged (mixed prefill + decode) kernel against the jnp reference, flat layout
+(the GPU family's kernel: test_gpu_attention.py)."""
 
 from __future__ import annotations
 
@@ -63,26 +64,26 @@ def _check(cfg, backend, *, block_q=None, seed=0, window=None, cap=None, kv_cach
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=config_id)
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("backend", ["tpu"])
 def test_ragged_matches_reference(cfg, backend):
     _check(cfg, backend)
 
 
-@pytest.mark.parametrize("backend,block_q", [("gpu", 32), ("tpu", 4)])
+@pytest.mark.parametrize("backend,block_q", [("tpu", 4)])
 def test_ragged_query_blocks_spanning_sequences(backend, block_q):
     # Other block sizes move sequence boundaries inside query blocks.
     _check(CONFIGS[1], backend, block_q=block_q, seed=5)
 
 
 @pytest.mark.parametrize("wc", WINDOW_CASES, ids=window_case_id)
-@pytest.mark.parametrize("backend,block_q", [("gpu", None), ("gpu", 32), ("tpu", None), ("tpu", 4)])
+@pytest.mark.parametrize("backend,block_q", [("tpu", None), ("tpu", 4)])
 def test_ragged_sliding_window_and_soft_cap(wc, backend, block_q):
     """Pages wholly before a sequence's window point at NaN pages (released): never read."""
     _check(CONFIGS[0], backend, block_q=block_q, seed=7, window=wc[0], cap=wc[1])
 
 
 @pytest.mark.parametrize("qc", QUANT_CASES, ids=quant_case_id)
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("backend", ["tpu"])
 def test_ragged_quantized_pool(qc, backend):
     """int8 / fp8 values with per-(token, kv head) scales, read with the matching scale blocks."""
     _check(qc[1], backend, seed=9, kv_cache_dtype=qc[0])
@@ -98,4 +99,10 @@ def test_ragged_rejects_mismatched_metadata():
             jnp.zeros((4, 2, 64)), jnp.zeros((2, 4, 8, 1, 64)), jnp.zeros((3, 2), jnp.int32),
             jnp.zeros((3,), jnp.int32), jnp.zeros((3,), jnp.int32), jnp.ones((1,), jnp.int32),
             sm_scale=1.0, interpret=True,
+        )
+    with pytest.raises(ValueError, match="gpu_attention"):
+        ragged_paged_attention(
+            jnp.zeros((4, 2, 64)), jnp.zeros((2, 4, 8, 1, 64)), jnp.zeros((2, 2), jnp.int32),
+            jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32), jnp.ones((1,), jnp.int32),
+            sm_scale=1.0, backend="gpu", interpret=True,
         )

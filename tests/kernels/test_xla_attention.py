@@ -52,7 +52,8 @@ LENGTH_CASES = {
 
 
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[1], CONFIGS[3]], ids=config_id)
-@pytest.mark.parametrize("chunk_tokens", [1, 32, 1024])
+@pytest.mark.parametrize("chunk_tokens", [pytest.param(1, marks=pytest.mark.extended), 32,
+                                          pytest.param(1024, marks=pytest.mark.extended)])
 @pytest.mark.parametrize("kind", sorted(LENGTH_CASES))
 def test_nan_in_unused_pages_never_leaks(cfg, chunk_tokens, kind):
     dtype, page_size, ratio, head_dim, num_kv_heads = cfg

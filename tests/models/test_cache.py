@@ -177,7 +177,7 @@ def test_cache_dir_default_and_override(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_default_model_twice_one_entry_and_truncation_rebuilt(default_model_cache, conversions, monkeypatch):
-    """The default model in the session's private cache (shared with the README test): a second load
+    """The default model in the test run's private cache (shared with the README test): a second load
     adds no entry, and a truncated tokenizer file is caught and rebuilt."""
     monkeypatch.setenv("PAXPAGE_CACHE_DIR", str(default_model_cache))
     root = default_model_cache

@@ -66,3 +66,18 @@ def test_unknown_impl_is_a_value_error():
     x, router, gate_up, down = _weights(rng, 4, 8, 4, 8)
     with pytest.raises(ValueError, match="moe_impl 'sparse'"):
         moe_mlp(x, router, gate_up, down, top_k=2, renormalize=True, impl="sparse")
+
+
+@pytest.mark.parametrize("num_tokens,skew", [(1, 0.0), (40, 2.0)])
+@pytest.mark.extended
+def test_tiled_over_every_tile_matches_reference(num_tokens, skew):
+    """The GPU form of "tiled": a fixed trip count over every tile, the unused ones included."""
+    from models.moe import _experts_tiled, route
+
+    rng = np.random.default_rng(num_tokens)
+    x, router, gate_up, down = _weights(rng, num_tokens, 32, 8, 24, skew)
+    weights, experts = route(x, router, 2, True)
+    y = _experts_tiled(*map(jax.numpy.asarray, (x, experts.reshape(-1))), 2, jax.numpy.asarray(gate_up),
+                       jax.numpy.asarray(down), fixed_trip_count=True)
+    out = np.einsum("Tk,TkH->TH", np.asarray(weights), np.asarray(y).reshape(num_tokens, 2, -1))
+    np.testing.assert_allclose(out, numpy_moe(x, router, gate_up, down, 2, True), rtol=2e-4, atol=2e-4)

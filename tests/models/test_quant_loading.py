@@ -142,6 +142,7 @@ def _kv_variants():
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.extended
 def test_large_activation_outliers_stay_finite(outlier_dir, quantization):
     """No NaN / inf and logprobs near HF f32's with outliers of ~1e4 in the residual stream and in
     K / V, computing in bf16 with float or int8 weights and (where the engine has them) int8 / fp8

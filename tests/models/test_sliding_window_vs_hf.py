@@ -14,7 +14,7 @@ from tests.conftest import hf_greedy, random_prompts, save_tiny_hf
 
 WINDOW = 16
 MODELS = {
-    # The issue's repro: a Mistral with sliding_window=16 and a 48-token prompt.
+    # A Mistral with sliding_window=16 and a 48-token prompt.
     "mistral": dict(sliding_window=WINDOW),
     # Layer 0 global, layer 1 sliding (max_window_layers=1).
     "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
@@ -153,6 +153,7 @@ def test_models_with_global_layers_release_nothing(tiny_models):
                          max_num_batched_tokens=16, prefill_row_len=8, use_tqdm=False)
 
 
+@pytest.mark.extended
 def test_pallas_kernels_match_hf(tiny_engine):
     """The Pallas kernels (interpreted on CPU) through the whole engine: windows, soft caps and,
     for Mistral, released pages (their table entries read as page 0, never attended)."""

@@ -30,6 +30,10 @@ def main(argv: list[str]) -> None:
         outs = paxpage.generate(model, prompts, engine_config=config, max_tokens=max_tokens, temperature=0,
                                 ignore_eos=True, use_tqdm=False)
         result["greedy"] = [o.outputs[0].token_ids for o in outs]
+        # penalised rows stay in flight: the followers add the in-flight token to the counts too
+        outs = paxpage.generate(model, prompts, engine_config=config, max_tokens=max_tokens, temperature=0,
+                                repetition_penalty=1.8, ignore_eos=True, use_tqdm=False)
+        result["penalised"] = [o.outputs[0].token_ids for o in outs]
         model.engine(config).runner.stop_followers()
     else:
         result["followed_steps"] = model.engine(config).runner.follow()

@@ -46,8 +46,16 @@ def test_tp4_across_two_processes_matches_hf(tmp_path):
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-4000:]
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
-    want = [hf_greedy(hf, [(7 * i + 3) % 128 for i in range(n)], 4) for n in (5, 19)]
-    assert results[0]["greedy"] == want
+    prompts = [[(7 * i + 3) % 128 for i in range(n)] for n in (5, 19)]
+    assert results[0]["greedy"] == [hf_greedy(hf, prompt, 4) for prompt in prompts]
+    import torch
+
+    for prompt, got in zip(prompts, results[0]["penalised"]):  # HF's repetition penalty, same weights
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                               repetition_penalty=1.8, pad_token_id=0,
+                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert got == want[0, len(prompt):].tolist()
     assert results[0]["devices"] == results[1]["devices"] == 4
     assert results[1]["followed_steps"] >= 4  # the follower ran every step with process 0
     # each process holds 2 of the 4 KV-head shards, one head each

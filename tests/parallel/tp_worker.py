@@ -1,9 +1,15 @@
 """Runs in a subprocess with forced host devices (XLA_FLAGS set by the caller before jax starts):
 generates with several tensor-parallel sizes and prints one JSON object on its last line.
 
-    python -m tests.parallel.tp_worker MODEL_DIR_OR_default TP,TP,... MAX_TOKENS [--pallas] [--sampling] [--one] [--int8-kv] [--int8-weights]
+    python -m tests.parallel.tp_worker MODEL_DIR_OR_default TP,TP,... MAX_TOKENS [--pallas] [--sampling] [--one]
+        [--eight] [--dp] [--int8-kv] [--int8-weights]
 
+--sampling: also a seeded sampled run ("sampled"): temperature 0.9, top_p 0.95, seed 11; with --eight
+temperature 1.0 and seed 11 alone (the default sampler, no filter).
 --one: only the second prompt (19 tokens), for the real model's shorter run.
+--eight: eight prompts (the second is --one's), a pool and batch that hold them all, and no repeated run
+(no "recompiles").
+--dp: one more layout, data_parallel_size 2 at tp 1, reported under the key "dp2".
 --int8-kv: an int8 KV cache ("kv" describes its pages, "kv_scales" its scales).
 --int8-weights: load with quantization="int8" (quantised weights shard like float ones; weight_bytes then
 counts int8 values and f32 scales, so its "rules" figure, which assumes one float dtype, differs).
@@ -25,28 +31,40 @@ def main(argv: list[str]) -> None:
     model = paxpage.load(None if source == "default" else source,
                          quantization="int8" if "--int8-weights" in argv else None)
     vocab = model.config.vocab_size
-    prompts = [[(7 * i + 3) % vocab for i in range(n)] for n in ((19,) if "--one" in argv else (5, 19, 40))]
+    eight = "--eight" in argv
+    if eight:  # offsets 13 k keep the prompts apart (no shared pages)
+        prompts = [[(7 * i + 3 + 13 * k) % vocab for i in range(n)]
+                   for k, n in zip((1, 0, 2, 3, 4, 5, 6, 7), (5, 19, 40, 11, 27, 8, 33, 16))]
+    else:
+        prompts = [[(7 * i + 3) % vocab for i in range(n)] for n in ((19,) if "--one" in argv else (5, 19, 40))]
     impl = "pallas-interpret" if "--pallas" in argv else None
     kv_cache_dtype = "int8" if "--int8-kv" in argv else "auto"
+    sampling = dict(temperature=1.0, seed=11) if eight else dict(temperature=0.9, top_p=0.95, seed=11)
     result = {"num_devices": jax.device_count(), "greedy": {}, "sampled": {}, "kv": {}, "kv_scales": {}, "params": {},
               "weight_bytes": {}, "recompiles": {}}
-    for tp in sizes:
-        config = paxpage.EngineConfig(tensor_parallel_size=tp, num_pages=48, page_size=4, max_num_seqs=4,
-                                      max_num_batched_tokens=64, prefill_row_len=8, attention_impl=impl,
-                                      kv_cache_dtype=kv_cache_dtype)
+    layouts = [(tp, 1, tp) for tp in sizes] + ([("dp2", 2, 1)] if "--dp" in argv else [])
+    for name, dp, tp in layouts:
+        config = paxpage.EngineConfig(tensor_parallel_size=tp, data_parallel_size=dp,
+                                      num_pages=(8 * 80 // 4 if eight else 48), page_size=4,
+                                      max_num_seqs=(8 if eight else 4), max_num_batched_tokens=64,
+                                      prefill_row_len=8, attention_impl=impl, kv_cache_dtype=kv_cache_dtype)
         outs = paxpage.generate(model, prompts, engine_config=config, max_tokens=max_tokens, temperature=0,
                                 ignore_eos=True, use_tqdm=False)
-        result["greedy"][tp] = [o.outputs[0].token_ids for o in outs]
-        # the same shapes again (other tokens, so no prefix-cache hits): the pool kept its
-        # sharding through the donated steps, so nothing recompiles
-        before = compile_counter.compiles()
-        paxpage.generate(model, [[(t + 1) % vocab for t in p] for p in prompts], engine_config=config,
-                         max_tokens=max_tokens, temperature=0, ignore_eos=True, use_tqdm=False)
-        result["recompiles"][tp] = compile_counter.compiles() - before
+        result["greedy"][name] = [o.outputs[0].token_ids for o in outs]
+        if not eight:
+            # the same shapes again (other tokens, so no prefix-cache hits): the pool kept its
+            # sharding through the donated steps, so nothing recompiles
+            before = compile_counter.compiles()
+            paxpage.generate(model, [[(t + 1) % vocab for t in p] for p in prompts], engine_config=config,
+                             max_tokens=max_tokens, temperature=0, ignore_eos=True, use_tqdm=False)
+            result["recompiles"][name] = compile_counter.compiles() - before
         if "--sampling" in argv:
             outs = paxpage.generate(model, prompts, engine_config=config, max_tokens=max_tokens,
-                                    temperature=0.9, top_p=0.95, seed=11, ignore_eos=True, use_tqdm=False)
-            result["sampled"][tp] = [o.outputs[0].token_ids for o in outs]
+                                    ignore_eos=True, use_tqdm=False, **sampling)
+            result["sampled"][name] = [o.outputs[0].token_ids for o in outs]
+        if dp > 1:  # data parallelism: the replicas' own layout is tp's, reported above
+            model.close()
+            continue
         runner = model.engine(config).runner
         # Scanned layers (the XLA path's default): the cache is one stacked [2, L, P, ...] pytree and
         # the layer params are stacked [L, ...]; report one layer's view of both, and the layer
@@ -64,7 +82,7 @@ def main(argv: list[str]) -> None:
                 continue
             spec = list(getattr(array.sharding, "spec", ()))
             spec += [None] * (array.ndim - len(spec))
-            result[key][tp] = {"spec": drop(spec, layer_axis), "shape": drop(array.shape, layer_axis),
+            result[key][name] = {"spec": drop(spec, layer_axis), "shape": drop(array.shape, layer_axis),
                                "shard_shapes": [drop(s.data.shape, layer_axis) for s in array.addressable_shards],
                                "devices": len(array.sharding.device_set), "scanned": runner.scanned,
                                "layer_axis_split": None if layer_axis is None else spec[layer_axis]}
@@ -75,10 +93,10 @@ def main(argv: list[str]) -> None:
         from paxpage.sharding import ShardingPlan, param_bytes_per_device
 
         itemsize = jax.numpy.dtype(runner.cfg.dtype).itemsize
-        result["weight_bytes"][tp] = {
+        result["weight_bytes"][name] = {
             "measured": sorted(set(bytes_per_device(runner.params).values())),
             "rules": param_bytes_per_device(model.config, ShardingPlan.for_model(model.config, tp), itemsize)}
-        result["params"][tp] = {"q_proj": [drop(s.data.shape, param_axis) for s in q.addressable_shards],
+        result["params"][name] = {"q_proj": [drop(s.data.shape, param_axis) for s in q.addressable_shards],
                                 "up_proj": [drop(s.data.shape, param_axis) for s in up.addressable_shards],
                                 "layer_axis_split": (list(getattr(q.sharding, "spec", ())) + [None])[0]}
         model.close()

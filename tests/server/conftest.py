@@ -1,5 +1,5 @@
 """Live servers for the HTTP tests: real uvicorn on 127.0.0.1 (ephemeral port) in a background
-thread, one per model and configuration, shared by the session.
+thread, one per model and configuration, shared by the whole test run.
 
 - `tiny_server`: a tiny random llama without tokenizer (token-id prompts). One running sequence,
   one waiting at most, a 16k-token KV pool and an API key: the error, overload and disconnect

@@ -105,6 +105,52 @@ def test_request_that_never_fits_the_pool_is_400_while_others_go_on(tiny_client,
     assert '"finish_reason":"length"' in chunks[-2]
 
 
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "temprature": 0.5}, "temprature"),  # a typo is no default
+    ("/v1/completions", {"prompt": PROMPT, "best_of": 2}, "best_of"),
+    ("/v1/completions", {"prompt": PROMPT, "stream": True, "stream_options": {"include_obfuscation": True}},
+     "stream_options"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "modalities": ["audio"]},
+     "modalities"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]},
+     "messages"),
+    ("/tokenize", {"prompt": "x", "return_offsets": True}, "return_offsets"),
+])
+def test_unsupported_field_is_400_naming_it(tiny_client, path, body, field):
+    err = _assert_error(tiny_client.post(path, json=body), 400, field, "unsupported")
+    assert err["code"] == "invalid_value"
+
+
+def test_openai_client_sees_400_naming_an_unknown_field(tiny_server):
+    import openai
+
+    with openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key=TINY_KEY, max_retries=0) as client:
+        for call, body in ((client.completions.create, {"prompt": PROMPT}),
+                           (client.chat.completions.create, {"messages": [{"role": "user", "content": "x"}]}),
+                           (client.embeddings.create, {"input": PROMPT})):
+            with pytest.raises(openai.BadRequestError) as e:
+                call(model="tiny", **body, extra_body={"temprature": 0.5})
+            assert e.value.body["param"] == "temprature" and "unsupported" in e.value.body["message"]
+
+
+def test_only_the_listed_openai_fields_are_accepted_and_ignored(tiny_client):
+    from paxpage.server.protocol import IGNORED_FIELDS
+
+    assert set(IGNORED_FIELDS) == {"request", "message"}
+    assert set(IGNORED_FIELDS["request"]) == {"user", "store", "metadata", "service_tier", "prompt_cache_key",
+                                              "safety_identifier"}
+    assert set(IGNORED_FIELDS["message"]) == {"refusal", "annotations"}
+    extras = {"user": "u-1", "store": False, "metadata": {"k": "v"}, "service_tier": "auto",
+              "prompt_cache_key": "c", "safety_identifier": "s"}
+    r = tiny_client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, **extras})
+    assert r.status_code == 200, r.text
+    message = {"role": "assistant", "content": "x", "refusal": None, "annotations": []}
+    # validation passes; the tiny model then lacks a chat template
+    r = tiny_client.post("/v1/chat/completions", json={"messages": [message], **extras})
+    _assert_error(r, 400, "messages", "chat template")
+
+
 def test_unknown_model_is_404(tiny_client):
     for path, body in (("/v1/completions", {"prompt": PROMPT}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):

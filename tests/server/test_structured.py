@@ -62,6 +62,36 @@ def test_guided_fields_on_chat_and_completions(smol_client):
     jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), SCHEMA)
 
 
+DATE_QUESTIONS = ["What is today's date?", "Give me a date in the future.",
+                  "When did the first person land on the Moon? Answer with a date."]
+
+
+def test_regex_digits_are_ascii_by_default(smol_client):
+    """Greedy on SmolLM2, Unicode `\\d` answers the first two questions with U+1FBF8 "segmented
+    digits"; the default (ASCII) classes give 0-9 through both request fields."""
+    date = r"\d{4}-\d{2}-\d{2}"
+    for i, question in enumerate(DATE_QUESTIONS):
+        field = {"guided_regex": date} if i % 2 else {"structured_outputs": {"regex": date}}
+        r = smol_client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": question}], "temperature": 0, "max_tokens": 16, **field})
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["message"]["content"]
+        assert re.fullmatch("[0-9]{4}-[0-9]{2}-[0-9]{2}", text), text
+    r = smol_client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": DATE_QUESTIONS[0]}], "temperature": 0, "max_tokens": 24,
+        "structured_outputs": {"regex": date, "unicode_regex": True}})
+    assert r.status_code == 200, r.text
+    assert not re.fullmatch("[0-9]{4}-[0-9]{2}-[0-9]{2}", r.json()["choices"][0]["message"]["content"])
+
+
+def test_regex_digits_are_ascii_through_the_openai_client(smol_openai):
+    """The first question above, as the openai client sends vLLM's extra field."""
+    r = smol_openai.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": DATE_QUESTIONS[0]}], temperature=0, max_tokens=16,
+        extra_body={"structured_outputs": {"regex": r"\d{4}-\d{2}-\d{2}"}})
+    assert re.fullmatch("[0-9]{4}-[0-9]{2}-[0-9]{2}", r.choices[0].message.content), r.choices[0].message.content
+
+
 @pytest.mark.parametrize("extra, param, words", [
     ({"guided_regex": "a(b"}, "guided_regex", "unclosed group"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},

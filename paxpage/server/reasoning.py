@@ -1,0 +1,109 @@
+"""Reasoning parsers: the model's `<think>...</think>` text goes to `reasoning_content`, the rest
+to the answer (where tool calls are then read, server/tools.py).
+
+- `qwen3`: the answer starts as content; a `<think>` before any other text opens the reasoning,
+  `</think>` closes it. A prompt that already ends in `<think>` (a template that opens the
+  reasoning for the model) starts the answer inside it. No tags at all: everything is content.
+- `deepseek_r1`: R1's templates put `<think>` in the prompt, so the answer starts inside the
+  reasoning, with or without its own `<think>`; everything up to `</think>` is reasoning. An
+  answer without `</think>` is all reasoning (it stopped while thinking).
+
+Whitespace just after `</think>` is dropped from the content. One state machine reads streams
+and whole answers alike; a tag split over several deltas is held back until it can be told
+from text."""
+
+from __future__ import annotations
+
+import dataclasses
+
+START, END = "<think>", "</think>"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningParser:
+    name: str
+    starts_inside: bool  # the answer begins inside the reasoning, whatever the prompt
+
+    def stream(self, prompt_text: str | None = None) -> "ReasoningStream":
+        inside = self.starts_inside or (prompt_text or "").rstrip().endswith(START)
+        return ReasoningStream(inside)
+
+    def split(self, text: str, prompt_text: str | None = None) -> tuple[str, str]:
+        """(reasoning, content) of a whole answer."""
+        reader = self.stream(prompt_text)
+        r1, c1 = reader.feed(text)
+        r2, c2 = reader.finish()
+        return r1 + r2, c1 + c2
+
+
+PARSERS: dict[str, ReasoningParser] = {p.name: p for p in (ReasoningParser("deepseek_r1", True),
+                                                           ReasoningParser("qwen3", False))}
+
+
+def reasoning_parser(name: str | None) -> ReasoningParser | None:
+    if name is None:
+        return None
+    if name not in PARSERS:
+        raise ValueError(f"--reasoning-parser {name!r} is not one of {sorted(PARSERS)}")
+    return PARSERS[name]
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `tag`."""
+    return max((k for k in range(1, len(tag)) if text.endswith(tag[:k])), default=0)
+
+
+class ReasoningStream:
+    """One answer read delta by delta: feed(text) -> (reasoning, content) safe to send now."""
+
+    def __init__(self, inside: bool):
+        self._inside = inside
+        self._may_open = not inside  # `<think>` opens the reasoning only before any content
+        self._opened_once = inside  # an inside start may still repeat `<think>` itself
+        self._strip = False  # drop whitespace after `</think>`
+        self._buf = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._buf += text
+        reasoning, content = [], []
+        while self._buf:
+            if self._inside:
+                if self._opened_once and self._buf.lstrip().startswith(START):
+                    self._buf = self._buf.lstrip()[len(START):]
+                    self._opened_once = False
+                    continue
+                if self._opened_once and START.startswith(self._buf.lstrip()):
+                    break  # may still be the model's own `<think>`
+                self._opened_once = False
+                i = self._buf.find(END)
+                if i >= 0:
+                    reasoning.append(self._buf[:i])
+                    self._buf, self._inside, self._strip = self._buf[i + len(END):], False, True
+                    continue
+                hold = _partial_suffix(self._buf, END)
+                reasoning.append(self._buf[:len(self._buf) - hold])
+                self._buf = self._buf[len(self._buf) - hold:]
+                break
+            if self._strip:
+                self._buf = self._buf.lstrip()
+                if not self._buf:
+                    break
+                self._strip = False
+            if self._may_open:
+                head = self._buf.lstrip()
+                if head.startswith(START):
+                    self._buf, self._inside, self._may_open = head[len(START):], True, False
+                    continue
+                if START.startswith(head):
+                    break  # whitespace or part of `<think>`: wait for more
+                self._may_open = False
+            content.append(self._buf)
+            self._buf = ""
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """What is still held back, once the answer has ended."""
+        rest, self._buf = self._buf, ""
+        if self._inside:
+            return rest, ""
+        return "", "" if self._strip else rest

@@ -1,0 +1,382 @@
+"""Compiles every TPU kernel and the engine's whole step for TPU v5e and v6e on a host without a TPU.
+
+    python scripts/tpu_compile_check.py [--quick] [--strict] [--json out.json]
+
+Needs libtpu (`pip install "jax[tpu]"`; tests/kernels/test_tpu_compile.py builds a separate
+environment for it). jax then compiles for a TPU topology it describes but does not have
+(`jax.experimental.topologies`): the real XLA TPU compiler and Mosaic run, nothing executes.
+Each compile reports its executable's memory analysis. Exit status 1 if anything fails to
+compile; the other checks print FINDING lines, fatal with --strict:
+
+1. kernels: decode, ragged (prefill / mixed) and KV write, at SmolLM2 (9 / 3 heads, D = 64) and
+   Llama-3-8B (32 / 8, D = 128) shapes, bf16 / int8 / fp8 pools, sliding window, soft cap, each
+   for v5e and v6e;
+2. page layout: the pool's compiled argument bytes over its logical bytes (values and scales) at
+   K = 3 / D = 64 and K = 8 / D = 128, bf16 and int8, measured as the difference between pools of
+   P and 2P pages so the other arguments cancel; must be <= 1.1x;
+3. the engine step (paxpage.runner.ModelRunner's own jitted step, built from abstract params:
+   no weights are made) for SmolLM2 and a Llama-3-8B-shaped config, on one chip and tensor
+   parallel over v5e:2x4, decode and mixed shapes: argument, output, temp and alias bytes; no
+   temporary as large as one layer's pool (a hidden copy), no weight-shaped f32 array (an upcast);
+4. a roofline for decoding the 8B shape at batch 64 and 256 from the compiled step's
+   cost_analysis and the chips' HBM bandwidth: compiled, not run.
+
+--quick (what the test runs, ~2 minutes): six kernel cases per chip, the layout on v5e, and the
+engine step of SmolLM2 (one chip) and of the 8B shape (tp 8) with two of their layers (every
+layer is the same program; the full layer counts take minutes per compile), no roofline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+
+# Before jax is imported: libtpu otherwise looks for a GCE metadata server, and the default
+# backend stays the CPU (kernels compile for the TPU device they are given).
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only: no chip to share
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from models.config import ModelConfig  # noqa: E402
+from models.param_layout import param_shapes  # noqa: E402
+from pallas_kernels import dispatch, kv_quant  # noqa: E402
+from paxpage.config import EngineConfig  # noqa: E402
+from paxpage.runner import ModelRunner  # noqa: E402
+from paxpage.sharding import MODEL_AXIS  # noqa: E402
+
+SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                      num_kv_heads=3, head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192)
+LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+                        max_position_embeddings=8192)
+# (name, topology, HBM bytes/s, peak bf16 flop/s per chip) of the chips compiled for.
+CHIPS = {"v5e": ("v5e:2x2", 819e9, 197e12), "v6e": ("v6e:2x2", 1.6e12, 918e12)}
+TP_TOPOLOGY = "v5e:2x4"
+MAX_POOL_RATIO = 1.1
+PAGE_SIZE = 16
+
+
+def devices(topology: str) -> list:
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+
+
+def mib(x: float) -> str:
+    return f"{x / 2**20:.1f} MiB"
+
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def abstract_pool(num_pages: int, num_kv_heads: int, head_dim: int, kv_dtype: str):
+    shape = (2, num_pages, PAGE_SIZE, num_kv_heads, head_dim)
+    return jax.eval_shape(lambda: kv_quant.zeros(shape, kv_dtype, jnp.bfloat16))
+
+
+def logical_bytes(tree) -> int:
+    """Bytes of the leaves' logical shapes; per device for leaves that carry a sharding."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+        total += int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+# ---------------------------------------------------------------- 1. kernels
+QUICK_KERNELS = ("decode smollm2 bf16", "decode llama8b int8", "decode window 512", "mixed 512 fp8",
+                 "mixed soft-cap 50", "kv write 512 int8")
+
+
+def kernel_cases(quick: bool):
+    """(name, heads (N, K, D), kind, rows B or tokens T, max keys S, kv dtype, window, soft cap)."""
+    small, large = (9, 3, 64), (32, 8, 128)
+    cases = [
+        ("decode smollm2 bf16", small, "decode", 8, 2048, "auto", None, None),
+        ("decode llama8b bf16", large, "decode", 8, 4096, "auto", None, None),
+        ("decode llama8b int8", large, "decode", 8, 4096, "int8", None, None),
+        ("decode smollm2 fp8", small, "decode", 8, 2048, "fp8", None, None),
+        ("decode window 512", large, "decode", 8, 4096, "auto", 512, None),
+        ("decode soft-cap 50", small, "decode", 8, 2048, "auto", None, 50.0),
+        ("prefill 512 smollm2 bf16", small, "ragged", 512, 2048, "auto", None, None),
+        ("mixed 512 llama8b bf16", large, "ragged", 512, 4096, "auto", None, None),
+        ("mixed 512 llama8b int8", large, "ragged", 512, 4096, "int8", None, None),
+        ("mixed 512 fp8", small, "ragged", 512, 2048, "fp8", None, None),
+        ("mixed window 512", large, "ragged", 512, 4096, "auto", 512, None),
+        ("mixed soft-cap 50", small, "ragged", 512, 2048, "auto", None, 50.0),
+        ("kv write 512 bf16", large, "write", 512, 4096, "auto", None, None),
+        ("kv write 512 int8", small, "write", 512, 2048, "int8", None, None),
+        ("kv write 64 fp8", large, "write", 64, 4096, "fp8", None, None),
+    ]
+    return [c for c in cases if c[0] in QUICK_KERNELS] if quick else cases
+
+
+def compile_kernel(case, device, num_pages: int | None = None):
+    name, (n, k, d), kind, rows, keys, kv_dtype, window, cap = case
+    pages_per_seq = keys // PAGE_SIZE
+    num_pages = num_pages or 2048
+    pool = abstract_pool(num_pages, k, d, kv_dtype)
+    masking = dict(sliding_window=window, soft_cap=cap)
+    if kind == "write":
+        args = (pool, _sds((rows, k, d), jnp.bfloat16), _sds((rows, k, d), jnp.bfloat16), _sds((rows,), jnp.int32))
+        fn = jax.jit(lambda *a: dispatch.write_kv(*a, impl="pallas"), donate_argnums=(0,))
+    else:
+        batch, tq = (rows, 1) if kind == "decode" else (rows // 32, 32)  # ragged: rows of 32 tokens
+        args = (_sds((batch, tq, n, d), jnp.bfloat16), pool, _sds((batch, pages_per_seq), jnp.int32),
+                _sds((batch,), jnp.int32), _sds((batch,), jnp.int32))
+        fn = jax.jit(lambda *a: dispatch.paged_attention(*a, sm_scale=d ** -0.5, impl="pallas", **masking))
+    with jax.default_device(device):  # the compile target: tpu_target.compile_target()
+        return fn.lower(*args).compile()
+
+
+def check_kernels(quick: bool, report: dict) -> list[str]:
+    failures = []
+    for chip, (topology, _, _) in CHIPS.items():
+        device = devices(topology)[0]
+        for case in kernel_cases(quick):
+            t = time.perf_counter()
+            try:
+                mem = compile_kernel(case, device).memory_analysis()
+            except Exception as e:  # noqa: BLE001 - every failure is reported, then the script fails
+                failures.append(f"kernel {case[0]} on {chip}: {type(e).__name__}: {str(e)[:300]}")
+                print(f"  {chip:4} {case[0]:28} FAILED {type(e).__name__}: {str(e)[:200]}")
+                continue
+            seconds = time.perf_counter() - t
+            print(f"  {chip:4} {case[0]:28} compiled in {seconds:4.2f} s; args {mib(mem.argument_size_in_bytes)}, "
+                  f"temp {mib(mem.temp_size_in_bytes)}")
+            report.setdefault("kernels", []).append({"chip": chip, "case": case[0], "seconds": round(seconds, 2),
+                                                     "argument_bytes": mem.argument_size_in_bytes,
+                                                     "temp_bytes": mem.temp_size_in_bytes})
+    return failures
+
+
+# ---------------------------------------------------------------- 2. page layout
+def pool_ratio(device, heads, kv_dtype: str) -> float:
+    """Compiled argument bytes per logical byte of the pool, from pools of P and 2P pages."""
+    n, k, d = heads
+    case = ("layout", heads, "decode", 8, 2048, kv_dtype, None, None)
+    small, large = 1024, 2048
+    a = compile_kernel(case, device, small).memory_analysis().argument_size_in_bytes
+    b = compile_kernel(case, device, large).memory_analysis().argument_size_in_bytes
+    extra = logical_bytes(abstract_pool(large, k, d, kv_dtype)) - logical_bytes(abstract_pool(small, k, d, kv_dtype))
+    return (b - a) / extra
+
+
+def check_layout(quick: bool, report: dict) -> list[str]:
+    failures = []
+    for chip, (topology, _, _) in list(CHIPS.items())[:1 if quick else None]:
+        device = devices(topology)[0]
+        for heads in ((9, 3, 64), (32, 8, 128)):
+            for kv_dtype in ("auto", "int8"):
+                ratio = pool_ratio(device, heads, kv_dtype)
+                label = f"K={heads[1]} D={heads[2]} {'bf16' if kv_dtype == 'auto' else kv_dtype}"
+                print(f"  {chip:4} pool {label:18} compiled / logical bytes {ratio:.3f}x")
+                report.setdefault("pool_layout", []).append({"chip": chip, "pool": label, "ratio": round(ratio, 4)})
+                if ratio > MAX_POOL_RATIO:
+                    failures.append(f"pool {label} on {chip}: {ratio:.3f}x logical bytes > {MAX_POOL_RATIO}x")
+    return failures
+
+
+# ---------------------------------------------------------------- 3. engine step
+def engine_config(max_num_seqs: int, num_pages: int, tp: int, max_model_len: int) -> EngineConfig:
+    return EngineConfig(page_size=PAGE_SIZE, num_pages=num_pages, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max(512, max_num_seqs), max_model_len=max_model_len,
+                        dtype="bfloat16", attention_impl="pallas", tensor_parallel_size=tp)
+
+
+def abstract_runner(model_cfg: ModelConfig, config: EngineConfig, mesh_devices: list) -> ModelRunner:
+    """The engine's ModelRunner on abstract bf16 params: its model, sharding and jitted step."""
+    cfg = config.resolve(model_cfg, backend="tpu")
+    params = jax.tree.map(lambda shape: _sds(shape, jnp.bfloat16), param_shapes(model_cfg),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    mesh = Mesh(np.array(mesh_devices), (MODEL_AXIS,)) if len(mesh_devices) > 1 else None
+    return ModelRunner(model_cfg, params, cfg, mesh, abstract=True)
+
+
+def weight_shapes(runner: ModelRunner) -> set[tuple[int, ...]]:
+    """Per-device shapes of the runner's large weights (an f32 array of one of them is an upcast)."""
+    shapes = set()
+    for leaf in jax.tree.leaves(runner.params):
+        if int(np.prod(leaf.shape)) < 1 << 16:
+            continue
+        sharding = getattr(leaf, "sharding", None)
+        shapes.add(tuple(sharding.shard_shape(leaf.shape)) if sharding is not None else tuple(leaf.shape))
+    return shapes
+
+
+def f32_weight_arrays(hlo: str, shapes: set[tuple[int, ...]]) -> list[str]:
+    found = set()
+    for dims in re.findall(r"f32\[([0-9,]+)\]", hlo):
+        shape = tuple(int(x) for x in dims.split(","))
+        if shape in shapes or shape[::-1] in shapes:
+            found.add(f"f32{list(shape)}")
+    return sorted(found)
+
+
+def compile_step(runner: ModelRunner, dec: int, pre: int, device):
+    with jax.default_device(device):  # one chip: the step compiles for jax's default device
+        return runner.lower_step(dec, pre).compile()
+
+
+def step_cases(quick: bool):
+    """(label, model, chip topology, tp, max_num_seqs, num_pages, [(decode rows, prefill rows)])."""
+    if quick:
+        two = lambda m: dataclasses.replace(m, num_layers=2)
+        return [("smollm2 1 chip, 2 layers", two(SMOLLM2), "v5e:2x2", 1, 64, 4096, [(64, 0)]),
+                ("llama8b tp8, 2 layers", two(LLAMA3_8B), TP_TOPOLOGY, 8, 64, 8192, [(64, 0)])]
+    cases = [
+        ("smollm2 1 chip", SMOLLM2, "v5e:2x2", 1, 64, 4096, [(64, 0), (48, 8)]),
+        ("smollm2 tp8", SMOLLM2, TP_TOPOLOGY, 8, 64, 4096, [(64, 0), (48, 8)]),
+        ("llama8b 1 chip", LLAMA3_8B, "v6e:2x2", 1, 256, 2048, [(64, 0), (256, 0), (48, 8)]),
+        ("llama8b tp8", LLAMA3_8B, TP_TOPOLOGY, 8, 256, 8192, [(64, 0), (256, 0)]),
+    ]
+    return cases
+
+
+def pool_copies(hlo: str, cache) -> int:
+    """Instructions of the compiled program that copy a whole layer's pool (a relayout)."""
+    leaf = jax.tree.leaves(cache)[0]
+    shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+    name = {"bfloat16": "bf16", "int8": "s8", "float8_e4m3fn": "f8e4m3fn", "float32": "f32"}[jnp.dtype(leaf.dtype).name]
+    pattern = re.compile(re.escape(f"{name}[{','.join(map(str, shape))}]") + r"\{[^}]*\} copy\(")
+    return len(pattern.findall(hlo))
+
+
+def check_steps(quick: bool, report: dict, only: str = "") -> tuple[list[str], list[str], dict]:
+    failures, findings, costs = [], [], {}
+    for label, model_cfg, topology, tp, max_seqs, num_pages, shapes in step_cases(quick):
+        if only not in label:
+            continue
+        devs = devices(topology)[:tp]
+        runner = abstract_runner(model_cfg, engine_config(max_seqs, num_pages, tp, 4096), devs)
+        layer_pool = logical_bytes(runner.kv_cache[0])  # one layer's pool on one device
+        upcast_shapes = weight_shapes(runner)
+        for dec, pre in shapes:
+            t = time.perf_counter()
+            try:
+                compiled = compile_step(runner, dec, pre, devs[0])
+            except Exception as e:  # noqa: BLE001
+                failures.append(f"step {label} ({dec}, {pre}): {type(e).__name__}: {str(e)[:300]}")
+                print(f"  {label:15} decode {dec:3} prefill rows {pre:2}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                continue
+            seconds = time.perf_counter() - t
+            mem = compiled.memory_analysis()
+            hlo = compiled.as_text()
+            cost = compiled.cost_analysis()
+            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+            row = {"step": label, "decode_rows": dec, "prefill_rows": pre, "seconds": round(seconds, 1),
+                   "argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
+                   "temp_bytes": mem.temp_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
+                   "layer_pool_bytes": layer_pool, "pool_bytes": logical_bytes(runner.kv_cache), "flops": float(cost.get("flops", 0.0)),
+                   "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+                   "pool_copies": pool_copies(hlo, runner.kv_cache[0])}
+            report.setdefault("steps", []).append(row)
+            print(f"  {label:15} decode {dec:3} prefill rows {pre:2}: {seconds:5.1f} s; per device args "
+                  f"{mib(row['argument_bytes'])}, out {mib(row['output_bytes'])}, temp {mib(row['temp_bytes'])}, "
+                  f"aliased {mib(row['alias_bytes'])}; one layer's pool {mib(layer_pool)}, copied "
+                  f"{row['pool_copies']} times")
+            if mem.temp_size_in_bytes >= layer_pool or row["pool_copies"]:
+                findings.append(f"step {label} ({dec}, {pre}): temp {mem.temp_size_in_bytes} bytes >= one layer's "
+                                f"pool {layer_pool}, {row['pool_copies']} pool copies: the pool is relaid out")
+            upcasts = f32_weight_arrays(hlo, upcast_shapes)
+            if upcasts:
+                failures.append(f"step {label} ({dec}, {pre}): f32 arrays of weight shapes {upcasts}")
+            costs[(label, dec, pre)] = row
+    return failures, findings, costs
+
+
+# ---------------------------------------------------------------- 4. roofline
+def roofline(costs: dict, report: dict) -> None:
+    """Decode tok/s bounds of the 8B shape at batch B, context S (per device, HBM-bound: a step
+    takes at least bytes / bandwidth, and flops / peak):
+    - "compiled": the compiled step's cost_analysis bytes accessed (XLA's count, Pallas calls
+      counted by their operands, relayout copies included);
+    - "weights + KV": the step's argument bytes less its pool (the weights it reads once) plus
+      the keys and values the B rows attend to, B * S * 2 * L * K * D * 2 bytes (bf16)."""
+    m = LLAMA3_8B
+    for label, chip in (("llama8b 1 chip", "v6e"), ("llama8b tp8", "v5e")):
+        tp = 8 if "tp8" in label else 1
+        kv_per_key = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2 / tp  # bf16 K and V, per device
+        _, bandwidth, peak = CHIPS[chip]
+        for batch in (64, 256):
+            row = costs.get((label, batch, 0))
+            if row is None:
+                continue
+            weights = row["argument_bytes"] - row.get("pool_bytes", m.num_layers * row["layer_pool_bytes"])
+            compiled_s = max(row["bytes_accessed"] / bandwidth, row["flops"] / peak)
+            for context in (1024, 4096):
+                kv_bytes = batch * context * kv_per_key
+                model_s = max((weights + kv_bytes) / bandwidth, row["flops"] / peak)
+                print(f"  {label:15} {chip} B={batch:3} S={context:4}: weights {weights / 1e9:5.2f} GB + KV "
+                      f"{kv_bytes / 1e9:5.2f} GB -> <= {batch / model_s:6.0f} tok/s; as compiled "
+                      f"({row['bytes_accessed'] / 1e9:.2f} GB, {row['flops'] / 1e12:.2f} TFLOP) <= "
+                      f"{batch / compiled_s:6.0f} tok/s (compiled, not run)")
+                report.setdefault("roofline", []).append({
+                    "step": label, "chip": chip, "batch": batch, "context": context,
+                    "weight_bytes": weights, "kv_bytes": kv_bytes, "compiled_bytes": row["bytes_accessed"],
+                    "flops": row["flops"], "tokens_per_second_bound": round(batch / model_s),
+                    "tokens_per_second_as_compiled": round(batch / compiled_s)})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a third of the kernel cases and two engine configs")
+    ap.add_argument("--json", help="write the measurements here")
+    ap.add_argument("--strict", action="store_true", help="FINDING lines (layout, hidden copies) fail too")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["kernels", "layout", "steps"])
+    ap.add_argument("--steps", default="", metavar="TEXT", help="only the engine steps whose label holds TEXT")
+    ap.add_argument("--roofline-from", metavar="JSON", help="only print the roofline of a --json report's steps")
+    args = ap.parse_args(argv)
+    if args.roofline_from:
+        with open(args.roofline_from) as f:
+            rows = json.load(f)["steps"]
+        roofline({(r["step"], r["decode_rows"], r["prefill_rows"]): r for r in rows}, {})
+        return 0
+    print(f"jax {jax.__version__}; compiling for TPU v5e / v6e with no TPU here (compiled, not run)")
+    report: dict = {"jax": jax.__version__}
+    failures: list[str] = []
+    findings: list[str] = []
+    t = time.perf_counter()
+    if "kernels" not in args.skip:
+        print("kernels:")
+        failures += check_kernels(args.quick, report)
+    if "layout" not in args.skip:
+        print("page layout:")
+        findings += check_layout(args.quick, report)
+    if "steps" not in args.skip:
+        print("engine step (per device):")
+        step_failures, step_findings, costs = check_steps(args.quick, report, args.steps)
+        failures += step_failures
+        findings += step_findings
+        if not args.quick:
+            print("roofline, 8B decode:")
+            roofline(costs, report)
+    print(f"total {time.perf_counter() - t:.0f} s")
+    report["failures"], report["findings"] = failures, findings
+    if args.json:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from provenance import write_record  # the figures with machine, versions, date, command, commit
+
+        write_record(args.json, report)
+    for finding in findings:
+        print("FINDING:", finding)
+    for failure in failures:
+        print("FAIL:", failure)
+    return 1 if failures or (args.strict and findings) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
