@@ -139,9 +139,15 @@ class MergedStream:
         finally:
             self._first[i].set()
 
+    async def _all_first(self) -> None:
+        # One task over the events, not a gather: a cancelled gather keeps its children's
+        # CancelledError as an exception nobody retrieves.
+        for event in self._first:
+            await event.wait()
+
     async def start(self, request: Request) -> None:
         watcher = asyncio.ensure_future(wait_disconnect(request))
-        ready = asyncio.ensure_future(asyncio.gather(*(e.wait() for e in self._first)))
+        ready = asyncio.ensure_future(self._all_first())
         try:
             done, _ = await asyncio.wait({watcher, ready}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
