@@ -7,11 +7,14 @@ exits with status 2; `paxpage --debug ...` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 # Commands that run a model in this process, which paxpage then owns: glibc's malloc thresholds
 # are raised for them (paxpage/process_tuning.py), never on import of the library.
 _OWNS_PROCESS = ("generate", "serve", "bench")
+# The name `generate --lora PATH` loads its adapter under.
+LORA_NAME = "lora"
 # Packages whose own exception classes are messages for users, whatever their base class.
 _OWN_PACKAGES = ("paxpage", "models", "pallas_kernels")
 
@@ -40,6 +43,9 @@ def _generate(args: argparse.Namespace) -> int:
                                  peer_timeout_s=args.peer_timeout)
     xla_cache.enable_unless_executable_cache(config, multi)
     model = paxpage.load(args.model, quantization=args.quantization)
+    if args.lora is not None:  # every prompt runs with it: one slot, the adapter's own rank
+        model.load_lora(LORA_NAME, args.lora)
+        config = dataclasses.replace(config, max_loras=1, max_lora_rank=model.loras[LORA_NAME].rank)
     if "temperature" not in given and model.config.generation.temperature is None:
         params = params.replace(temperature=0.0)  # greedy unless the model recommends otherwise
     if multi and not multihost.is_leader():  # a follower: runs process 0's steps, prints nothing
@@ -55,6 +61,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _answer(args: argparse.Namespace, model, params, config) -> int:
     import paxpage
 
+    lora = LORA_NAME if args.lora is not None else None
     prompts = args.prompts or [
         "What is the capital of France?",
         "Give me three tips for staying healthy.",
@@ -64,7 +71,8 @@ def _answer(args: argparse.Namespace, model, params, config) -> int:
     inputs = prompts if args.raw else [[{"role": "user", "content": p}] for p in prompts]
     if args.stream:
         current, counts = None, [0] * len(prompts)
-        for delta in paxpage.stream(model, inputs, sampling_params=params, engine_config=config):
+        for delta in paxpage.stream(model, inputs, sampling_params=params, engine_config=config,
+                                    lora=lora):
             if delta.index != current:
                 current = delta.index
                 print(f"\n>>> {prompts[delta.index]}\n", end="", flush=True)
@@ -75,7 +83,8 @@ def _answer(args: argparse.Namespace, model, params, config) -> int:
                 current = None
         print()
         return 0
-    for prompt, out in zip(prompts, paxpage.generate(model, inputs, sampling_params=params, engine_config=config)):
+    outputs = paxpage.generate(model, inputs, sampling_params=params, engine_config=config, lora=lora)
+    for prompt, out in zip(prompts, outputs):
         print(f">>> {prompt}\n{out.text.strip()}\n[{out.finish_reason}, {_tokens(len(out.token_ids))}]\n")
     return 0
 
@@ -145,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
     g.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens bitwise the same whatever shares its step")
+    g.add_argument("--lora", default=None, metavar="PATH",
+                   help="a LoRA adapter (HF PEFT directory) every prompt runs with (docs/lora.md)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
                    help="KV cache storage: the model's dtype (auto), or int8 / fp8 with per-token scales")
     p = g.add_argument_group("parallelism (docs/parallelism.md)")

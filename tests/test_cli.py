@@ -138,7 +138,7 @@ def test_generate_leaves_unset_options_to_the_model(monkeypatch, capsys, argv, m
     monkeypatch.setattr(paxpage, "load", lambda source=None, quantization=None: model)
     seen = []
 
-    def generate(model, inputs, sampling_params, engine_config=None):  # what the engine does with the params
+    def generate(model, inputs, sampling_params, engine_config=None, lora=None):  # what the engine does with the params
         seen.append(sampling_params.with_defaults(generation.sampling_defaults()))
         return []
 
@@ -156,9 +156,34 @@ def test_kv_cache_dtype_flag_reaches_the_engine_config(monkeypatch):
     model = types.SimpleNamespace(config=types.SimpleNamespace(generation=GenerationConfig()))
     monkeypatch.setattr(paxpage, "load", lambda source=None, quantization=None: model)
     seen = []
-    monkeypatch.setattr(paxpage, "generate", lambda model, inputs, sampling_params, engine_config=None:
+    monkeypatch.setattr(paxpage, "generate", lambda model, inputs, sampling_params, engine_config=None, lora=None:
                         seen.append(engine_config) or [])
     assert main(["generate", "hi", "--kv-cache-dtype", "fp8"]) == 0
     assert seen[0].kv_cache_dtype == "fp8"
     args = types.SimpleNamespace(kv_cache_dtype="int8", no_prefix_caching=False, no_chunked_prefill=False)
     assert engine_config_from_args(args).kv_cache_dtype == "int8"  # paxpage serve's engine options
+
+
+def test_lora_flag_runs_every_prompt_with_the_adapter(monkeypatch, tmp_path):
+    import types
+
+    from models.generation_config import GenerationConfig
+
+    loaded = {}
+
+    def load_lora(name, path):
+        loaded[name] = types.SimpleNamespace(rank=6, path=path)
+
+    model = types.SimpleNamespace(config=types.SimpleNamespace(generation=GenerationConfig()), loras=loaded,
+                                  load_lora=load_lora)
+    monkeypatch.setattr(paxpage, "load", lambda source=None, quantization=None: model)
+    seen = []
+    monkeypatch.setattr(paxpage, "generate", lambda model, inputs, sampling_params, engine_config=None, lora=None:
+                        seen.append((engine_config, lora)) or [])
+    assert main(["generate", "hi", "there", "--lora", str(tmp_path)]) == 0
+    (config, lora), = seen
+    assert loaded[lora].path == str(tmp_path)
+    assert (config.max_loras, config.max_lora_rank) == (1, 6)  # one slot, the adapter's own rank
+    seen.clear()
+    assert main(["generate", "hi"]) == 0
+    assert seen[0][1] is None and seen[0][0].max_loras == 0
