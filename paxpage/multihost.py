@@ -88,8 +88,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     kwargs = {"initialization_timeout": timeout_s}
     if "heartbeat_timeout_seconds" in inspect.signature(jax.distributed.initialize).parameters:
         # jax's own heartbeat ends a process whose peer went silent, with a fatal log: a backstop
-        # behind the liveness watch, which names the lost process first
-        kwargs["heartbeat_timeout_seconds"] = max(10, int(3 * peer_timeout_s))
+        # behind the liveness watch, which names the lost process first. It counts from the last
+        # heartbeat received, which may be well before the peer went silent, so it stays far
+        # behind the watch's own end (the peer timeout, then _NAME_WAIT_S + 1 s).
+        kwargs["heartbeat_timeout_seconds"] = max(30, int(6 * peer_timeout_s))
     jax.distributed.initialize(coordinator_address, num_processes, process_id, **kwargs)
     _watch_peers(coordinator_address, num_processes, process_id, float(peer_timeout_s), timeout_s)
     return True
