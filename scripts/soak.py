@@ -3,9 +3,11 @@
 while waiting for a whole answer). Then checks that nothing leaked or drifted:
   - every KV page is free again (free pages == the pool) and no request is live;
   - /metrics adds up: requests received = finished + aborted + failed;
-  - resident memory grew by at most --max-rss-mb-per-1000 MB per 1,000 requests (measured from
-    after a warm-up tenth of the load; every step shape is compiled when the engine is built, so
-    later compiles are few and counted in the report);
+  - resident memory grows by at most --max-rss-mb-per-1000 MB per 1,000 requests: RSS and the
+    compile count are read at each tenth of the load (nothing in flight), and a least-squares fit
+    RSS = a + b * requests + c * compiles separates what the requests leave behind (b) from the
+    compiles of the sampler for new combinations of request options (c; every step shape is
+    compiled when the engine is built);
   - every finished greedy request (up to --recheck of them) gives the same tokens when sent
     again alone.
 The server runs in this process (uvicorn on 127.0.0.1, an ephemeral port) so the engine's pool
@@ -116,7 +118,7 @@ async def one_request(client, body: dict, cancel_after: float | None, outcome: O
         outcome.errors.append(repr(e))
 
 
-async def load(base_url: str, args, vocab: int, has_tokenizer: bool, on_warm) -> Outcome:
+async def load(base_url: str, args, vocab: int, has_tokenizer: bool, on_tenth) -> Outcome:
     import httpx
 
     rng = random.Random(args.seed)
@@ -124,13 +126,13 @@ async def load(base_url: str, args, vocab: int, has_tokenizer: bool, on_warm) ->
     limits = httpx.Limits(max_connections=args.concurrency * 2)
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), limits=limits) as client:
         pending: set = set()
-        warm_at = max(1, args.num_requests // 10)
+        tenth = max(1, args.num_requests // 10)
         for i in range(args.num_requests):
-            if i == warm_at:
+            if i and i % tenth == 0:  # a quiet point (nothing in flight) to read the memory at
                 await asyncio.gather(*pending)
                 pending.clear()
-                on_warm()
-            if i % max(1, args.num_requests // 10) == 0:
+                on_tenth(i)
+            if i % tenth == 0:
                 print(f"  {i} requests sent: {outcome.status}", flush=True)
             body = random_body(rng, vocab, has_tokenizer, args.max_tokens)
             cancel_after = rng.uniform(0.0, args.cancel_window) if rng.random() < args.cancel_fraction else None
@@ -148,6 +150,21 @@ async def load(base_url: str, args, vocab: int, has_tokenizer: bool, on_warm) ->
                 mismatches.append({"body": body, "under_load": answer, "alone": again})
         outcome.mismatches = mismatches
     return outcome
+
+
+def rss_growth(trace: list[tuple[int, float, int]]) -> tuple[float, float]:
+    """(MB per 1,000 requests, MB per compile): the least-squares fit RSS = a + b * requests +
+    c * compiles over the trace's points (requests sent, RSS MB, compiles so far). A leak grows
+    with the requests; each compile of the sampler for a new combination of request options
+    (which come early and taper off) adds its executable and the compiler's high-water mark."""
+    import numpy as np
+
+    sent, mb, compiles = (np.asarray(column, np.float64) for column in zip(*trace))
+    if len(sent) < 2:
+        return 0.0, 0.0
+    columns = [np.ones_like(sent), sent] + ([compiles] if np.ptp(compiles) > 0 else [])
+    fit, *_ = np.linalg.lstsq(np.stack(columns, axis=1), mb, rcond=None)
+    return float(fit[1] * 1000), float(fit[2]) if len(fit) == 3 else 0.0
 
 
 def start_server(app):
@@ -195,7 +212,7 @@ def main(argv=None) -> dict:
                     help="fewer: fewer step shapes to compile (a short run's RSS is mostly compiles)")
     ap.add_argument("--no-precompile", action="store_true",
                     help="compile step shapes on first use, not when the engine is built (then the RSS "
-                         "after warm-up still grows by the compiles that come later)")
+                         "measured still grows by the compiles that come later)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -213,24 +230,23 @@ def main(argv=None) -> dict:
                                   precompile=not args.no_precompile)
     engine = AsyncEngine(model, config, restart_on_error=True)
     server, thread, base_url = start_server(build_app(engine, served_model_name="soak"))
-    rss, compiles = {}, {}
+    trace = []  # (requests sent, RSS MB, compiles so far) at each tenth of the load and at the end
 
-    def on_warm():
-        rss.setdefault("warm", rss_mb())
-        compiles.setdefault("warm", compile_counter.compiles())
+    def on_tenth(sent: int):
+        trace.append((sent, rss_mb(), compile_counter.compiles()))
 
     t0 = time.monotonic()
     try:
         outcome = asyncio.run(load(base_url, args, model.config.vocab_size, model.tokenizer is not None,
-                                   on_warm))
+                                   on_tenth))
         wait_idle(engine)
-        rss["end"] = rss_mb()
-        compiles["end"] = compile_counter.compiles()
+        trace.append((args.num_requests, rss_mb(), compile_counter.compiles()))
         seconds = time.monotonic() - t0
         s = engine.stats()
         pool = engine.engine.scheduler.page_manager
-        counted = args.num_requests - args.num_requests // 10
-        growth = (rss["end"] - rss.get("warm", rss["end"])) / max(1, counted) * 1000
+        growth, per_compile = rss_growth(trace)
+        rss = {"from": trace[0][1], "end": trace[-1][1]}
+        compiles = {"from": trace[0][2], "end": trace[-1][2]}
         checks = {
             "free pages == pool": pool.num_free_pages == engine.config.num_pages,
             "no live requests": s.num_running == s.num_waiting == 0 and len(engine.engine.outputs) == 0,
@@ -246,6 +262,7 @@ def main(argv=None) -> dict:
                              "failed": s.num_failed, "free_pages": pool.num_free_pages,
                              "num_pages": engine.config.num_pages},
                   "rss_mb": rss, "rss_growth_mb_per_1000": growth, "compiles": compiles,
+                  "rss_mb_per_compile": per_compile, "trace": trace,
                   "greedy_rechecked": min(args.recheck, len(outcome.greedy_done)),
                   "mismatches": outcome.mismatches[:3], "errors": outcome.errors[:5], "checks": checks,
                   "args": vars(args)}
@@ -256,7 +273,10 @@ def main(argv=None) -> dict:
     for name, ok in checks.items():
         print(f"{'ok  ' if ok else 'FAIL'} {name}")
     print(f"{args.num_requests} requests in {seconds:.0f} s: {outcome.status}; engine {report['engine']}; "
-          f"RSS {rss.get('warm', 0):.0f} -> {rss['end']:.0f} MB ({growth:.1f} MB / 1000 requests)")
+          f"RSS {rss['from']:.0f} -> {rss['end']:.0f} MB from request {trace[0][0]} on, "
+          f"{compiles['end'] - compiles['from']} compiles: {growth:.1f} MB / 1000 requests and "
+          f"{per_compile:.1f} MB / compile")
+    print("  requests sent / RSS MB / compiles: " + ", ".join(f"{n} / {m:.0f} / {c}" for n, m, c in trace))
     report["ok"] = all(checks.values())
     if args.out:
         write_record(args.out, report, tables=_tables(report), argv=["scripts/soak.py", *(argv or sys.argv[1:])])
@@ -266,15 +286,15 @@ def main(argv=None) -> dict:
 def _tables(report: dict) -> dict:
     e, o = report["engine"], report["outcomes"]
     return {"soak": {"columns": ["requests sent", "finished", "cancelled by the client", "engine: received / "
-                                 "finished / aborted / failed", "free pages / pool", "RSS after warm-up -> end (MB)",
-                                 "RSS growth per 1,000 requests (MB)", "compiles after warm-up",
+                                 "finished / aborted / failed", "free pages / pool", "RSS after the first tenth -> end (MB)",
+                                 "RSS growth per 1,000 requests (MB)", "MB per compile", "compiles after the first tenth",
                                  "greedy rechecked alone / equal", "seconds", "all checks"],
                      "rows": [[report["num_requests"], o.get("finished", 0), o.get("cancelled", 0),
                                f"{e['received']} / {e['finished']} / {e['aborted']} / {e['failed']}",
                                f"{e['free_pages']} / {e['num_pages']}",
-                               f"{report['rss_mb'].get('warm', 0):.0f} -> {report['rss_mb']['end']:.0f}",
-                               round(report["rss_growth_mb_per_1000"], 1),
-                               report["compiles"]["end"] - report["compiles"].get("warm", report["compiles"]["end"]),
+                               f"{report['rss_mb']['from']:.0f} -> {report['rss_mb']['end']:.0f}",
+                               round(report["rss_growth_mb_per_1000"], 1), round(report["rss_mb_per_compile"], 1),
+                               report["compiles"]["end"] - report["compiles"]["from"],
                                f"{report['greedy_rechecked']} / "
                                f"{report['greedy_rechecked'] - len(report['mismatches'])}",
                                round(report["seconds"]), "pass" if report["ok"] else "FAIL"]]}}
