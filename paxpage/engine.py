@@ -33,7 +33,8 @@ from paxpage.lora_slots import LoraSlots
 from paxpage.launched import PENDING_TOKEN, Launched, fetch, logprob_bucket
 from paxpage.output_processor import NewToken, OutputProcessor, Request
 from paxpage.outputs import RequestOutput, StreamDelta
-from paxpage.runner import ModelRunner, RowPlan
+from paxpage.packing import RowPlan
+from paxpage.runner import ModelRunner
 from paxpage.sampler import SamplingTensors
 from paxpage.sampling_batch import SamplingBatch
 from paxpage.sampling_params import GREEDY_TEMPERATURE, SamplingParams
@@ -374,7 +375,7 @@ class LLMEngine:
         if grown:  # their new pages: the one changed entry of each table row
             tables.sync_many([seqs[i].seq_id for i in grown], [seqs[i].num_preemptions for i in grown],
                              [seqs[i].page_table for i in grown], [int(batch.positions[i]) for i in grown])
-        step_batch, prev_rows = self.runner.pack_decode(batch.table_slots, batch.positions, batch.lora_slots)
+        step_batch, prev_rows = self.runner.packer.pack_decode(batch.table_slots, batch.positions, batch.lora_slots)
         tensors = self._sampling.tensors(  # penalised rows: their outputs end in the pending token
             batch.sampling_slots, np.zeros(len(seqs), np.int64), batch.steps,
             lambda r: (batch.rows[r][0].prompt_ids, seqs[r].output_token_ids),
@@ -514,7 +515,7 @@ class LLMEngine:
                 offsets += [0] * num_samples if drafts else range(num_samples)
                 steps += range(num_out, num_out + num_samples) if drafts else [num_out] * num_samples
         self._forget_ended(self.scheduler.running)
-        batch, logits_plan, prompt_plan, prev_rows = self.runner.pack(plans)
+        batch, logits_plan, prompt_plan, prev_rows = self.runner.packer.pack(plans)
         first_rows = [row for _, _, row in rows]
 
         def row_tokens(r: int):  # (prompt, outputs) a penalised logits row sees

@@ -1,4 +1,6 @@
-"""Model runner: packs the scheduler's decisions into a StepBatch and runs the jitted step.
+"""Model runner: the device state (weights, KV pool, LoRA slab) and the jitted calls of a step.
+
+Its packer (paxpage/packing.py) lays the scheduler's rows out as a StepBatch.
 
 The step is one pure function of (params, kv_cache, batch, sampling tensors): the model
 writes the step's K/V into the donated cache, computes logits for the rows that sample,
@@ -14,7 +16,7 @@ import functools
 import logging
 import os
 import time
-from typing import Hashable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,69 +30,10 @@ from paxpage import attention_impl, kv_sizing, lora_slab
 from paxpage import sampler as sampler_lib
 from paxpage.batch import StepBatch
 from paxpage.config import ResolvedConfig
-from paxpage.page_tables import PageTables
+from paxpage.packing import Packer, bucket, decode_rows
 
 
 log = logging.getLogger("paxpage")
-
-
-# Decode rows are padded to at least this many: on accelerators a decode step's cost barely
-# grows with its first few rows (it reads every weight once either way), and 1 and 2 rows would
-# be two more shapes for every prefill-row count. See `decode_rows` for the one exception.
-MIN_DECODE_ROWS = 4
-
-
-def decode_rows(num_decodes: int, num_prefill_rows: int, single_row: bool) -> int:
-    """Decode-row bucket of a step with these real decode and prefill rows. With `single_row`
-    (the CPU backend) a step of one decode row and no prefill keeps its one row: XLA CPU runs a
-    one-row matmul as a matrix-vector product, and SmolLM2's decode matmuls cost ~3x less CPU
-    time at 1 row than at 4 (~20 against ~65 ms per step on a 2-core AMD EPYC), so a lone
-    sequence decodes ~3x cheaper for one more compiled shape. Every other step pads as `bucket`."""
-    if single_row and num_decodes == 1 and num_prefill_rows == 0:
-        return 1
-    return bucket(num_decodes, MIN_DECODE_ROWS)
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """Shape bucket for n rows: powers of two up to 16, then also 1.5x steps (24, 48, 96, ...).
-
-    Pure powers of two padded a 48-sequence decode batch to 64 rows (a third of the step's
-    matmul work wasted); the half steps cap padding near 33% -> 25% at large batch for a
-    few more compiled shapes. 0 stays 0."""
-    if n <= 0:
-        return 0
-    n = max(n, minimum)
-    power = 1 << (n - 1).bit_length()
-    if power > 16 and n <= power * 3 // 4:
-        return power * 3 // 4
-    return power
-
-
-@dataclasses.dataclass
-class RowPlan:
-    """Host-side description of one scheduled sequence's tokens in the step."""
-
-    token_ids: Sequence[int]  # the sequence's tokens (prompt + output); read by index and slice
-    page_table: Sequence[int]
-    start: int  # first new token's position
-    num_new: int  # q_len this step
-    num_samples: int  # logits rows wanted for its last token (0 = mid-prefill chunk)
-    num_prompt_tokens: int = 0  # > 0: also score each prompt token computed this step
-    # Identity of the sequence in the persistent page tables (None: copy the table whole this
-    # step), and a version that changes whenever entries before `start` may have changed.
-    table_key: Hashable | None = None
-    table_version: int = 0
-    # Async scheduling: the token at `start` is not on the host yet; it is row `prev_row` of
-    # the previous (still running) step's sampled tokens. -1: the host has it.
-    prev_row: int = -1
-    # Speculative decoding: the last num_drafts tokens are drafts; each of the row's last
-    # num_drafts + 1 positions gets a logits row (num_samples == num_drafts + 1), in order.
-    num_drafts: int = 0
-    # Embedding requests: the pooled-output row (< the step's logits rows) that this row's tokens
-    # at positions >= pool_from add their final-normed hidden states into; -1: none.
-    pool_row: int = -1
-    pool_from: int = 0
-    lora_slot: int = -1  # the sequence's LoRA slab slot; -1: the base model
 
 
 class ModelRunner:
@@ -155,12 +98,12 @@ class ModelRunner:
         # The model step and the sampler compile separately: sampler options (logprob widths,
         # penalty lists) then never recompile the model, and a new batch shape reuses the
         # sampler. Logits stay on device between the two calls.
-        self.tables = PageTables(cfg.pages_per_seq, cfg.page_size)
+        self.packer = Packer(cfg, with_lora=bool(cfg.max_loras), single_row_decode=self.single_row_decode,
+                             keep_on_device=mesh is None and jax.process_count() == 1)
         # The most sampling rows a step that can stay in flight has (one per sequence row).
         self.max_logits_rows = max(bucket(dec + pre) for dec, pre in self.step_shapes())
         self._no_prev_tokens = (jax.ShapeDtypeStruct((self.max_logits_rows,), jnp.int32) if abstract
                                 else jnp.zeros(self.max_logits_rows, jnp.int32))
-        self._decode_consts: dict[tuple[int, int], tuple] = {}  # see _decode_constants
         # Sharded: the pool keeps its sharding across steps (out_shardings), so a step never
         # reshards it or recompiles; logits come back replicated for the sampler.
         self._step = jax.jit(self._forward, donate_argnums=(1,), **step_shardings)
@@ -226,7 +169,12 @@ class ModelRunner:
         a pool that fitted once fits again."""
         self.kv_cache = None
         self.kv_cache = self._pool(self.cfg.num_pages, jnp.dtype(self.cfg.dtype))
-        self.tables = PageTables(self.cfg.pages_per_seq, self.cfg.page_size)
+        self.packer.reset()
+
+    @property
+    def tables(self):
+        """The persistent page tables (paxpage/page_tables.py) the packer lays rows out over."""
+        return self.packer.tables
 
     def _pool(self, num_pages: int, dtype, make=None):
         """The KV cache of num_pages pages per layer: a list of L caches (each a [2, P, page_size, K, D]
@@ -296,7 +244,7 @@ class ModelRunner:
         """The step of `dec` decode rows and `pre` prefill rows (a `step_shapes()` pair), lowered
         (jax.stages.Lowered) against an abstract pool of num_pages pages (default: the runner's)
         and the runner's params: `.compile()` it for its memory and cost analyses. Nothing runs."""
-        batch = self._padding_batch(dec, pre)
+        batch = self.packer.padding_batch(dec, pre)
         pool = self._pool(num_pages or self.cfg.num_pages, jnp.dtype(self.cfg.dtype), self._abstract_cache)
         return self._step.lower(self._step_params, pool, batch, np.full(batch.token_ids.shape[0], -1, np.int32),
                                 self._no_prev_tokens)
@@ -309,7 +257,7 @@ class ModelRunner:
 
         from pallas_kernels.gpu_launches import KERNEL_CALLS
 
-        batch = self._padding_batch(dec, pre)
+        batch = self.packer.padding_batch(dec, pre)
         pool = self._pool(self.cfg.num_pages, jnp.dtype(self.cfg.dtype), self._abstract_cache)
         checks = [export.DisabledSafetyCheck.custom_call(name) for name in KERNEL_CALLS]
         return export.export(self._step, platforms=[platform], disabled_checks=checks)(
@@ -345,183 +293,6 @@ class ModelRunner:
 
         return replicate_kv_heads(self.plan, self.model_cfg, tree)
 
-    def _lora_rows(self, dec_slots, num_dec: int, pre_slots, num_pre: int) -> np.ndarray | None:
-        """The batch's lora_slots i32[Bd + Bp] (padding rows -1), or None without LoRA."""
-        if self.lora_slab is None:
-            return None
-        out = np.full(num_dec + num_pre, -1, np.int32)
-        out[:len(dec_slots)] = dec_slots
-        out[num_dec:num_dec + len(pre_slots)] = pre_slots
-        return out
-
-    # ------------------------------------------------------------------ packing
-    def pack(self, rows: Sequence[RowPlan]
-             ) -> tuple[StepBatch, list[int], list[tuple[int, int]], np.ndarray]:
-        """Lays out the rows' tokens. Returns the batch, the plan index of each sampling row,
-        (plan index, position) of each prompt-logprob row, and i32[T] `prev_rows` (the previous
-        step's sampled-token row for each flat token whose id the host does not have yet, else -1).
-
-        Decode rows (one token) are laid out with array operations over the persistent page
-        tables, so their host cost does not grow with context length."""
-        page_size, row_len = self.cfg.page_size, self.cfg.prefill_row_len
-        pages_per_seq = self.cfg.pages_per_seq
-        keys = [r.table_key for r in rows]
-        transient = []
-        for i, key in enumerate(keys):
-            if key is None:  # a row with no identity: its table is copied whole, then dropped
-                keys[i] = ("transient", i)
-                transient.append(keys[i])
-        slot_of = self.tables.sync_many(keys, [r.table_version for r in rows], [r.page_table for r in rows],
-                                        [r.start for r in rows])
-        table = self.tables.table
-        decode = [i for i, r in enumerate(rows) if r.num_new == 1]
-        prefill = [i for i, r in enumerate(rows) if r.num_new > 1]
-        if prefill and all(rows[i].num_drafts for i in prefill):
-            # Only speculative verify rows (1 + k tokens): rows as wide as the longest, bucketed,
-            # instead of prefill_row_len, so a verify step costs little more than a decode step.
-            row_len = min(row_len, bucket(max(rows[i].num_new for i in prefill), 4))
-        pre_rows = [(i, a, min(a + row_len, rows[i].start + rows[i].num_new))
-                    for i in prefill
-                    for a in range(rows[i].start, rows[i].start + rows[i].num_new, row_len)]
-        num_dec = decode_rows(len(decode), len(pre_rows), self.single_row_decode)
-        num_pre = bucket(len(pre_rows))
-        total = num_dec + num_pre * row_len
-        token_ids = np.zeros(total, np.int32)
-        positions = np.zeros(total, np.int32)
-        slots = np.full(total, -1, np.int32)
-        dec_pages = np.zeros((num_dec, pages_per_seq), np.int32)
-        dec_lens = np.zeros(num_dec, np.int32)
-        pre_pages = np.zeros((num_pre, pages_per_seq), np.int32)
-        pre_lens = np.zeros(num_pre, np.int32)
-        pre_q = np.zeros(num_pre, np.int32)
-        last_token_index = {}
-        verify_index: dict[int, list[int]] = {}  # plan -> flat index of each verify position
-        prompt_rows: list[tuple[int, int, int, int]] = []  # (plan, position, flat index, target)
-
-        prev_rows = np.full(total, -1, np.int32)
-        n = len(decode)
-        if n:
-            pos = np.fromiter((rows[i].start for i in decode), np.int32, n)
-            self._lay_out_decodes([slot_of[i] for i in decode], pos, positions, slots, dec_pages, dec_lens)
-            token_ids[:n] = [rows[i].token_ids[rows[i].start] for i in decode]
-            prev_rows[:n] = [rows[i].prev_row for i in decode]
-            for row, i in enumerate(decode):
-                last_token_index[i] = row
-                if rows[i].num_prompt_tokens - 1 > rows[i].start:  # a 1-token prompt chunk
-                    prompt_rows.append((i, rows[i].start, row, rows[i].token_ids[rows[i].start + 1]))
-        for row, (i, lo, hi) in enumerate(pre_rows):
-            plan = rows[i]
-            flat = num_dec + row * row_len
-            k = hi - lo
-            pos = np.arange(lo, hi, dtype=np.int32)
-            pages = table[slot_of[i]]
-            token_ids[flat:flat + k] = plan.token_ids[lo:hi]
-            positions[flat:flat + k] = pos
-            slots[flat:flat + k] = pages[pos // page_size] * page_size + pos % page_size
-            for p in range(lo, min(hi, plan.num_prompt_tokens - 1)):
-                prompt_rows.append((i, p, flat + p - lo, plan.token_ids[p + 1]))
-            pre_pages[row] = pages
-            pre_lens[row] = hi
-            pre_q[row] = k
-            last_token_index[i] = flat + k - 1
-            if plan.num_drafts:  # verify rows: every position from the sequence's last token on
-                first = plan.start + plan.num_new - 1 - plan.num_drafts
-                verify_index.setdefault(i, []).extend(
-                    flat + p - lo for p in range(max(lo, first), hi))
-        self.tables.release(transient)
-
-        logits_plan = [i for i, r in enumerate(rows) for _ in range(r.num_samples)]
-        # R follows from (Bd, Bp) rather than being a third bucket (only n > 1 parallel
-        # samples can need more), and stays a power of two so the sampler is shared.
-        num_logits = bucket(max(num_dec + num_pre, len(logits_plan)))
-        logits_indices = np.zeros(num_logits, np.int32)
-        logits_indices[:len(logits_plan)] = [
-            j for i, r in enumerate(rows)
-            for j in (verify_index[i] if r.num_drafts else [last_token_index[i]] * r.num_samples)]
-        num_prompt_rows = bucket(len(prompt_rows))
-        prompt_indices = np.zeros(num_prompt_rows, np.int32)
-        prompt_targets = np.zeros(num_prompt_rows, np.int32)
-        for j, (_, _, flat, target) in enumerate(prompt_rows):
-            prompt_indices[j], prompt_targets[j] = flat, target
-        lora = self._lora_rows([rows[i].lora_slot for i in decode], num_dec,
-                               [rows[i].lora_slot for i, _, _ in pre_rows], num_pre)
-        batch = StepBatch(token_ids, positions, slots, dec_pages, dec_lens, pre_pages, pre_lens,
-                          pre_q, logits_indices, prompt_indices, prompt_targets,
-                          self._pool_rows(rows, decode, pre_rows, num_dec, row_len, total, num_logits), lora)
-        return batch, logits_plan, [(plan, pos) for plan, pos, _, _ in prompt_rows], prev_rows
-
-    @staticmethod
-    def _pool_rows(rows: Sequence[RowPlan], decode: list[int], pre_rows: list[tuple[int, int, int]], num_dec: int,
-                   row_len: int, total: int, num_logits: int) -> np.ndarray | None:
-        """StepBatch.pool_rows i32[T] for `pack`'s layout (decode rows, then prefill rows of
-        row_len tokens); None when no row pools."""
-        if all(r.pool_row < 0 for r in rows):
-            return None
-        pool_rows = np.full(total, num_logits, np.int32)
-        for flat, i in enumerate(decode):
-            if rows[i].pool_row >= 0 and rows[i].start >= rows[i].pool_from:
-                pool_rows[flat] = rows[i].pool_row
-        for row, (i, lo, hi) in enumerate(pre_rows):
-            plan = rows[i]
-            if plan.pool_row >= 0 and hi > plan.pool_from:
-                assert plan.pool_row < num_logits, (plan.pool_row, num_logits)
-                flat = num_dec + row * row_len
-                pool_rows[flat + max(lo, plan.pool_from) - lo:flat + hi - lo] = plan.pool_row
-        return pool_rows
-
-    def pack_decode(self, table_slots: np.ndarray, positions: np.ndarray, lora_slots: np.ndarray | None = None
-                    ) -> tuple[StepBatch, np.ndarray]:
-        """`pack` for a step of decode rows only, each writing the token that row r of the
-        previous (still running) step samples: table_slots integer[B] (rows of `self.tables`,
-        already synced), positions integer[B], lora_slots integer[B] (with LoRA). Returns the batch
-        and its i32[T] prev_rows; equal to what `pack` returns for the same rows, in numpy
-        operations over the rows."""
-        n = table_slots.shape[0]
-        num_dec = decode_rows(n, 0, self.single_row_decode)
-        pos = np.zeros(num_dec, np.int32)
-        slots = np.full(num_dec, -1, np.int32)
-        dec_pages = np.zeros((num_dec, self.cfg.pages_per_seq), np.int32)
-        dec_lens = np.zeros(num_dec, np.int32)
-        self._lay_out_decodes(table_slots, positions, pos, slots, dec_pages, dec_lens)
-        token_ids, prev_rows, logits_indices, empty, rows0 = self._decode_constants(n, num_dec)
-        lora = self._lora_rows(lora_slots if lora_slots is not None else [], num_dec, [], 0)
-        batch = StepBatch(token_ids, pos, slots, dec_pages, dec_lens, rows0, empty, empty,
-                          logits_indices, empty, empty, lora_slots=lora)
-        return batch, prev_rows
-
-    def _decode_constants(self, n: int, num_dec: int) -> tuple:
-        """The arrays of a steady decode step of n rows that depend on n alone: token ids (-1: the
-        host does not have them, prev_rows points at the device's), prev_rows, logits indices
-        and the empty prefill arrays. Kept on the device once made, so a step transfers only its
-        positions, slots, tables and lengths (each host array a jitted call takes costs it a
-        transfer at dispatch). Sharded or multi-process runners pass them as numpy, as `pack`."""
-        key = (n, num_dec)
-        made = self._decode_consts.get(key)
-        if made is None:
-            token_ids = np.zeros(num_dec, np.int32)
-            token_ids[:n] = -1
-            prev_rows = np.full(num_dec, -1, np.int32)
-            prev_rows[:n] = np.arange(n)
-            logits_indices = np.zeros(bucket(num_dec), np.int32)
-            logits_indices[:n] = np.arange(n)
-            made = (token_ids, prev_rows, logits_indices, np.zeros(0, np.int32),
-                    np.zeros((0, self.cfg.pages_per_seq), np.int32))
-            if self.mesh is None and jax.process_count() == 1:
-                made = tuple(jax.device_put(made))
-            self._decode_consts[key] = made
-        return made
-
-    def _lay_out_decodes(self, table_slots, pos: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-                         dec_pages: np.ndarray, dec_lens: np.ndarray) -> None:
-        """Rows [:n] of a batch's decode arrays for n decode rows (pack and pack_decode): each
-        row's table (table_slots integer[n], rows of `self.tables`), position (pos integer[n], the
-        token it writes), KV slot and length."""
-        n, page_size = len(pos), self.cfg.page_size
-        dec_pages[:n] = self.tables.table[table_slots]
-        positions[:n] = pos
-        slots[:n] = dec_pages[np.arange(n), pos // page_size] * page_size + pos % page_size
-        dec_lens[:n] = pos + 1
-
     def step_shapes(self) -> list[tuple[int, int]]:
         """Every (decode rows, prefill rows) bucket pair a step of this config can have: the
         step's shape depends on nothing else (the logits rows follow from the two)."""
@@ -539,7 +310,7 @@ class ModelRunner:
             return len(shapes)
         sampled: set[int] = set()  # the sampler's shape is R alone
         for dec, pre in shapes:
-            batch = self._padding_batch(dec, pre)
+            batch = self.packer.padding_batch(dec, pre)
             num_logits = batch.logits_indices.shape[0]
             logits = self.forward(batch)
             results = [logits]
@@ -561,7 +332,7 @@ class ModelRunner:
         prev = {}
         calls = []
         for dec, pre in shapes:
-            batch = self._padding_batch(dec, pre)
+            batch = self.packer.padding_batch(dec, pre)
             calls.append((self._step_params, self.kv_cache, batch, np.full(batch.token_ids.shape[0], -1, np.int32),
                           self._no_prev_tokens))
             prev.setdefault(batch.logits_indices.shape[0], len(calls) - 1)  # a step with R logits rows
@@ -584,18 +355,6 @@ class ModelRunner:
             done = list(pool.map(lambda args: sample.prepare(*args) is not None if args[1].greedy_only
                                  else sample.ensure_stored(*args), samplers))
         return all(done)
-
-    def _padding_batch(self, dec: int, pre: int) -> StepBatch:
-        """An all-padding batch of `dec` decode rows and `pre` prefill rows (its K/V writes are dropped)."""
-        row_len, pages_per_seq = self.cfg.prefill_row_len, self.cfg.pages_per_seq
-        total = dec + pre * row_len
-        num_logits = bucket(dec + pre)
-        return StepBatch(
-            np.zeros(total, np.int32), np.zeros(total, np.int32), np.full(total, -1, np.int32),
-            np.zeros((dec, pages_per_seq), np.int32), np.zeros(dec, np.int32),
-            np.zeros((pre, pages_per_seq), np.int32), np.zeros(pre, np.int32), np.zeros(pre, np.int32),
-            np.zeros(num_logits, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32),
-            lora_slots=self._lora_rows([], dec, [], pre))
 
     # ------------------------------------------------------------------ device calls
     def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:

@@ -41,7 +41,7 @@ def filled_batch(runner, dec: int, pre: int, context: int, seed: int = 0):
     pages drawn from a permutation of the pool, this step's K/V written at the row's last slots."""
     cfg = runner.cfg
     page_size, row_len = cfg.page_size, cfg.prefill_row_len
-    batch = runner._padding_batch(dec, pre)
+    batch = runner.packer.padding_batch(dec, pre)
     rng = np.random.default_rng(seed)
     rows = dec + pre
     pages_per_row = -(-context // page_size)

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
           f"{'attention share':>16}", flush=True)
     for shape in args.shapes:
         dec, pre = (int(v) for v in shape.split(","))
-        batch = runner._padding_batch(dec, pre)
+        batch = runner.packer.padding_batch(dec, pre)
         prev = (np.full(batch.token_ids.shape[0], -1, np.int32), runner._no_prev_tokens)
         full = lower_compile(jax.jit(runner._forward, donate_argnums=(1,)), runner.params, runner.kv_cache,
                              batch, *prev)

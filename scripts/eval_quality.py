@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 import paxpage  # noqa: E402
 from models.quant import bytes_by_dtype  # noqa: E402
 from paxpage.api import Model  # noqa: E402
-from paxpage.runner import RowPlan  # noqa: E402
+from paxpage.packing import RowPlan  # noqa: E402
 
 PPL_MODULES = ("argparse", "logging", "json", "textwrap")
 PROMPT_MODULES = ("os", "shutil", "functools", "itertools", "string", "re", "random", "pathlib",
@@ -106,7 +106,7 @@ def forced_logprobs(engine, token_ids: list[int]) -> np.ndarray:
     n = len(token_ids)
     pages = list(range(-(-n // runner.cfg.page_size)))
     assert len(pages) <= runner.cfg.num_pages, (n, runner.cfg.num_pages)
-    batch, _, prompt_rows, _ = runner.pack([RowPlan(token_ids, pages, 0, n, 1, num_prompt_tokens=n)])
+    batch, _, prompt_rows, _ = runner.packer.pack([RowPlan(token_ids, pages, 0, n, 1, num_prompt_tokens=n)])
     _, prompt_logits = runner.forward(batch)
     logits = np.asarray(prompt_logits[: len(prompt_rows)], np.float32)
     assert [p for _, p in prompt_rows] == list(range(n - 1))

@@ -44,7 +44,8 @@ import numpy as np
 from models.config import ModelConfig
 from paxpage.batch import StepBatch
 from paxpage.config import ResolvedConfig
-from paxpage.runner import ModelRunner, bucket
+from paxpage.packing import bucket
+from paxpage.runner import ModelRunner
 from paxpage.sampler import filter_logits, row_key
 from paxpage.sampling_draw import argmax_rows
 from paxpage.sampling_params import GREEDY_TEMPERATURE, SamplingParams

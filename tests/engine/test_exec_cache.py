@@ -16,7 +16,7 @@ import paxpage
 from paxpage import EngineConfig, SamplingParams as SP
 from paxpage.engine import LLMEngine
 from paxpage.exec_cache import ExecutableCache
-from paxpage.runner import bucket
+from paxpage.packing import bucket
 from tests.conftest import hf_greedy, random_prompts
 
 

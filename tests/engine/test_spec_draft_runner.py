@@ -36,9 +36,9 @@ def _runner(target, draft):
 
 def _prefill(runner, rows):
     """The draft's K/V of each (prompt, pages) but its last token, as the target's step writes it."""
-    from paxpage.runner import RowPlan
+    from paxpage.packing import RowPlan
 
-    batch, *_ = runner.runner.pack([RowPlan(p, pages, 0, len(p) - 1, 0) for p, pages in rows])
+    batch, *_ = runner.runner.packer.pack([RowPlan(p, pages, 0, len(p) - 1, 0) for p, pages in rows])
     runner.fill(batch)
 
 
@@ -123,7 +123,8 @@ def test_proposer_on_target_steps_and_pool_sizing(models):
     """DraftProposer through the engine's calls: on_step with the target runner's own batch, then
     propose from SpecInputs; a kv_cache_bytes budget pays for both pools' bytes per page."""
     from paxpage.config import EngineConfig
-    from paxpage.runner import ModelRunner, RowPlan
+    from paxpage.packing import RowPlan
+    from paxpage.runner import ModelRunner
     from paxpage.spec import make_proposer
     from paxpage.spec.proposer import SpecInput
 
@@ -139,7 +140,7 @@ def test_proposer_on_target_steps_and_pool_sizing(models):
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 128, n).tolist() for n in (10, 5)]
     tables = [[12, 3, 25], [7, 29]]
-    batch, *_ = target_runner.pack([RowPlan(p, pages, 0, len(p) - 1, 0) for p, pages in zip(prompts, tables)])
+    batch, *_ = target_runner.packer.pack([RowPlan(p, pages, 0, len(p) - 1, 0) for p, pages in zip(prompts, tables)])
     target_runner.forward(batch)
     proposer.on_step(batch)
     inputs = [SpecInput(seq_id=i, token_ids=p, num_prompt_tokens=len(p), max_drafts=K - i, greedy=True,

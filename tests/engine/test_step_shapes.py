@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from paxpage.runner import bucket, step_shapes
+from paxpage.packing import bucket
+from paxpage.runner import step_shapes
 
 
 def test_small_config_shapes_by_hand():
@@ -46,7 +47,7 @@ def test_prefill_row_cap_default_and_validation():
 def test_single_row_decode_shape():
     """On CPU one decode row alone keeps its one row: one more shape, (1, 0); a decode row
     beside prefill rows, and 2-3 decode rows, still pad to 4."""
-    from paxpage.runner import decode_rows
+    from paxpage.packing import decode_rows
 
     assert step_shapes(8, 64, 16, 4, single_row_decode=True) == sorted([(1, 0), *step_shapes(8, 64, 16, 4)])
     assert [decode_rows(n, 0, True) for n in (0, 1, 2, 3, 5)] == [0, 1, 4, 4, 8]

@@ -18,7 +18,7 @@ import paxpage
 from models import layer_stack
 from models.config import ModelConfig
 from paxpage.engine import LLMEngine
-from paxpage.runner import RowPlan
+from paxpage.packing import RowPlan
 from tests.conftest import random_prompts, save_tiny_hf
 
 PAGE_SIZE = 4
@@ -35,7 +35,7 @@ def _two_step_logits(model, scan: bool, prompt: list[int], next_token: int) -> n
     tokens = list(prompt) + [next_token]
     out = []
     for start, num_new in ((0, len(prompt)), (len(prompt), 1)):
-        batch, _, _, _ = runner.pack([RowPlan(tokens, table, start, num_new, 1)])
+        batch, _, _, _ = runner.packer.pack([RowPlan(tokens, table, start, num_new, 1)])
         logits, _ = runner.forward(batch)
         out.append(np.asarray(logits)[0])
     return np.stack(out)
