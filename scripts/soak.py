@@ -279,11 +279,11 @@ def main(argv=None) -> dict:
     print("  requests sent / RSS MB / compiles: " + ", ".join(f"{n} / {m:.0f} / {c}" for n, m, c in trace))
     report["ok"] = all(checks.values())
     if args.out:
-        write_record(args.out, report, tables=_tables(report), argv=["scripts/soak.py", *(argv or sys.argv[1:])])
+        write_record(args.out, report, tables=doc_tables(report), argv=["scripts/soak.py", *(argv or sys.argv[1:])])
     return report
 
 
-def _tables(report: dict) -> dict:
+def doc_tables(report: dict) -> dict:
     e, o = report["engine"], report["outcomes"]
     return {"soak": {"columns": ["requests sent", "finished", "cancelled by the client", "engine: received / "
                                  "finished / aborted / failed", "free pages / pool", "RSS after the first tenth -> end (MB)",
