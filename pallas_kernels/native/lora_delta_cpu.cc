@@ -51,49 +51,88 @@ inline v16 load_n(const float* p, int64_t n) {
 
 inline void store_n(float* p, v16 v, int64_t n) { std::memcpy(p, &v, n * sizeof(float)); }
 
-// The delta rows of N tokens (ids tok[0..N)) of one slot.
+// h[j][r, r + 16) = x_j @ A[:, r, r + 16) for N tokens, n <= 16 ranks of A's rows (the rest 0).
+// Two partial sums per token (even and odd i) keep twice as many FMA chains in flight; they add
+// in that order at the end.
+template <int N, bool kFull>
+inline void x_times_a(const float* const* x, const float* a, int64_t in, int64_t rank, int64_t r, int64_t n,
+                      float (*h)[kMaxRank]) {
+  v16 even[N], odd[N];
+  for (int j = 0; j < N; ++j) even[j] = odd[j] = v16{};
+  auto row = [&](int64_t i) { return kFull ? load16(a + i * rank + r) : load_n(a + i * rank + r, n); };
+  int64_t i = 0;
+  for (; i + 2 <= in; i += 2) {
+    const v16 row0 = row(i), row1 = row(i + 1);
+    for (int j = 0; j < N; ++j) {
+      even[j] += x[j][i] * row0;
+      odd[j] += x[j][i + 1] * row1;
+    }
+  }
+  if (i < in) {
+    const v16 row0 = row(i);
+    for (int j = 0; j < N; ++j) even[j] += x[j][i] * row0;
+  }
+  for (int j = 0; j < N; ++j) {
+    const v16 sum = even[j] + odd[j];
+    std::memcpy(h[j] + r, &sum, sizeof(v16));  // h has room: r + 16 <= kMaxRank
+  }
+}
+
+// out_j[o, o + kChunks * 16) = h_j @ B[:, o, ...) for N tokens: kChunks full vectors of outputs
+// per token held in registers while B's rows stream past.
+template <int N, int kChunks>
+inline void h_times_b(const float (*h)[kMaxRank], const float* b, int64_t rank, int64_t width, int64_t o,
+                      float* const* out) {
+  v16 acc[N][kChunks];
+  for (int j = 0; j < N; ++j)
+    for (int c = 0; c < kChunks; ++c) acc[j][c] = v16{};
+  for (int64_t r = 0; r < rank; ++r) {
+    v16 rows[kChunks];
+    for (int c = 0; c < kChunks; ++c) rows[c] = load16(b + r * width + o + c * kLanes);
+    for (int j = 0; j < N; ++j) {
+      const float hj = h[j][r];
+      for (int c = 0; c < kChunks; ++c) acc[j][c] += hj * rows[c];
+    }
+  }
+  for (int j = 0; j < N; ++j)
+    for (int c = 0; c < kChunks; ++c) std::memcpy(out[j] + o + c * kLanes, &acc[j][c], sizeof(v16));
+}
+
+// The delta rows of N tokens (ids tok[0..N)) of one slot. Every token runs the same operations
+// for a given (I, R, O), whatever N: its row does not depend on the others.
 template <int N>
 void tokens_of_slot(const Operands& op, int32_t slot, const int32_t* tok) {
   const int64_t in = op.in, rank = op.rank, width = op.out_width;
-  const float* a = op.a + slot * in * rank;   // [I, R]
+  const float* a = op.a + slot * in * rank;     // [I, R]
   const float* b = op.b + slot * rank * width;  // [R, O]
   const float* x[N];
-  for (int j = 0; j < N; ++j) x[j] = op.x + static_cast<int64_t>(tok[j]) * in;
+  float* out[N];
+  for (int j = 0; j < N; ++j) {
+    x[j] = op.x + static_cast<int64_t>(tok[j]) * in;
+    out[j] = op.out + static_cast<int64_t>(tok[j]) * width;
+  }
   alignas(64) float h[N][kMaxRank];
-  // h = x @ A, 16 ranks at a time.
   for (int64_t r = 0; r < rank; r += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, rank - r);
-    // Two partial sums per token (even and odd i) keep twice as many FMA chains in flight; they
-    // add in that order at the end.
-    v16 even[N], odd[N];
-    for (int j = 0; j < N; ++j) even[j] = odd[j] = v16{};
-    int64_t i = 0;
-    for (; i + 2 <= in; i += 2) {
-      const v16 row0 = load_n(a + i * rank + r, n), row1 = load_n(a + (i + 1) * rank + r, n);
-      for (int j = 0; j < N; ++j) {
-        even[j] += x[j][i] * row0;
-        odd[j] += x[j][i + 1] * row1;
-      }
-    }
-    if (i < in) {
-      const v16 row = load_n(a + i * rank + r, n);
-      for (int j = 0; j < N; ++j) even[j] += x[j][i] * row;
-    }
-    for (int j = 0; j < N; ++j) {
-      const v16 sum = even[j] + odd[j];
-      std::memcpy(h[j] + r, &sum, sizeof(v16));  // h has room: kMaxRank
+    if (n == kLanes) {
+      x_times_a<N, true>(x, a, in, rank, r, n, h);
+    } else {
+      x_times_a<N, false>(x, a, in, rank, r, n, h);
     }
   }
-  // delta = h @ B, 16 outputs at a time.
-  for (int64_t o = 0; o < width; o += kLanes) {
-    const int64_t n = std::min<int64_t>(kLanes, width - o);
+  constexpr int kWide = 4;  // output vectors per pass over B's rows
+  int64_t o = 0;
+  for (; o + kWide * kLanes <= width; o += kWide * kLanes) h_times_b<N, kWide>(h, b, rank, width, o, out);
+  for (; o + kLanes <= width; o += kLanes) h_times_b<N, 1>(h, b, rank, width, o, out);
+  if (o < width) {  // the last width % 16 outputs
+    const int64_t n = width - o;
     v16 acc[N];
     for (int j = 0; j < N; ++j) acc[j] = v16{};
     for (int64_t r = 0; r < rank; ++r) {
       const v16 row = load_n(b + r * width + o, n);
       for (int j = 0; j < N; ++j) acc[j] += h[j][r] * row;
     }
-    for (int j = 0; j < N; ++j) store_n(op.out + static_cast<int64_t>(tok[j]) * width + o, acc[j], n);
+    for (int j = 0; j < N; ++j) store_n(out[j] + o, acc[j], n);
   }
 }
 
