@@ -12,7 +12,8 @@ tokens by slot and skips base tokens itself. "xla" (elsewhere): each row gathers
 (BGMV-style; a decode row pays I*R + R*O gathered values for one token, a prefill row the same
 for its Tq tokens) under a `lax.cond` that skips steps whose rows all run the base model. On
 CPU the gather measured faster than multiplying every token by every slot and masking, whose
-work grows with max_loras, and the native kernel ~4x faster than the gather.
+work grows with max_loras; the native kernel took 25-45 us per layer at 64 tokens, 8 slots,
+rank 16, against the gather's 320-900 us (2-core AMD EPYC, I, O of 576 / 1536).
 
 Axis legend: T flat tokens, Bd decode rows, Bp prefill rows, Tq prefill row width, S slots,
 I input width, R rank, O output width.
