@@ -10,10 +10,10 @@
 // Tokens are grouped by slot (a counting sort), and each work item is up to kTokens tokens of
 // one slot: every row of A[s] and B[s] read is used by all of them while it is in registers, and
 // consecutive items of one slot find A and B in cache. h = x[t] @ A[s] runs 16 ranks per vector
-// (a sum over i in order), then delta[t] = h @ B[s] 16 outputs per vector (a sum over r in
-// order). Each token's sums have that fixed order, whatever the other tokens of the step or of
-// its item (every item size runs the same expression per token), so its row is the same alone
-// and in any batch.
+// (two partial sums, even and odd i, each in order, then added), then delta[t] = h @ B[s] 16
+// outputs per vector, four vectors per pass over B's rows (a sum over r in order). Each token's
+// sums have that fixed order, whatever the other tokens of the step or of its item (every item
+// size runs the same expression per token), so its row is the same alone and in any batch.
 
 #include <algorithm>
 #include <cstdint>
