@@ -12,15 +12,18 @@ from models.llama import AttentionFn, LlamaModel, WriteKvFn
 
 
 def build_model(cfg: ModelConfig, attention: AttentionFn, write_kv: WriteKvFn, dtype: Any = jnp.float32,
-                scan_period: int = 0, batch_invariant: bool = False):
+                scan_period: int = 0, batch_invariant: bool = False, lora_impl: str = "xla"):
     """The flax module for `cfg`: `.apply({"params": params}, batch, kv_cache) -> (logits, kv_cache)`.
-    scan_period > 0: the layers run under a scan (models/layer_stack.py: stacked params and pool)."""
+    scan_period > 0: the layers run under a scan (models/layer_stack.py: stacked params and pool).
+    lora_impl: how the LoRA delta runs (models/lora_ops.LORA_IMPLS; "native" once
+    `lora_ops.resolve_lora_impl` returned it)."""
     if batch_invariant:
         # Only the Llama family's dense layers have the fixed-order forms (models/invariant_ops.py).
         if cfg.is_gemma or cfg.num_experts:
             raise ValueError("batch_invariant supports dense Llama-family models; got "
                              f"{'a Gemma' if cfg.is_gemma else 'a mixture-of-experts'} model")
-        return LlamaModel(cfg, attention, write_kv, dtype, scan_period=scan_period, batch_invariant=True)
+        return LlamaModel(cfg, attention, write_kv, dtype, scan_period=scan_period, batch_invariant=True,
+                          lora_impl=lora_impl)
     if cfg.is_gemma:
-        return GemmaModel(cfg, attention, write_kv, dtype, scan_period=scan_period)
-    return LlamaModel(cfg, attention, write_kv, dtype, scan_period=scan_period)
+        return GemmaModel(cfg, attention, write_kv, dtype, scan_period=scan_period, lora_impl=lora_impl)
+    return LlamaModel(cfg, attention, write_kv, dtype, scan_period=scan_period, lora_impl=lora_impl)

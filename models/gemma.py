@@ -55,12 +55,13 @@ class GemmaDecoderLayer(nn.Module):
     write_kv: WriteKvFn
     dtype: Any = jnp.float32
     sliding_window: int | None = None  # local layers' window; None = global layer
+    lora_impl: str = "xla"  # models/lora_ops.LORA_IMPLS: how the LoRA delta runs
 
     @nn.compact
     def __call__(self, x, batch, kv_pages):  # x: [T, H]; kv_pages: [2, P, page_size, K, D]
         cfg, dtype = self.cfg, self.dtype
         num_tokens = x.shape[0]
-        lora = row_slots(batch)  # each row's adapter slot, or None without LoRA
+        lora = row_slots(batch, self.lora_impl)  # each row's adapter slot, or None without LoRA
         h = _norm(cfg, dtype, "input_layernorm")(x)
         q, k, v = qkv_heads(cfg, h, dtype, lora_slots=lora)  # [T, N, D], [T, K, D], [T, K, D]
         if cfg.qk_norm:  # Gemma 3
@@ -89,6 +90,7 @@ class GemmaModel(nn.Module):
     # > 0: the layers run as a scan over groups of this many, one period of the local/global
     # pattern (models/layer_stack.py); params and kv_cache are then stacked.
     scan_period: int = 0
+    lora_impl: str = "xla"  # models/lora_ops.LORA_IMPLS: how the LoRA delta runs
 
     @nn.compact
     def __call__(self, batch, kv_cache):
@@ -100,7 +102,7 @@ class GemmaModel(nn.Module):
 
         def make_layer(i: int, name: str) -> GemmaDecoderLayer:
             return GemmaDecoderLayer(cfg, self.attention, self.write_kv, self.dtype, cfg.layer_window(i),
-                                     name=name)
+                                     self.lora_impl, name=name)
 
         x, new_cache = run_layers(make_layer, cfg.num_layers, self.scan_period, x, batch, kv_cache)
         rows = jnp.concatenate([batch.logits_indices, batch.prompt_logits_indices])

@@ -46,12 +46,13 @@ class DecoderLayer(nn.Module):
     use_moe: bool = False  # this layer's MLP is a sparse mixture of experts
     moe_impl: str = "auto"  # models/moe.py's grouped-matmul implementation
     batch_invariant: bool = False  # row results independent of the step's other rows
+    lora_impl: str = "xla"  # models/lora_ops.LORA_IMPLS: how the LoRA delta runs
 
     @nn.compact
     def __call__(self, x, batch, kv_pages):  # x: [T, H]; kv_pages: [2, P, page_size, K, D]
         cfg, dtype, inv = self.cfg, self.dtype, self.batch_invariant
         num_tokens = x.shape[0]
-        lora = row_slots(batch)  # each row's adapter slot, or None without LoRA
+        lora = row_slots(batch, self.lora_impl)  # each row's adapter slot, or None without LoRA
         h = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="input_layernorm")(x)
         q, k, v = qkv_heads(cfg, h, dtype, inv, lora)  # [T, N, D], [T, K, D], [T, K, D]
         if cfg.qk_norm:
@@ -84,6 +85,7 @@ class LlamaModel(nn.Module):
     # hold a stacked `layers` subtree and kv_cache is the stacked pool [2, L, P, ...].
     scan_period: int = 0
     batch_invariant: bool = False  # EngineConfig.batch_invariant: dense MLPs only (refused for MoE)
+    lora_impl: str = "xla"  # models/lora_ops.LORA_IMPLS: how the LoRA delta runs
 
     @nn.compact
     def __call__(self, batch, kv_cache):
@@ -96,7 +98,7 @@ class LlamaModel(nn.Module):
 
         def make_layer(i: int, name: str) -> DecoderLayer:
             return DecoderLayer(cfg, self.attention, self.write_kv, self.dtype, cfg.layer_window(i),
-                                cfg.is_moe_layer(i), self.moe_impl, inv, name=name)
+                                cfg.is_moe_layer(i), self.moe_impl, inv, self.lora_impl, name=name)
 
         x, new_cache = run_layers(make_layer, cfg.num_layers, self.scan_period, x, batch, kv_cache)
         # Only the rows that will be sampled pay for the final norm and the LM head.

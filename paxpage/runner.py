@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from models import layer_stack, param_forms
+from models import layer_stack, lora_ops, param_forms
 from models.families import build_model
 from pallas_kernels import kv_quant
 from paxpage import attention_impl, kv_sizing, lora_slab
@@ -93,8 +93,12 @@ class ModelRunner:
                                                            cfg.kv_cache_dtype, stacked_pool=self.scanned,
                                                            abstract=abstract)
         self.step_model_cfg = model_cfg  # the config the step runs (sharded: KV heads maybe replicated)
+        # On CPU with native kernels, one device, the LoRA delta runs as the native kernel; under a
+        # mesh the slab is sharded and the delta stays in XLA ops (GSPMD partitions them).
+        self.lora_impl = lora_ops.resolve_lora_impl(bool(cfg.max_loras) and impl == "native" and mesh is None,
+                                                    cfg.max_lora_rank)
         self.model = build_model(model_cfg, attention, write_kv, dtype, scan_period=cfg.scan_period,
-                                 batch_invariant=cfg.batch_invariant)
+                                 batch_invariant=cfg.batch_invariant, lora_impl=self.lora_impl)
         # The model step and the sampler compile separately: sampler options (logprob widths,
         # penalty lists) then never recompile the model, and a new batch shape reuses the
         # sampler. Logits stay on device between the two calls.
@@ -125,7 +129,8 @@ class ModelRunner:
                 from paxpage.exec_cache import ExecutableCache
 
                 self.exec_cache = ExecutableCache(cfg.executable_cache_dir,
-                                                  _cache_context(model_cfg, cfg, self.draw_impl))
+                                                  _cache_context(model_cfg, cfg, self.draw_impl,
+                                                                 self.lora_impl))
                 static = {"sample": (4, 5), "score_prompt": (2,)}
                 self._calls = {name: self.exec_cache.wrap(name, fn, static.get(name, ()))
                                for name, fn in self._calls.items()}
@@ -521,11 +526,12 @@ _CONTEXT_SKIP = frozenset({
     "draft_model", "speculative_max_batch", "data_parallel_size", "ngram_min", "ngram_max"})
 
 
-def _cache_context(model_cfg: ModelConfig, cfg: ResolvedConfig, draw_impl: str) -> str:
+def _cache_context(model_cfg: ModelConfig, cfg: ResolvedConfig, draw_impl: str, lora_impl: str = "xla") -> str:
     """The executable cache's key material besides the arguments: the model config, the
-    engine config fields that shape a step and the sampler's draw_impl (exec_cache.py)."""
+    engine config fields that shape a step, the sampler's draw_impl and the step's lora_impl
+    (exec_cache.py)."""
     fields = {f.name: getattr(cfg.engine, f.name) for f in dataclasses.fields(cfg.engine)}
     # The resolved values win over the engine's (attention_impl None -> "native" or "xla", etc.).
     fields.update({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "engine"})
     kept = sorted((k, repr(v)) for k, v in fields.items() if k not in _CONTEXT_SKIP)
-    return f"model={model_cfg!r}\nengine={kept!r}\ndraw_impl={draw_impl}"
+    return f"model={model_cfg!r}\nengine={kept!r}\ndraw_impl={draw_impl}\nlora_impl={lora_impl}"

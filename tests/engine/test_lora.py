@@ -127,6 +127,22 @@ def test_adapter_mix_changes_no_compile(llama):
     assert again[3].token_ids == first[3].token_ids  # a base row, whatever the adapters beside it
 
 
+def test_batch_invariant_rows_alone_equal_rows_mixed(llama):
+    """batch_invariant with adapters (on CPU the native LoRA delta, whose per-token sums have a
+    fixed order): each request's greedy tokens and their logprobs are the same alone as in the
+    mixed batch, bit for bit."""
+    model, *_ = llama
+    if model.engine(_config(batch_invariant=True)).runner.lora_impl != "native":
+        pytest.skip("the native LoRA delta is not used here")
+    prompts = random_prompts(4, model.config.vocab_size, PROMPT_LENS, seed=5)
+    opts = dict(max_tokens=5, temperature=0, logprobs=1, batch_invariant=True, **ENGINE)
+    mixed = paxpage.generate(model, prompts, lora=MIX, **opts)
+    for ids, name, out in zip(prompts, MIX, mixed):
+        single = paxpage.generate(model, [ids], lora=name, **opts)[0]
+        assert single.token_ids == out.token_ids, name
+        assert single.outputs[0].logprobs == out.outputs[0].logprobs, name
+
+
 def _config(**changes):
     from paxpage.config import EngineConfig
 
