@@ -97,7 +97,8 @@ def run_paxpage(model: paxpage.Model, work: wl.Workload, cfg: paxpage.EngineConf
     max_running = 0
     pad = dict.fromkeys(("tokens", "token_slots", "decode_rows", "decode_row_slots",
                          "prefill_tokens", "prefill_token_slots"), 0)
-    pack = engine.runner.pack
+    packer = engine.runner.packer
+    pack = packer.pack
 
     def counting_pack(*a, **kw):  # what the padded shapes cost: real vs padded tokens and rows
         packed = pack(*a, **kw)
@@ -111,13 +112,13 @@ def run_paxpage(model: paxpage.Model, work: wl.Workload, cfg: paxpage.EngineConf
         pad["prefill_token_slots"] += len(b.token_ids) - len(b.dec_kv_lens)
         return packed
 
-    engine.runner.pack = counting_pack
+    packer.pack = counting_pack
     try:
         while engine.has_unfinished():
             _step(engine, first, finish, counts, tokens)
             max_running = max(max_running, engine.scheduler.num_running)
     finally:
-        del engine.runner.pack  # back to the class method
+        del packer.pack  # back to the class method
 
     wall = time.perf_counter() - start
     if counts != work.output_lens:
