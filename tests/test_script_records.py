@@ -250,7 +250,7 @@ def test_every_committed_measured_record_holds_what_its_script_renders():
                "step_compile": "bench_step_compile", "serving": "bench_serving", "window": "bench_window",
                "memory": "bench_memory", "throughput": "bench_throughput", "sharing": "bench_sharing",
                "speculative": "bench_speculative", "kernels_h200": "bench_kernels",
-               "latency_breakdown": "latency_breakdown", "soak": "soak", "lora": "bench_lora",
+               "latency_breakdown": "latency_breakdown", "soak": "soak", "lora": "bench_lora", "grammar_stall": "bench_grammar_stall",
                "batch_invariant": "bench_throughput"}
     for path in sorted(os.listdir(docs_figures.RECORDS)):
         name = path[:-len(".json")]
