@@ -65,11 +65,10 @@ def token_slots(dec, pre, num_tokens: int):
 
 
 def lora_delta(x, a, b, slots):
-    """x [T, I]; a [S, I, R]; b [S, R, O]; slots LoraRows (or a (dec i32[Bd], pre i32[Bp]) pair:
-    "xla") -> delta [T, O]. Rows with slot -1 get zeros; base rows cost nothing natively, and on
-    the XLA path a step whose rows all run the base model skips the work."""
-    dec, pre = slots[0], slots[1]
-    impl = slots.impl if isinstance(slots, LoraRows) else "xla"
+    """x [T, I]; a [S, I, R]; b [S, R, O]; slots LoraRows -> delta [T, O]. Rows with slot -1 get
+    zeros; base rows cost nothing natively, and on the XLA path a step whose rows all run the
+    base model skips the work."""
+    dec, pre, impl = slots
     if impl not in LORA_IMPLS:
         raise ValueError(f"lora impl is {impl!r}; expected one of {LORA_IMPLS}")
     if impl == "native":
