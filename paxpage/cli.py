@@ -39,6 +39,9 @@ def _generate(args: argparse.Namespace) -> int:
                                   kv_cache_dtype=args.kv_cache_dtype,
                                   batch_invariant=args.batch_invariant,
                                   executable_cache_dir=default_directory())
+    from paxpage import kv_sizing
+
+    kv_sizing.claim_client_memory(config.gpu_memory_utilization)  # before jax starts its GPU client
     multi = multihost.initialize(args.coordinator_address, args.num_processes, args.process_id,
                                  peer_timeout_s=args.peer_timeout)
     xla_cache.enable_unless_executable_cache(config, multi)

@@ -31,6 +31,44 @@ AUTO_SPECULATIVE_MAX_BATCH = 4
 
 
 @dataclasses.dataclass(frozen=True)
+class BackendDefaults:
+    """What an EngineConfig field left at None becomes on one backend (docs/engine-options.md)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    prefill_row_len: int
+    scan_pallas: bool  # scan_layers="auto" also scans the layers when attention is the Pallas kernel
+    precompile: bool
+
+
+# CPU: tuned for a few cores (a wide step mostly waits on the matmuls). GPU / TPU: one
+# accelerator, where a step of few rows leaves it idle. Accelerator figures are provisional
+# until scripts/device_check.sh measures them on a lent device.
+BACKEND_DEFAULTS = {
+    "cpu": BackendDefaults(max_num_seqs=64, max_num_batched_tokens=512, prefill_row_len=32,
+                           scan_pallas=False, precompile=False),
+    # Compiles on first use (kept by the executable cache): every shape up front is minutes of
+    # XLA:GPU compiles at the default step sizes.
+    "gpu": BackendDefaults(max_num_seqs=256, max_num_batched_tokens=2048, prefill_row_len=64,
+                           scan_pallas=True, precompile=False),
+    # Every shape up front: an XLA:TPU compile met under load stalls all running streams. Layers
+    # unrolled: compiled for TPU, the scanned step relays out its stacked pool every step
+    # (scripts/tpu_compile_check.py reports it).
+    "tpu": BackendDefaults(max_num_seqs=256, max_num_batched_tokens=2048, prefill_row_len=64,
+                           scan_pallas=False, precompile=True),
+}
+STEP_DEFAULT_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "prefill_row_len", "precompile")
+
+
+def backend_defaults(backend: str | None = None) -> BackendDefaults:
+    """The defaults of `backend` (jax's default backend when None)."""
+    backend = backend or jax.default_backend()
+    if backend not in BACKEND_DEFAULTS:
+        raise ValueError(f"backend is {backend!r}; expected one of {tuple(BACKEND_DEFAULTS)}")
+    return BACKEND_DEFAULTS[backend]
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16  # tokens per KV page
     num_pages: int | None = None  # pool size; derived from kv_cache_bytes when None
@@ -38,10 +76,11 @@ class EngineConfig:
     # gpu_memory_utilization of the device leaves after the weights and a compiled step.
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9  # fraction of device memory the process may fill (GPU / TPU)
-    max_num_seqs: int = 64  # sequences per step
-    max_num_batched_tokens: int = 512  # new tokens per step (prefill chunks + decodes)
+    # None: the backend's default (BACKEND_DEFAULTS; CPU 64 / 512 / 32, GPU and TPU 256 / 2048 / 64).
+    max_num_seqs: int | None = None  # sequences per step
+    max_num_batched_tokens: int | None = None  # new tokens per step (prefill chunks + decodes)
     max_model_len: int | None = None  # prompt + output tokens; model's limit when None
-    prefill_row_len: int = 32  # Tq: prefill tokens are packed in rows of this width
+    prefill_row_len: int | None = None  # Tq: prefill tokens are packed in rows of this width
     # Prefill rows per step; None: max_num_batched_tokens // prefill_row_len (at least 1). A cap
     # keeps the step shapes few: without one every admitted short prompt is a row of its own, so
     # a step could hold max_num_seqs + tokens // Tq mostly empty rows (runner.step_shapes).
@@ -58,15 +97,17 @@ class EngineConfig:
     # step waits for its tokens before the next is scheduled. Outputs are the same.
     async_scheduling: bool = True
     # Compile every step shape when the engine is built (LLMEngine.precompile), not on first use.
-    precompile: bool = False
+    # None: the backend's default (on TPU only).
+    precompile: bool | None = None
     # A directory for compiled executables (paxpage/exec_cache.py): a later engine of the same
     # model, config and code loads its steps from here without tracing or compiling. None: off
     # (the CLI and `paxpage serve` turn it on in paxpage's cache directory). Single-device only.
     executable_cache_dir: str | None = None
     # Run the decoder layers as one lax.scan over stacked params and a stacked KV pool
     # (models/layer_stack.py): a step compiles in about the time of one layer instead of L.
-    # "auto": where the layer kinds repeat and attention is "native" or "xla"; True: also with Pallas
-    # attention (the kernels then see one pool of L * P pages); False: the unrolled loop.
+    # "auto": where the layer kinds repeat and attention is "native" or "xla", and on GPU / TPU
+    # with the Pallas kernels too (BACKEND_DEFAULTS.scan_pallas; the kernels then see one pool of
+    # L * P pages); True: wherever they repeat (an error where they do not); False: the unrolled loop.
     scan_layers: bool | str = "auto"
     # Parallelism (paxpage/sharding.py, paxpage/mesh.py, docs/parallelism.md): weights and the
     # KV pool split over tensor_parallel_size devices; data_parallel_size such engine replicas
@@ -101,14 +142,14 @@ class EngineConfig:
     max_lora_rank: int = 16
 
     def __post_init__(self):
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_row_len",
-                     "tensor_parallel_size", "data_parallel_size"):
+        for name in ("page_size", "tensor_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name in ("num_pages", "kv_cache_bytes", "max_model_len", "max_prefill_rows"):
+        for name in ("num_pages", "kv_cache_bytes", "max_model_len", "max_prefill_rows", "max_num_seqs",
+                     "max_num_batched_tokens", "prefill_row_len"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         if self.num_pages is not None and self.kv_cache_bytes is not None:
             raise ValueError(
@@ -117,9 +158,11 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "precompile"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.precompile is not None and not isinstance(self.precompile, bool):
+            raise TypeError(f"precompile must be a bool or None, got {self.precompile!r}")
         if not (isinstance(self.scan_layers, bool) or self.scan_layers == "auto"):
             raise ValueError(f"scan_layers must be True, False or 'auto', got {self.scan_layers!r}")
         if self.executable_cache_dir is not None and not isinstance(self.executable_cache_dir, (str, os.PathLike)):
@@ -186,8 +229,7 @@ class EngineConfig:
         given). On GPU / TPU without num_pages or kv_cache_bytes, num_pages stays None: the
         runner sizes the pool from the device's free memory once the weights are placed."""
         backend = backend or jax.default_backend()
-        if backend not in ("cpu", "gpu", "tpu"):
-            raise ValueError(f"backend is {backend!r}; expected 'cpu', 'gpu' or 'tpu'")
+        defaults = backend_defaults(backend)
         on_cpu = backend == "cpu"
         dtype = self.dtype or ("float32" if on_cpu else "bfloat16")
         impl = self.attention_impl or ("native" if on_cpu else "pallas")
@@ -226,10 +268,12 @@ class EngineConfig:
                 raise ValueError(
                     f"kv_cache_bytes {budget} is smaller than one page ({page_bytes} bytes)"
                 )
+        step = {name: getattr(defaults, name) if getattr(self, name) is None else getattr(self, name)
+                for name in STEP_DEFAULT_FIELDS}
         return ResolvedConfig(self, dtype, impl, max_model_len, num_pages, page_bytes, source,
-                              self._scan_period(model, impl), backend)
+                              self._scan_period(model, impl, defaults.scan_pallas), backend, **step)
 
-    def _scan_period(self, model: ModelConfig, impl: str) -> int:
+    def _scan_period(self, model: ModelConfig, impl: str, scan_pallas: bool = False) -> int:
         """Layers per scanned group (models/layer_stack.py), 0 for the unrolled loop."""
         from models.layer_stack import scan_period
 
@@ -240,7 +284,7 @@ class EngineConfig:
             raise ValueError(f"scan_layers=True, but the {model.num_layers} layers of this "
                              f"{model.model_type} model do not repeat one pattern (sliding windows "
                              "or MoE / dense MLPs differ); use scan_layers='auto' or False")
-        if period is None or (self.scan_layers == "auto" and impl not in CPU_ATTENTION_IMPLS):
+        if period is None or (self.scan_layers == "auto" and impl not in CPU_ATTENTION_IMPLS and not scan_pallas):
             return 0
         return period
 
@@ -260,6 +304,11 @@ class ResolvedConfig:
     # The platform family the step compiles for ("cpu", "gpu", "tpu"): Pallas kernels lower for
     # it, so a runner resolved for "gpu" can be exported for CUDA from a CPU-only host.
     backend: str = "cpu"
+    # The step sizes and precompile, the engine's or else the backend's (BACKEND_DEFAULTS).
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    prefill_row_len: int = 32
+    precompile: bool = False
 
     def __getattr__(self, name):
         # Only reached for names ResolvedConfig lacks. `copy` and `pickle` probe dunders on an
@@ -274,7 +323,7 @@ class ResolvedConfig:
         """Prefill rows one step may hold (max_prefill_rows, or its default)."""
         if self.engine.max_prefill_rows is not None:
             return self.engine.max_prefill_rows
-        return max(1, self.engine.max_num_batched_tokens // self.engine.prefill_row_len)
+        return max(1, self.max_num_batched_tokens // self.prefill_row_len)
 
     @property
     def pages_per_seq(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any, Mapping
 
 import jax
@@ -28,12 +29,22 @@ class MemoryBudget:
 
     bytes_limit: int  # the device's memory that jax may use
     bytes_in_use: int  # after the weights were placed
-    step_bytes: int  # working memory of the largest compiled step
-    utilization: float
+    step_bytes: int  # working memory of the largest step (step_bytes_bound)
+    utilization: float  # of the whole device, as vLLM's gpu_memory_utilization
+    device_bytes: int | None = None  # the whole device's memory; None: bytes_limit is all of it
 
     @property
     def budget(self) -> int:
-        return int(self.bytes_limit * self.utilization) - self.bytes_in_use - self.step_bytes
+        return self.usable - self.bytes_in_use - self.step_bytes
+
+    @property
+    def whole(self) -> int:
+        return self.bytes_limit if self.device_bytes is None else self.device_bytes
+
+    @property
+    def usable(self) -> int:
+        """utilization x the whole device, but never past what jax's allocator may hand out."""
+        return min(self.bytes_limit, int(self.whole * self.utilization))
 
 
 def num_pages_from_memory(budget: MemoryBudget, page_bytes: int) -> int:
@@ -43,11 +54,78 @@ def num_pages_from_memory(budget: MemoryBudget, page_bytes: int) -> int:
     if pages < 1:
         raise ValueError(
             f"no device memory left for the KV cache: gpu_memory_utilization {budget.utilization:g} of "
-            f"{budget.bytes_limit / GIB:.2f} GiB is {budget.bytes_limit * budget.utilization / GIB:.2f} GiB; "
+            f"{budget.whole / GIB:.2f} GiB is {budget.usable / GIB:.2f} GiB; "
             f"{budget.bytes_in_use / GIB:.2f} GiB are in use (weights and other buffers) and a step needs "
             f"{budget.step_bytes / GIB:.2f} GiB, leaving less than one page ({page_bytes} bytes). Raise "
             f"gpu_memory_utilization, or give num_pages or kv_cache_bytes")
     return pages
+
+
+# jax's share of a GPU's memory when XLA_PYTHON_CLIENT_MEM_FRACTION is not set.
+JAX_GPU_CLIENT_FRACTION = 0.75
+CLIENT_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def device_bytes(bytes_limit: int, platform: str, environ: Mapping[str, str] = os.environ) -> int:
+    """The whole device's memory, from the limit jax's allocator reports: on a GPU that limit is
+    XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) of the device, unless the platform allocator
+    is used (no limit of its own); a TPU's limit is its whole HBM."""
+    if platform != "gpu" or environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform":
+        return bytes_limit
+    try:
+        fraction = float(environ.get(CLIENT_FRACTION_ENV, JAX_GPU_CLIENT_FRACTION))
+    except ValueError:
+        return bytes_limit
+    return int(bytes_limit / fraction) if 0.0 < fraction <= 1.0 else bytes_limit
+
+
+def claim_client_memory(utilization: float, environ=os.environ) -> bool:
+    """Lets jax's GPU allocator hand out `utilization` of the device (its default is 0.75), as
+    `paxpage generate / serve` do before jax starts. Left alone when the user set it. True if set."""
+    if CLIENT_FRACTION_ENV in environ:
+        return False
+    environ[CLIENT_FRACTION_ENV] = f"{utilization:g}"
+    return True
+
+
+def step_bytes_bound(model: Any, num_tokens: int, num_logits: int, moe_tile_rows: int = 64) -> int:
+    """An upper bound, from the model's dimensions alone, on what one step of `num_tokens` tokens
+    and `num_logits` sampling rows allocates besides its donated pool: the live values of its
+    widest layer for every token, counted as f32 however the step keeps them, plus the logits.
+    The pool is sized with it instead of compiling the largest step first (a minute of XLA:GPU
+    time for an 8B model). Layers run one after another, so one layer's values bound them all:
+    - attention: the residual, the norm and a few H-wide values (6 H), q / k / v twice (rotated
+      and not), the attention output and the kernel's per-split partial sums (N (D + 2));
+    - MLP: gate, up and their product (3 F); mixture of experts: the routed rows' 3 F' and H
+      each, k per token plus a partly filled tile per expert (models/moe.py), and the router's
+      E logits;
+    - logits: f32 [R, V], and one copy of them;
+    - one layer's weights in f32: the slice a scanned step takes of its stacked weights, or the
+      copy a backend makes to convert or lay them out for a product.
+    Axis legend: T tokens, R sampling rows, H hidden, N / K heads, D head dim, F MLP width, V vocab."""
+    m = model
+    qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+    attention = 6 * m.hidden_size + 2 * qkv + 2 * m.num_heads * (m.head_dim + 2)
+    mlp = 3 * m.intermediate_size
+    routed_rows = 0
+    if getattr(m, "num_experts", 0):
+        routed_rows = num_tokens * m.num_experts_per_tok + m.num_experts * moe_tile_rows
+        mlp = max(mlp if m.dense_mlp_layers else 0, m.num_experts)
+    per_token = attention + mlp
+    routed = routed_rows * (3 * m.moe_intermediate_size + m.hidden_size) if routed_rows else 0
+    logits = 2 * num_logits * m.vocab_size
+    return 4 * (num_tokens * per_token + routed + logits + layer_params(m))
+
+
+def layer_params(model: Any) -> int:
+    """Parameters of the model's largest decoder layer (its norms aside)."""
+    m = model
+    attention = m.hidden_size * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + m.num_heads * m.head_dim * m.hidden_size
+    mlp = 3 * m.hidden_size * m.intermediate_size
+    if getattr(m, "num_experts", 0):
+        experts = m.num_experts * 3 * m.hidden_size * m.moe_intermediate_size + m.hidden_size * m.num_experts
+        mlp = max(mlp if m.dense_mlp_layers else 0, experts)
+    return attention + mlp
 
 
 def device_memory_stats(device: Any = None) -> Mapping[str, int] | None:

@@ -210,21 +210,30 @@ class ModelRunner:
                         kv_sizing.DEFAULT_KV_CACHE_BYTES)
             self.cfg = dataclasses.replace(self.cfg, kv_source="fixed default: no device memory statistics")
             return max(1, kv_sizing.DEFAULT_KV_CACHE_BYTES // self.cfg.page_bytes)
-        self.memory_budget = kv_sizing.MemoryBudget(int(stats["bytes_limit"]), int(stats["bytes_in_use"]),
-                                                    self.step_memory_bytes(), self.cfg.gpu_memory_utilization)
+        limit = int(stats["bytes_limit"])
+        self.memory_budget = kv_sizing.MemoryBudget(
+            limit, int(stats["bytes_in_use"]), self.step_bytes_bound(), self.cfg.gpu_memory_utilization,
+            kv_sizing.device_bytes(limit, self.cfg.backend))
         return kv_sizing.num_pages_from_memory(self.memory_budget, self.cfg.page_bytes)
+
+    def _largest_step(self) -> tuple[int, int]:
+        row_len = self.cfg.prefill_row_len
+        return max(self.step_shapes(), key=lambda s: (s[0] + s[1] * row_len, s[0] + s[1]))
+
+    def step_bytes_bound(self) -> int:
+        """kv_sizing.step_bytes_bound for this config's step with the most tokens: what the pool
+        is sized against, with no compile."""
+        dec, pre = self._largest_step()
+        num_logits = bucket(max(dec + pre, self.cfg.max_num_seqs))  # n > 1 samples add rows
+        return kv_sizing.step_bytes_bound(self.step_model_cfg, dec + pre * self.cfg.prefill_row_len, num_logits)
 
     def step_memory_bytes(self) -> int:
         """Working memory (temporaries and outputs beside the donated pool) of the step with the
-        most tokens, from its compiled executable. It is compiled against a small abstract pool
-        (nothing is allocated): what the step allocates besides the pool does not depend on the
-        pool's size. Where the backend gives no figures, a rough upper estimate: f32 logits and
-        four MLP-wide activations per token."""
-        row_len = self.cfg.prefill_row_len
-        dec, pre = max(self.step_shapes(), key=lambda s: (s[0] + s[1] * row_len, s[0] + s[1]))
-        m = self.step_model_cfg
-        num_tokens = dec + pre * row_len
-        estimate = num_tokens * (m.vocab_size + 4 * m.intermediate_size) * 4
+        most tokens, from its compiled executable: what step_bytes_bound bounds. It is compiled
+        against a small abstract pool (nothing is allocated): what the step allocates besides the
+        pool does not depend on the pool's size. Where the backend gives no figures, the bound."""
+        dec, pre = self._largest_step()
+        estimate = self.step_bytes_bound()
         try:
             compiled = self.lower_step(dec, pre, self.cfg.pages_per_seq + 1).compile()
             stats = compiled.memory_analysis()

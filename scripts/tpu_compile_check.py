@@ -53,7 +53,9 @@ from jax.sharding import Mesh  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.param_layout import param_shapes  # noqa: E402
 from pallas_kernels import dispatch, kv_quant  # noqa: E402
+from paxpage import kv_sizing  # noqa: E402
 from paxpage.config import EngineConfig  # noqa: E402
+from paxpage.packing import bucket  # noqa: E402
 from paxpage.runner import ModelRunner  # noqa: E402
 from paxpage.sharding import MODEL_AXIS  # noqa: E402
 
@@ -262,7 +264,9 @@ def check_steps(quick: bool, report: dict, only: str = "") -> tuple[list[str], l
             continue
         devs = devices(topology)[:tp]
         runner = abstract_runner(model_cfg, engine_config(max_seqs, num_pages, tp, 4096), devs)
-        layer_pool = logical_bytes(runner.kv_cache[0])  # one layer's pool on one device
+        # one layer's pool on one device (a scanned step holds all layers' pages in one pool)
+        layer_pool = logical_bytes(runner.kv_cache) // model_cfg.num_layers
+        first_pool = runner.kv_cache[0] if isinstance(runner.kv_cache, (list, tuple)) else runner.kv_cache
         upcast_shapes = weight_shapes(runner)
         for dec, pre in shapes:
             t = time.perf_counter()
@@ -282,12 +286,20 @@ def check_steps(quick: bool, report: dict, only: str = "") -> tuple[list[str], l
                    "temp_bytes": mem.temp_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
                    "layer_pool_bytes": layer_pool, "pool_bytes": logical_bytes(runner.kv_cache), "flops": float(cost.get("flops", 0.0)),
                    "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-                   "pool_copies": pool_copies(hlo, runner.kv_cache[0])}
+                   "pool_copies": pool_copies(hlo, first_pool)}
+            # What the pool is sized against on a TPU (no compile): must hold what XLA allocates.
+            row["working_bytes"] = row["temp_bytes"] + row["output_bytes"] - row["alias_bytes"]
+            row["bound_bytes"] = kv_sizing.step_bytes_bound(runner.step_model_cfg, dec + pre * runner.cfg.prefill_row_len,
+                                                            bucket(dec + pre))
             report.setdefault("steps", []).append(row)
             print(f"  {label:15} decode {dec:3} prefill rows {pre:2}: {seconds:5.1f} s; per device args "
                   f"{mib(row['argument_bytes'])}, out {mib(row['output_bytes'])}, temp {mib(row['temp_bytes'])}, "
                   f"aliased {mib(row['alias_bytes'])}; one layer's pool {mib(layer_pool)}, copied "
-                  f"{row['pool_copies']} times")
+                  f"{row['pool_copies']} times; working {mib(row['working_bytes'])} against the sizing bound "
+                  f"{mib(row['bound_bytes'])}")
+            if row["working_bytes"] > row["bound_bytes"]:
+                findings.append(f"step {label} ({dec}, {pre}): works in {row['working_bytes']} bytes, past "
+                                f"kv_sizing.step_bytes_bound's {row['bound_bytes']}")
             if mem.temp_size_in_bytes >= layer_pool or row["pool_copies"]:
                 findings.append(f"step {label} ({dec}, {pre}): temp {mem.temp_size_in_bytes} bytes >= one layer's "
                                 f"pool {layer_pool}, {row['pool_copies']} pool copies: the pool is relaid out")

@@ -24,27 +24,39 @@ import sys
 import jax
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from paxpage import config as config_lib  # noqa: E402
+
 
 @dataclasses.dataclass(frozen=True)
 class Defaults:
-    """Workload and engine sizes for one backend."""
+    """Workload sizes for one backend; the engine's step sizes are the engine's own defaults
+    there (paxpage.config.BACKEND_DEFAULTS)."""
 
+    backend: str
     num_requests: int
     prompt_range: tuple[int, int]
     output_range: tuple[int, int]
-    max_num_seqs: int
-    max_num_batched_tokens: int
     hf_batch_sizes: tuple[int, ...]
+
+    @property
+    def max_num_seqs(self) -> int:
+        return config_lib.backend_defaults(self.backend).max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return config_lib.backend_defaults(self.backend).max_num_batched_tokens
 
 
 # A 2-core CPU runs paxpage and the HF baseline on this in a few minutes; accelerators get
 # a workload closer to ShareGPT's (hundreds of requests, prompts and outputs in the hundreds).
-CPU_DEFAULTS = Defaults(48, (16, 128), (16, 128), 64, 512, (8, 16, 32))
-ACCEL_DEFAULTS = Defaults(512, (32, 1024), (32, 512), 256, 4096, (32, 64, 128))
+CPU_DEFAULTS = Defaults("cpu", 48, (16, 128), (16, 128), (8, 16, 32))
+ACCEL_DEFAULTS = Defaults("gpu", 512, (32, 1024), (32, 512), (32, 64, 128))
 
 
 def backend_defaults() -> Defaults:
-    return CPU_DEFAULTS if jax.default_backend() == "cpu" else ACCEL_DEFAULTS
+    backend = jax.default_backend()
+    return CPU_DEFAULTS if backend == "cpu" else dataclasses.replace(ACCEL_DEFAULTS, backend=backend)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -112,8 +112,10 @@ def engine_config_from_args(args: argparse.Namespace):
     if args.no_chunked_prefill:
         kw["enable_chunked_prefill"] = False
     # Every step shape compiled before listening: a compile met under load stalls every running
-    # stream for seconds. Opt-in while the shape count makes it minutes on a CPU.
-    kw["precompile"] = bool(getattr(args, "precompile", False))
+    # stream for seconds. Opt-in where the shape count makes it minutes (the backend's default
+    # otherwise: on TPU only, paxpage.config.BACKEND_DEFAULTS).
+    if getattr(args, "precompile", False):
+        kw["precompile"] = True
     if not getattr(args, "no_executable_cache", True):
         from paxpage.exec_cache import default_directory
 
@@ -163,6 +165,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     limits = RequestLimits(**({"max_request_bytes": args.max_request_bytes}
                               if args.max_request_bytes is not None else {}))
+    from paxpage import kv_sizing
+
+    kv_sizing.claim_client_memory(config.gpu_memory_utilization)  # before jax starts its GPU client
 
     import jax
     import uvicorn

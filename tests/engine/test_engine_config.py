@@ -12,6 +12,7 @@ from models.config import ModelConfig
 from paxpage import kv_sizing
 from paxpage.config import EngineConfig
 from paxpage.kv_sizing import MemoryBudget, num_pages_from_memory
+from paxpage.runner import ModelRunner
 
 TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=16, max_position_embeddings=256)
@@ -66,10 +67,11 @@ def tiny_params(tiny_llama_dir):
 def test_runner_sizes_pool_from_device_memory(tiny_params, monkeypatch):
     import jax
 
-    from paxpage.runner import ModelRunner
-
     cfg, params = tiny_params
     mib = 1 << 20  # small made-up figures: the pool is really allocated (on CPU)
+    monkeypatch.setenv(kv_sizing.CLIENT_FRACTION_ENV, "1.0")  # jax may use the whole (made-up) device
+    # Sized without compiling a step (kv_sizing.step_bytes_bound)
+    monkeypatch.setattr(ModelRunner, "lower_step", lambda *a, **k: pytest.fail("sizing compiled a step"))
     monkeypatch.setattr(kv_sizing, "device_memory_stats", lambda device=None: {
         "bytes_limit": 128 * mib, "bytes_in_use": 16 * mib, "peak_bytes_in_use": 16 * mib})
     resolved = EngineConfig(page_size=8, dtype="float32", attention_impl="xla", max_num_seqs=8,
@@ -92,6 +94,67 @@ def test_runner_sizes_pool_from_device_memory(tiny_params, monkeypatch):
     monkeypatch.setattr(kv_sizing, "DEFAULT_KV_CACHE_BYTES", 4 * mib)
     runner = ModelRunner(cfg, params, resolved)  # no statistics: the fixed default
     assert runner.cfg.num_pages == 4 * mib // resolved.page_bytes
+
+
+def test_gpu_memory_utilization_is_a_share_of_the_whole_device():
+    # jax's GPU client may use 0.75 of an 80 GiB device unless told otherwise: 60 GiB
+    assert kv_sizing.device_bytes(60 * GIB, "gpu", {}) == 80 * GIB
+    assert kv_sizing.device_bytes(72 * GIB, "gpu", {kv_sizing.CLIENT_FRACTION_ENV: "0.9"}) == 80 * GIB
+    assert kv_sizing.device_bytes(60 * GIB, "gpu", {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}) == 60 * GIB
+    assert kv_sizing.device_bytes(16 * GIB, "tpu", {}) == 16 * GIB  # a TPU's limit is its HBM
+    # 0.9 of 80 GiB is 72, but jax's allocator stops at 60: 60 - 2 - 1 GiB of pages
+    capped = MemoryBudget(bytes_limit=60 * GIB, bytes_in_use=2 * GIB, step_bytes=GIB, utilization=0.9,
+                          device_bytes=80 * GIB)
+    assert num_pages_from_memory(capped, 1 << 20) == 57 * 1024
+    # with the client's fraction claimed (paxpage generate / serve): 72 - 2 - 1
+    claimed = dataclasses.replace(capped, bytes_limit=72 * GIB)
+    assert num_pages_from_memory(claimed, 1 << 20) == 69 * 1024
+    env = {}
+    assert kv_sizing.claim_client_memory(0.9, env) and env == {kv_sizing.CLIENT_FRACTION_ENV: "0.9"}
+    user = {kv_sizing.CLIENT_FRACTION_ENV: "0.5"}
+    assert not kv_sizing.claim_client_memory(0.9, user) and user[kv_sizing.CLIENT_FRACTION_ENV] == "0.5"
+
+
+def test_step_defaults_per_backend():
+    from paxpage.config import BACKEND_DEFAULTS
+
+    cpu, gpu, tpu = (EngineConfig().resolve(TINY, backend=b) for b in ("cpu", "gpu", "tpu"))
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens, cpu.prefill_row_len, cpu.precompile) == (64, 512, 32, False)
+    assert (gpu.max_num_seqs, gpu.max_num_batched_tokens, gpu.prefill_row_len, gpu.precompile) == (256, 2048, 64, False)
+    assert (tpu.max_num_seqs, tpu.max_num_batched_tokens, tpu.prefill_row_len, tpu.precompile) == (256, 2048, 64, True)
+    assert cpu.prefill_rows == 512 // 32 and gpu.prefill_rows == 2048 // 64
+    # scan_layers="auto": the Pallas kernels scan on GPU only (TINY's layers repeat: period 1)
+    assert (cpu.scan_period, gpu.scan_period, tpu.scan_period) == (1, 1, 0)
+    assert EngineConfig(attention_impl="pallas").resolve(TINY, backend="cpu").scan_period == 0
+    given = EngineConfig(max_num_seqs=8, max_num_batched_tokens=96, prefill_row_len=16, precompile=False)
+    for backend in BACKEND_DEFAULTS:
+        r = given.resolve(TINY, backend=backend)
+        assert (r.max_num_seqs, r.max_num_batched_tokens, r.prefill_row_len, r.precompile) == (8, 96, 16, False)
+    with pytest.raises(ValueError, match="max_num_seqs must be a positive int or None, got 0"):
+        EngineConfig(max_num_seqs=0)
+    with pytest.raises(TypeError, match="precompile must be a bool or None, got 1"):
+        EngineConfig(precompile=1)
+
+
+def test_docs_table_of_backend_defaults():
+    """docs/engine-options.md's table lists BACKEND_DEFAULTS as they are."""
+    import os
+    import re
+
+    from paxpage.config import BACKEND_DEFAULTS
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    text = open(os.path.join(root, "docs", "engine-options.md")).read()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0] in {f.name for f in dataclasses.fields(BACKEND_DEFAULTS["cpu"])}:
+            rows[cells[0]] = cells[1:]
+    assert set(rows) == {f.name for f in dataclasses.fields(BACKEND_DEFAULTS["cpu"])}, rows
+    for i, backend in enumerate(("cpu", "gpu", "tpu")):
+        for name, cells in rows.items():
+            assert cells[i] == str(getattr(BACKEND_DEFAULTS[backend], name)), (backend, name, cells[i])
+    assert re.search(r"BACKEND_DEFAULTS", text)
 
 
 def test_attention_impl_defaults_and_native_is_cpu_only():
@@ -162,3 +225,33 @@ def test_runner_builds_and_copies_a_quantized_pool(tiny_params, scan_layers):
         for src, dst in ((1, 4), (2, 0)):
             view[dst] = view[src]
         np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+
+
+SMOL2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=2, num_heads=9,
+                    num_kv_heads=3, head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192)
+SMOL2_MOE = dataclasses.replace(SMOL2, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=256)
+
+
+@pytest.mark.parametrize("model,engine", [
+    (SMOL2, dict()),
+    (SMOL2, dict(max_num_seqs=256, max_num_batched_tokens=2048, prefill_row_len=64)),
+    (SMOL2, dict(max_num_seqs=8, max_num_batched_tokens=64, prefill_row_len=16, attention_impl="xla")),
+    (SMOL2_MOE, dict()),
+    (SMOL2_MOE, dict(max_num_seqs=8, max_num_batched_tokens=64, prefill_row_len=16)),
+], ids=["smollm2-2l", "smollm2-2l-wide", "smollm2-2l-small-xla", "moe-2l", "moe-2l-small"])
+def test_step_bytes_bound_holds_the_compiled_step(model, engine):
+    """The bound the pool is sized against on GPU / TPU, against what XLA allocates for the
+    largest step (its compiled memory analysis, here on CPU in f32; the TPU compile check
+    makes the same comparison for bf16 at real shapes): above it, and not far above it."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.param_layout import param_shapes
+
+    resolved = EngineConfig(num_pages=256, dtype="float32", **engine).resolve(model, backend="cpu")
+    params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32), param_shapes(model),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    runner = ModelRunner(model, params, resolved, None, abstract=True)
+    bound, compiled = runner.step_bytes_bound(), runner.step_memory_bytes()
+    assert compiled < bound < 3 * compiled, (bound, compiled)

@@ -24,10 +24,10 @@ from tests.conftest import random_prompts, save_tiny_hf
 PAGE_SIZE = 4
 
 
-def _two_step_logits(model, scan: bool, prompt: list[int], next_token: int) -> np.ndarray:
+def _two_step_logits(model, scan: bool, prompt: list[int], next_token: int, **engine) -> np.ndarray:
     """Logits f32[2, V]: after the prompt's prefill, then after one decode of next_token."""
     cfg = paxpage.EngineConfig(page_size=PAGE_SIZE, num_pages=64, max_num_seqs=4, max_num_batched_tokens=64,
-                               prefill_row_len=8, scan_layers=scan)
+                               prefill_row_len=8, scan_layers=scan, **engine)
     runner = LLMEngine(model.config, model.params, None, cfg).runner
     assert runner.scanned == scan
     # pages in a scattered order, as after many allocations
@@ -61,6 +61,18 @@ def test_scan_equals_unrolled_and_hf(tmp_path, kind, layers, period):
     unrolled = _two_step_logits(model, False, prompt, 7)
     np.testing.assert_allclose(scanned, unrolled, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(scanned, _hf_logits(hf, prompt, 7), rtol=1e-4, atol=1e-4)
+
+
+def test_scanned_pallas_kernels_equal_unrolled_and_hf(tmp_path):
+    """The Pallas kernels (interpreted here) over the stacked pool of L * P pages: what GPU runs
+    by default (paxpage.config.BACKEND_DEFAULTS scans with the Pallas kernels there)."""
+    hf = save_tiny_hf(tmp_path, "llama", num_hidden_layers=3)
+    model = paxpage.load(tmp_path)
+    prompt = random_prompts(1, 128, [13], seed=6)[0]
+    scanned = _two_step_logits(model, True, prompt, 5, attention_impl="pallas-interpret")
+    unrolled = _two_step_logits(model, False, prompt, 5, attention_impl="pallas-interpret")
+    np.testing.assert_allclose(scanned, unrolled, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(scanned, _hf_logits(hf, prompt, 5), rtol=1e-4, atol=1e-4)
 
 
 def test_stacked_pool_page_copy(tiny_llama_dir):
