@@ -103,9 +103,17 @@ class Model:
 
     def engine(self, config: EngineConfig) -> LLMEngine:
         """The engine for `config`, to step directly (single-threaded use; the `generate` /
-        `stream` calls on this model drive the same engine through its loop). With
-        data_parallel_size > 1, the list of replica engines."""
+        `stream` calls on this model drive the same engine through its loop). A config with
+        data_parallel_size > 1 has several: `replicas(config)`."""
+        if config.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size is {config.data_parallel_size}: the config has that many "
+                             "engines; Model.replicas(config) lists them")
         return self._slot(config).engine
+
+    def replicas(self, config: EngineConfig) -> list[LLMEngine]:
+        """The engines for `config`: one per data-parallel replica (one when data_parallel_size is 1)."""
+        engine = self._slot(config).engine
+        return list(engine) if isinstance(engine, list) else [engine]
 
     def loop(self, config: EngineConfig) -> EngineLoop:
         """The engine loop (background thread) that owns the engine for `config`."""

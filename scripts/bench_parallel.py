@@ -152,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|")
     for tp, dp in layouts:
         config = paxpage.EngineConfig(tensor_parallel_size=tp, data_parallel_size=dp, **base)
-        engines = model.engine(config)
-        engines = engines if isinstance(engines, list) else [engines]
+        engines = model.replicas(config)
         weights = max(max(bytes_per_device(e.runner.params).values()) for e in engines)
         kv = max(max(bytes_per_device(e.runner.kv_cache).values()) for e in engines)
         page = kv // args.num_pages

@@ -152,6 +152,17 @@ def test_engine_cache_is_bounded_and_closable(tiny_llama_dir):
     model.close()
 
 
+def test_engine_is_one_engine_and_replicas_a_list(tiny_llama_dir):
+    model = paxpage.load(tiny_llama_dir)
+    config = EngineConfig(page_size=8, num_pages=16, max_model_len=128)
+    engine = model.engine(config)
+    assert isinstance(engine, paxpage.engine.LLMEngine)
+    assert model.replicas(config) == [engine]
+    with pytest.raises(ValueError, match="data_parallel_size is 2: .*Model.replicas"):
+        model.engine(EngineConfig(page_size=8, num_pages=16, data_parallel_size=2))
+    model.close()
+
+
 # ---- the asyncio front end -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

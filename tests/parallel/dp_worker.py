@@ -31,8 +31,7 @@ def main(argv: list[str]) -> None:
                                   ignore_eos=True, use_tqdm=False)
         sampled = paxpage.generate(model, prompts, engine_config=config, max_tokens=max_tokens, temperature=1.0,
                                    seed=5, ignore_eos=True, use_tqdm=False)
-        engines = model.engine(config)
-        engines = engines if isinstance(engines, list) else [engines]
+        engines = model.replicas(config)
         result[name] = {
             "greedy": [o.outputs[0].token_ids for o in greedy],
             "sampled": [o.outputs[0].token_ids for o in sampled],
