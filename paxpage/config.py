@@ -10,6 +10,7 @@ import jax
 
 from models.config import ModelConfig
 from paxpage.sharding import ShardingPlan, kv_page_bytes_per_device
+from paxpage.speculative.draft_model import draft_page_bytes, validate_draft_model
 
 from paxpage.kv_sizing import DEFAULT_KV_CACHE_BYTES
 
@@ -116,7 +117,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     mesh: jax.sharding.Mesh | None = None
-    # Speculative decoding (paxpage/spec/, docs/speculative-decoding.md): None, "ngram" (prompt
+    # Speculative decoding (paxpage/speculative/, docs/speculative-decoding.md): None, "ngram" (prompt
     # lookup of the sequence's own earlier tokens) or "draft" (a smaller paxpage model,
     # `draft_model`). Each decoding sequence proposes up to num_speculative_tokens tokens that
     # the target verifies in one step; outputs keep the target's distribution (greedy: token for
@@ -249,10 +250,8 @@ class EngineConfig:
         plan = ShardingPlan.for_model(model, self.tensor_parallel_size)
         page_bytes = kv_page_bytes_per_device(model, plan, self.page_size, itemsize, self.kv_cache_dtype)
         if self.speculative_method == "draft":
-            # The draft's pool has a page for each of the target's (paxpage/spec/draft.py): one
+            # The draft's pool has a page for each of the target's (paxpage/speculative/draft.py): one
             # budget pays for both, so a page costs the two models' K/V bytes.
-            from paxpage.spec.draft import draft_page_bytes, validate_draft_model
-
             validate_draft_model(self.draft_model, model)
             page_bytes += draft_page_bytes(self.draft_model.config, self.page_size, itemsize,
                                            self.kv_cache_dtype)

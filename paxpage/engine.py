@@ -24,7 +24,7 @@ import numpy as np
 from models.config import ModelConfig
 from paxpage import beam as beam_lib
 from paxpage import compile_counter, kv_sizing
-from paxpage import spec as spec_lib
+from paxpage import speculative as spec_lib
 from paxpage.config import EngineConfig
 from paxpage.decode_batch import DecodeBatch
 from paxpage.embedding import EmbeddingOutput, EmbeddingRequest, Pooling
@@ -108,7 +108,7 @@ class LLMEngine:
         self._beams = beam_lib.BeamCoordinator(self.scheduler, self.outputs, self.new_sequence)
         self._inflight: Launched | None = None  # async scheduling: the step still on the device
         self._proposer = spec_lib.make_proposer(cfg, model_cfg, tokenizer)
-        # a draft model's K/V pool follows the target's (paxpage/spec/draft.py): every step and page copy
+        # a draft model's K/V pool follows the target's (paxpage/speculative/draft.py): every step and page copy
         self._draft_hooks = self._proposer.pool_hooks() if self._proposer is not None else None
         if self._proposer is not None and jax.process_count() > 1:
             raise ValueError("speculative decoding is not supported on multi-host engines")
@@ -423,7 +423,7 @@ class LLMEngine:
         return self._proposer is not None and 0 < self.scheduler.num_running <= self._spec_max_batch
 
     def _propose(self) -> dict[int, tuple[int, ...]] | None:
-        """Drafts for this step's decoding sequences (paxpage/spec/proposer.py), or None. Beams,
+        """Drafts for this step's decoding sequences (paxpage/speculative/proposer.py), or None. Beams,
         structured outputs and sequences whose last token is still in flight do not speculate."""
         self._draft_dists = None
         if not self._speculating():

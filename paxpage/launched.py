@@ -31,7 +31,7 @@ class Launched:
     sampler_args: tuple | None = None
     constrained: list = dataclasses.field(default_factory=list)
     # speculative decoding: the drafts of each entry of `rows` (() for none; its logits rows are
-    # then row .. row + len(drafts)), and accepted bool[R] (device) from spec/verify.py
+    # then row .. row + len(drafts)), and accepted bool[R] (device) from speculative/verify.py
     drafts: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     accepted: object = None
     # the sampling slot and output-token count of each logits row (paxpage/sampling_batch.py)

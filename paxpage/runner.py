@@ -451,10 +451,10 @@ class ModelRunner:
     def verify(self, batch: StepBatch, logits, sampling, draft_ids: np.ndarray, draft_dists=None,
                num_logprobs: int = 0, num_prompt_logprobs: int = 0, allowed: np.ndarray | None = None,
                prev_rows: np.ndarray | None = None, prev_tokens: jax.Array | None = None):
-        """`sample` for a step with speculative drafts (paxpage/spec/verify.py): draft_ids i32[R]
+        """`sample` for a step with speculative drafts (paxpage/speculative/verify.py): draft_ids i32[R]
         (-1: none), draft_dists f32[R, V] or None (one-hot). Returns (SamplerOutput, prompt
         logprobs | None, accepted bool[R]) as device arrays; the step cannot stay in flight."""
-        from paxpage.spec import verify as verify_lib
+        from paxpage.speculative import verify as verify_lib
 
         logits, prompt_logits = logits
         out, accepted = verify_lib.verify(logits, sampling, draft_ids, draft_dists, num_logprobs, allowed,

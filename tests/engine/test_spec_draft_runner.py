@@ -28,7 +28,7 @@ def models(tiny_llama_dir):
 
 def _runner(target, draft):
     from paxpage.config import EngineConfig
-    from paxpage.spec.draft_runner import DraftRunner
+    from paxpage.speculative.draft_runner import DraftRunner
 
     cfg = EngineConfig(num_pages=40, page_size=4, max_model_len=64).resolve(target.config)
     return DraftRunner(draft.config, draft.params, cfg, K)
@@ -57,7 +57,7 @@ def test_truncate_keeps_first_layers(models):
 def test_greedy_proposals_match_hf_truncated_model(models):
     """Rows of different lengths on permuted pages, proposals crossing page boundaries into
     pages the rows do not have yet."""
-    from paxpage.spec.draft_runner import DraftRow
+    from paxpage.speculative.draft_runner import DraftRow
 
     target, draft, hf_draft = models
     runner = _runner(target, draft)
@@ -85,7 +85,7 @@ def test_sampled_rows_return_their_distribution(models):
     a greedy row in the same batch keeps its argmax and a one-hot q."""
     import torch
 
-    from paxpage.spec.draft_runner import DraftRow
+    from paxpage.speculative.draft_runner import DraftRow
     from paxpage.sampling_params import SamplingParams
 
     target, draft, hf_draft = models
@@ -110,7 +110,7 @@ def test_sampled_rows_return_their_distribution(models):
 
 
 def test_incompatible_draft_is_rejected(models):
-    from paxpage.spec.draft_runner import check_compatible
+    from paxpage.speculative.draft_model import check_compatible
 
     target, draft, _ = models
     other = dataclasses.replace(draft.config, vocab_size=64)
@@ -125,8 +125,8 @@ def test_proposer_on_target_steps_and_pool_sizing(models):
     from paxpage.config import EngineConfig
     from paxpage.packing import RowPlan
     from paxpage.runner import ModelRunner
-    from paxpage.spec import make_proposer
-    from paxpage.spec.proposer import SpecInput
+    from paxpage.speculative import make_proposer
+    from paxpage.speculative.proposer import SpecInput
 
     target, draft, hf_draft = models
     t, d = target.config, draft.config
@@ -158,7 +158,7 @@ def test_sampled_drafts_are_drawn_from_q(models):
     drafts (one prefix, 1024 seeds) against q by a chi-square test (cells with expected count
     >= 5, the rest pooled; threshold p = 1e-4 by the Wilson-Hilferty approximation). Seeds are
     fixed, so the test is deterministic."""
-    from paxpage.spec.draft_runner import DraftRow
+    from paxpage.speculative.draft_runner import DraftRow
     from paxpage.sampling_params import SamplingParams
 
     target, draft, _ = models

@@ -7,8 +7,8 @@ import pytest
 from paxpage import EngineConfig
 from paxpage.scheduler import Scheduler, SchedulerConfig
 from paxpage.sequence import Sequence
-from paxpage.spec.ngram import NgramProposer, lookup
-from paxpage.spec.proposer import SpecInput
+from paxpage.speculative.ngram import NgramProposer, lookup
+from paxpage.speculative.proposer import SpecInput
 
 
 def test_ngram_lookup_hand_computed():

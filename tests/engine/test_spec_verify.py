@@ -1,4 +1,4 @@
-"""Speculative acceptance (paxpage/spec/verify.py) on known distributions: every emitted token
+"""Speculative acceptance (paxpage/speculative/verify.py) on known distributions: every emitted token
 is distributed as the target's processed distribution p whatever the draft's q (chi-square, as
 the sampler's tests), sampled rows accept with probability sum_x min(p(x), q(x)), greedy rows
 accept exactly the argmax."""
@@ -8,7 +8,7 @@ import numpy as np
 
 from paxpage.sampler import RowInfo, SamplingTensors
 from paxpage.sampling_params import SamplingParams
-from paxpage.spec.verify import verify
+from paxpage.speculative.verify import verify
 from tests.engine.test_sampler import LOGITS, PROBS, _chi_square_check, _draw, _keep
 
 NUM_DRAWS = 6000

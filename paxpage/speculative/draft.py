@@ -1,7 +1,7 @@
 """Draft-model proposals (speculative_method="draft"): a smaller paxpage model proposes, the
 target verifies.
 
-The draft keeps its K/V in a pool parallel to the target's (paxpage/spec/draft_runner.py): the
+The draft keeps its K/V in a pool parallel to the target's (paxpage/speculative/draft_runner.py): the
 same pages, addressed by the target's page tables, so it needs no page allocator and no
 per-sequence state. Why not a pool of its own with its own pages: every page event of the
 target (allocation, preemption, prefix-cache hits, copy-on-write, the rollback of rejected
@@ -10,7 +10,7 @@ prefix-cached sequence would need a separate draft prefill; sharing the page ids
 them from the scheduler for the price of the draft's bytes per page, which the pool sizing
 counts (EngineConfig.resolve).
 
-What the engine calls, besides the Proposer protocol (paxpage/spec/proposer.py), through
+What the engine calls, besides the Proposer protocol (paxpage/speculative/proposer.py), through
 `pool_hooks()` (the PoolHooks protocol):
   on_step(batch, prev_rows, prev_tokens)  after dispatching each target step: the draft runs
       over the same StepBatch (prefills, decodes, verify rows), writing its K/V only, so its
@@ -30,19 +30,11 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from paxpage.spec.draft_runner import DraftRow, DraftRunner, check_compatible, draft_page_bytes
-from paxpage.spec.proposer import Proposals, SpecInput
+from paxpage.speculative.draft_model import draft_page_bytes, validate_draft_model
+from paxpage.speculative.draft_runner import DraftRow, DraftRunner
+from paxpage.speculative.proposer import Proposals, SpecInput
 
 __all__ = ["DraftProposer", "draft_page_bytes", "validate_draft_model"]
-
-
-def validate_draft_model(draft_model, target_model_cfg, target_tokenizer=None) -> None:
-    """TypeError / ValueError when `draft_model` cannot draft for the target (EngineConfig.resolve
-    calls it, so a bad draft fails before any pool is allocated)."""
-    if not all(hasattr(draft_model, name) for name in ("config", "params", "tokenizer")):
-        raise TypeError(f"draft_model must be a paxpage Model (paxpage.load(...), or Model.truncated(n)), "
-                        f"got {type(draft_model).__name__}")
-    check_compatible(target_model_cfg, target_tokenizer, draft_model.config, draft_model.tokenizer)
 
 
 class DraftProposer:

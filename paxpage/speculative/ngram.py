@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from paxpage.spec.proposer import Proposals, SpecInput
+from paxpage.speculative.proposer import Proposals, SpecInput
 
 
 def lookup(tokens: np.ndarray, ngram_min: int, ngram_max: int, k: int) -> np.ndarray:

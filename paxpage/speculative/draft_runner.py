@@ -7,7 +7,7 @@ pool holds at that slot. So the draft needs no allocator of its own: it is addre
 page tables and slot mappings the scheduler gives the target, and preemption, prefix caching
 (a cached page holds both models' K/V of its tokens), copy-on-write (`copy_pages` with the
 same pairs) and rollback (lengths are cut; K/V past a sequence's length is never read) apply
-to both pools at once. The price is pool bytes: `draft_page_bytes` per page on top of the
+to both pools at once. The price is pool bytes: `draft_page_bytes` (draft_model.py) per page on top of the
 target's, which the pool sizing counts (paxpage/config.py).
 
 Proposing runs before the scheduler gives the step's draft tokens their pages, so the draft's
@@ -77,35 +77,6 @@ class _Filters(NamedTuple):  # the fields `sampler.filter_logits` reads
     top_k: jax.Array  # i32[B]; 0 = off
     top_p: jax.Array  # f32[B]; 1 = off
     min_p: jax.Array  # f32[B]; 0 = off
-
-
-def check_compatible(target_cfg: ModelConfig, target_tokenizer, draft_cfg: ModelConfig, draft_tokenizer) -> None:
-    """ValueError naming the mismatch when the draft cannot propose tokens for the target."""
-    if draft_cfg.vocab_size != target_cfg.vocab_size:
-        raise ValueError(f"the draft model's vocabulary has {draft_cfg.vocab_size} tokens; the target's has "
-                         f"{target_cfg.vocab_size}: they must share the tokenizer")
-    if target_tokenizer is not None and draft_tokenizer is not None and draft_tokenizer is not target_tokenizer:
-        target_vocab, draft_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
-        if target_vocab != draft_vocab:
-            differ = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=str)[:3]
-            raise ValueError(f"the draft model's tokenizer differs from the target's (e.g. {differ}); "
-                             "they must share the tokenizer")
-    # The scheduler releases pages outside the target's window when every target layer slides;
-    # a draft layer that looks further back would then read released pages.
-    window, draft_window = target_cfg.max_window, draft_cfg.max_window
-    if window is not None and (draft_window is None or draft_window > window):
-        raise ValueError(f"the target attends to at most {window} tokens (its pages before that are released) "
-                         f"but the draft model attends to {draft_window or 'all'}: the draft's window must not exceed "
-                         "the target's")
-
-
-def draft_page_bytes(draft_cfg: ModelConfig, page_size: int, itemsize: int, kv_cache_dtype: str = "auto") -> int:
-    """Bytes one page takes in the draft's pool (K and V, all draft layers, on one device: the
-    draft is not sharded); the draft's pool has the target's kv_cache_dtype."""
-    from paxpage.sharding import ShardingPlan, kv_page_bytes_per_device
-
-    return kv_page_bytes_per_device(draft_cfg, ShardingPlan.for_model(draft_cfg, 1), page_size, itemsize,
-                                    kv_cache_dtype)
 
 
 class DraftRunner:

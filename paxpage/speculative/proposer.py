@@ -12,7 +12,7 @@ How a speculative step flows (engine.py, `LLMEngine.step`):
      token and the drafts), allocating pages for all of them like prefill tokens (it may cut the
      drafts when the token budget or the pool is short; it never preempts for a draft).
   3. The target model runs the step; every draft position gets a logits row. Acceptance
-     (paxpage/spec/verify.py) keeps the longest accepted prefix and adds one token from the
+     (paxpage/speculative/verify.py) keeps the longest accepted prefix and adds one token from the
      target (a correction at the first rejection, or a bonus when all were accepted).
   4. The scheduler rolls back: num_computed_tokens counts only the last token and the accepted
      drafts, pages wholly past it are freed. K/V written at rejected positions stays in pages
@@ -70,7 +70,7 @@ class SpecInput:
     params: Any = None  # the request's SamplingParams (a draft model may sample with them)
     seed: int = 0  # the request sample's seed (for a proposer that samples)
     # The sequence's pages before this step's scheduling (a draft model addresses its own K/V
-    # pool with the target's page ids: paxpage/spec/draft.py)
+    # pool with the target's page ids: paxpage/speculative/draft.py)
     page_table: Sequence[int] = ()
 
     @property
@@ -97,7 +97,7 @@ class Proposals:
 
 
 class Proposer(Protocol):
-    """What the engine needs from a proposer (n-gram: paxpage/spec/ngram.py)."""
+    """What the engine needs from a proposer (n-gram: paxpage/speculative/ngram.py)."""
 
     num_speculative_tokens: int  # k
 
@@ -112,7 +112,7 @@ class Proposer(Protocol):
 
     def pool_hooks(self) -> "PoolHooks | None":
         """The proposer's hooks into the target's K/V pool, or None when it keeps no K/V of its
-        own (n-gram). A draft model returns them (paxpage/spec/draft.py)."""
+        own (n-gram). A draft model returns them (paxpage/speculative/draft.py)."""
 
 
 class PoolHooks(Protocol):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from paxpage.spec.proposer import PoolHooks, Proposals, Proposer, SpecInput
+from paxpage.speculative.proposer import PoolHooks, Proposals, Proposer, SpecInput
 
 __all__ = ["PoolHooks", "Proposals", "Proposer", "SpecInput", "draft_rows", "make_proposer"]
 
@@ -27,11 +27,11 @@ def make_proposer(config, target_model_cfg=None, target_tokenizer=None) -> Propo
     if method is None:
         return None
     if method == "ngram":
-        from paxpage.spec.ngram import NgramProposer
+        from paxpage.speculative.ngram import NgramProposer
 
         return NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
     assert method == "draft", method
-    from paxpage.spec.draft import DraftProposer  # imported lazily: only the draft method needs it
+    from paxpage.speculative.draft import DraftProposer  # imported lazily: only the draft method needs it
 
     return DraftProposer(config, target_model_cfg, target_tokenizer)
 
