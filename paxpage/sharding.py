@@ -87,6 +87,9 @@ class ShardingPlan:
         tp = tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
+        if cfg.is_mla and tp > 1:
+            raise ValueError(f"tensor_parallel_size {tp} is not supported with latent attention "
+                             f"({cfg.model_type}); use tensor_parallel_size=1")
         n, k = cfg.num_heads, cfg.num_kv_heads
         split_heads = tp > 1 and n % tp == 0 and (k % tp == 0 or tp % k == 0)
         return cls(tp, split_heads=split_heads,
@@ -216,5 +219,11 @@ def kv_page_bytes_per_device(cfg: ModelConfig, plan: ShardingPlan, page_size: in
                              kv_cache_dtype: str = "auto") -> int:
     """One page's K and V over all layers, on one device. `itemsize`: the model dtype's; a
     quantised cache ("int8" / "fp8") counts 1 byte per value plus one f32 scale per (token, kv head)."""
+    if cfg.is_mla:  # one latent of C values per token and layer, no V half (latent_attention.py)
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported with latent attention "
+                             f"({cfg.model_type}); use 'auto'")
+        halves, heads, width = cfg.kv_pool_dims
+        return halves * cfg.num_layers * page_size * heads * width * itemsize
     row = kv_quant.bytes_per_row(kv_cache_dtype, itemsize, cfg.head_dim)
     return 2 * cfg.num_layers * page_size * plan.kv_heads_per_device(cfg) * row
