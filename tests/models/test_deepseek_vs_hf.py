@@ -19,16 +19,11 @@ from models.moe import route_grouped
 from models.rope import mla_softmax_scale
 from paxpage.sharding import ShardingPlan
 from pallas_kernels.latent_attention import latent_attention_ref, write_latent
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import TINY_DEEPSEEK as BASE
+from tests.conftest import hf_greedy, random_prompts, save_tiny_deepseek
 
-VOCAB = 256
+VOCAB = BASE["vocab_size"]
 ORIGINAL = 32  # the yarn model's "pretrained" context: prompts reach beyond it
-BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16,
-            qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8, n_group=2, topk_group=1,
-            num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-            max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
-            pad_token_id=None)
 MODELS = {
     # YaRN whose magnitude comes from mscale / mscale_all_dim (DeepSeek-V3's form): the softmax scale
     # gets mscale_all_dim's factor squared.
@@ -39,22 +34,6 @@ MODELS = {
     "no_q_lora": dict(q_lora_rank=None, norm_topk_prob=False, rope_interleave=False,
                       rope_parameters=dict(rope_type="default", rope_theta=500.0)),
 }
-
-
-def save_tiny_deepseek(path, seed: int = 0, **overrides):
-    """A tiny random DeepseekV3ForCausalLM saved to `path`, weights sharpened as save_tiny_hf does and
-    the routers' correction biases random (HF starts them at 0), so the bias steers the choice."""
-    torch.manual_seed(seed)
-    model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**dict(BASE, **overrides))).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.mul_(4.0)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 0.3)
-    model.save_pretrained(path)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +69,10 @@ def test_config_reads_deepseek_fields(tiny_models):
     assert mla_softmax_scale(cfg) != pytest.approx(24 ** -0.5)  # mscale_all_dim changed it
 
 
-@pytest.mark.parametrize("kind", sorted(MODELS))
-def test_prompt_logprobs_and_greedy_match_hf(tiny_models, kind):
-    """Two prompts prefilled in one step (the 70-token one past the yarn model's original context),
-    then 12 decode steps."""
-    hf, model = tiny_models(kind)
-    prompts = random_prompts(2, VOCAB, [70, 9], seed=1)
+def test_one_step_prefill_and_decode_match_hf(tiny_models):
+    """Two prompts prefilled in one step, then 12 decode steps (q_lora_rank None, rotate-half RoPE)."""
+    hf, model = tiny_models("no_q_lora")
+    prompts = random_prompts(2, VOCAB, [40, 9], seed=1)
     outs = paxpage.generate(model, prompts, max_tokens=12, temperature=0, prompt_logprobs=0, ignore_eos=True,
                             page_size=8, num_pages=64, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
@@ -104,9 +81,10 @@ def test_prompt_logprobs_and_greedy_match_hf(tiny_models, kind):
 
 
 def test_chunked_prefill_beside_decode_matches_hf(tiny_models):
-    """An 8-token step budget: the long prompt prefills in chunks while the short one decodes."""
+    """YaRN, prompts past the original context: an 8-token step budget, so the long prompt prefills
+    in chunks while the short one decodes."""
     hf, model = tiny_models("yarn")
-    prompts = random_prompts(2, VOCAB, [45, 5], seed=2)
+    prompts = random_prompts(2, VOCAB, [70, 5], seed=2)
     outs = paxpage.generate(model, prompts, max_tokens=10, temperature=0, prompt_logprobs=0, ignore_eos=True,
                             page_size=4, num_pages=128, max_num_batched_tokens=8, prefill_row_len=4,
                             use_tqdm=False)
@@ -156,11 +134,13 @@ def test_pool_holds_one_latent_per_token_and_layer(tiny_models):
     assert cfg.kv_bytes_per_token == cfg.num_layers * 40 * 4
 
 
-def test_unsupported_settings_raise(tiny_models):
+def test_sharding_plan_and_unsupported_settings(tiny_models):
     _, model = tiny_models("yarn")
     cfg = model.config
-    with pytest.raises(ValueError, match="tensor_parallel_size 2 is not supported with latent attention"):
-        ShardingPlan.for_model(cfg, 2)
+    plan = ShardingPlan.for_model(cfg, 2)  # heads split, the latent pool whole on every device
+    assert (plan.split_heads, plan.split_mlp, plan.latent_pool, tuple(plan.kv_pool_spec)) == (
+        True, True, True, (None,) * 5)
+    assert not ShardingPlan.for_model(cfg, 3).split_heads  # 4 heads: attention replicated at tp 3
     for impl in ("pallas", "pallas-interpret"):
         with pytest.raises(ValueError, match=f"attention_impl '{impl}' has no kernel for multi-head latent"):
             paxpage.EngineConfig(attention_impl=impl).resolve(cfg, backend="cpu")
