@@ -5,7 +5,7 @@ into paxpage's cache directory + /native; where it is off (PAXPAGE_NATIVE_ATTENT
 be built or loaded, "xla" runs instead (the same attention in XLA ops). "pallas" and
 "pallas-interpret" are the Pallas kernels (pallas_kernels/dispatch.py), imported only when used.
 
-Latent-attention models (DeepSeek-V3, ModelConfig.is_mla) have one path: the jnp reference over
+Latent-attention models (DeepSeek-V3, ModelConfig.is_mla) have one path: the chunked XLA form over
 the latent pool (pallas_kernels/latent_attention.py), "xla" here. `latent_impl` maps the choice.
 """
 
@@ -64,7 +64,7 @@ def functions(impl: str, backend: str | None = None, batch_invariant: bool = Fal
     is fixed already; the XLA path has no such form)."""
     if latent:
         assert impl == "xla", impl
-        return latent_attention.latent_attention_ref, latent_attention.write_latent
+        return latent_attention.latent_attention_xla, latent_attention.write_latent
     if impl == "native":
         from pallas_kernels.native_attention import paged_attention_native
 

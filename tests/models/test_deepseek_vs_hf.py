@@ -1,7 +1,8 @@
 """DeepSeek-V3 (multi-head latent attention, grouped sigmoid routing with shared experts) against HF
 transformers on tiny random weights (f32): every prompt token's logprob and the greedy continuation,
 in one prefill, chunked prefill beside decode rows, with prefix-cache hits and under preemption;
-YaRN with mscale; q_lora_rank None; the latent pool's bytes per token."""
+YaRN with mscale; q_lora_rank None; the latent pool's bytes per token; the grouped router against
+HF's. The latent attention itself is tested in tests/kernels/test_latent_attention.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from models.config import ModelConfig
 from models.moe import route_grouped
 from models.rope import mla_softmax_scale
 from paxpage.sharding import ShardingPlan
-from pallas_kernels.latent_attention import latent_attention_ref, write_latent
 from tests.conftest import TINY_DEEPSEEK as BASE
 from tests.conftest import hf_greedy, random_prompts, save_tiny_deepseek
 
@@ -175,33 +175,3 @@ def test_grouped_routing_matches_hf_router():
     np.testing.assert_array_equal(np.sort(np.asarray(e), axis=1), np.take_along_axis(want_e.numpy(), order, 1))
     np.testing.assert_allclose(np.take_along_axis(np.asarray(w), np.argsort(np.asarray(e), axis=1), 1),
                                np.take_along_axis(want_w.numpy(), order, 1), rtol=1e-5, atol=1e-6)
-
-
-def test_latent_attention_ref_against_hand_computed():
-    """Two rows over a permuted page table, unused slots NaN: row 0 decodes its 6th token, row 1
-    prefills 3 tokens of 3; each query sees exactly its causal keys, values the latents' first R."""
-    rng = np.random.default_rng(0)
-    num_pages, page_size, width, value_dim, heads = 6, 4, 6, 4, 2
-    pool = jnp.full((1, num_pages, page_size, 1, width), jnp.nan, jnp.float32)
-    tables = np.array([[4, 1], [2, 5]], np.int32)
-    lens = [6, 3]
-    latents = [rng.standard_normal((n, width)).astype(np.float32) for n in lens]
-    for row, n in enumerate(lens):
-        slots = np.array([tables[row, t // page_size] * page_size + t % page_size for t in range(n)], np.int32)
-        pool = write_latent(pool, jnp.asarray(latents[row][:, None, :]), jnp.asarray(slots))
-    q = rng.standard_normal((2, 3, heads, width)).astype(np.float32)
-    q_lens = np.array([1, 3], np.int32)
-    out = np.asarray(latent_attention_ref(jnp.asarray(q), pool, jnp.asarray(tables), jnp.asarray(lens, jnp.int32),
-                                          jnp.asarray(q_lens), sm_scale=0.5, value_dim=value_dim))
-    for row in range(2):
-        for i in range(3):
-            if i >= q_lens[row]:
-                assert not out[row, i].any()
-                continue
-            pos = lens[row] - q_lens[row] + i
-            keys = latents[row][:pos + 1]
-            for h in range(heads):
-                s = keys @ q[row, i, h] * 0.5
-                p = np.exp(s - s.max())
-                p /= p.sum()
-                np.testing.assert_allclose(out[row, i, h], p @ keys[:, :value_dim], rtol=1e-5, atol=1e-6)
