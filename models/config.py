@@ -1,9 +1,9 @@
 """Model configuration: one frozen dataclass for the Llama family (Llama, Mistral, Qwen2, Qwen3),
-its mixture-of-experts variants (Qwen3-MoE, Mixtral: `num_experts` > 0) and the Gemma family
-(Gemma 2, Gemma 3 text).
+its mixture-of-experts variants (Qwen3-MoE, Mixtral: `num_experts` > 0), the Gemma family
+(Gemma 2, Gemma 3 text) and DeepSeek-V3 (multi-head latent attention: `kv_lora_rank` > 0).
 
 Axis legend used across models/: T tokens in a step, H hidden size, N query heads,
-K kv heads, D head dim, F MLP width, V vocabulary, E experts.
+K kv heads, D head dim, F MLP width, V vocabulary, E experts, C latent width.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any, Collection, Mapping
 from models.generation_config import GenerationConfig
 
 # HF `model_type` values this model family covers.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text",
+                         "deepseek_v3")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # GGUF `general.architecture` -> model_type. llama.cpp writes Mistral as "llama", and Mixtral as
@@ -93,6 +94,7 @@ class RopeScaling:
 
 
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")
+ROUTER_SCORINGS = ("softmax", "sigmoid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +135,23 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # one expert's MLP width
     norm_topk_prob: bool = False  # rescale the k routing probabilities to sum to 1 (Mixtral: always)
     dense_mlp_layers: tuple[int, ...] = ()  # layers that keep a dense MLP (Qwen3-MoE mlp_only_layers)
+    # DeepSeek-V3 routing (models/moe.py route_grouped): sigmoid scores plus a per-expert bias pick
+    # the experts (the bias for choosing only), within the `topk_groups` best of `num_expert_groups`
+    # groups; the chosen weights are scaled by routed_scaling_factor. Shared experts run on every token.
+    router_scoring: str = "softmax"  # one of ROUTER_SCORINGS
+    num_expert_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    num_shared_experts: int = 0  # their MLP width is num_shared_experts * moe_intermediate_size
+    # Multi-head latent attention (DeepSeek-V3, models/deepseek.py). kv_lora_rank > 0 turns it on:
+    # the pool caches one latent "head" of C = kv_lora_rank + qk_rope_head_dim values per token, and
+    # head_dim is qk_rope_head_dim (the RoPE width), num_kv_heads 1 (the latent is shared by all heads).
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None  # None: a plain q_proj
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # RoPE on interleaved pairs (x0, x1), (x2, x3), ... (HF rope_interleave)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -178,6 +197,55 @@ class ModelConfig:
         bad = [i for i in self.dense_mlp_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"dense_mlp_layers {bad} are not layers of a {self.num_layers}-layer model")
+        self._check_routing()
+        self._check_mla()
+
+    def _check_routing(self):
+        if self.router_scoring not in ROUTER_SCORINGS:
+            raise ValueError(f"router_scoring {self.router_scoring!r} is not supported; expected one of "
+                             f"{ROUTER_SCORINGS}")
+        groups, top_groups = self.num_expert_groups, self.topk_groups
+        if groups < 1 or not 1 <= top_groups <= groups:
+            raise ValueError(f"topk_groups ({top_groups}) must be in 1..num_expert_groups ({groups})")
+        if groups > 1:
+            # each group is ranked by the sum of its two best scores (HF's DeepseekV3TopkRouter)
+            if self.num_experts % groups or self.num_experts // groups < 2:
+                raise ValueError(f"num_expert_groups {groups} must divide num_experts ({self.num_experts}) "
+                                 "into groups of at least 2")
+            if self.num_experts_per_tok > top_groups * (self.num_experts // groups):
+                raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds the "
+                                 f"{top_groups * (self.num_experts // groups)} experts of {top_groups} groups")
+        if self.num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
+
+    def _check_mla(self):
+        if not self.kv_lora_rank:
+            return
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive int with latent attention, got {value!r}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"ModelConfig.q_lora_rank must be None or >= 1, got {self.q_lora_rank!r}")
+        if (self.head_dim, self.num_kv_heads) != (self.qk_rope_head_dim, 1):
+            raise ValueError(f"latent attention needs head_dim == qk_rope_head_dim ({self.qk_rope_head_dim}) "
+                             f"and num_kv_heads == 1; got {self.head_dim} and {self.num_kv_heads}")
+        if self.sliding_window is not None or self.qkv_bias or self.qk_norm:
+            raise ValueError("latent attention supports no sliding window, attention bias or q/k norm")
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention: the pool caches the compressed latent (models/deepseek.py)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_pool_dims(self) -> tuple[int, int, int]:
+        """(halves, heads, width) of one token's entry in a layer's pool [halves, P, page_size, heads,
+        width]: K and V of K heads of D (2, K, D), or with latent attention one latent of
+        C = kv_lora_rank + qk_rope_head_dim values and no separate V (1, 1, C)."""
+        if self.is_mla:
+            return 1, 1, self.kv_lora_rank + self.qk_rope_head_dim
+        return 2, self.num_kv_heads, self.head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a sparse mixture of experts."""
@@ -237,6 +305,8 @@ class ModelConfig:
         scaling = RopeScaling.from_hf(rope, d.get("max_position_embeddings"))
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        if model_type == "deepseek_v3":
+            return _deepseek_from_hf(cls, d, float(rope_theta), scaling, eos_ids)
         gemma = model_type in GEMMA_MODEL_TYPES
         if gemma and d.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention (Gemma embedding models) is not supported; "
@@ -387,8 +457,9 @@ class ModelConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """f32 bytes of K and V for one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+        """f32 bytes of K and V (or the latent) for one token across all layers."""
+        halves, heads, width = self.kv_pool_dims
+        return halves * self.num_layers * heads * width * 4
 
 
 def _hf_sliding_window(d: dict[str, Any], model_type: str) -> tuple[int | None, tuple[str, ...]]:
@@ -473,3 +544,50 @@ def _moe_fields_from_hf(d: dict[str, Any], model_type: str) -> dict[str, Any]:
                     norm_topk_prob=bool(d.get("norm_topk_prob", False)),
                     dense_mlp_layers=dense if num_experts else ())
     return {}
+
+
+def _deepseek_from_hf(cls, d: dict[str, Any], rope_theta: float, scaling: RopeScaling,
+                      eos_ids: tuple[int, ...]) -> ModelConfig:
+    """A HF deepseek_v3 config.json. The multi-token-prediction layers (num_nextn_predict_layers,
+    stored as extra decoder layers after the last) are not loaded: the model predicts one token."""
+    for name, supported in (("attention_bias", False), ("hidden_act", "silu"), ("scoring_func", "sigmoid"),
+                            ("topk_method", "noaux_tc")):
+        value = d.get(name, supported)
+        if value != supported:
+            raise ValueError(f"deepseek_v3 with {name}={value!r} is not supported; expected {supported!r}")
+    num_layers = d["num_hidden_layers"]
+    rope_dim = d["qk_rope_head_dim"]
+    first_dense = d.get("first_k_dense_replace") or 0
+    return cls(
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_layers=num_layers,
+        num_heads=d["num_attention_heads"],
+        num_kv_heads=1,
+        head_dim=rope_dim,
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=scaling,
+        max_position_embeddings=d.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        model_type="deepseek_v3",
+        num_experts=d["n_routed_experts"],
+        num_experts_per_tok=d["num_experts_per_tok"],
+        moe_intermediate_size=d["moe_intermediate_size"],
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        dense_mlp_layers=tuple(range(min(first_dense, num_layers))),
+        router_scoring="sigmoid",
+        num_expert_groups=d.get("n_group") or 1,
+        topk_groups=d.get("topk_group") or 1,
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+        num_shared_experts=d.get("n_shared_experts") or 0,
+        kv_lora_rank=d["kv_lora_rank"],
+        q_lora_rank=d.get("q_lora_rank"),
+        qk_nope_head_dim=d["qk_nope_head_dim"],
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=d["v_head_dim"],
+        rope_interleave=bool(d.get("rope_interleave", True)),
+    )

@@ -7,6 +7,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from models.deepseek import DeepseekModel
 from models.gemma import GemmaModel
 from models.llama import AttentionFn, LlamaModel, WriteKvFn
 
@@ -16,7 +17,14 @@ def build_model(cfg: ModelConfig, attention: AttentionFn, write_kv: WriteKvFn, d
     """The flax module for `cfg`: `.apply({"params": params}, batch, kv_cache) -> (logits, kv_cache)`.
     scan_period > 0: the layers run under a scan (models/layer_stack.py: stacked params and pool).
     lora_impl: how the LoRA delta runs (models/lora_ops.LORA_IMPLS; "native" once
-    `lora_ops.resolve_lora_impl` returned it)."""
+    `lora_ops.resolve_lora_impl` returned it).
+    Latent-attention models (cfg.is_mla) take `attention` / `write_kv` of the latent pool
+    (pallas_kernels/latent_attention.py; paxpage/attention_impl.functions picks them)."""
+    if cfg.is_mla:
+        if batch_invariant:
+            raise ValueError("batch_invariant supports dense Llama-family models; got a latent-attention "
+                             f"{cfg.model_type} model")
+        return DeepseekModel(cfg, attention, write_kv, dtype, scan_period=scan_period)
     if batch_invariant:
         # Only the Llama family's dense layers have the fixed-order forms (models/invariant_ops.py).
         if cfg.is_gemma or cfg.num_experts:

@@ -144,7 +144,8 @@ def gated_mlp(cfg, h, activation, dtype, batch_invariant: bool = False, lora_slo
 
 
 def paged_attention_rows(attention, q, kv_pages, batch, sm_scale, *, sliding_window=None, soft_cap=None):
-    """Splits the flat tokens q [T, N, D] into the decode and prefill row groups and attends each.
+    """Splits the flat tokens q [T, N, D] into the decode and prefill row groups and attends each:
+    [T, N, Dout] back, Dout the attention's output width (D; latent attention: its value width).
 
     The window and cap reach the attention function only when set, so a plain causal layer traces
     exactly the attention it always did."""
@@ -161,10 +162,10 @@ def paged_attention_rows(attention, q, kv_pages, batch, sm_scale, *, sliding_win
         dec_q_lens = (batch.dec_kv_lens > 0).astype(jnp.int32)
         out = attention(q_dec, kv_pages, batch.dec_page_indices, batch.dec_kv_lens, dec_q_lens,
                         sm_scale=sm_scale, **masking)
-        outs.append(out.reshape(num_decode, *q.shape[1:]))
+        outs.append(out.reshape(num_decode, *out.shape[2:]))
     if num_prefill:
         q_pre = q[num_decode:].reshape(num_prefill, -1, *q.shape[1:])  # [Bp, Tq, N, D]
         out = attention(q_pre, kv_pages, batch.pre_page_indices, batch.pre_kv_lens,
                         batch.pre_q_lens, sm_scale=sm_scale, **masking)
-        outs.append(out.reshape(-1, *q.shape[1:]))
+        outs.append(out.reshape(-1, *out.shape[2:]))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)

@@ -1,4 +1,8 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): top-k routing and grouped expert matmuls.
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, DeepSeek-V3): top-k routing and grouped
+expert matmuls.
+
+Routing: `route` (a softmax over all experts, then the top k) or `route_grouped` (DeepSeek-V3:
+sigmoid scores, experts chosen within the best groups by scores plus a correction bias).
 
 Each token's router picks `top_k` of E experts; only those experts' SwiGLU MLPs run on it. The
 T * top_k (token, expert) rows are grouped by expert (a row's place follows from its rank among
@@ -56,6 +60,32 @@ def route(x, router, top_k: int, renormalize: bool):
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
+
+
+def route_grouped(x, router, correction_bias, top_k: int, *, num_groups: int, topk_groups: int,
+                  renormalize: bool, scaling: float):
+    """DeepSeek-V3's router (HF DeepseekV3TopkRouter): sigmoid scores s = sigmoid(x @ router), in f32.
+    The experts are chosen by s + correction_bias: the E experts form `num_groups` groups, each
+    ranked by the sum of its two best biased scores, and the top k come from the `topk_groups` best
+    groups only. Their weights are the unbiased s, rescaled to sum to 1 when `renormalize`, then
+    times `scaling` (routed_scaling_factor).
+
+    x [T, H], router [H, E], correction_bias f32[E] -> (weights f32[T, k], experts i32[T, k])."""
+    logits = jnp.einsum("TH,HE->TE", x.astype(jnp.float32), router.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST)
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + correction_bias.astype(jnp.float32)[None, :]
+    num_tokens, num_experts = choice.shape
+    per_group = choice.reshape(num_tokens, num_groups, num_experts // num_groups)
+    group_scores = jnp.sum(jax.lax.top_k(per_group, 2)[0], axis=-1)  # [T, G]
+    _, best_groups = jax.lax.top_k(group_scores, topk_groups)  # [T, topk_groups]
+    in_best = jnp.any(best_groups[:, :, None] == jnp.arange(num_groups)[None, None, :], axis=1)  # [T, G]
+    in_best = jnp.repeat(in_best, num_experts // num_groups, axis=1)  # [T, E]
+    _, experts = jax.lax.top_k(jnp.where(in_best, choice, -jnp.inf), top_k)
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * scaling, experts.astype(jnp.int32)
 
 
 def tile_rows(num_rows: int, num_experts: int) -> int:
@@ -160,10 +190,18 @@ def moe_mlp(x, router, gate_up, down, *, top_k: int, renormalize: bool, impl: st
     x [T, H]; router [H, E]; gate_up [E, H, 2F] (gate columns, then up); down [E, F, H].
     Returns [T, H] in x's dtype: sum over the token's k experts of weight * down(silu(gate) * up).
     """
-    impl = resolve_impl(impl)
-    x, router, gate_up, down = (jnp.asarray(a) for a in (x, router, gate_up, down))
-    num_tokens, hidden = x.shape
+    x, router = jnp.asarray(x), jnp.asarray(router)
     weights, experts = route(x, router, top_k, renormalize)  # [T, k]
+    return routed_experts(x, weights, experts, gate_up, down, impl=impl)
+
+
+def routed_experts(x, weights, experts, gate_up, down, *, impl: str = "auto"):
+    """Each token through its routed experts: x [T, H], weights f32[T, k], experts i32[T, k],
+    gate_up [E, H, 2F], down [E, F, H] -> [T, H] in x's dtype (sum of weight * expert MLP)."""
+    impl = resolve_impl(impl)
+    x, gate_up, down = (jnp.asarray(a) for a in (x, gate_up, down))
+    num_tokens, hidden = x.shape
+    top_k = experts.shape[1]
     if impl == "dense":
         return _experts_dense(x, weights, experts, gate_up, down).astype(x.dtype)
     flat_experts = experts.reshape(-1)  # [M]; row j is token j // k

@@ -14,8 +14,17 @@ Tree (nested dicts of arrays; kernels are [in, out] like flax Dense):
     layers_{i}/moe/down_proj [E, Fe, H]
     norm/scale [H]
     lm_head/kernel [H, V]                           (unless cfg.tie_word_embeddings)
+Latent-attention layers (DeepSeek-V3, cfg.is_mla; models/deepseek.py) instead of q/k/v/o above:
+    layers_{i}/q_proj/kernel [H, N*(Dn+Dr)]         (q_lora_rank None), else
+    layers_{i}/q_a_proj/kernel [H, Q], q_a_layernorm/scale [Q], q_b_proj/kernel [Q, N*(Dn+Dr)]
+    layers_{i}/kv_a_proj_with_mqa/kernel [H, Cr+Dr], kv_a_layernorm/scale [Cr]
+    layers_{i}/kv_b_proj/kernel [Cr, N*(Dn+Dv)], o_proj/kernel [N*Dv, H]
+    layers_{i}/mlp/{gate,up,down}_proj/kernel       (dense layers)
+    layers_{i}/moe/e_score_correction_bias [E], layers_{i}/shared_experts/{gate,up,down}_proj/kernel
+                                                    (MoE layers, beside moe/router and the experts)
 Axis legend: H hidden, N query heads, K kv heads, D head dim, F MLP width, V vocabulary,
-E experts, Fe one expert's MLP width (cfg.moe_intermediate_size).
+E experts, Fe one expert's MLP width (cfg.moe_intermediate_size), Q q_lora_rank, Cr kv_lora_rank,
+Dn / Dr / Dv qk_nope / qk_rope / v head dims.
 Quantised weights (models/quant.py) replace a `kernel` leaf by `kernel_q` (int8, same shape),
 `kernel_scale` and optionally `kernel_offset` (f32, one row per group of inputs), and likewise
 `embedding` by `embedding_q` / `embedding_scale` [/ `embedding_offset`] (groups along H).
@@ -45,6 +54,9 @@ def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, bool]
     for i in range(cfg.num_layers):
         p, hf = f"layers_{i}/", f"model.layers.{i}."
         specs[p + "input_layernorm/scale"] = ((H,), hf + "input_layernorm.weight", False)
+        if cfg.is_mla:
+            specs.update(_latent_layer_specs(cfg, i))
+            continue
         for name, width in (("q_proj", N * D), ("k_proj", K * D), ("v_proj", K * D)):
             specs[p + name + "/kernel"] = ((H, width), hf + f"self_attn.{name}.weight", True)
             if cfg.qkv_bias:
@@ -69,6 +81,41 @@ def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, bool]
     specs["norm/scale"] = ((H,), "model.norm.weight", False)
     if not cfg.tie_word_embeddings:
         specs["lm_head/kernel"] = ((H, V), "lm_head.weight", True)
+    return specs
+
+
+def _latent_layer_specs(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple[int, ...], str, bool]]:
+    """A DeepSeek-V3 layer's specs past its input norm (see the module docstring)."""
+    H, N, F = cfg.hidden_size, cfg.num_heads, cfg.intermediate_size
+    Dn, Dr, Dv, Cr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    p, hf = f"layers_{i}/", f"model.layers.{i}."
+    attn = hf + "self_attn."
+    shapes = {}
+    if cfg.q_lora_rank is None:
+        shapes["q_proj/kernel"] = (H, N * (Dn + Dr))
+    else:
+        Q = cfg.q_lora_rank
+        shapes.update({"q_a_proj/kernel": (H, Q), "q_a_layernorm/scale": (Q,), "q_b_proj/kernel": (Q, N * (Dn + Dr))})
+    shapes.update({"kv_a_proj_with_mqa/kernel": (H, Cr + Dr), "kv_a_layernorm/scale": (Cr,),
+                   "kv_b_proj/kernel": (Cr, N * (Dn + Dv)), "o_proj/kernel": (N * Dv, H)})
+    specs = {p + path: (shape, attn + path.split("/")[0] + ".weight", path.endswith("kernel"))
+             for path, shape in shapes.items()}
+    specs[p + "post_attention_layernorm/scale"] = ((H,), hf + "post_attention_layernorm.weight", False)
+
+    def mlp(prefix: str, hf_prefix: str, width: int):
+        for name, shape in (("gate_proj", (H, width)), ("up_proj", (H, width)), ("down_proj", (width, H))):
+            specs[f"{p}{prefix}/{name}/kernel"] = (shape, f"{hf}{hf_prefix}.{name}.weight", True)
+
+    if not cfg.is_moe_layer(i):
+        mlp("mlp", "mlp", F)
+        return specs
+    E, Fe = cfg.num_experts, cfg.moe_intermediate_size
+    specs[p + "moe/router"] = ((H, E), hf + "mlp.gate.weight", True)
+    specs[p + "moe/e_score_correction_bias"] = ((E,), hf + "mlp.gate.e_score_correction_bias", False)
+    specs[p + "moe/gate_up_proj"] = ((E, H, 2 * Fe), hf + "mlp.experts.gate_up_proj", True)
+    specs[p + "moe/down_proj"] = ((E, Fe, H), hf + "mlp.experts.down_proj", True)
+    if cfg.num_shared_experts:
+        mlp("shared_experts", "mlp.shared_experts", cfg.num_shared_experts * Fe)
     return specs
 
 

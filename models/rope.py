@@ -53,6 +53,23 @@ def attention_factor(cfg: ModelConfig) -> float:
     return mscale(scaling.factor)
 
 
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """Latent attention's softmax scale (HF DeepseekV3Attention.scaling): (qk_nope + qk_rope) ** -0.5,
+    times mscale(factor, mscale_all_dim) ** 2 when a scaled rope states mscale_all_dim."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    scaling = cfg.rope_scaling
+    if scaling.kind != "default" and scaling.mscale_all_dim and scaling.factor > 1:
+        mscale = 0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def deinterleave(x: jax.Array) -> jax.Array:  # [..., D]
+    """Pairs (x0, x1), (x2, x3), ... regrouped as [x0, x2, ...; x1, x3, ...]: `apply_rope` of the
+    result is HF's apply_rotary_pos_emb_interleave (DeepSeek's rope_interleave), output order included."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
 def _yarn_inverse_frequencies(inv_freq: np.ndarray, dim: int, base: float, scaling) -> np.ndarray:
     """YaRN: pairs rotating fewer than beta_slow times over the original context are interpolated
     (divided by factor), those rotating more than beta_fast times are kept, with a linear ramp

@@ -4,15 +4,33 @@
 into paxpage's cache directory + /native; where it is off (PAXPAGE_NATIVE_ATTENTION=0) or cannot
 be built or loaded, "xla" runs instead (the same attention in XLA ops). "pallas" and
 "pallas-interpret" are the Pallas kernels (pallas_kernels/dispatch.py), imported only when used.
+
+Latent-attention models (DeepSeek-V3, ModelConfig.is_mla) have one path: the chunked XLA form over
+the latent pool (pallas_kernels/latent_attention.py), "xla" here. `latent_impl` maps the choice.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
-from pallas_kernels import reference
+from pallas_kernels import latent_attention, reference
 from pallas_kernels.xla_attention import paged_attention_xla
+
+
+log = logging.getLogger("paxpage")
+
+
+def latent_impl(impl: str) -> str:
+    """The impl a latent-attention model runs for the asked `impl`: "xla" (its one path). "native"
+    falls back to it with a log line; the Pallas kernels have no latent-attention form and raise."""
+    if impl in ("pallas", "pallas-interpret"):
+        raise ValueError(f"attention_impl {impl!r} has no kernel for multi-head latent attention "
+                         "(deepseek_v3); use 'xla' (or leave attention_impl unset)")
+    if impl == "native":
+        log.info("paxpage: latent attention has no native kernel; running its XLA path")
+    return "xla"
 
 
 def resolve(impl: str) -> str:
@@ -37,12 +55,16 @@ def kernel_family(impl: str) -> str | None:
     return dispatch.resolve_impl(impl)[0]
 
 
-def functions(impl: str, backend: str | None = None, batch_invariant: bool = False):
+def functions(impl: str, backend: str | None = None, batch_invariant: bool = False, latent: bool = False):
     """(attention, write_kv) of a resolved impl ("native" only once `resolve` returned it).
+    latent: those of a latent-attention model's pool (impl must be `latent_impl`'s "xla").
     backend: "gpu" or "tpu" makes the Pallas kernels lower for that family whatever this host
     is (pallas_kernels/dispatch.py); None: the compile target's.
     batch_invariant: the Pallas GPU kernel's fixed-split plan (the native kernel's order per row
     is fixed already; the XLA path has no such form)."""
+    if latent:
+        assert impl == "xla", impl
+        return latent_attention.latent_attention_xla, latent_attention.write_latent
     if impl == "native":
         from pallas_kernels.native_attention import paged_attention_native
 

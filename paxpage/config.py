@@ -234,6 +234,13 @@ class EngineConfig:
         on_cpu = backend == "cpu"
         dtype = self.dtype or ("float32" if on_cpu else "bfloat16")
         impl = self.attention_impl or ("native" if on_cpu else "pallas")
+        if model.is_mla:
+            from paxpage.attention_impl import latent_impl
+
+            impl = latent_impl(impl if self.attention_impl else "xla")
+            if self.max_loras:
+                raise ValueError(f"LoRA adapters are not supported with latent attention ({model.model_type}); "
+                                 f"got max_loras={self.max_loras}")
         if impl == "native" and not on_cpu:
             raise ValueError(f"attention_impl='native' is a CPU kernel, but the backend is "
                              f"{backend!r}; use 'pallas'")

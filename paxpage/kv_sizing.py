@@ -104,13 +104,17 @@ def step_bytes_bound(model: Any, num_tokens: int, num_logits: int, moe_tile_rows
       copy a backend makes to convert or lay them out for a product.
     Axis legend: T tokens, R sampling rows, H hidden, N / K heads, D head dim, F MLP width, V vocab."""
     m = model
-    qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
-    attention = 6 * m.hidden_size + 2 * qkv + 2 * m.num_heads * (m.head_dim + 2)
+    if getattr(m, "is_mla", False):
+        attention = _latent_attention_values(m)
+    else:
+        qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+        attention = 6 * m.hidden_size + 2 * qkv + 2 * m.num_heads * (m.head_dim + 2)
     mlp = 3 * m.intermediate_size
     routed_rows = 0
     if getattr(m, "num_experts", 0):
         routed_rows = num_tokens * m.num_experts_per_tok + m.num_experts * moe_tile_rows
-        mlp = max(mlp if m.dense_mlp_layers else 0, m.num_experts)
+        shared = 3 * getattr(m, "num_shared_experts", 0) * m.moe_intermediate_size
+        mlp = max(mlp if m.dense_mlp_layers else 0, m.num_experts + shared)
     per_token = attention + mlp
     routed = routed_rows * (3 * m.moe_intermediate_size + m.hidden_size) if routed_rows else 0
     logits = 2 * num_logits * m.vocab_size
@@ -120,12 +124,37 @@ def step_bytes_bound(model: Any, num_tokens: int, num_logits: int, moe_tile_rows
 def layer_params(model: Any) -> int:
     """Parameters of the model's largest decoder layer (its norms aside)."""
     m = model
-    attention = m.hidden_size * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + m.num_heads * m.head_dim * m.hidden_size
+    if getattr(m, "is_mla", False):
+        attention = _latent_attention_params(m)
+    else:
+        attention = (m.hidden_size * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+                     + m.num_heads * m.head_dim * m.hidden_size)
     mlp = 3 * m.hidden_size * m.intermediate_size
     if getattr(m, "num_experts", 0):
-        experts = m.num_experts * 3 * m.hidden_size * m.moe_intermediate_size + m.hidden_size * m.num_experts
+        experts = ((m.num_experts + getattr(m, "num_shared_experts", 0)) * 3 * m.hidden_size * m.moe_intermediate_size
+                   + m.hidden_size * m.num_experts)
         mlp = max(mlp if m.dense_mlp_layers else 0, experts)
     return attention + mlp
+
+
+def _latent_attention_values(m: Any) -> int:
+    """Live values per token of a latent-attention layer (models/deepseek.py): the residual and
+    norms (6 H), the query before and after RoPE (N (Dn + Dr)) and its low-rank stage, the latent C
+    a few times, the absorbed query (N C) twice, the latent-space output and its partial sums
+    (N (Cr + 2)) twice, and the per-head values (N Dv)."""
+    n, c = m.num_heads, m.kv_lora_rank + m.qk_rope_head_dim
+    return (6 * m.hidden_size + 2 * n * (m.qk_nope_head_dim + m.qk_rope_head_dim) + 2 * (m.q_lora_rank or 0)
+            + 3 * c + 2 * n * c + 2 * n * (m.kv_lora_rank + 2) + n * m.v_head_dim)
+
+
+def _latent_attention_params(m: Any) -> int:
+    """Parameters of a latent-attention block; kv_b_proj counted twice (its W_UK / W_UV halves are
+    sliced out of it in the step)."""
+    n, q_width = m.num_heads, m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+    q = m.hidden_size * q_width if m.q_lora_rank is None else m.q_lora_rank * (m.hidden_size + q_width)
+    kv_a = m.hidden_size * (m.kv_lora_rank + m.qk_rope_head_dim)
+    kv_b = m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim)
+    return q + kv_a + 2 * kv_b + n * m.v_head_dim * m.hidden_size
 
 
 def device_memory_stats(device: Any = None) -> Mapping[str, int] | None:

@@ -106,7 +106,8 @@ def cache_zeros(shape, kv_cache_dtype: str, dtype, sharding) -> object:
 def shard_attention(attention, write_kv, mesh: Mesh, plan: ShardingPlan, kv_cache_dtype: str = "auto"):
     """Wraps the model's attention and KV write so each device runs them on its own heads (all
     heads when the plan replicates attention). Page tables, lengths and slots are replicated.
-    A quantised cache's scales split over their K axis like the pages."""
+    A quantised cache's scales split over their K axis like the pages. A latent pool
+    (plan.latent_pool) is replicated: each device attends its query heads against all of it."""
     q_spec, kv_spec, pool_spec = plan.spec(Q_AXES), plan.spec(NEW_KV_AXES), plan.kv_cache_spec(kv_cache_dtype)
     rep = PartitionSpec()
 
@@ -120,7 +121,12 @@ def shard_attention(attention, write_kv, mesh: Mesh, plan: ShardingPlan, kv_cach
         return shard_map(write_kv, mesh=mesh, in_specs=(pool_spec, kv_spec, kv_spec, rep),
                          out_specs=pool_spec)(kv_pages, k, v, slot_mapping)
 
-    return sharded_attention, sharded_write_kv
+    def sharded_write_latent(latent_pages, latent, slot_mapping):
+        # the replicated latent pool: every device writes the same latents into its whole copy
+        return shard_map(write_kv, mesh=mesh, in_specs=(pool_spec, rep, rep),
+                         out_specs=pool_spec)(latent_pages, latent, slot_mapping)
+
+    return sharded_attention, sharded_write_latent if plan.latent_pool else sharded_write_kv
 
 
 def bytes_per_device(tree) -> dict:

@@ -65,7 +65,7 @@ class ModelRunner:
         if cfg.batch_invariant and impl != "native" and family != "gpu":
             raise ValueError("batch_invariant needs the native CPU attention or the Pallas GPU kernel; "
                              f"attention_impl resolved to {impl!r}")
-        attention, write_kv = attention_impl.functions(impl, backend, cfg.batch_invariant)
+        attention, write_kv = attention_impl.functions(impl, backend, cfg.batch_invariant, latent=model_cfg.is_mla)
         self._pool_sharding = None  # None: the default device
         # Scanned layers (models/layer_stack.py): the params are stacked and the pool is one
         # stacked [2, L, P, ...] array instead of a list of L pools.
@@ -183,12 +183,14 @@ class ModelRunner:
 
     def _pool(self, num_pages: int, dtype, make=None):
         """The KV cache of num_pages pages per layer: a list of L caches (each a [2, P, page_size, K, D]
-        array, or kv_quant.QuantizedKV(pages, scales) for an int8 / fp8 cache), or when scanning one
+        array, or kv_quant.QuantizedKV(pages, scales) for an int8 / fp8 cache, or a latent-attention
+        model's [1, P, page_size, 1, C] latent pool), or when scanning one
         stacked cache of [2, L, P, ...] leaves. Code that moves pages maps over the pytree
         (jax.tree.map). `make(shape, dtype)` builds one cache (default: zeros where the step expects them)."""
         m = self.step_model_cfg
         make = make or self._zeros
-        shape = (2, num_pages, self.cfg.page_size, m.num_kv_heads, m.head_dim)
+        halves, heads, width = m.kv_pool_dims  # (2, K, D); latent attention (1, 1, C)
+        shape = (halves, num_pages, self.cfg.page_size, heads, width)
         if self.scanned:
             return make(layer_stack.stacked_pool_shape(shape, m.num_layers), dtype)
         return [make(shape, dtype) for _ in range(m.num_layers)]

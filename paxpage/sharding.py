@@ -21,6 +21,12 @@ unevenly:
     times that in total. Only the MLP and the vocabulary are split then.
 Parameters this table does not name (norm scales, future layer kinds) are replicated.
 
+Latent attention (DeepSeek-V3, models/deepseek.py): the per-head projections (q_proj / q_b_proj,
+kv_b_proj on their output, o_proj on its input) split over "heads" when tp divides N; the latent
+pool has one latent shared by every head, so every device holds all of it (replicated), as do
+the low-rank projections in front of it (q_a_proj, kv_a_proj_with_mqa). The MLP widths (dense
+layers and shared experts) split when tp divides both; routed experts are replicated.
+
 Axis legend: H hidden, N query heads, K kv heads, D head dim, F MLP width, V vocabulary,
 P pages.
 """
@@ -48,6 +54,8 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "v_proj/kernel": (None, "kv_heads"),
     "v_proj/bias": ("kv_heads",),
     "o_proj/kernel": ("heads", None),  # [N*D, H]
+    "q_b_proj/kernel": (None, "heads"),  # latent attention: [Q, N*(Dn+Dr)]
+    "kv_b_proj/kernel": (None, "heads"),  # [Cr, N*(Dn+Dv)]
     "gate_proj/kernel": (None, "mlp"),  # [H, F]
     "up_proj/kernel": (None, "mlp"),
     "down_proj/kernel": ("mlp", None),  # [F, H]
@@ -81,12 +89,19 @@ class ShardingPlan:
     split_mlp: bool
     split_vocab: bool
     kv_replicas: int = 1  # r: each KV head repeated r times so K * r heads split over tp
+    latent_pool: bool = False  # latent attention: the pool [1, P, page_size, 1, C] is replicated
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, tensor_parallel_size: int) -> "ShardingPlan":
         tp = tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
+        if cfg.is_mla:
+            widths = [cfg.intermediate_size] + [cfg.num_shared_experts * cfg.moe_intermediate_size] * bool(
+                cfg.num_shared_experts)
+            return cls(tp, split_heads=tp > 1 and cfg.num_heads % tp == 0,
+                       split_mlp=tp > 1 and all(w % tp == 0 for w in widths),
+                       split_vocab=tp > 1 and cfg.vocab_size % tp == 0, latent_pool=True)
         n, k = cfg.num_heads, cfg.num_kv_heads
         split_heads = tp > 1 and n % tp == 0 and (k % tp == 0 or tp % k == 0)
         return cls(tp, split_heads=split_heads,
@@ -125,6 +140,8 @@ class ShardingPlan:
 
     @property
     def kv_pool_spec(self) -> PartitionSpec:
+        if self.latent_pool:
+            return PartitionSpec(*(None,) * len(KV_POOL_AXES))
         return self.spec(KV_POOL_AXES)
 
     def kv_cache_spec(self, kv_cache_dtype: str = "auto", stacked: bool = False):
@@ -141,7 +158,7 @@ class ShardingPlan:
     def kv_heads_per_device(self, cfg: ModelConfig) -> int:
         """KV heads of the pool each device holds (its per-device pool bytes follow)."""
         heads = cfg.num_kv_heads * self.kv_replicas
-        return heads // self.tensor_parallel_size if self.split_heads else heads
+        return heads // self.tensor_parallel_size if self.split_heads and not self.latent_pool else heads
 
     def sharded_model_config(self, cfg: ModelConfig) -> ModelConfig:
         """The config the sharded model runs: K * r KV heads when KV heads are replicated."""
@@ -152,8 +169,9 @@ class ShardingPlan:
     def describe(self) -> str:
         if self.tensor_parallel_size == 1:
             return "tp=1: one device holds everything"
+        heads = "heads (latent pool replicated)" if self.latent_pool else "heads/KV pool"
         parts = [f"{name} {'split' if split else 'replicated'}" for name, split in
-                 (("heads/KV pool", self.split_heads), ("MLP", self.split_mlp), ("vocab", self.split_vocab))]
+                 ((heads, self.split_heads), ("MLP", self.split_mlp), ("vocab", self.split_vocab))]
         if self.kv_replicas > 1:
             parts[0] += f" (each KV head x{self.kv_replicas})"
         return f"tp={self.tensor_parallel_size}: " + ", ".join(parts)
@@ -216,5 +234,11 @@ def kv_page_bytes_per_device(cfg: ModelConfig, plan: ShardingPlan, page_size: in
                              kv_cache_dtype: str = "auto") -> int:
     """One page's K and V over all layers, on one device. `itemsize`: the model dtype's; a
     quantised cache ("int8" / "fp8") counts 1 byte per value plus one f32 scale per (token, kv head)."""
+    if cfg.is_mla:  # one latent of C values per token and layer, no V half (latent_attention.py)
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported with latent attention "
+                             f"({cfg.model_type}); use 'auto'")
+        halves, heads, width = cfg.kv_pool_dims
+        return halves * cfg.num_layers * page_size * heads * width * itemsize
     row = kv_quant.bytes_per_row(kv_cache_dtype, itemsize, cfg.head_dim)
     return 2 * cfg.num_layers * page_size * plan.kv_heads_per_device(cfg) * row

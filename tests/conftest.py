@@ -142,6 +142,36 @@ def save_tiny_hf(path, kind: str = "llama", seed: int = 0, **overrides):
     return model
 
 
+# A tiny DeepSeek-V3: latent attention (q_lora_rank, kv_lora_rank 32, RoPE 8), a dense first layer, then
+# 8 routed experts in 2 groups (top 2 from the best group) beside one shared expert.
+TINY_DEEPSEEK = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16,
+    qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8, n_group=2, topk_group=1,
+    num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+def save_tiny_deepseek(path, seed: int = 0, **overrides):
+    """A tiny random DeepseekV3ForCausalLM (TINY_DEEPSEEK with `overrides`) saved to `path`, weights
+    sharpened as save_tiny_hf does and the routers' correction biases random (HF starts them at 0),
+    so the bias steers the choice."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**dict(TINY_DEEPSEEK, **overrides))).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.mul_(4.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    return model
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama")

@@ -1,0 +1,179 @@
+"""Functional Flax model for DeepSeek-V3 (HF `DeepseekV3ForCausalLM`): multi-head latent attention
+(MLA) over a latent KV pool, and a mixture of experts with shared experts and group-limited routing.
+
+`DeepseekModel(cfg, attention, write_latent).apply({"params": params}, batch, kv_cache)` has the
+contract of `LlamaModel`, with `attention` / `write_latent` those of
+pallas_kernels/latent_attention.py and each layer's pool the latent pool [1, P, page_size, 1, C].
+
+Attention (HF DeepseekV3Attention, checked against it on the same weights):
+- q = q_b_proj(q_a_layernorm(q_a_proj(h))) (or q_proj(h) when q_lora_rank is None), per head
+  [q_nope (qk_nope_head_dim) ; q_rope (qk_rope_head_dim)].
+- kv_a_proj_with_mqa(h) = [c (kv_lora_rank) ; k_rope (qk_rope_head_dim)]; c is normed
+  (kv_a_layernorm); k_rope is one RoPE key shared by every head. HF's two small norms keep
+  their default eps 1e-6 whatever rms_norm_eps is.
+- RoPE (rope_interleave: on interleaved pairs) with YaRN's cos / sin magnitude; the softmax
+  scale is (qk_nope + qk_rope) ** -0.5 times mscale(factor, mscale_all_dim) ** 2 (rope.py).
+- The cache holds [c ; k_rope]: C = kv_lora_rank + qk_rope_head_dim values per token and layer.
+  kv_b_proj's per-head halves W_UK [C_r, N, qk_nope] and W_UV [C_r, N, v] are absorbed: the
+  query becomes [q_nope W_UK ; q_rope] in latent space, scores are taken against the cached
+  latents, and the latent-space output goes through W_UV, then o_proj. Prefill and decode rows
+  run the same absorbed form (equal to HF's expanded keys and values up to rounding).
+MLP: the first `first_k_dense_replace` layers are dense (cfg.dense_mlp_layers); the others route
+each token to its top k experts (models/moe.py route_grouped) and add the shared experts' MLP.
+The multi-token-prediction layers of the checkpoints are not loaded (one token per step).
+
+Axis legend: T flat tokens, H hidden, N query heads, Dn qk_nope_head_dim, Dr qk_rope_head_dim,
+Dv v_head_dim, Cr kv_lora_rank, C = Cr + Dr latent width, V vocabulary, R logits rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from models import quant
+from models.config import ModelConfig
+from models.layer_stack import run_layers
+from models.layers import Embedding, RMSNorm, dense, paged_attention_rows, sow_pooled
+from models.llama import AttentionFn, WriteKvFn
+from models.moe import route_grouped, routed_experts
+from models.rope import apply_rope, attention_factor, deinterleave, inverse_frequencies, mla_softmax_scale
+
+# HF's DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm are built without rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+class KernelParam(nn.Module):
+    """A Linear's kernel [I, O] read as an array (float, or dequantised from models/quant.py's
+    int8 form), for weights that are folded into others rather than applied (kv_b_proj)."""
+    shape: tuple[int, int]
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self):
+        if self.has_variable("params", "kernel" + quant.Q):
+            offset = (self.get_variable("params", "kernel" + quant.OFFSET)
+                      if self.has_variable("params", "kernel" + quant.OFFSET) else None)
+            return quant.dequantize_kernel(self.get_variable("params", "kernel" + quant.Q),
+                                           self.get_variable("params", "kernel" + quant.SCALE), offset, self.dtype)
+        return self.param("kernel", nn.initializers.lecun_normal(), self.shape, self.dtype).astype(self.dtype)
+
+
+class GatedMlp(nn.Module):
+    """down_proj(silu(gate_proj(h)) * up_proj(h)) of width `width`: the dense layers' MLP and the
+    shared experts."""
+    width: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, h):  # [T, H] -> [T, H]
+        gate = dense(self.width, "gate_proj", self.dtype)(h)
+        up = dense(self.width, "up_proj", self.dtype)(h)
+        return dense(h.shape[-1], "down_proj", self.dtype)(nn.silu(gate) * up)
+
+
+class DeepseekMoe(nn.Module):
+    """Routed experts (router [H, E], e_score_correction_bias f32[E], gate_up_proj [E, H, 2F],
+    down_proj [E, F, H]) plus the shared experts' MLP (a sibling `shared_experts` module)."""
+    cfg: ModelConfig
+    impl: str = "auto"
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):  # [T, H]
+        cfg = self.cfg
+        E, F, H = cfg.num_experts, cfg.moe_intermediate_size, x.shape[-1]
+        init = nn.initializers.lecun_normal()
+        router = self.param("router", init, (H, E), self.dtype)
+        bias = self.param("e_score_correction_bias", nn.initializers.zeros, (E,), self.dtype)
+        gate_up = self.param("gate_up_proj", init, (E, H, 2 * F), self.dtype)
+        down = self.param("down_proj", init, (E, F, H), self.dtype)
+        weights, experts = route_grouped(x, router, bias, cfg.num_experts_per_tok,
+                                         num_groups=cfg.num_expert_groups, topk_groups=cfg.topk_groups,
+                                         renormalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
+        return routed_experts(x, weights, experts, gate_up, down, impl=self.impl)
+
+
+class MlaLayer(nn.Module):
+    cfg: ModelConfig
+    attention: AttentionFn  # latent_attention_ref's signature
+    write_latent: WriteKvFn  # latent_attention.write_latent's signature
+    dtype: Any = jnp.float32
+    use_moe: bool = False
+    moe_impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, x, batch, latent_pages):  # x: [T, H]; latent_pages: [1, P, page_size, 1, C]
+        cfg, dtype = self.cfg, self.dtype
+        num_tokens = x.shape[0]
+        N, Dn, Dr, Dv, Cr = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                             cfg.kv_lora_rank)
+        h = RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x)
+        if cfg.q_lora_rank is None:
+            q = dense(N * (Dn + Dr), "q_proj", dtype)(h)
+        else:
+            q = dense(cfg.q_lora_rank, "q_a_proj", dtype)(h)
+            q = RMSNorm(LATENT_NORM_EPS, dtype, name="q_a_layernorm")(q)
+            q = dense(N * (Dn + Dr), "q_b_proj", dtype)(q)
+        q = q.reshape(num_tokens, N, Dn + Dr)
+        q_nope, q_rope = q[..., :Dn], q[..., Dn:]  # [T, N, Dn], [T, N, Dr]
+        kv = dense(Cr + Dr, "kv_a_proj_with_mqa", dtype)(h)  # [T, C]
+        c = RMSNorm(LATENT_NORM_EPS, dtype, name="kv_a_layernorm")(kv[:, :Cr])  # [T, Cr]
+        k_rope = kv[:, None, Cr:]  # [T, 1, Dr]
+        if cfg.rope_interleave:
+            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
+        inv_freq, scale = inverse_frequencies(cfg), attention_factor(cfg)
+        q_rope = apply_rope(q_rope, batch.positions, inv_freq, scale).astype(dtype)
+        k_rope = apply_rope(k_rope, batch.positions, inv_freq, scale).astype(dtype)
+        latent = jnp.concatenate([c[:, None, :], k_rope], axis=-1)  # [T, 1, C]
+        latent_pages = self.write_latent(latent_pages, latent, batch.slot_mapping)
+        kv_b = KernelParam((Cr, N * (Dn + Dv)), dtype, name="kv_b_proj")().reshape(Cr, N, Dn + Dv)
+        w_uk, w_uv = kv_b[..., :Dn], kv_b[..., Dn:]  # [Cr, N, Dn], [Cr, N, Dv]
+        q_latent = jnp.einsum("TND,CND->TNC", q_nope, w_uk).astype(dtype)  # [T, N, Cr]
+        q_abs = jnp.concatenate([q_latent, q_rope], axis=-1)  # [T, N, C]
+        attention = functools.partial(self.attention, value_dim=Cr)
+        out = paged_attention_rows(attention, q_abs, latent_pages, batch, mla_softmax_scale(cfg))  # [T, N, Cr]
+        out = jnp.einsum("TNC,CNV->TNV", out.astype(dtype), w_uv).reshape(num_tokens, N * Dv).astype(dtype)
+        x = x + dense(cfg.hidden_size, "o_proj", dtype)(out)
+        h = RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
+        if self.use_moe:
+            mlp = DeepseekMoe(cfg, self.moe_impl, dtype, name="moe")(h)
+            if cfg.num_shared_experts:
+                mlp = mlp + GatedMlp(cfg.num_shared_experts * cfg.moe_intermediate_size, dtype,
+                                     name="shared_experts")(h)
+            return x + mlp, latent_pages
+        return x + GatedMlp(cfg.intermediate_size, dtype, name="mlp")(h), latent_pages
+
+
+class DeepseekModel(nn.Module):
+    cfg: ModelConfig
+    attention: AttentionFn
+    write_latent: WriteKvFn
+    dtype: Any = jnp.float32
+    moe_impl: str = "auto"  # models/moe.py
+    scan_period: int = 0  # > 0: layers under a scan (models/layer_stack.py)
+
+    @nn.compact
+    def __call__(self, batch, kv_cache):
+        """Returns (logits f32[R + Rp, V], updated kv_cache), as LlamaModel."""
+        cfg = self.cfg
+        embed = Embedding(cfg.vocab_size, cfg.hidden_size, self.dtype, name="embed_tokens")
+        x = embed(batch.token_ids)  # [T, H]
+
+        def make_layer(i: int, name: str) -> MlaLayer:
+            return MlaLayer(cfg, self.attention, self.write_latent, self.dtype, cfg.is_moe_layer(i),
+                            self.moe_impl, name=name)
+
+        x, new_cache = run_layers(make_layer, cfg.num_layers, self.scan_period, x, batch, kv_cache)
+        rows = jnp.concatenate([batch.logits_indices, batch.prompt_logits_indices])
+        norm = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")
+        sow_pooled(self, norm, x, batch)
+        x = norm(x[rows])  # [R + Rp, H]
+        if cfg.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = dense(cfg.vocab_size, "lm_head", self.dtype)(x)
+        return logits.astype(jnp.float32), new_cache

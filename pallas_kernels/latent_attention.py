@@ -1,0 +1,151 @@
+"""Multi-head latent attention (DeepSeek-V3's MLA) over a latent pool: the jnp reference and its write.
+
+A latent pool caches, per token and layer, one latent "head" of C = kv_lora_rank + qk_rope_head_dim
+values: the normed compressed KV c (the first kv_lora_rank values) followed by the rotated shared
+RoPE key k_rope. There is no separate V half: one layer's pool is [1, P, page_size, 1, C]
+(ModelConfig.kv_pool_dims), so page ids, slots and page copies work exactly as for a K/V pool.
+
+The attention runs in the absorbed form for every row (decode, prefill, chunked prefill alike):
+the caller folds each head's q_nope into latent space through W_UK, so the query is
+q = [q_nope W_UK ; q_rope] [N, C], every head's keys are the cached latents (MQA with one kv head
+of width C), and the values are the cached latents' first `value_dim` (= kv_lora_rank) values.
+The output stays in latent space [N, kv_lora_rank]; the caller applies W_UV and o_proj.
+
+Two forms, one signature: `latent_attention_ref` gathers each row's whole page table (the oracle);
+`latent_attention_xla`, what the engine runs on every backend, walks the key length in chunks of
+whole pages under a while loop with an online softmax (as pallas_kernels/xla_attention.py does for
+K/V pools), so a step reads only up to its longest row's keys, never the whole table. No Pallas
+kernel exists for it yet (pallas_kernels/dispatch.py's kernels are refused for latent attention in
+paxpage/attention_impl.py).
+
+Axis legend: B rows, Tq query tokens per row, T flat tokens, S key length, N query heads,
+C latent width, R value width (kv_lora_rank), P pages.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.xla_attention import pages_per_chunk
+
+
+def write_latent(
+    latent_pages: jax.Array,  # [1, P, page_size, 1, C] one layer's latent pool (donate it in the caller's jit)
+    latent: jax.Array,  # [T, 1, C] this step's latents, flat tokens
+    slot_mapping: jax.Array,  # i32[T] page_id * page_size + offset; -1 = padding, not written
+) -> jax.Array:
+    """Returns the pool with token t's latent stored at slot_mapping[t]."""
+    if latent_pages.ndim != 5 or latent_pages.shape[0] != 1 or latent_pages.shape[3] != 1:
+        raise ValueError(f"a latent pool is [1, P, page_size, 1, C]; got {latent_pages.shape}")
+    if latent.shape[1:] != latent_pages.shape[3:]:
+        raise ValueError(f"latents {latent.shape} do not fit the pool's rows {latent_pages.shape[3:]}")
+    _, num_pages, page_size, _, _ = latent_pages.shape
+    page = jnp.where(slot_mapping < 0, num_pages, slot_mapping // page_size)  # padding: out of bounds
+    offset = slot_mapping % page_size
+    return latent_pages.at[0, page, offset].set(latent.astype(latent_pages.dtype), mode="drop")
+
+
+def _check(q, latent_pages, page_indices, kv_lens, q_lens, value_dim):
+    batch, _, _, width = q.shape
+    if latent_pages.ndim != 5 or latent_pages.shape[0] != 1 or latent_pages.shape[3:] != (1, width):
+        raise ValueError(f"queries of width {width} need a latent pool [1, P, page_size, 1, {width}]; "
+                         f"got {latent_pages.shape}")
+    if not 0 < value_dim <= width:
+        raise ValueError(f"value_dim must be in 1..{width}, got {value_dim}")
+    if page_indices.shape[0] != batch or kv_lens.shape != (batch,) or q_lens.shape != (batch,):
+        raise ValueError(f"page_indices {page_indices.shape}, kv_lens {kv_lens.shape}, q_lens {q_lens.shape} "
+                         f"do not match {batch} rows")
+
+
+def latent_attention_ref(
+    q: jax.Array,  # [B, Tq, N, C] absorbed queries: [q_nope W_UK ; q_rope]
+    latent_pages: jax.Array,  # [1, P, page_size, 1, C] already holding this step's latents
+    page_indices: jax.Array,  # i32[B, pages_per_seq]
+    kv_lens: jax.Array,  # i32[B] cached tokens incl. this step's; 0 = padding row
+    q_lens: jax.Array,  # i32[B] new tokens this step
+    *,
+    sm_scale: float,
+    value_dim: int,  # R: the values are each cached latent's first R entries
+) -> jax.Array:  # [B, Tq, N, R]; padding query tokens are zeros
+    """Causal attention in the row layout of `reference.paged_attention_ref` (query token i of row b
+    is at position kv_lens[b] - q_lens[b] + i and sees keys 0..p) against the latent pool."""
+    batch, num_q, num_heads, width = q.shape
+    _check(q, latent_pages, page_indices, kv_lens, q_lens, value_dim)
+    keys = latent_pages[0][page_indices].reshape(batch, -1, width).astype(jnp.float32)  # [B, S, C]
+    k_pos = jnp.arange(keys.shape[1])  # [S]
+    q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(num_q)[None, :]  # [B, Tq]
+    visible_keys = k_pos[None, :] < kv_lens[:, None]  # [B, S]
+    # Stale or NaN contents of unused slots must not reach the output through 0 * NaN.
+    keys = jnp.where(visible_keys[:, :, None], keys, 0.0)
+    exact = jax.lax.Precision.HIGHEST  # exact f32 on GPU too (XLA's default rounds to TF32)
+    scores = jnp.einsum("BTNC,BSC->BNTS", q.astype(jnp.float32), keys, precision=exact) * sm_scale
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & visible_keys[:, None, :]  # [B, Tq, S]
+    mask = mask[:, None]  # [B, 1, Tq, S]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    scores = jnp.where(jnp.any(mask, axis=-1, keepdims=True), scores, 0.0)  # padding queries: finite
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("BNTS,BSR->BTNR", probs, keys[:, :, :value_dim], precision=exact)
+    valid = jnp.arange(num_q)[None, :] < q_lens[:, None]  # [B, Tq]
+    return jnp.where(valid[:, :, None, None], out, 0.0).astype(q.dtype)
+
+
+def latent_attention_xla(
+    q: jax.Array,  # [B, Tq, N, C]
+    latent_pages: jax.Array,  # [1, P, page_size, 1, C]
+    page_indices: jax.Array,  # i32[B, pages_per_seq]
+    kv_lens: jax.Array,  # i32[B]
+    q_lens: jax.Array,  # i32[B]
+    *,
+    sm_scale: float,
+    value_dim: int,
+    chunk_tokens: int = 256,  # keys per loop step, at most (whole pages, ~1 MiB of latents)
+) -> jax.Array:  # [B, Tq, N, R]
+    """`latent_attention_ref` in chunks: the loop's trip count is the longest row's length in chunks
+    (a traced value), each step gathers one chunk of pages of every row and folds it into a running
+    max / sum / output. Keys past a row's length or after a query are masked, and zeroed before the
+    products, so stale or NaN slots never reach the output."""
+    batch, num_q, num_heads, width = q.shape
+    _check(q, latent_pages, page_indices, kv_lens, q_lens, value_dim)
+    _, num_pages, page_size, _, _ = latent_pages.shape
+    pages_per_seq = page_indices.shape[1]
+    chunk_pages = pages_per_chunk(batch, page_size * width * latent_pages.dtype.itemsize, page_size,
+                                  pages_per_seq, chunk_tokens)
+    chunk_len = chunk_pages * page_size  # S
+    num_chunk_slots = -(-pages_per_seq // chunk_pages)
+    # Whole chunks, clamped into the pool: entries past a row's pages may hold anything (masked).
+    pad = num_chunk_slots * chunk_pages - pages_per_seq
+    page_indices = jnp.clip(jnp.pad(page_indices.astype(jnp.int32), ((0, 0), (0, pad))), 0, num_pages - 1)
+    pool_rows = latent_pages.reshape(num_pages, page_size * width)
+    kv_lens, q_lens = kv_lens.astype(jnp.int32), q_lens.astype(jnp.int32)
+    q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(num_q)[None, :]  # [B, Tq]
+    q32 = q.astype(jnp.float32) * sm_scale
+    exact = lax.Precision.HIGHEST
+    num_chunks = jnp.minimum((jnp.max(kv_lens) + chunk_len - 1) // chunk_len, num_chunk_slots)
+
+    def body(carry):
+        c, m, l, acc = carry
+        ids = lax.dynamic_slice_in_dim(page_indices, c * chunk_pages, chunk_pages, axis=1)  # [B, pages]
+        keys = pool_rows[ids].reshape(batch, chunk_len, width).astype(jnp.float32)  # [B, S, C]
+        k_pos = c * chunk_len + jnp.arange(chunk_len)  # [S]
+        in_row = k_pos[None, :] < kv_lens[:, None]  # [B, S]
+        keys = jnp.where(in_row[:, :, None], keys, 0.0)
+        scores = jnp.einsum("BTNC,BSC->BTNS", q32, keys, precision=exact)
+        visible = in_row[:, None, :] & (k_pos[None, None, :] <= q_pos[:, :, None])  # [B, Tq, S]
+        scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))  # [B, Tq, N]
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(scores - m_safe[..., None])  # masked keys: exp(-inf) = 0
+        rescale = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
+        l = l * rescale + jnp.sum(p, axis=-1)
+        acc = acc * rescale[..., None] + jnp.einsum("BTNS,BSR->BTNR", p, keys[:, :, :value_dim], precision=exact)
+        return c + 1, m_new, l, acc
+
+    init = (jnp.int32(0), jnp.full((batch, num_q, num_heads), -jnp.inf, jnp.float32),
+            jnp.zeros((batch, num_q, num_heads), jnp.float32),
+            jnp.zeros((batch, num_q, num_heads, value_dim), jnp.float32))
+    _, _, l, acc = lax.while_loop(lambda carry: carry[0] < num_chunks, body, init)
+    valid = (jnp.arange(num_q)[None, :] < q_lens[:, None])[:, :, None]  # [B, Tq, 1]
+    out = acc / jnp.where(valid & (l > 0), l, 1.0)[..., None]
+    return jnp.where(valid[..., None], out, 0.0).astype(q.dtype)
