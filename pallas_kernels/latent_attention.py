@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.xla_attention import pages_per_chunk
+from pallas_kernels.xla_attention import fold_chunks, pages_per_chunk
 
 
 def write_latent(
@@ -101,11 +101,13 @@ def latent_attention_xla(
     sm_scale: float,
     value_dim: int,
     chunk_tokens: int = 256,  # keys per loop step, at most (whole pages, ~1 MiB of latents)
+    early_exit: bool | None = None,  # xla_attention.fold_chunks: None decides by platform
 ) -> jax.Array:  # [B, Tq, N, R]
     """`latent_attention_ref` in chunks: the loop's trip count is the longest row's length in chunks
-    (a traced value), each step gathers one chunk of pages of every row and folds it into a running
-    max / sum / output. Keys past a row's length or after a query are masked, and zeroed before the
-    products, so stale or NaN slots never reach the output."""
+    (a traced value; lowered for a GPU, the table's width: xla_attention.fold_chunks), each step
+    gathers one chunk of pages of every row and folds it into a running max / sum / output. Keys
+    past a row's length or after a query are masked, and zeroed before the products, so stale or
+    NaN slots never reach the output."""
     batch, num_q, num_heads, width = q.shape
     _check(q, latent_pages, page_indices, kv_lens, q_lens, value_dim)
     _, num_pages, page_size, _, _ = latent_pages.shape
@@ -145,7 +147,7 @@ def latent_attention_xla(
     init = (jnp.int32(0), jnp.full((batch, num_q, num_heads), -jnp.inf, jnp.float32),
             jnp.zeros((batch, num_q, num_heads), jnp.float32),
             jnp.zeros((batch, num_q, num_heads, value_dim), jnp.float32))
-    _, _, l, acc = lax.while_loop(lambda carry: carry[0] < num_chunks, body, init)
+    _, _, l, acc = fold_chunks(body, init, num_chunks, num_chunk_slots, early_exit)
     valid = (jnp.arange(num_q)[None, :] < q_lens[:, None])[:, :, None]  # [B, Tq, 1]
     out = acc / jnp.where(valid & (l > 0), l, 1.0)[..., None]
     return jnp.where(valid[..., None], out, 0.0).astype(q.dtype)

@@ -4,11 +4,12 @@ The CPU default, attention_impl "native", is the C++ kernel in `native_attention
 attention_impl "xla", and what "native" falls back to when g++ is missing or the build fails.
 
 Same signature and semantics as `reference.paged_attention_ref` (row layout, see its
-docstring), but it never materialises a row's whole page table: a while loop walks the
-key/value length in chunks of whole pages, gathers only that chunk's pages straight from the
-pool, and folds it into an online softmax. The trip count is the longest row's length in
+docstring), but it never materialises a row's whole page table: a loop walks the key/value
+length in chunks of whole pages, gathers only that chunk's pages straight from the pool, and
+folds it into an online softmax. On CPU and TPU the trip count is the longest row's length in
 chunks, a traced value, so no shape depends on the context length, long and short batches
-share one compiled step, and nothing is computed past the longest row.
+share one compiled step, and nothing is computed past the longest row; lowered for a GPU it is
+the table's width in chunks, a fixed count (`fold_chunks`).
 
 What makes it cost what it reads on XLA CPU (measured with jax 0.10.2):
 - The pool is viewed as rows of whole pages, [2 * P, page_size * K * D] (a free reshape), and
@@ -94,6 +95,26 @@ CHUNK_BYTES = 1 << 20
 MERGED_GATHER_MAX_PAGE_BYTES = 4096
 
 
+def fold_chunks(body, init, stop, num_slots: int, early_exit: bool | None = None):
+    """Folds `body` over chunks: carry[0] is the chunk index, from init's to `stop` (a traced
+    bound: the longest row's chunks), every other chunk being masked inside `body`.
+    early_exit True: a while loop up to `stop`, so nothing is computed past the longest row.
+    False: all `num_slots` chunks from 0 (the table's width), a fixed trip count: XLA:GPU reads
+    a traced loop predicate back on the host every trip, a stall per chunk that costs more than
+    the masked chunks. None: False when the step lowers for CUDA / ROCm, True elsewhere
+    (CPU, and TPU, whose loops run on the chip)."""
+
+    def until_stop(carry):
+        return lax.while_loop(lambda c: c[0] < stop, body, carry)
+
+    def every_slot(carry):
+        return lax.fori_loop(0, num_slots, lambda _, c: body(c), (jnp.zeros_like(carry[0]),) + tuple(carry[1:]))
+
+    if early_exit is None:
+        return lax.platform_dependent(init, cuda=every_slot, rocm=every_slot, default=until_stop)
+    return until_stop(init) if early_exit else every_slot(init)
+
+
 def pages_per_chunk(batch: int, page_bytes: int, page_size: int, pages_per_seq: int,
                     chunk_tokens: int) -> int:
     """Whole pages per loop step: at most chunk_tokens tokens and ~CHUNK_BYTES of keys."""
@@ -113,6 +134,7 @@ def paged_attention_xla(
     sliding_window: int | None = None,  # W: a query sees its last W keys (itself included)
     soft_cap: float | None = None,  # c: scores -> c * tanh(scores / c)
     chunk_tokens: int = 64,
+    early_exit: bool | None = None,  # fold_chunks: None decides by platform
 ) -> jax.Array:  # [B, Tq, N, D]
     batch, num_q, num_heads, head_dim = q.shape
     kv_pages, scales = kv_quant.split(kv_pages)
@@ -221,7 +243,7 @@ def paged_attention_xla(
         jnp.zeros(stat_shape, jnp.float32),
         jnp.zeros(acc_shape, jnp.float32),
     )
-    _, _, l, acc = lax.while_loop(lambda carry: carry[0] < num_chunks, body, init)
+    _, _, l, acc = fold_chunks(body, init, num_chunks, num_chunk_slots, early_exit)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     if expanded:
         out = out.reshape(batch, num_q, num_heads, head_dim)

@@ -3,7 +3,7 @@
 Exported with jax.export(platforms=["cuda"]) on this CPU host (the Pallas kernels lower to their
 Triton calls), then walked by paxpage.hlo_control: every while must have a fixed trip count and
 every case / if a constant index, for greedy, sampled (top-k / top-p / min-p), penalised and MoE
-steps. The walker itself is checked on loops and conds it must and must not report.
+steps, with the Pallas attention, the XLA one and latent attention. The walker itself is checked on loops and conds it must and must not report.
 """
 
 from __future__ import annotations
@@ -28,6 +28,13 @@ DENSE = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_l
                     num_kv_heads=2, head_dim=16, max_position_embeddings=256)
 MOE = dataclasses.replace(DENSE, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
                           moe_intermediate_size=32)
+# DeepSeek-V3's latent attention (its XLA path on every backend) and grouped routing, tiny
+LATENT = ModelConfig.from_hf_dict(dict(
+    model_type="deepseek_v3", vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8, n_group=2,
+    topk_group=1, num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False))
 ROWS, VOCAB = 8, 300
 
 
@@ -50,17 +57,23 @@ def test_walker_reports_data_dependent_control_only():
     assert data_dependent_control(branch)[0].startswith("stablehlo.case")
 
 
-@pytest.mark.parametrize("model", [DENSE, MOE], ids=["dense", "moe"])
-def test_step_for_cuda_has_no_data_dependent_control(model):
-    cfg = EngineConfig(num_pages=32, max_num_seqs=4, max_num_batched_tokens=64).resolve(model, backend="gpu")
-    assert (cfg.attention_impl, cfg.dtype) == ("pallas", "bfloat16")
+@pytest.mark.parametrize("model,impl", [(DENSE, None), (MOE, None), (DENSE, "xla"), (LATENT, None)],
+                         ids=["dense", "moe", "dense-xla-attention", "latent"])
+def test_step_for_cuda_has_no_data_dependent_control(model, impl):
+    cfg = EngineConfig(num_pages=32, max_num_seqs=4, max_num_batched_tokens=64,
+                       attention_impl=impl).resolve(model, backend="gpu")
+    want_impl = "xla" if impl or model.is_mla else "pallas"
+    assert (cfg.attention_impl, cfg.dtype) == (want_impl, "bfloat16")
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16), param_shapes(model),
                           is_leaf=lambda x: isinstance(x, tuple))
     runner = ModelRunner(model, params, cfg, abstract=True)
     for dec, pre in ((4, 0), (4, 1)):  # decode, and decode + a prefill row
         module = runner.export_step(dec, pre, "cuda").mlir_module()
-        assert "__gpu$xla.gpu.triton" in module  # the Pallas GPU attention, not an XLA fallback
+        # the Pallas GPU attention, not an XLA fallback; the XLA paths' chunk loops over the table
+        assert ("__gpu$xla.gpu.triton" in module) == (want_impl == "pallas")
         assert data_dependent_control(module) == [], (dec, pre)
+        if want_impl == "xla":  # the same step lowered for the CPU stops at the longest row
+            assert data_dependent_control(runner.export_step(dec, pre, "cpu").mlir_module()), (dec, pre)
 
 
 def _sampler_variants():

@@ -71,13 +71,15 @@ CORE = {(jnp.float32, 4, 8), (jnp.bfloat16, 16, 256)}
     ([1, 17, 32, 0, 33], [1, 1, 1, 0, 1], 1),  # decode rows: lengths 1, unaligned, aligned, padding
     ([40, 7, 48, 0], [9, 7, 5, 0], 9),  # prefill and chunked prefill rows
 ], ids=["decode", "prefill"])
-def test_xla_matches_reference(dtype, page_size, chunk_tokens, kv_lens, q_lens, num_q):
+@pytest.mark.parametrize("early_exit", [None, False], ids=["until-longest", "whole-table"])
+def test_xla_matches_reference(dtype, page_size, chunk_tokens, kv_lens, q_lens, num_q, early_exit):
     rng = np.random.default_rng(1)
     width, value_dim = 40, 32
     q, pool, tables = _pool(rng, kv_lens, page_size, width, dtype, num_q=num_q)
     args = (q, pool, tables, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(q_lens, jnp.int32))
     want = latent_attention_ref(*args, sm_scale=0.2, value_dim=value_dim)
-    got = latent_attention_xla(*args, sm_scale=0.2, value_dim=value_dim, chunk_tokens=chunk_tokens)
+    got = latent_attention_xla(*args, sm_scale=0.2, value_dim=value_dim, chunk_tokens=chunk_tokens,
+                               early_exit=early_exit)
     assert got.shape == (len(kv_lens), num_q, 4, value_dim) and got.dtype == dtype
     assert np.isfinite(np.asarray(got, np.float32)).all()
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **TOLERANCE[dtype])

@@ -1,4 +1,6 @@
-"""The engine's CPU fast path (XLA while loop over page chunks) against the jnp reference."""
+"""The engine's CPU fast path (XLA loop over page chunks) against the jnp reference: the while loop
+that stops at the longest row (CPU, TPU) and the fixed loop over the table's width (GPU lowering,
+early_exit=False), which reads the masked chunks past the rows and before their windows."""
 
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ LENGTH_CASES = {
 @pytest.mark.parametrize("chunk_tokens", [pytest.param(1, marks=pytest.mark.extended), 32,
                                           pytest.param(1024, marks=pytest.mark.extended)])
 @pytest.mark.parametrize("kind", sorted(LENGTH_CASES))
-def test_nan_in_unused_pages_never_leaks(cfg, chunk_tokens, kind):
+@pytest.mark.parametrize("early_exit", [None, False], ids=["until-longest", "whole-table"])
+def test_nan_in_unused_pages_never_leaks(cfg, chunk_tokens, kind, early_exit):
     dtype, page_size, ratio, head_dim, num_kv_heads = cfg
     kv_lens, q_lens = LENGTH_CASES[kind]
     rng = np.random.default_rng(11)
@@ -64,7 +67,7 @@ def test_nan_in_unused_pages_never_leaks(cfg, chunk_tokens, kind):
                      pages_per_seq=-(-32 // page_size) + 2)
     got = paged_attention_xla(jnp.asarray(case.q), jnp.asarray(case.kv_pages), case.page_indices,
                               case.kv_lens, case.q_lens, sm_scale=head_dim ** -0.5,
-                              chunk_tokens=chunk_tokens)
+                              chunk_tokens=chunk_tokens, early_exit=early_exit)
     want = paged_attention_ref(jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)),
                                case.page_indices, case.kv_lens, case.q_lens, sm_scale=head_dim ** -0.5)
     assert_close(got, want, dtype)
@@ -102,7 +105,8 @@ def test_table_entries_out_of_the_pool_are_harmless():
 @pytest.mark.parametrize("wc", WINDOW_CASES, ids=window_case_id)
 @pytest.mark.parametrize("chunk_tokens", [8, 64])
 @pytest.mark.parametrize("kind", sorted(LENGTH_CASES))
-def test_sliding_window_and_soft_cap(cfg, wc, chunk_tokens, kind):
+@pytest.mark.parametrize("early_exit", [None, False], ids=["until-longest", "whole-table"])
+def test_sliding_window_and_soft_cap(cfg, wc, chunk_tokens, kind, early_exit):
     """Pages wholly before a row's window are NaN (released): skipped or masked, never read."""
     dtype, page_size, ratio, head_dim, num_kv_heads = cfg
     window, cap = wc
@@ -115,7 +119,7 @@ def test_sliding_window_and_soft_cap(cfg, wc, chunk_tokens, kind):
     case = release_outside_window(case, window)
     kw = dict(sm_scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap)
     got = paged_attention_xla(jnp.asarray(case.q), jnp.asarray(case.kv_pages), case.page_indices,
-                              case.kv_lens, case.q_lens, chunk_tokens=chunk_tokens, **kw)
+                              case.kv_lens, case.q_lens, chunk_tokens=chunk_tokens, early_exit=early_exit, **kw)
     want = paged_attention_ref(jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)),
                                case.page_indices, case.kv_lens, case.q_lens, **kw)
     assert_close(got, want, dtype)
