@@ -1,4 +1,5 @@
-"""Which paged attention and KV write a runner's step runs, for `EngineConfig.attention_impl`.
+"""The attention implementations (`EngineConfig.attention_impl`): their one registry, and which
+paged attention and KV write a runner's step runs for each.
 
 "native" is the C++ CPU kernel (pallas_kernels/native_attention.py), built with g++ on first use
 into paxpage's cache directory + /native; where it is off (PAXPAGE_NATIVE_ATTENTION=0) or cannot
@@ -11,6 +12,7 @@ the latent pool (pallas_kernels/latent_attention.py), "xla" here. `latent_impl` 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -22,10 +24,59 @@ from pallas_kernels.xla_attention import paged_attention_xla
 log = logging.getLogger("paxpage")
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionImpl:
+    name: str
+    summary: str  # for the logs and the CLI's help
+    cpu_only: bool  # a CPU kernel: refused on GPU / TPU
+    pallas: bool  # the Pallas kernels (pallas_kernels/dispatch.py), compiled or interpreted
+    # kernel families ("cpu", "gpu", "tpu") where it has the batch-invariant form (a fixed order of
+    # every reduction whatever shares the step)
+    batch_invariant: tuple[str, ...]
+
+
+REGISTRY: dict[str, AttentionImpl] = {impl.name: impl for impl in (
+    AttentionImpl("native", "the C++ CPU kernel, built with g++ on first use (else xla)", True, False, ("cpu",)),
+    AttentionImpl("xla", "paged attention in XLA ops", False, False, ()),
+    AttentionImpl("pallas", "the Pallas kernels (GPU / TPU default)", False, True, ("gpu",)),
+    AttentionImpl("pallas-interpret", "the Pallas kernels, interpreted (tests)", False, True, ("gpu",)),
+)}
+NAMES = tuple(REGISTRY)
+
+
+def get(name: str) -> AttentionImpl:
+    """The registry entry of `name`; ValueError naming the choices."""
+    if name not in REGISTRY:
+        raise ValueError(f"attention_impl must be one of {NAMES}, got {name!r}")
+    return REGISTRY[name]
+
+
+def default(backend: str) -> str:
+    """The implementation a backend runs when attention_impl is None."""
+    return "native" if backend == "cpu" else "pallas"
+
+
+def check_batch_invariant(impl: str, family: str | None) -> None:
+    """ValueError unless `impl` has a batch-invariant form on its kernel family (None: the CPU's)."""
+    if (family or "cpu") not in get(impl).batch_invariant:
+        raise ValueError("batch_invariant needs the native CPU attention or the Pallas GPU kernel; "
+                         f"attention_impl resolved to {impl!r}" + (f" for {family}" if family else ""))
+
+
+def describe(impl: str, asked: str | None, backend: str | None) -> str:
+    """One log line: what runs, and why it differs from what was asked."""
+    line = f"attention {impl}: {get(impl).summary}"
+    if backend:
+        line += f", lowered for {backend}"
+    if asked is not None and asked != impl:
+        line += f" (asked for {asked!r}, unavailable here)"
+    return line
+
+
 def latent_impl(impl: str) -> str:
     """The impl a latent-attention model runs for the asked `impl`: "xla" (its one path). "native"
     falls back to it with a log line; the Pallas kernels have no latent-attention form and raise."""
-    if impl in ("pallas", "pallas-interpret"):
+    if get(impl).pallas:
         raise ValueError(f"attention_impl {impl!r} has no kernel for multi-head latent attention "
                          "(deepseek_v3); use 'xla' (or leave attention_impl unset)")
     if impl == "native":
@@ -48,7 +99,7 @@ def resolve(impl: str) -> str:
 
 def kernel_family(impl: str) -> str | None:
     """"gpu" or "tpu" for a Pallas impl (the kernels it runs here), None for "native" / "xla"."""
-    if impl not in ("pallas", "pallas-interpret"):
+    if not get(impl).pallas:
         return None
     from pallas_kernels import dispatch
 

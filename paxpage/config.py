@@ -12,14 +12,10 @@ from models.config import ModelConfig
 from paxpage.sharding import ShardingPlan, kv_page_bytes_per_device
 from paxpage.speculative.draft_model import draft_page_bytes, validate_draft_model
 
+from paxpage import attention_impl
 from paxpage.kv_sizing import DEFAULT_KV_CACHE_BYTES
 
-# "native": the C++ CPU kernel (pallas_kernels/native_attention.py), built with g++ on first use;
-# where it cannot be built or PAXPAGE_NATIVE_ATTENTION=0, the runner uses "xla" (the same
-# attention in XLA ops, pallas_kernels/xla_attention.py). "pallas" / "pallas-interpret": the
-# Pallas kernels on GPU / TPU, or interpreted on CPU (tests).
-ATTENTION_IMPLS = ("native", "xla", "pallas", "pallas-interpret")
-CPU_ATTENTION_IMPLS = ("native", "xla")
+ATTENTION_IMPLS = attention_impl.NAMES  # what each is: paxpage/attention_impl.py
 DTYPES = ("float32", "bfloat16")
 # "auto": the pool in the model's dtype; "int8" / "fp8" (float8_e4m3fn): quantised per (token,
 # kv head) with bf16 scales beside the pages (pallas_kernels/kv_quant.py).
@@ -174,10 +170,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.attention_impl is not None and self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(
-                f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}"
-            )
+        if self.attention_impl is not None:
+            attention_impl.get(self.attention_impl)
         self._validate_speculative()
         for name, low in (("max_loras", 0), ("max_lora_rank", 1)):
             value = getattr(self, name)
@@ -185,7 +179,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if not isinstance(self.batch_invariant, bool):
             raise TypeError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
-        if self.batch_invariant and self.attention_impl == "xla":
+        if self.batch_invariant and self.attention_impl is not None and not attention_impl.get(
+                self.attention_impl).batch_invariant:
             raise ValueError("batch_invariant needs attention_impl 'native', 'pallas' (GPU) or "
                              f"'pallas-interpret' (or None), got {self.attention_impl!r}")
         if self.mesh is not None and not isinstance(self.mesh, jax.sharding.Mesh):
@@ -233,15 +228,13 @@ class EngineConfig:
         defaults = backend_defaults(backend)
         on_cpu = backend == "cpu"
         dtype = self.dtype or ("float32" if on_cpu else "bfloat16")
-        impl = self.attention_impl or ("native" if on_cpu else "pallas")
+        impl = self.attention_impl or attention_impl.default(backend)
         if model.is_mla:
-            from paxpage.attention_impl import latent_impl
-
-            impl = latent_impl(impl if self.attention_impl else "xla")
+            impl = attention_impl.latent_impl(impl if self.attention_impl else "xla")
             if self.max_loras:
                 raise ValueError(f"LoRA adapters are not supported with latent attention ({model.model_type}); "
                                  f"got max_loras={self.max_loras}")
-        if impl == "native" and not on_cpu:
+        if attention_impl.get(impl).cpu_only and not on_cpu:
             raise ValueError(f"attention_impl='native' is a CPU kernel, but the backend is "
                              f"{backend!r}; use 'pallas'")
         max_model_len = self.max_model_len or model.max_position_embeddings
@@ -290,7 +283,7 @@ class EngineConfig:
             raise ValueError(f"scan_layers=True, but the {model.num_layers} layers of this "
                              f"{model.model_type} model do not repeat one pattern (sliding windows "
                              "or MoE / dense MLPs differ); use scan_layers='auto' or False")
-        if period is None or (self.scan_layers == "auto" and impl not in CPU_ATTENTION_IMPLS and not scan_pallas):
+        if period is None or (self.scan_layers == "auto" and attention_impl.get(impl).pallas and not scan_pallas):
             return 0
         return period
 

@@ -57,14 +57,15 @@ class ModelRunner:
         self.mesh = mesh
         self.single_row_decode = cfg.backend == "cpu"  # decode_rows: the compile target's backend, not this host's
         dtype = jnp.dtype(cfg.dtype)
-        impl = attention_impl.resolve(cfg.attention_impl)
+        asked, impl = cfg.attention_impl, attention_impl.resolve(cfg.attention_impl)
         if impl != cfg.attention_impl:  # what runs: the step's code and the executable cache's key
             self.cfg = cfg = dataclasses.replace(cfg, attention_impl=impl)
         backend = cfg.backend if cfg.backend != "cpu" else None
         family = backend or attention_impl.kernel_family(impl)
-        if cfg.batch_invariant and impl != "native" and family != "gpu":
-            raise ValueError("batch_invariant needs the native CPU attention or the Pallas GPU kernel; "
-                             f"attention_impl resolved to {impl!r}")
+        if cfg.batch_invariant:
+            attention_impl.check_batch_invariant(impl, family)
+        if not abstract:
+            log.info("paxpage: %s", attention_impl.describe(impl, asked, backend))
         attention, write_kv = attention_impl.functions(impl, backend, cfg.batch_invariant, latent=model_cfg.is_mla)
         self._pool_sharding = None  # None: the default device
         # Scanned layers (models/layer_stack.py): the params are stacked and the pool is one

@@ -11,15 +11,18 @@ directory and renames it into place, so processes building at once never load ha
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 COMPILE_TIMEOUT_S = 300
+log = logging.getLogger("paxpage")
 
 
 def _cpu_description() -> str:
@@ -65,6 +68,9 @@ def build(source: str, build_dir: str, compiler: str = "g++") -> str:
     os.makedirs(build_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=build_dir, prefix=".build-", suffix=".so")
     os.close(fd)
+    log.info("paxpage: compiling %s with %s (once per source, compiler, jaxlib and CPU)",
+             os.path.basename(source), compiler)
+    start = time.perf_counter()
     try:
         subprocess.run([compiler, *FLAGS, "-I", jax.ffi.include_dir(), source, "-o", tmp],
                        capture_output=True, text=True, check=True, timeout=COMPILE_TIMEOUT_S)
@@ -72,6 +78,7 @@ def build(source: str, build_dir: str, compiler: str = "g++") -> str:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    log.info("paxpage: built %s in %.1f s", path, time.perf_counter() - start)
     return path
 
 
@@ -109,6 +116,7 @@ class NativeLibrary:
                               RuntimeWarning, stacklevel=3)
                 return False
             self.library = library
+            log.info("paxpage: loaded %s from %s", self.what, library._name)
             return True
 
     def loaded(self) -> bool:

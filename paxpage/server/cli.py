@@ -9,6 +9,7 @@ import os
 import socket
 import threading
 
+from paxpage import attention_impl
 from paxpage.embedding import POOLING_CHOICES
 
 
@@ -77,8 +78,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="a request's tokens bitwise the same whatever shares its step")
     e.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8"],
                    help="KV cache storage: the model's dtype (auto), or int8 / fp8 with per-token scales")
-    e.add_argument("--attention-impl", default=None, choices=["native", "xla", "pallas", "pallas-interpret"],
-                   help="native (CPU default): C++ kernel, built with g++ on first use, else xla")
+    e.add_argument("--attention-impl", default=None, choices=list(attention_impl.NAMES),
+                   help="; ".join(f"{i.name}: {i.summary}" for i in attention_impl.REGISTRY.values()))
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--no-chunked-prefill", action="store_true")
     e.add_argument("--tensor-parallel-size", type=int, default=None, help="devices each replica's weights and KV split over")

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import jax
@@ -38,9 +39,13 @@ def test_native_matches_xla(tiny_llama_dir):
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="attention_impl 'native' is for the CPU backend")
-def test_native_turned_off_runs_xla(tiny_llama_dir, monkeypatch):
+def test_native_turned_off_runs_xla(tiny_llama_dir, monkeypatch, caplog):
     monkeypatch.setenv("PAXPAGE_NATIVE_ATTENTION", "0")
     model = paxpage.load(tiny_llama_dir)
-    engine = model.engine(paxpage.EngineConfig(attention_impl="native", page_size=8, num_pages=33))
+    with caplog.at_level(logging.INFO, logger="paxpage"):
+        engine = model.engine(paxpage.EngineConfig(attention_impl="native", page_size=8, num_pages=33))
     assert engine.runner.cfg.attention_impl == "xla"
+    # the log says what runs and that it is not what was asked
+    assert any("attention xla" in r.getMessage() and "asked for 'native'" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert _generate(model, "native", num_pages=33) == _generate(model, "xla", num_pages=33)
