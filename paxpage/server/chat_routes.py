@@ -15,6 +15,7 @@ from paxpage.server.context import context
 from paxpage.server.dispatch import ClientGone, MergedStream, error_event, generate_all
 from paxpage.server.logprobs import chat_logprobs
 from paxpage.server.prompts import encode_chat
+from paxpage.server.reasoning import keep_reasoning_tags
 from paxpage.server.protocol import ChatCompletionRequest
 from paxpage.server.sampling import chat_sampling_params
 from paxpage.server.tools import (ToolPlan, apply_to_params, finish_reason, plan_tools,
@@ -40,7 +41,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     plan = plan_tools(body, ctx.tools)
     prompt_ids, prompt_text = encode_chat(ctx.tokenizer, body.messages, plan)
     params = chat_sampling_params(body, prompt_len=len(prompt_ids), token_budget=ctx.token_budget)
-    params = apply_to_params(plan, params)
+    params = keep_reasoning_tags(ctx.reasoning, apply_to_params(plan, params))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     head = {"id": request_id, "created": created, "model": ctx.model_name(body.model)}

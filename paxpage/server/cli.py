@@ -11,6 +11,7 @@ import threading
 
 from paxpage import attention_impl
 from paxpage.embedding import POOLING_CHOICES
+from paxpage.server.reasoning import PARSERS
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -47,9 +48,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="on SIGINT/SIGTERM, seconds to let open connections finish")
     s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="how tool calls are read from the model's text (default: from the chat template)")
-    s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
-                   help="split the model's <think>...</think> text into reasoning_content "
-                        "(default: no split, it stays in the answer)")
+    s.add_argument("--reasoning-parser", default=None, choices=sorted(PARSERS),
+                   help="split the model's <think>...</think> text (gpt_oss: its harmony analysis channel) "
+                        "into reasoning_content (default: no split, it stays in the answer)")
     s.add_argument("--pooling", default="last", choices=list(POOLING_CHOICES),
                    help="how /v1/embeddings pools the last layer's hidden states (after the final norm): "
                         "the last token's or the mean of all, L2-normalised unless -unnormalized "

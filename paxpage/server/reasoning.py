@@ -4,6 +4,7 @@ to the answer (where tool calls are then read, server/tools.py).
 - `qwen3`: the answer starts as content; a `<think>` before any other text opens the reasoning,
   `</think>` closes it. A prompt that already ends in `<think>` (a template that opens the
   reasoning for the model) starts the answer inside it. No tags at all: everything is content.
+- `gpt_oss`: the harmony format's analysis channel is the reasoning (server/harmony.py).
 - `deepseek_r1`: R1's templates put `<think>` in the prompt, so the answer starts inside the
   reasoning, with or without its own `<think>`; everything up to `</think>` is reasoning. An
   answer without `</think>` is all reasoning (it stopped while thinking).
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from paxpage.server.harmony import HarmonyParser
+
 START, END = "<think>", "</think>"
 
 
@@ -23,6 +26,7 @@ START, END = "<think>", "</think>"
 class ReasoningParser:
     name: str
     starts_inside: bool  # the answer begins inside the reasoning, whatever the prompt
+    keeps_special_tokens: bool = False  # its tags are special tokens, kept in the answer's text
 
     def stream(self, prompt_text: str | None = None) -> "ReasoningStream":
         inside = self.starts_inside or (prompt_text or "").rstrip().endswith(START)
@@ -36,16 +40,25 @@ class ReasoningParser:
         return r1 + r2, c1 + c2
 
 
-PARSERS: dict[str, ReasoningParser] = {p.name: p for p in (ReasoningParser("deepseek_r1", True),
-                                                           ReasoningParser("qwen3", False))}
+PARSERS = {p.name: p for p in (ReasoningParser("deepseek_r1", True), ReasoningParser("qwen3", False),
+                                HarmonyParser())}
 
 
-def reasoning_parser(name: str | None) -> ReasoningParser | None:
+def reasoning_parser(name: str | None):
+    """The parser named `name` (a ReasoningParser or a HarmonyParser: stream, split and
+    keeps_special_tokens alike), or None."""
     if name is None:
         return None
     if name not in PARSERS:
         raise ValueError(f"--reasoning-parser {name!r} is not one of {sorted(PARSERS)}")
     return PARSERS[name]
+
+
+def keep_reasoning_tags(parser, params):
+    """SamplingParams that keep special tokens in the text when the parser reads them as tags."""
+    if parser is not None and parser.keeps_special_tokens and params.skip_special_tokens:
+        return dataclasses.replace(params, skip_special_tokens=False)
+    return params
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -19,6 +19,7 @@ from paxpage.server.context import context
 from paxpage.server.dispatch import ClientGone, MergedStream, api_error, generate_all
 from paxpage.server.errors import APIError, bad_request, error_body
 from paxpage.server.prompts import encode_chat
+from paxpage.server.reasoning import keep_reasoning_tags
 from paxpage.server.protocol import ChatMessage
 from paxpage.server.responses_protocol import ResponsesRequest, chat_request, input_messages
 from paxpage.server.sampling import chat_sampling_params
@@ -65,7 +66,7 @@ class _Turn:
             self.plan = plan_tools(chat, ctx.tools)
             self.prompt_ids, self.prompt_text = encode_chat(ctx.tokenizer, chat.messages, self.plan)
             params = chat_sampling_params(chat, prompt_len=len(self.prompt_ids), token_budget=ctx.token_budget)
-            self.params = apply_to_params(self.plan, params)
+            self.params = keep_reasoning_tags(ctx.reasoning, apply_to_params(self.plan, params))
         except APIError as e:
             raise _renamed(e) from None
         self.id, self.req, self.ctx, self.store = _id("resp"), req, ctx, store

@@ -22,6 +22,16 @@ CASES = [
     ("deepseek_r1", False, "no tags at all", "no tags at all", ""),
     ("deepseek_r1", False, "</think>only content", "", "only content"),
     ("deepseek_r1", False, "ends on a partial </thi", "ends on a partial </thi", ""),
+    # harmony (gpt-oss): the analysis channel is the reasoning, final and commentary the content
+    ("gpt_oss", False, "<|channel|>analysis<|message|>2 + 2 is 4.<|end|><|start|>assistant<|channel|>final"
+                       "<|message|>It is 4.<|return|>", "2 + 2 is 4.", "It is 4."),
+    ("gpt_oss", False, "<|channel|>analysis<|message|>a<b, c<|d<|end|><|start|>assistant<|channel|>commentary"
+                       "<|message|>Checking.<|end|><|start|>assistant<|channel|>final<|message|>done",
+     "a<b, c<|d", "Checking.done"),
+    ("gpt_oss", False, "<|channel|>analysis<|message|>cut off while thi", "cut off while thi", ""),
+    ("gpt_oss", False, "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|chan", "x", ""),
+    ("gpt_oss", False, "no harmony tags", "", "no harmony tags"),
+    ("gpt_oss", False, "<|channel|>final<|message|>only an answer<|return|>", "", "only an answer"),
 ]
 
 
@@ -39,6 +49,7 @@ def test_split_whole_and_streamed(name, opened, text, reasoning, content):
             r, c = r + dr, c + dc
             if "think>" not in content:  # a tag is never sent as reasoning or content text
                 assert "think>" not in dr + dc, pieces
+            assert "|>" not in dc and ("|>" in reasoning or "|>" not in dr), pieces
         dr, dc = reader.finish()
         assert (r + dr, c + dc) == (reasoning, content), pieces
 
@@ -46,4 +57,15 @@ def test_split_whole_and_streamed(name, opened, text, reasoning, content):
 def test_unknown_parser_names_the_choices():
     with pytest.raises(ValueError, match="deepseek_r1"):
         reasoning_parser("nope")
-    assert reasoning_parser(None) is None and set(PARSERS) == {"deepseek_r1", "qwen3"}
+    assert reasoning_parser(None) is None and set(PARSERS) == {"deepseek_r1", "gpt_oss", "qwen3"}
+
+
+def test_harmony_keeps_special_tokens_in_the_text():
+    """The harmony tags are special tokens: requests read by that parser keep them; others as asked."""
+    from paxpage import SamplingParams
+    from paxpage.server.reasoning import keep_reasoning_tags
+
+    params = SamplingParams(max_tokens=4)
+    assert keep_reasoning_tags(reasoning_parser("gpt_oss"), params).skip_special_tokens is False
+    assert keep_reasoning_tags(reasoning_parser("qwen3"), params).skip_special_tokens is True
+    assert keep_reasoning_tags(None, params) is params
