@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxpage.penalty_counts import distinct_counts
+from paxpage.sampling import fields
 from paxpage.sampling_draw import (argmax_rows, by_platform, cond_or_select, draw, largest_threshold,
                                    sortable_keys)
 from paxpage.sampling_params import GREEDY_TEMPERATURE, SamplingParams
@@ -164,29 +165,17 @@ class SamplingTensors:
             raise ValueError(f"pad_rows_to={pad_rows_to} is smaller than the {num_real} rows")
         eos_token_ids = _eos_tuple(eos_token_ids)
 
-        temperature = np.zeros(num_rows, np.float32)
-        top_p = np.ones(num_rows, np.float32)
-        top_k = np.zeros(num_rows, np.int32)
-        min_p = np.zeros(num_rows, np.float32)
-        rep = np.ones(num_rows, np.float32)
-        presence = np.zeros(num_rows, np.float32)
-        frequency = np.zeros(num_rows, np.float32)
+        arrays = fields.neutral_rows(num_rows)
         seeds = np.zeros(num_rows, np.uint64)
         steps = np.zeros(num_rows, np.uint64)
         banned: dict[int, tuple[int, ...]] = {}
         for i, (p, _, out, seed, step) in enumerate(rows):
-            temperature[i] = p.temperature
-            top_p[i] = p.top_p
-            top_k[i] = 0 if p.top_k <= 0 or p.top_k >= vocab_size else p.top_k
-            min_p[i] = p.min_p
-            rep[i] = p.repetition_penalty
-            presence[i] = p.presence_penalty
-            frequency[i] = p.frequency_penalty
+            fields.write_row(arrays, i, p, vocab_size)
             seeds[i], steps[i] = seed & _MASK64, (len(out) if step is None else step) & _MASK64
             banned[i] = p.banned_token_ids(len(out), eos_token_ids)
         keys = np.zeros((num_rows, 2), np.uint32)
         keys[:num_real] = row_keys(seeds[:num_real], steps[:num_real])
-        return cls.from_host(temperature, top_p, top_k, min_p, rep, presence, frequency, keys, banned,
+        return cls.from_host(*(arrays[name] for name in fields.NAMES), keys, banned,
                              lambda i, with_prompt: distinct_counts(rows[i].prompt_ids if with_prompt else (),
                                                                     rows[i].output_ids), token_width)
 

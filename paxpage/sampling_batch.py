@@ -21,6 +21,7 @@ from collections.abc import Callable, Hashable, Sequence
 import numpy as np
 
 from paxpage.penalty_counts import RunningCounts
+from paxpage.sampling import fields
 from paxpage.sampler import SamplingTensors, hash_seeds, keys_of_hashed
 from paxpage.sampling_params import SamplingParams
 
@@ -54,10 +55,8 @@ class SamplingBatch:
                 new[:old.shape[0]] = old
             setattr(self, name, new)
 
-        for name, dtype in (("temperature", np.float32), ("top_p", np.float32), ("top_k", np.int32),
-                            ("min_p", np.float32), ("repetition_penalty", np.float32),
-                            ("presence_penalty", np.float32), ("frequency_penalty", np.float32),
-                            ("seed", np.uint64), ("min_tokens", np.int64)):
+        for name, dtype in (*((f.name, f.dtype) for f in fields.FIELDS), ("seed", np.uint64),
+                            ("min_tokens", np.int64)):
             grow(name, dtype)  # each [C]
 
     @property
@@ -72,13 +71,8 @@ class SamplingBatch:
             self._reusable = None  # a slot's contents change
             slot = self._slots[key] = self._take()
             self._params[slot] = params
-            self.temperature[slot] = params.temperature
-            self.top_p[slot] = params.top_p
-            self.top_k[slot] = 0 if params.top_k <= 0 or params.top_k >= self.vocab_size else params.top_k
-            self.min_p[slot] = params.min_p
-            self.repetition_penalty[slot] = params.repetition_penalty
-            self.presence_penalty[slot] = params.presence_penalty
-            self.frequency_penalty[slot] = params.frequency_penalty
+            for f in fields.FIELDS:
+                getattr(self, f.name)[slot] = f.value(params, self.vocab_size)
             self.seed[slot] = seed & _MASK64
             self.min_tokens[slot] = params.min_tokens
         return slot
@@ -148,9 +142,7 @@ class SamplingBatch:
         for r in np.flatnonzero(below):  # rare: below min_tokens
             banned[int(r)] = self._params[slots[r]].banned_token_ids(int(steps[r]), self.eos_token_ids)
         tensors = SamplingTensors.from_host(
-            rows_of(self.temperature, 0.0), rows_of(self.top_p, 1.0), rows_of(self.top_k, 0),
-            rows_of(self.min_p, 0.0), rows_of(self.repetition_penalty, 1.0),
-            rows_of(self.presence_penalty, 0.0), rows_of(self.frequency_penalty, 0.0), keys, banned,
+            *(rows_of(getattr(self, f.name), f.neutral) for f in fields.FIELDS), keys, banned,
             lambda r, with_prompt: self._row_counts(int(slots[r]), *row_tokens(r), with_prompt),
             self.token_width)
         self._reusable = None

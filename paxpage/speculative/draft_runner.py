@@ -47,6 +47,7 @@ from paxpage.config import ResolvedConfig
 from paxpage.packing import bucket
 from paxpage.runner import ModelRunner
 from paxpage.sampler import filter_logits, row_key
+from paxpage.sampling import fields
 from paxpage.sampling_draw import argmax_rows
 from paxpage.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
@@ -132,10 +133,7 @@ class DraftRunner:
         positions = np.zeros(num_rows, np.int32)
         limits = np.zeros(num_rows, np.int32)  # positions below this have a page; 0: padding row
         tables = np.zeros((num_rows, pages_per_seq), np.int32)
-        temperature = np.zeros(num_rows, np.float32)
-        top_k = np.zeros(num_rows, np.int32)
-        top_p = np.ones(num_rows, np.float32)
-        min_p = np.zeros(num_rows, np.float32)
+        arrays = fields.neutral_rows(num_rows)
         keys = np.zeros((num_rows, 2), np.uint32)
         vocab = self.model_cfg.vocab_size
         for i, r in enumerate(rows):
@@ -148,10 +146,10 @@ class DraftRunner:
             tokens[i], positions[i], limits[i] = r.last_token, r.position, (n + scratch) * page_size
             p = r.params
             if p is not None and p.temperature > GREEDY_TEMPERATURE:
-                temperature[i], top_p[i], min_p[i] = p.temperature, p.top_p, p.min_p
-                top_k[i] = 0 if p.top_k <= 0 or p.top_k >= vocab else p.top_k
+                fields.write_row(arrays, i, p, vocab)
                 keys[i] = row_key(r.seed ^ _DRAFT_SEED_SALT, r.step)
         np.maximum(tables, 0, out=tables)  # RELEASED (-1) entries lie outside every window: any page will do
+        temperature, top_k, top_p, min_p = (arrays[name] for name in ("temperature", "top_k", "top_p", "min_p"))
         sampled = bool(np.any(temperature > GREEDY_TEMPERATURE))
         self.runner.kv_cache, token_ids, probs = self._propose(
             self.runner.params, self.runner.kv_cache, tokens, positions, limits, tables,

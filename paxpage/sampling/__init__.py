@@ -1,0 +1,1 @@
+"""Sampling: the per-row device fields of a request's SamplingParams (fields.py)."""
