@@ -17,7 +17,7 @@ from models.generation_config import GenerationConfig
 
 # HF `model_type` values this model family covers.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text",
-                         "deepseek_v3")
+                         "deepseek_v3", "gpt_oss")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # GGUF `general.architecture` -> model_type. llama.cpp writes Mistral as "llama", and Mixtral as
@@ -152,6 +152,15 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # RoPE on interleaved pairs (x0, x1), (x2, x3), ... (HF rope_interleave)
+    # gpt-oss: a learned logit per query head joins every softmax's denominator (attention sinks);
+    # o_proj has a bias; the router and each expert's projections have biases; and the experts'
+    # activation is the clamped SwiGLU (up + 1) * g * sigmoid(swiglu_alpha * g), with the gate
+    # g clamped to <= swiglu_limit and up to +-swiglu_limit (None: silu(gate) * up).
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -199,6 +208,12 @@ class ModelConfig:
             raise ValueError(f"dense_mlp_layers {bad} are not layers of a {self.num_layers}-layer model")
         self._check_routing()
         self._check_mla()
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"ModelConfig.swiglu_limit must be None or > 0, got {self.swiglu_limit!r}")
+        if (self.moe_bias or self.swiglu_limit is not None) and not self.num_experts:
+            raise ValueError("moe_bias / swiglu_limit describe experts; the config has num_experts=0")
+        if self.attention_sinks and self.is_mla:
+            raise ValueError("attention sinks are not supported with latent attention")
 
     def _check_routing(self):
         if self.router_scoring not in ROUTER_SCORINGS:
@@ -341,6 +356,7 @@ class ModelConfig:
             local_rope_theta=local_rope_theta,
             hidden_activation=activation,
             **_moe_fields_from_hf(d, model_type),
+            **_gpt_oss_fields_from_hf(d, model_type),
         )
 
     @classmethod
@@ -477,8 +493,8 @@ def _hf_sliding_window(d: dict[str, Any], model_type: str) -> tuple[int | None, 
         if model_type in ("qwen2", "qwen3"):
             first = d.get("max_window_layers", 28)
             layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-        elif model_type in GEMMA_MODEL_TYPES:
-            pattern = 2 if model_type == "gemma2" else d.get("sliding_window_pattern", 6)
+        elif model_type in GEMMA_MODEL_TYPES or model_type == "gpt_oss":
+            pattern = 2 if model_type in ("gemma2", "gpt_oss") else d.get("sliding_window_pattern", 6)
             layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
         else:
             layer_types = ["sliding_attention"] * num_layers
@@ -531,6 +547,9 @@ def _moe_fields_from_hf(d: dict[str, Any], model_type: str) -> dict[str, Any]:
             raise ValueError(f"mixtral with sliding_window={d['sliding_window']} is not supported (full attention only)")
         return dict(num_experts=d["num_local_experts"], num_experts_per_tok=d["num_experts_per_tok"],
                     moe_intermediate_size=d["intermediate_size"], norm_topk_prob=True)
+    if model_type == "gpt_oss":
+        return dict(num_experts=d["num_local_experts"], num_experts_per_tok=d["num_experts_per_tok"],
+                    moe_intermediate_size=d["intermediate_size"], norm_topk_prob=True)
     if model_type == "qwen3_moe":
         if d.get("use_sliding_window"):
             raise ValueError("qwen3_moe with use_sliding_window=true is not supported (full attention only)")
@@ -544,6 +563,17 @@ def _moe_fields_from_hf(d: dict[str, Any], model_type: str) -> dict[str, Any]:
                     norm_topk_prob=bool(d.get("norm_topk_prob", False)),
                     dense_mlp_layers=dense if num_experts else ())
     return {}
+
+
+def _gpt_oss_fields_from_hf(d: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The gpt-oss fields of a HF gpt_oss config.json ({} for other model types). Its router takes
+    the top k of the biased logits and a softmax over those k: the same weights as a softmax over
+    every expert renormalised over the top k (norm_topk_prob)."""
+    if model_type != "gpt_oss":
+        return {}
+    bias = bool(d.get("attention_bias", True))
+    return dict(o_proj_bias=bias, attention_sinks=True, moe_bias=True,
+                swiglu_limit=float(d.get("swiglu_limit", 7.0)), swiglu_alpha=float(d.get("swiglu_alpha", 1.702)))
 
 
 def _deepseek_from_hf(cls, d: dict[str, Any], rope_theta: float, scaling: RopeScaling,

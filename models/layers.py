@@ -143,17 +143,21 @@ def gated_mlp(cfg, h, activation, dtype, batch_invariant: bool = False, lora_slo
                                                                                        lora_slots)
 
 
-def paged_attention_rows(attention, q, kv_pages, batch, sm_scale, *, sliding_window=None, soft_cap=None):
+def paged_attention_rows(attention, q, kv_pages, batch, sm_scale, *, sliding_window=None, soft_cap=None,
+                         sinks=None):
     """Splits the flat tokens q [T, N, D] into the decode and prefill row groups and attends each:
     [T, N, Dout] back, Dout the attention's output width (D; latent attention: its value width).
+    sinks: f32[N] (gpt-oss), one logit per query head in the softmax's denominator.
 
-    The window and cap reach the attention function only when set, so a plain causal layer traces
-    exactly the attention it always did."""
+    The window, cap and sinks reach the attention function only when set, so a plain causal layer
+    traces exactly the attention it always did."""
     masking = {}
     if sliding_window is not None:
         masking["sliding_window"] = sliding_window
     if soft_cap is not None:
         masking["soft_cap"] = soft_cap
+    if sinks is not None:
+        masking["sinks"] = sinks
     num_decode = batch.num_decode_rows
     num_prefill = batch.num_prefill_rows
     outs = []

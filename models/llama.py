@@ -1,6 +1,7 @@
 """Functional Flax model for the Llama family (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3) and
-its mixture-of-experts variants (Qwen3-MoE, Mixtral), whose MoE layers swap the dense MLP for
-models/moe.py's SparseMoe.
+its mixture-of-experts variants (Qwen3-MoE, Mixtral, gpt-oss), whose MoE layers swap the dense
+MLP for models/moe.py's SparseMoe. gpt-oss adds attention sinks (a learned logit per query head
+in every softmax), an o_proj bias, and biased experts with the clamped SwiGLU.
 
 Mistral and Qwen2/3 configs with a sliding window pass each layer's window to the attention
 (`ModelConfig.layer_window`); shared pieces (RMSNorm, paged attention over rows) are models/layers.py.
@@ -31,7 +32,7 @@ from models.moe import SparseMoe
 from models.rope import apply_rope, attention_factor, inverse_frequencies
 
 # attention(q [B, Tq, N, D], kv_pages, page_indices, kv_lens, q_lens, *, sm_scale
-#           [, sliding_window, soft_cap]) -> [B, Tq, N, D]
+#           [, sliding_window, soft_cap, sinks]) -> [B, Tq, N, D]
 AttentionFn = Callable[..., jax.Array]
 # write_kv(kv_pages, k [T, K, D], v [T, K, D], slot_mapping i32[T]) -> kv_pages
 WriteKvFn = Callable[..., jax.Array]
@@ -62,14 +63,19 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q, batch.positions, inv_freq, scale).astype(dtype)
         k = apply_rope(k, batch.positions, inv_freq, scale).astype(dtype)
         kv_pages = self.write_kv(kv_pages, k, v, batch.slot_mapping)
+        sinks = None
+        if cfg.attention_sinks:  # gpt-oss: one learned logit per query head in each softmax
+            sinks = self.param("attention_sinks", nn.initializers.zeros, (cfg.num_heads,), dtype)
+            sinks = sinks.astype(jnp.float32)
         out = paged_attention_rows(self.attention, q, kv_pages, batch, cfg.head_dim**-0.5,
-                                   sliding_window=self.sliding_window)
+                                   sliding_window=self.sliding_window, sinks=sinks)
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim).astype(dtype)
-        x = x + _dense(cfg.hidden_size, "o_proj", dtype, batch_invariant=inv)(out, lora)
+        x = x + _dense(cfg.hidden_size, "o_proj", dtype, cfg.o_proj_bias, batch_invariant=inv)(out, lora)
         h = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="post_attention_layernorm")(x)
         if self.use_moe:
             moe = SparseMoe(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
-                            cfg.norm_topk_prob, self.moe_impl, dtype, name="moe")
+                            cfg.norm_topk_prob, self.moe_impl, dtype, cfg.moe_bias, cfg.swiglu_limit,
+                            cfg.swiglu_alpha, name="moe")
             return x + moe(h), kv_pages
         x = x + gated_mlp(cfg, h, nn.silu, dtype, inv, lora)
         return x, kv_pages

@@ -48,13 +48,17 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
-def route(x, router, top_k: int, renormalize: bool):
+def route(x, router, top_k: int, renormalize: bool, bias=None):
     """Router softmax over all experts (in f32), then the top k.
 
-    x [T, H], router [H, E] -> (weights f32[T, k], experts i32[T, k]). `renormalize` rescales the
-    k chosen probabilities to sum to 1 (Mixtral always; Qwen3-MoE when `norm_topk_prob`).
+    x [T, H], router [H, E], bias [E] or None (gpt-oss) -> (weights f32[T, k], experts i32[T, k]).
+    `renormalize` rescales the k chosen probabilities to sum to 1 (Mixtral always; Qwen3-MoE when
+    `norm_topk_prob`; gpt-oss's softmax over the top k logits is the same).
     """
-    logits = jnp.einsum("TH,HE->TE", x, router).astype(jnp.float32)
+    logits = jnp.einsum("TH,HE->TE", x, router)
+    if bias is not None:
+        logits = logits + bias.astype(logits.dtype)
+    logits = logits.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if renormalize:
@@ -101,6 +105,18 @@ def _swiglu(h):  # [..., 2F] (gate then up) -> [..., F]
     return nn.silu(gate) * up
 
 
+def clamped_swiglu(limit: float, alpha: float):
+    """gpt-oss's expert activation (HF GptOssExperts): the gate g clamped to <= limit, up to
+    [-limit, limit], then (up + 1) * g * sigmoid(alpha * g). [..., 2F] (gate then up) -> [..., F]."""
+    def activation(h):
+        gate, up = jnp.split(h, 2, axis=-1)
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(alpha * gate))
+
+    return activation
+
+
 def _group_layout(flat_experts, num_experts: int):
     """Where each routed row goes when rows are grouped by expert, without a sort.
 
@@ -118,18 +134,23 @@ def _scatter_index(dest, size: int, fill: int):
     return jnp.full((size,), fill, jnp.int32).at[dest].set(jnp.arange(dest.shape[0], dtype=jnp.int32))
 
 
-def _experts_ragged(x, flat_experts, top_k, gate_up, down):
-    """x [T, H], flat_experts i32[M] (row j is token j // top_k) -> [M, H] in row order."""
+def _experts_ragged(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, activation=_swiglu):
+    """x [T, H], flat_experts i32[M] (row j is token j // top_k) -> [M, H] in row order (before
+    the down projection's bias)."""
     group_sizes, rank = _group_layout(flat_experts, gate_up.shape[0])
     start = jnp.cumsum(group_sizes) - group_sizes
     dest = start[flat_experts] + rank  # [M] grouped position of each row
-    x_sorted = x[_scatter_index(dest, dest.shape[0], 0) // top_k]  # [M, H]
+    rows = _scatter_index(dest, dest.shape[0], 0)  # grouped position -> row
+    x_sorted = x[rows // top_k]  # [M, H]
     h = jax.lax.ragged_dot(x_sorted, gate_up, group_sizes)  # [M, 2F]
-    y_sorted = jax.lax.ragged_dot(_swiglu(h), down, group_sizes)  # [M, H]
+    if gate_up_bias is not None:
+        h = h + gate_up_bias[flat_experts[rows]].astype(h.dtype)
+    y_sorted = jax.lax.ragged_dot(activation(h), down, group_sizes)  # [M, H]
     return y_sorted[dest]
 
 
-def _experts_tiled(x, flat_experts, top_k, gate_up, down, fixed_trip_count: bool | None = None):
+def _experts_tiled(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, activation=_swiglu,
+                   fixed_trip_count: bool | None = None):
     """The same as `_experts_ragged` in plain jnp (see the module docstring).
     fixed_trip_count: loop over every tile (True) or the tiles in use (False); None: fixed
     where the step lowers for a GPU.
@@ -155,7 +176,10 @@ def _experts_tiled(x, flat_experts, top_k, gate_up, down, fixed_trip_count: bool
     def one_tile(g, y):
         e = tile_expert[g]
         x_tile = jax.lax.dynamic_slice_in_dim(x_padded, g * tile, tile)  # [R, H]
-        out = _swiglu(x_tile @ gate_up[e]) @ down[e]  # [R, H]
+        h = x_tile @ gate_up[e]  # [R, 2F]
+        if gate_up_bias is not None:
+            h = h + gate_up_bias[e].astype(h.dtype)
+        out = activation(h) @ down[e]  # [R, H]
         return jax.lax.dynamic_update_slice_in_dim(y, out.astype(y.dtype), g * tile, 0)
 
     y = jnp.zeros((num_tiles * tile, hidden), x.dtype)
@@ -174,11 +198,15 @@ def _experts_tiled(x, flat_experts, top_k, gate_up, down, fixed_trip_count: bool
     return y[dest]  # [M, H]
 
 
-def _experts_dense(x, weights, experts, gate_up, down):
+def _experts_dense(x, weights, experts, gate_up, down, gate_up_bias=None, down_bias=None, activation=_swiglu):
     """Every expert on every token. x [T, H] -> [T, H]."""
     num_experts = gate_up.shape[0]
     h = jnp.einsum("TH,EHF->ETF", x, gate_up)
-    y = jnp.einsum("ETF,EFH->ETH", _swiglu(h), down)
+    if gate_up_bias is not None:
+        h = h + gate_up_bias[:, None, :].astype(h.dtype)
+    y = jnp.einsum("ETF,EFH->ETH", activation(h), down)
+    if down_bias is not None:
+        y = y + down_bias[:, None, :].astype(y.dtype)
     # [T, E] routing weights, zero for the experts a token did not pick.
     combine = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32) * weights[..., None], axis=1)
     return jnp.einsum("TE,ETH->TH", combine, y.astype(jnp.float32))
@@ -195,24 +223,32 @@ def moe_mlp(x, router, gate_up, down, *, top_k: int, renormalize: bool, impl: st
     return routed_experts(x, weights, experts, gate_up, down, impl=impl)
 
 
-def routed_experts(x, weights, experts, gate_up, down, *, impl: str = "auto"):
+def routed_experts(x, weights, experts, gate_up, down, *, impl: str = "auto", gate_up_bias=None,
+                   down_bias=None, activation=_swiglu):
     """Each token through its routed experts: x [T, H], weights f32[T, k], experts i32[T, k],
-    gate_up [E, H, 2F], down [E, F, H] -> [T, H] in x's dtype (sum of weight * expert MLP)."""
+    gate_up [E, H, 2F], down [E, F, H] -> [T, H] in x's dtype (sum of weight * expert MLP).
+    gpt-oss: biases gate_up_bias [E, 2F] / down_bias [E, H] after each projection, and
+    `activation` ([..., 2F] gate then up -> [..., F]; default silu(gate) * up)."""
     impl = resolve_impl(impl)
     x, gate_up, down = (jnp.asarray(a) for a in (x, gate_up, down))
+    gate_up_bias, down_bias = (None if b is None else jnp.asarray(b) for b in (gate_up_bias, down_bias))
     num_tokens, hidden = x.shape
     top_k = experts.shape[1]
     if impl == "dense":
-        return _experts_dense(x, weights, experts, gate_up, down).astype(x.dtype)
+        return _experts_dense(x, weights, experts, gate_up, down, gate_up_bias, down_bias,
+                              activation).astype(x.dtype)
     flat_experts = experts.reshape(-1)  # [M]; row j is token j // k
     experts_fn = _experts_ragged if impl == "ragged_dot" else _experts_tiled
-    y = experts_fn(x, flat_experts, top_k, gate_up, down)  # [M, H]
+    y = experts_fn(x, flat_experts, top_k, gate_up, down, gate_up_bias, activation)  # [M, H]
+    if down_bias is not None:
+        y = y + down_bias[flat_experts].astype(y.dtype)
     y = y.reshape(num_tokens, top_k, hidden).astype(jnp.float32)
     return jnp.einsum("Tk,TkH->TH", weights, y).astype(x.dtype)
 
 
 class SparseMoe(nn.Module):
-    """Parameters: router [H, E], gate_up_proj [E, H, 2F], down_proj [E, F, H] (models/param_layout.py)."""
+    """Parameters: router [H, E], gate_up_proj [E, H, 2F], down_proj [E, F, H]; with `bias`
+    (gpt-oss) also router_bias [E], gate_up_bias [E, 2F], down_bias [E, H] (models/param_layout.py)."""
 
     num_experts: int
     top_k: int
@@ -220,6 +256,9 @@ class SparseMoe(nn.Module):
     renormalize: bool
     impl: str = "auto"
     dtype: Any = jnp.float32
+    bias: bool = False
+    swiglu_limit: float | None = None  # set: clamped_swiglu(swiglu_limit, swiglu_alpha)
+    swiglu_alpha: float = 1.0
 
     @nn.compact
     def __call__(self, x):  # [T, H]
@@ -228,5 +267,14 @@ class SparseMoe(nn.Module):
         router = self.param("router", init, (H, E), self.dtype)
         gate_up = self.param("gate_up_proj", init, (E, H, 2 * F), self.dtype)
         down = self.param("down_proj", init, (E, F, H), self.dtype)
-        return moe_mlp(x, router, gate_up, down, top_k=self.top_k, renormalize=self.renormalize,
-                       impl=self.impl)
+        if not self.bias and self.swiglu_limit is None:
+            return moe_mlp(x, router, gate_up, down, top_k=self.top_k, renormalize=self.renormalize,
+                           impl=self.impl)
+        zeros = nn.initializers.zeros
+        biases = {name: self.param(name, zeros, shape, self.dtype) if self.bias else None
+                  for name, shape in (("router_bias", (E,)), ("gate_up_bias", (E, 2 * F)), ("down_bias", (E, H)))}
+        activation = _swiglu if self.swiglu_limit is None else clamped_swiglu(self.swiglu_limit, self.swiglu_alpha)
+        x = jnp.asarray(x)
+        weights, experts = route(x, router, self.top_k, self.renormalize, biases["router_bias"])
+        return routed_experts(x, weights, experts, gate_up, down, impl=self.impl, gate_up_bias=biases["gate_up_bias"],
+                              down_bias=biases["down_bias"], activation=activation)

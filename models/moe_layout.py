@@ -8,6 +8,12 @@ gate rows, then its up rows) and `mlp.experts.down_proj` [E, H, Fe]. Checkpoints
     Mixtral    block_sparse_moe.gate.weight, block_sparse_moe.experts.{j}.{w1,w3,w2}.weight
                (w1 gate [Fe, H], w3 up [Fe, H], w2 down [H, Fe])
 `with_expert_tensors` answers the fused names from either.
+
+gpt-oss (cfg.moe_bias) holds `mlp.experts.gate_up_proj` [E, H, 2*Fe] with gate and up columns
+interleaved (gate at even columns), and its released checkpoints store the expert weights as
+MXFP4 (`<name>_blocks` [E, O, I/32, 16] u8 of packed 4-bit values, low nibble first, and
+`<name>_scales` [E, O, I/32] u8 exponents biased by 127, one per 32 inputs): decoded exactly here,
+then transposed to [E, I, O], and the gate / up columns regrouped as gate, then up.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ def with_expert_tensors(cfg: ModelConfig, get_tensor: Callable[[str], Any]) -> C
     per-expert tensors. Other names pass through unchanged."""
     if not cfg.num_experts:
         return get_tensor
+    if cfg.moe_bias:
+        return _gpt_oss_experts(get_tensor)
 
     def get(name: str):
         try:
@@ -65,3 +73,44 @@ def _stack_experts(num_experts: int, layer: str, parts: tuple[int, ...], get_ten
             experts.append(np.concatenate(pieces, axis=0))
         return np.stack(experts)
     raise KeyError(f"{layer}.mlp.experts")
+
+
+# The 16 values of an e2m1 4-bit float (sign, 2 exponent bits, 1 mantissa bit), by code.
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                    np.float32)
+
+
+def decode_mxfp4(blocks, scales) -> np.ndarray:
+    """MXFP4 blocks u8[..., G, 16] (two 4-bit codes a byte, low nibble first) and scales u8[..., G]
+    (2 ** (s - 127) per block of 32) -> f32[..., G * 32], exact."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape} do not pair "
+                         "(blocks [..., G, 16], scales [..., G])")
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    values = np.ldexp(FP4_E2M1[codes], scales.astype(np.int32)[..., None] - 127)
+    return values.reshape(*blocks.shape[:-2], -1).astype(np.float32)
+
+
+def _gate_then_up(x) -> np.ndarray:  # [..., 2*Fe], gate / up interleaved -> gate columns, then up
+    x = np.asarray(x)
+    return np.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+def _gpt_oss_experts(get_tensor: Callable[[str], Any]) -> Callable[[str], Any]:
+    def dense_or_mxfp4(name: str):
+        try:
+            return np.asarray(get_tensor(name))
+        except KeyError:
+            blocks, scales = get_tensor(name + "_blocks"), get_tensor(name + "_scales")
+            return decode_mxfp4(blocks, scales).swapaxes(-1, -2)  # [E, O, I] -> [E, I, O]
+
+    def get(name: str):
+        if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+            x = dense_or_mxfp4(name)
+            return _gate_then_up(x) if name.endswith("gate_up_proj") else x
+        if name.endswith(".mlp.experts.gate_up_proj_bias"):
+            return _gate_then_up(get_tensor(name))
+        return get_tensor(name)
+
+    return get

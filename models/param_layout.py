@@ -12,6 +12,8 @@ Tree (nested dicts of arrays; kernels are [in, out] like flax Dense):
     layers_{i}/moe/router [H, E]                    (MoE layers, cfg.is_moe_layer(i); models/moe.py)
     layers_{i}/moe/gate_up_proj [E, H, 2*Fe]        (each expert's gate columns, then its up columns)
     layers_{i}/moe/down_proj [E, Fe, H]
+    layers_{i}/moe/{router_bias [E], gate_up_bias [E, 2*Fe], down_bias [E, H]}   (gpt-oss, cfg.moe_bias)
+    layers_{i}/o_proj/bias [H], layers_{i}/attention_sinks [N]   (gpt-oss)
     norm/scale [H]
     lm_head/kernel [H, V]                           (unless cfg.tie_word_embeddings)
 Latent-attention layers (DeepSeek-V3, cfg.is_mla; models/deepseek.py) instead of q/k/v/o above:
@@ -62,6 +64,10 @@ def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, bool]
             if cfg.qkv_bias:
                 specs[p + name + "/bias"] = ((width,), hf + f"self_attn.{name}.bias", False)
         specs[p + "o_proj/kernel"] = ((N * D, H), hf + "self_attn.o_proj.weight", True)
+        if cfg.o_proj_bias:
+            specs[p + "o_proj/bias"] = ((H,), hf + "self_attn.o_proj.bias", False)
+        if cfg.attention_sinks:
+            specs[p + "attention_sinks"] = ((N,), hf + "self_attn.sinks", False)
         if cfg.qk_norm:
             specs[p + "q_norm/scale"] = ((D,), hf + "self_attn.q_norm.weight", False)
             specs[p + "k_norm/scale"] = ((D,), hf + "self_attn.k_norm.weight", False)
@@ -69,6 +75,9 @@ def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, bool]
         if cfg.is_gemma:  # norms around the MLP too
             for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
                 specs[p + name + "/scale"] = ((H,), hf + name + ".weight", False)
+        if cfg.is_moe_layer(i) and cfg.moe_bias:
+            specs.update(_biased_moe_specs(cfg, i))
+            continue
         if cfg.is_moe_layer(i):
             E, Fe = cfg.num_experts, cfg.moe_intermediate_size
             specs[p + "moe/router"] = ((H, E), hf + "mlp.gate.weight", True)
@@ -82,6 +91,20 @@ def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, bool]
     if not cfg.tie_word_embeddings:
         specs["lm_head/kernel"] = ((H, V), "lm_head.weight", True)
     return specs
+
+
+def _biased_moe_specs(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple[int, ...], str, bool]]:
+    """A gpt-oss MoE layer (cfg.moe_bias): the router and every expert projection with biases.
+    transformers holds its experts as x @ W ([E, H, 2*Fe], gate and up columns interleaved;
+    models/moe_layout.py regroups them as gate columns, then up)."""
+    H, E, Fe = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    p, hf = f"layers_{i}/moe/", f"model.layers.{i}.mlp."
+    return {p + "router": ((H, E), hf + "router.weight", True),
+            p + "router_bias": ((E,), hf + "router.bias", False),
+            p + "gate_up_proj": ((E, H, 2 * Fe), hf + "experts.gate_up_proj", False),
+            p + "gate_up_bias": ((E, 2 * Fe), hf + "experts.gate_up_proj_bias", False),
+            p + "down_proj": ((E, Fe, H), hf + "experts.down_proj", False),
+            p + "down_bias": ((E, H), hf + "experts.down_proj_bias", False)}
 
 
 def _latent_layer_specs(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple[int, ...], str, bool]]:

@@ -48,6 +48,17 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
         qk_norm=True, bos_token_id=None, eos_token_ids=(151645,), model_type="qwen3_moe",
         num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+    # openai/gpt-oss-20b: attention sinks, windowed (128) and full layers in turn, 32 biased experts
+    "gpt-oss-20b": ModelConfig(
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_layers=24, num_heads=64,
+        num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=150000.0,
+        rope_scaling=RopeScaling(kind="yarn", factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                                 beta_slow=1.0, truncate=False),
+        max_position_embeddings=131072, qkv_bias=True, bos_token_id=199998, eos_token_ids=(200002,),
+        model_type="gpt_oss", sliding_window=128,
+        layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)),
+        num_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880, norm_topk_prob=True,
+        attention_sinks=True, o_proj_bias=True, moe_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702),
 }
 
 
@@ -65,12 +76,17 @@ def preset(name: str, *, tiny: bool = False, num_layers: int | None = None) -> M
         if cfg.num_experts:
             moe = dict(num_experts=8, num_experts_per_tok=min(cfg.num_experts_per_tok, 2), moe_intermediate_size=32)
         cfg = dataclasses.replace(
-            cfg, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=num_heads,
+            cfg, vocab_size=512, hidden_size=64, intermediate_size=128, **_depth(cfg, 2), num_heads=num_heads,
             num_kv_heads=num_heads // group, head_dim=16, max_position_embeddings=4096,
             bos_token_id=None, eos_token_ids=(), **moe)
     if num_layers is not None:
-        cfg = dataclasses.replace(cfg, num_layers=num_layers)
+        cfg = dataclasses.replace(cfg, **_depth(cfg, num_layers))
     return cfg
+
+
+def _depth(cfg: ModelConfig, num_layers: int) -> dict[str, Any]:
+    """The fields that cut `cfg` to `num_layers` layers (a layer-type pattern keeps its start)."""
+    return dict(num_layers=num_layers, layer_types=cfg.layer_types[:num_layers])
 
 
 def num_params(cfg: ModelConfig) -> int:

@@ -1,7 +1,7 @@
 """Paged attention as a native CPU kernel (native/paged_attention_cpu.cc, an XLA FFI custom call).
 
 Same signature and semantics as `reference.paged_attention_ref` / `xla_attention.paged_attention_xla`
-(row layout, causal, static sliding window and soft cap, GQA). The kernel walks each (row, kv head)
+(row layout, causal, static sliding window and soft cap, GQA, optional per-head sinks). The kernel walks each (row, kv head)
 pair's pages once, with an online softmax in f32, and splits the pairs across XLA's intra-op
 thread pool; keys past a row's length are never read.
 
@@ -55,8 +55,9 @@ def paged_attention_native(
     sm_scale: float,
     sliding_window: int | None = None,  # W: a query sees its last W keys (itself included)
     soft_cap: float | None = None,  # c: scores -> c * tanh(scores / c)
+    sinks: jax.Array | None = None,  # f32[N] per query head: a logit in the denominator only
 ) -> jax.Array:  # [B, Tq, N, D]; padding query tokens are zeros
-    masking = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+    masking = dict(sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     if isinstance(kv_pages, kv_quant.QuantizedKV) or jnp.dtype(kv_pages.dtype) not in KV_DTYPES:
         return paged_attention_xla(q, kv_pages, page_indices, kv_lens, q_lens, sm_scale=sm_scale, **masking)
     if not loaded():
@@ -65,8 +66,13 @@ def paged_attention_native(
         raise ValueError(f"sliding_window is {sliding_window}; it must be >= 1 or None")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap is {soft_cap}; it must be > 0 or None")
+    num_heads = q.shape[2]
+    if sinks is not None and sinks.shape != (num_heads,):
+        raise ValueError(f"sinks has shape {sinks.shape}; expected ({num_heads},), one per query head")
+    # No sinks: an empty operand, and the kernel's final normalisation is the plain one.
+    sinks = jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(q.astype(jnp.float32), kv_pages, page_indices.astype(jnp.int32), kv_lens.astype(jnp.int32),
-               q_lens.astype(jnp.int32), sm_scale=np.float32(sm_scale),
+               q_lens.astype(jnp.int32), sinks, sm_scale=np.float32(sm_scale),
                sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
     return out.astype(q.dtype)

@@ -47,6 +47,7 @@ def paged_attention_ref(
     sm_scale: float,
     sliding_window: int | None = None,  # W: a query sees only its last W keys (itself included)
     soft_cap: float | None = None,  # c: scores become c * tanh(scores / c) before the mask
+    sinks: jax.Array | None = None,  # f32[N] per query head: a logit in the softmax's denominator only
 ) -> jax.Array:  # [B, Tq, N, D]
     """Causal paged attention in the row layout: row b holds the q_lens[b] new query tokens of
     one sequence (a decode row 1, a prefill row up to Tq; docs/architecture.md, "How a step flows").
@@ -55,6 +56,10 @@ def paged_attention_ref(
     0..p, or with a sliding window W only keys p - W + 1..p (HF transformers' convention:
     `kv_idx > q_idx - sliding_window`). Padding query tokens (i >= q_lens[b]) return zeros.
     A QuantizedKV pool is dequantised (values * scales, f32) as it is gathered.
+
+    Sinks (gpt-oss): head h's probabilities are exp(s_j) / (sum_j exp(s_j) + exp(sinks[h])) over
+    its scaled (and capped) scores s_j; the sink is not scaled or capped and carries no value, so
+    the weights sum to less than one.
     """
     batch, num_q, num_heads, head_dim = q.shape
     pages, scales = kv_quant.split(kv_pages)
@@ -84,7 +89,12 @@ def paged_attention_ref(
     # Padding queries have no visible key: give them a harmless finite row, zero them below.
     any_visible = jnp.any(mask, axis=-1, keepdims=True)
     scores = jnp.where(any_visible, scores, 0.0)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:  # the sink as one more key, dropped after the softmax
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, num_kv_heads, group, 1, 1),
+                                scores.shape[:-1] + (1,))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
     out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v, precision=exact).reshape(batch, num_q, num_heads, head_dim)
     valid = jnp.arange(num_q)[None, :] < q_lens[:, None]  # [B, Tq]
     return jnp.where(valid[:, :, None, None], out, 0.0).astype(q.dtype)

@@ -36,8 +36,9 @@ contents of unused slots and pages never reach the output.
 Sliding window W (static): a query at position p sees keys p - W + 1..p. The loop then starts
 at the first chunk any row can see, so a long row reads O(W) keys, not O(length); values below
 a row's first visible key are zeroed like those past its end (released pages may hold anything).
-Soft cap c (static): scores become c * tanh(scores / c). With both None the traced step is the
-plain causal one, op for op.
+Soft cap c (static): scores become c * tanh(scores / c). Sinks (traced f32[N], gpt-oss) join
+the final normaliser once, after the loop: l + exp(sink - m) at the common max. With all three
+None the traced step is the plain causal one, op for op.
 Quantised pool (kv_quant.QuantizedKV): the scales are viewed as rows of whole pages too,
 [2 * P, page_size * K], gathered with the same indices, and each chunk's int8/fp8 keys and
 values are dequantised (values * scales, f32) right after the gather; a plain pool traces no
@@ -133,6 +134,7 @@ def paged_attention_xla(
     sm_scale: float,
     sliding_window: int | None = None,  # W: a query sees its last W keys (itself included)
     soft_cap: float | None = None,  # c: scores -> c * tanh(scores / c)
+    sinks: jax.Array | None = None,  # f32[N] per query head: a logit in the denominator only
     chunk_tokens: int = 64,
     early_exit: bool | None = None,  # fold_chunks: None decides by platform
 ) -> jax.Array:  # [B, Tq, N, D]
@@ -243,7 +245,15 @@ def paged_attention_xla(
         jnp.zeros(stat_shape, jnp.float32),
         jnp.zeros(acc_shape, jnp.float32),
     )
-    _, _, l, acc = fold_chunks(body, init, num_chunks, num_chunk_slots, early_exit)
+    _, m, l, acc = fold_chunks(body, init, num_chunks, num_chunk_slots, early_exit)
+    if sinks is not None:
+        sinks = sinks.astype(jnp.float32)
+        sink = (jnp.tile(sinks, num_q)[None, :] if expanded  # [1, M], m = t * N + h
+                else sinks.reshape(1, num_kv_heads, group, 1))  # [1, K, G, 1]
+        m_all = jnp.maximum(m, sink)  # finite: rows that saw no key take the sink's
+        alpha = jnp.exp(jnp.where(jnp.isfinite(m), m - m_all, -jnp.inf))
+        l = alpha * l + jnp.exp(sink - m_all)
+        acc = alpha[..., None] * acc
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     if expanded:
         out = out.reshape(batch, num_q, num_heads, head_dim)

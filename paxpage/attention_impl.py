@@ -84,6 +84,18 @@ def latent_impl(impl: str) -> str:
     return "xla"
 
 
+def sinks_impl(impl: str, asked: str | None) -> str:
+    """The impl a model with attention sinks (gpt-oss) runs: the Pallas kernels have no sink form
+    yet, so the default falls back to "xla" with a log line, and asking for them raises."""
+    if not get(impl).pallas:
+        return impl
+    if asked is not None:
+        raise ValueError(f"attention_impl {asked!r} has no form with attention sinks (gpt-oss) yet; "
+                         "use 'xla' (or leave attention_impl unset)")
+    log.info("paxpage: attention sinks run the XLA attention (the Pallas kernels have no sink form yet)")
+    return "xla"
+
+
 def resolve(impl: str) -> str:
     """`impl`, or "xla" when it is "native" and the native kernel is off or cannot be built or
     loaded here (pallas_kernels.native_attention.load warns once why)."""

@@ -111,11 +111,16 @@ def shard_attention(attention, write_kv, mesh: Mesh, plan: ShardingPlan, kv_cach
     q_spec, kv_spec, pool_spec = plan.spec(Q_AXES), plan.spec(NEW_KV_AXES), plan.kv_cache_spec(kv_cache_dtype)
     rep = PartitionSpec()
 
-    def sharded_attention(q, kv_pages, page_indices, kv_lens, q_lens, *, sm_scale, **masking):
-        # masking: the layer's sliding_window / soft_cap, static per layer like sm_scale
+    def sharded_attention(q, kv_pages, page_indices, kv_lens, q_lens, *, sm_scale, sinks=None, **masking):
+        # masking: the layer's sliding_window / soft_cap, static per layer like sm_scale; sinks
+        # (an array, one per query head) split over the heads with q
         local = functools.partial(attention, sm_scale=sm_scale, **masking)
-        return shard_map(local, mesh=mesh, in_specs=(q_spec, pool_spec, rep, rep, rep),
-                         out_specs=q_spec)(q, kv_pages, page_indices, kv_lens, q_lens)
+        if sinks is None:
+            return shard_map(local, mesh=mesh, in_specs=(q_spec, pool_spec, rep, rep, rep),
+                             out_specs=q_spec)(q, kv_pages, page_indices, kv_lens, q_lens)
+        with_sinks = lambda q, kv, pi, kl, ql, s: local(q, kv, pi, kl, ql, sinks=s)  # noqa: E731
+        return shard_map(with_sinks, mesh=mesh, in_specs=(q_spec, pool_spec, rep, rep, rep, plan.spec(("heads",))),
+                         out_specs=q_spec)(q, kv_pages, page_indices, kv_lens, q_lens, sinks)
 
     def sharded_write_kv(kv_pages, k, v, slot_mapping):
         return shard_map(write_kv, mesh=mesh, in_specs=(pool_spec, kv_spec, kv_spec, rep),

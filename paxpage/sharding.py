@@ -54,6 +54,7 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "v_proj/kernel": (None, "kv_heads"),
     "v_proj/bias": ("kv_heads",),
     "o_proj/kernel": ("heads", None),  # [N*D, H]
+    "attention_sinks": ("heads",),  # gpt-oss: one logit per query head [N]
     "q_b_proj/kernel": (None, "heads"),  # latent attention: [Q, N*(Dn+Dr)]
     "kv_b_proj/kernel": (None, "heads"),  # [Cr, N*(Dn+Dv)]
     "gate_proj/kernel": (None, "mlp"),  # [H, F]

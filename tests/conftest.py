@@ -102,7 +102,9 @@ def hf_smollm2():
 
 def save_tiny_hf(path, kind: str = "llama", seed: int = 0, **overrides):
     """Saves a tiny random-weight HF model of `kind` (llama | mistral | qwen2 | qwen3 | qwen3_moe |
-    mixtral | gemma2 | gemma3) to `path`. Gemma models run HF's eager attention (the one with soft-capping)."""
+    mixtral | gemma2 | gemma3 | gpt_oss) to `path`. Gemma and gpt-oss models run HF's eager attention
+    (the one with soft-capping and sinks); gpt-oss's sinks and biases, which HF starts near 0, are drawn
+    large enough to change the outputs."""
     import torch
     import transformers as tf
 
@@ -119,25 +121,28 @@ def save_tiny_hf(path, kind: str = "llama", seed: int = 0, **overrides):
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
     }
     config_cls, model_cls = classes[kind]
     if kind in ("qwen3", "qwen3_moe", "gemma2", "gemma3"):
         base.setdefault("head_dim", 16)
-    if kind in ("gemma2", "gemma3"):
+    if kind in ("gemma2", "gemma3", "gpt_oss"):
         base.setdefault("attn_implementation", "eager")
     if kind == "qwen3_moe":
         base = dict(dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32), **base)
-    if kind == "mixtral":
+    if kind in ("mixtral", "gpt_oss"):
         base = dict(dict(num_local_experts=4, num_experts_per_tok=2), **base)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**base)).eval()
     # Random init gives near-uniform logits; sharper weights make greedy choices well separated.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() >= 2:  # 3-D: the experts of MoE models
                 p.mul_(4.0)
             elif kind.startswith("gemma"):  # Gemma norms start at w = 0 ((1 + w) = 1): make w matter
                 p.normal_(0.0, 0.5)
+            elif kind == "gpt_oss" and name.endswith(("sinks", "bias")):
+                p.normal_(0.0, 1.5 if name.endswith("sinks") else 0.3)
     model.save_pretrained(path)
     return model
 

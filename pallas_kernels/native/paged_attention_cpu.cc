@@ -6,7 +6,8 @@
 // P pages.
 //
 // Operands: q f32[B, Tq, N, D] (already f32; the Python wrapper casts), kv_pages f32 or bf16
-// [2, P, page_size, K, D], page_indices i32[B, pages_per_seq], kv_lens i32[B], q_lens i32[B].
+// [2, P, page_size, K, D], page_indices i32[B, pages_per_seq], kv_lens i32[B], q_lens i32[B],
+// sinks f32[N] (gpt-oss: a per-query-head logit in the softmax's denominator only) or f32[0] for none.
 // Attributes: sm_scale, sliding_window (0 = none), soft_cap (0 = none). Result f32[B, Tq, N, D].
 //
 // Work items are rows (decode steps, Tq == 1: every kv head, each page read once front to back)
@@ -17,7 +18,8 @@
 // f32, page by page. A query at position p = kv_len - q_len + t sees keys max(0, p - W + 1)..p;
 // values of keys it cannot see are never read, so stale or NaN slots cannot reach the output
 // (their scores may be computed, then replaced by -inf). Query tokens t >= q_len (and padding
-// rows, q_len 0) are zeros, as in the reference.
+// rows, q_len 0) are zeros, as in the reference. A sink joins the normaliser once, after the
+// last page: l * exp(m - m') + exp(sink - m') with m' = max(m, sink), so the fold is unchanged.
 //
 // Speed (decode, memory-bound): head dims that are multiples of 16 run in 16-lane vectors
 // (GCC vector extensions: AVX-512 with -march=native, split into narrower registers elsewhere);
@@ -157,6 +159,7 @@ struct Problem {
   const int32_t* page_indices;
   const int32_t* kv_lens;
   const int32_t* q_lens;
+  const float* sinks;  // f32[N], or nullptr: none
   float* out;
   int64_t batch, num_q, num_heads, head_dim, num_pages, page_size, num_kv_heads, pages_per_seq;
   int64_t heads_per_item;  // kv heads of one work item: all of them for decode steps
@@ -373,7 +376,13 @@ void run_item(const Problem& pr, int64_t item, Scratch& sc) {
     float* dst = const_cast<float*>(head_row(pr.out, t));
     for (int64_t i = 0; i < heads; ++i) {
       const int64_t m = t * heads + i;
-      const float inv = sc.l[m] > 0.0f ? 1.0f / sc.l[m] : 0.0f;
+      float l = sc.l[m], rescale = 1.0f;
+      if (pr.sinks != nullptr) {  // query head kh0 * G + i; m = -inf (no key seen) gives rescale 0
+        const float sink = pr.sinks[kh0 * group + i], top = std::max(sc.m[m], sink);
+        rescale = std::exp(sc.m[m] - top);
+        l = l * rescale + std::exp(sink - top);
+      }
+      const float inv = l > 0.0f ? rescale / l : 0.0f;
       for (int64_t d = 0; d < d_len; ++d) dst[i * d_len + d] = sc.acc[m * d_len + d] * inv;
     }
   }
@@ -393,7 +402,7 @@ void run_item_any_dim(const Problem& pr, int64_t item, Scratch& sc) {
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
                           ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> kv_lens,
-                          ffi::Buffer<ffi::S32> q_lens, float sm_scale, int64_t sliding_window,
+                          ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::F32> sinks, float sm_scale, int64_t sliding_window,
                           float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   const auto q_dims = q.dimensions();
   const auto kv_dims = kv_pages.dimensions();
@@ -409,6 +418,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   pr.page_indices = page_indices.typed_data();
   pr.kv_lens = kv_lens.typed_data();
   pr.q_lens = q_lens.typed_data();
+  pr.sinks = sinks.element_count() > 0 ? sinks.typed_data() : nullptr;
   pr.out = out->typed_data();
   pr.batch = q_dims[0];
   pr.num_q = q_dims[1];
@@ -423,7 +433,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   pr.soft_cap = soft_cap;
   pr.bf16 = kv_type == ffi::DataType::BF16;
   if (pr.num_kv_heads <= 0 || pr.num_heads % pr.num_kv_heads != 0 || kv_dims[4] != pr.head_dim ||
-      table_dims[0] != pr.batch || pr.num_pages <= 0)
+      table_dims[0] != pr.batch || pr.num_pages <= 0 ||
+      (sinks.element_count() != 0 && sinks.element_count() != pr.num_heads))
     return ffi::Error::InvalidArgument("paged_attention_cpu: inconsistent operand shapes");
   // Decode steps: one item per row (its pages read front to back once); longer query blocks
   // split rows by kv head too, so a step of a few prefill rows still spreads over the threads.
@@ -450,6 +461,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxpagePagedAttentionCpu, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()    // page_indices
                                   .Arg<ffi::Buffer<ffi::S32>>()    // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()    // q_lens
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // sinks: f32[N] or f32[0]
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")

@@ -156,3 +156,20 @@ def quantize_case(case: PagedCase, kv_cache_dtype: str):
     # Both in the pool's scale dtype, so the kernels read what an engine's pool holds.
     return (kv_quant.QuantizedKV(values, jnp.asarray(poisoned, kv_quant.SCALE_DTYPE)),
             kv_quant.QuantizedKV(values, jnp.asarray(np.where(nan_rows, 0.0, scales), kv_quant.SCALE_DTYPE)))
+
+
+# Attention sinks (gpt-oss): (window, soft cap) cases run with a per-head sink; a plain causal
+# one, a window under a page with GQA, and a window with a cap.
+SINK_CASES = [(None, None), (5, None), (16, 3.0)]
+
+
+def make_sinks(rng, num_heads: int) -> np.ndarray:
+    """f32[N] sink logits around the scaled scores' range, so each takes a visible share of its
+    head's weight (a kernel that drops or misplaces one fails the tolerance)."""
+    return rng.uniform(-1.0, 3.0, num_heads).astype(np.float32)
+
+
+def assert_sinks_matter(got_with, got_without, dtype):
+    """A nonzero sink must move the output well past the tolerance (the test could fail)."""
+    diff = np.abs(np.asarray(jnp.asarray(got_with, jnp.float32)) - np.asarray(jnp.asarray(got_without, jnp.float32)))
+    assert diff.max() > 10 * TOLERANCE[dtype]["atol"], f"sinks moved the output by only {diff.max()}"

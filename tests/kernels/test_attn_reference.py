@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from pallas_kernels import reference
 
@@ -93,3 +94,58 @@ def test_sliding_window_and_soft_cap_by_hand():
         w = np.exp(scores - scores.max())
         w /= w.sum()
         np.testing.assert_allclose(out[0, i, 0], w @ values[pos - 1:pos + 1], rtol=1e-5)
+
+
+def _paged_attention_f64(q, kv, table, kv_lens, q_lens, scale, *, window=None, cap=None, sinks=None):
+    """Float64 numpy paged attention, loop by loop, with gpt-oss sinks in the denominator."""
+    batch, num_q, num_heads, head_dim = q.shape
+    _, _, page_size, num_kv_heads, _ = kv.shape
+    group = num_heads // num_kv_heads
+    out = np.zeros(q.shape, np.float64)
+    for b in range(batch):
+        keys = np.concatenate([kv[0, p] for p in table[b]]).astype(np.float64)  # [S, K, D]
+        values = np.concatenate([kv[1, p] for p in table[b]]).astype(np.float64)
+        for t in range(q_lens[b]):
+            pos = kv_lens[b] - q_lens[b] + t
+            seen = [j for j in range(pos + 1) if window is None or j > pos - window]
+            for n in range(num_heads):
+                h = n // group
+                s = np.array([scale * np.dot(q[b, t, n].astype(np.float64), keys[j, h]) for j in seen])
+                if cap is not None:
+                    s = cap * np.tanh(s / cap)
+                top = s.max() if sinks is None else max(s.max(), float(sinks[n]))
+                w = np.exp(s - top)
+                denom = w.sum() + (0.0 if sinks is None else np.exp(float(sinks[n]) - top))
+                out[b, t, n] = (w / denom) @ values[seen, h]
+    return out
+
+
+def test_sinks_by_hand():
+    """One key of score 0 and a sink of log 3: the key gets weight 1 / (1 + 3)."""
+    kv = np.zeros((2, 1, 1, 1, 2), np.float32)
+    kv[1, 0, 0, 0] = [4.0, -8.0]
+    q = np.zeros((1, 1, 1, 2), np.float32)
+    out = reference.paged_attention_ref(jnp.asarray(q), jnp.asarray(kv), np.array([[0]], np.int32),
+                                        np.array([1], np.int32), np.array([1], np.int32), sm_scale=1.0,
+                                        sinks=jnp.asarray([np.log(3.0)], jnp.float32))
+    np.testing.assert_allclose(np.asarray(out)[0, 0, 0], [1.0, -2.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("window,cap", [(None, None), (3, None), (4, 1.5)])
+def test_sinks_against_float64(window, cap):
+    """GQA (N = 6 over K = 2), permuted pages, a prefill row and a decode row, against the f64 loop."""
+    rng = np.random.default_rng(7)
+    page_size, head_dim, scale = 4, 8, 8 ** -0.5
+    kv = rng.standard_normal((2, 5, page_size, 2, head_dim)).astype(np.float32)
+    table = np.array([[3, 0, 4], [1, 2, 2]], np.int32)
+    kv_lens, q_lens = np.array([10, 6], np.int32), np.array([4, 1], np.int32)
+    q = rng.standard_normal((2, 4, 6, head_dim)).astype(np.float32)
+    sinks = rng.uniform(-1.0, 3.0, 6).astype(np.float32)
+    got = np.asarray(reference.paged_attention_ref(
+        jnp.asarray(q), jnp.asarray(kv), table, kv_lens, q_lens, sm_scale=scale, sliding_window=window,
+        soft_cap=cap, sinks=jnp.asarray(sinks)))
+    want = _paged_attention_f64(q, kv, table, kv_lens, q_lens, scale, window=window, cap=cap, sinks=sinks)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    plain = _paged_attention_f64(q, kv, table, kv_lens, q_lens, scale, window=window, cap=cap)
+    assert np.abs(want - plain).max() > 0.05  # the sinks take a visible share
+    np.testing.assert_array_equal(got[1, 1:], 0.0)  # padding tokens

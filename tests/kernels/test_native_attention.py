@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import (CONFIGS, WINDOW_CASES, assert_close, config_id, make_case, quant_case_id,
-                          quantize_case, QUANT_CASES, reference_pool, release_outside_window,
-                          window_case_id)
+from kernel_cases import (CONFIGS, SINK_CASES, WINDOW_CASES, assert_close, assert_sinks_matter, config_id,
+                          make_case, make_sinks, quant_case_id, quantize_case, QUANT_CASES, reference_pool,
+                          release_outside_window, window_case_id)
 from pallas_kernels import native_attention
 from pallas_kernels.native import build as native_build
 from pallas_kernels.reference import paged_attention_ref
@@ -35,9 +35,10 @@ def native():
     assert native_attention.load(os.path.join(cache_dir(), NATIVE_DIR)), native_attention.LIBRARY.error
 
 
-def _run(case, **kw):
-    fn = jax.jit(lambda *a: native_attention.paged_attention_native(*a, **kw))
-    return fn(jnp.asarray(case.q), jnp.asarray(case.kv_pages), case.page_indices, case.kv_lens, case.q_lens)
+def _run(case, sinks=None, **kw):
+    fn = jax.jit(lambda *a, sinks: native_attention.paged_attention_native(*a, sinks=sinks, **kw))
+    return fn(jnp.asarray(case.q), jnp.asarray(case.kv_pages), case.page_indices, case.kv_lens, case.q_lens,
+              sinks=sinks)
 
 
 def _want(case, **kw):
@@ -88,6 +89,35 @@ def test_sliding_window_and_soft_cap(cfg, wc, kind):
     case = release_outside_window(case, window)
     kw = dict(sm_scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap)
     assert_close(_run(case, **kw), _want(case, **kw), dtype)
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3], CONFIGS[5], EXTRA_CONFIGS[0]], ids=config_id)
+@pytest.mark.parametrize("wc", SINK_CASES, ids=window_case_id)
+@pytest.mark.parametrize("kind", sorted(LENGTH_CASES))
+def test_sinks(cfg, wc, kind):
+    """Per-head sinks (GQA; the vector and generic head-dim paths), with a window and a cap."""
+    dtype, page_size, ratio, head_dim, num_kv_heads = cfg
+    window, cap = wc
+    kv_lens, q_lens = LENGTH_CASES[kind]
+    rng = np.random.default_rng(25)
+    case = make_case(rng, dtype=dtype, page_size=page_size, ratio=ratio, head_dim=head_dim,
+                     num_kv_heads=num_kv_heads, kv_lens=kv_lens, q_lens=q_lens,
+                     pages_per_seq=-(-70 // page_size) + 1)
+    case = release_outside_window(case, window)
+    sinks = jnp.asarray(make_sinks(rng, ratio * num_kv_heads))
+    kw = dict(sm_scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap)
+    got = _run(case, sinks=sinks, **kw)
+    assert_close(got, _want(case, sinks=sinks, **kw), dtype)
+    assert_sinks_matter(got, _run(case, **kw), dtype)
+    pad = np.arange(case.q.shape[1])[None, :] >= case.q_lens[:, None]
+    assert not np.asarray(jnp.asarray(got, jnp.float32))[pad].any()
+
+
+def test_sinks_of_the_wrong_shape_raise():
+    case = make_case(np.random.default_rng(1), dtype=jnp.float32, page_size=8, ratio=2, head_dim=16,
+                     num_kv_heads=1, kv_lens=[3], q_lens=[1], pages_per_seq=1)
+    with pytest.raises(ValueError, match="one per query head"):
+        _run(case, sinks=jnp.zeros((3,), jnp.float32), sm_scale=0.25)
 
 
 def test_table_entries_out_of_the_pool_and_all_padding():

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import (CONFIGS, WINDOW_CASES, assert_close, config_id, make_case, reference_pool,
-                          release_outside_window, window_case_id)
+from kernel_cases import (CONFIGS, SINK_CASES, WINDOW_CASES, assert_close, assert_sinks_matter, config_id,
+                          make_case, make_sinks, reference_pool, release_outside_window, window_case_id)
 from pallas_kernels.reference import paged_attention_ref
 from pallas_kernels.xla_attention import paged_attention_xla, pages_per_chunk
 
@@ -123,6 +123,35 @@ def test_sliding_window_and_soft_cap(cfg, wc, chunk_tokens, kind, early_exit):
     want = paged_attention_ref(jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)),
                                case.page_indices, case.kv_lens, case.q_lens, **kw)
     assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3], CONFIGS[5]], ids=config_id)
+@pytest.mark.parametrize("wc", SINK_CASES, ids=window_case_id)
+@pytest.mark.parametrize("kind", sorted(LENGTH_CASES))
+@pytest.mark.parametrize("early_exit", [None, False], ids=["until-longest", "whole-table"])
+def test_sinks(cfg, wc, kind, early_exit):
+    """Per-head sinks (GQA) with and without a window / cap, chunks of one page so the sink meets
+    a carry folded over several; pages behind the window are NaN."""
+    dtype, page_size, ratio, head_dim, num_kv_heads = cfg
+    window, cap = wc
+    kv_lens, q_lens = LENGTH_CASES[kind]
+    kv_lens = [n + 20 * (n > 0) for n in kv_lens]
+    rng = np.random.default_rng(23)
+    case = make_case(rng, dtype=dtype, page_size=page_size, ratio=ratio, head_dim=head_dim,
+                     num_kv_heads=num_kv_heads, kv_lens=kv_lens, q_lens=q_lens,
+                     pages_per_seq=-(-52 // page_size) + 1)
+    case = release_outside_window(case, window)
+    sinks = jnp.asarray(make_sinks(rng, ratio * num_kv_heads))
+    kw = dict(sm_scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap)
+    args = (jnp.asarray(case.q), jnp.asarray(case.kv_pages), case.page_indices, case.kv_lens, case.q_lens)
+    got = paged_attention_xla(*args, chunk_tokens=page_size, early_exit=early_exit, sinks=sinks, **kw)
+    want = paged_attention_ref(jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)),
+                               case.page_indices, case.kv_lens, case.q_lens, sinks=sinks, **kw)
+    assert_close(got, want, dtype)
+    assert_sinks_matter(got, paged_attention_xla(*args, chunk_tokens=page_size, early_exit=early_exit, **kw),
+                        dtype)
+    pad = np.arange(case.q.shape[1])[None, :] >= case.q_lens[:, None]
+    assert not np.asarray(jnp.asarray(got, jnp.float32))[pad].any()
 
 
 @pytest.mark.parametrize("batch,page_bytes,page_size,pages_per_seq,chunk_tokens,want", [

@@ -52,6 +52,10 @@ def test_real_shapes_count_by_hand():
     assert random_init.num_params(random_init.preset("llama-3-8b")) == 8_030_261_248
     assert random_init.num_params(random_init.preset("qwen3-30b-a3b")) == 30_532_122_624
     assert random_init.preset("qwen3-30b-a3b", num_layers=4).num_layers == 4
+    # HF's GptOssForCausalLM at gpt-oss-20b's dims, counted on the meta device: 20,914,757,184
+    assert random_init.num_params(random_init.preset("gpt-oss-20b")) == 20_914_757_184
+    assert random_init.preset("gpt-oss-20b", num_layers=3).layer_types == (
+        "sliding_attention", "full_attention", "sliding_attention")
 
 
 def test_draws_are_seeded_and_scaled():

@@ -1,0 +1,155 @@
+"""gpt-oss against HF transformers on tiny random weights (f32): attention sinks, the o_proj and
+expert biases, the clamped SwiGLU, alternating windowed / full layers and YaRN without truncation.
+Every prompt token's logprob and the greedy continuation, in one prefill, chunked prefill beside
+decode rows, past the window, with prefix-cache hits and under preemption, on the XLA and native
+attention (the Pallas kernels have no sink form yet and are refused). The MoE block on its own
+against HF's GptOssMLP, and the MXFP4 expert weights of released checkpoints decoded against
+transformers' own dequantisation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+
+import paxpage
+from models.config import ModelConfig
+from models.moe import clamped_swiglu, route, routed_experts
+from models.moe_layout import decode_mxfp4
+from tests.conftest import hf_greedy, random_prompts, save_tiny_hf
+
+VOCAB = 256
+WINDOW = 8
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+            max_position_embeddings=128, swiglu_limit=1.5,  # low enough that the clamps bind
+            rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
+                                 rope_theta=10000.0, beta_fast=32.0, beta_slow=1.0, truncate=False),
+            tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss")
+    return save_tiny_hf(path, "gpt_oss", seed=1, **TINY), paxpage.load(path)
+
+
+def _check_prompt_logprobs(hf, prompt, out):
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1).numpy()  # [S, V]
+    got = np.array([out.prompt_logprobs[p][prompt[p]] for p in range(1, len(prompt))])
+    np.testing.assert_allclose(got, ref[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-4)
+
+
+def test_config_reads_gpt_oss_fields(tiny):
+    _, model = tiny
+    cfg = model.config
+    assert (cfg.model_type, cfg.attention_sinks, cfg.qkv_bias, cfg.o_proj_bias, cfg.moe_bias) == (
+        "gpt_oss", True, True, True, True)
+    assert (cfg.swiglu_limit, cfg.swiglu_alpha, cfg.num_experts, cfg.norm_topk_prob) == (1.5, 1.702, 4, True)
+    assert [cfg.layer_window(i) for i in range(3)] == [WINDOW, None, WINDOW]
+    assert (cfg.rope_scaling.kind, cfg.rope_scaling.truncate) == ("yarn", False)
+    with pytest.raises(ValueError, match="moe_bias / swiglu_limit describe experts"):
+        ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
+                    head_dim=8, moe_bias=True)
+
+
+@pytest.mark.parametrize("impl", ["xla", "native"])
+def test_prefill_and_decode_past_the_window_match_hf(tiny, impl):
+    """Two prompts prefilled in one step (the 40-token one past the window and YaRN's original
+    context), then 12 decode steps."""
+    hf, model = tiny
+    prompts = random_prompts(2, VOCAB, [40, 9], seed=1)
+    outs = paxpage.generate(model, prompts, max_tokens=12, temperature=0, prompt_logprobs=0, ignore_eos=True,
+                            page_size=4, num_pages=64, attention_impl=impl, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        _check_prompt_logprobs(hf, prompt, out)
+        assert out.token_ids == hf_greedy(hf, prompt, 12)
+
+
+def test_chunked_prefill_prefix_cache_and_preemption_match_hf(tiny):
+    """An 8-token step budget (the long prompt prefills in chunks while the short one decodes); a
+    second request reusing the first's cached pages; four sequences in a pool too small for all."""
+    hf, model = tiny
+    prompts = random_prompts(2, VOCAB, [45, 5], seed=2)
+    outs = paxpage.generate(model, prompts, max_tokens=10, temperature=0, prompt_logprobs=0, ignore_eos=True,
+                            page_size=4, num_pages=128, max_num_batched_tokens=8, prefill_row_len=4,
+                            use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        _check_prompt_logprobs(hf, prompt, out)
+        assert out.token_ids == hf_greedy(hf, prompt, 10)
+
+    shared = random_prompts(1, VOCAB, [29], seed=3)[0]
+    config = paxpage.EngineConfig(page_size=4, num_pages=128, enable_prefix_caching=True)
+    paxpage.generate(model, [shared + [5, 6]], max_tokens=4, temperature=0, ignore_eos=True,
+                     engine_config=config, use_tqdm=False)
+    engine = model.engine(config)
+    hits_before = engine.scheduler.page_manager.prefix_hit_tokens
+    second = paxpage.generate(model, [shared + [9]], max_tokens=8, temperature=0, ignore_eos=True,
+                              engine_config=config, use_tqdm=False)[0]
+    assert engine.scheduler.page_manager.prefix_hit_tokens > hits_before
+    assert second.token_ids == hf_greedy(hf, shared + [9], 8)
+
+    prompts = random_prompts(4, VOCAB, [22, 18, 25, 14], seed=4)
+    small = paxpage.EngineConfig(page_size=4, num_pages=18, max_num_seqs=4)
+    outs = paxpage.generate(model, prompts, max_tokens=16, temperature=0, ignore_eos=True,
+                            engine_config=small, use_tqdm=False)
+    assert model.engine(small).scheduler.stats().num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, prompt, 16)
+
+
+def test_pallas_kernels_refused_and_the_gpu_default_runs_xla(tiny):
+    """The Pallas kernels have no sink form: asked for, they raise; the GPU / TPU default runs XLA."""
+    _, model = tiny
+    for impl in ("pallas", "pallas-interpret"):
+        with pytest.raises(ValueError, match=f"attention_impl '{impl}' has no form with attention sinks"):
+            paxpage.EngineConfig(attention_impl=impl).resolve(model.config, backend="cpu")
+    for backend in ("gpu", "tpu"):
+        assert paxpage.EngineConfig().resolve(model.config, backend=backend).attention_impl == "xla"
+
+
+@pytest.mark.parametrize("impl", ["tiled", "ragged_dot", "dense"])
+def test_moe_block_matches_hf(impl):
+    """Router bias, expert biases and the clamped SwiGLU, through each grouped-matmul form, against
+    HF's GptOssMLP; HF's interleaved gate / up columns regrouped as the checkpoint loader does."""
+    config = tf.GptOssConfig(**TINY)
+    torch.manual_seed(0)
+    mlp = tf.models.gpt_oss.modeling_gpt_oss.GptOssMLP(config).eval()
+    with torch.no_grad():  # a module built on its own starts uninitialised
+        for name, p in mlp.named_parameters():
+            p.normal_(0.0, 0.3 if name.endswith("bias") else 0.5)
+    x = torch.randn(1, 24, 64)
+    with torch.no_grad():
+        want = mlp(x)[0][0].numpy()
+
+    def regroup(w):  # [..., 2F] gate / up interleaved -> gate columns, then up
+        w = w.detach().numpy()
+        return np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1)
+
+    weights, experts = route(x[0].numpy(), mlp.router.weight.detach().numpy().T, 2, True,
+                             mlp.router.bias.detach().numpy())
+    got = routed_experts(x[0].numpy(), weights, experts, regroup(mlp.experts.gate_up_proj),
+                         mlp.experts.down_proj.detach().numpy(), impl=impl,
+                         gate_up_bias=regroup(mlp.experts.gate_up_proj_bias),
+                         down_bias=mlp.experts.down_proj_bias.detach().numpy(),
+                         activation=clamped_swiglu(config.swiglu_limit, config.swiglu_alpha))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_mxfp4_decode_matches_transformers():
+    """decode_mxfp4 against transformers' convert_moe_packed_tensors on random codes and exponents
+    (every 4-bit code, exponents on both sides of the bias), in the [E, in, out] form it returns."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, size=(3, 20, 2, 16), dtype=np.uint8)  # E=3, out=20, in=64
+    scales = rng.integers(115, 140, size=(3, 20, 2), dtype=np.uint8)
+    want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                      dtype=torch.float32).numpy()
+    got = decode_mxfp4(blocks, scales).swapaxes(-1, -2)
+    assert got.shape == want.shape == (3, 64, 20)
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="do not pair"):
+        decode_mxfp4(blocks, scales[..., :1])
