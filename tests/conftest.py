@@ -184,6 +184,43 @@ def tiny_llama_dir(tmp_path_factory):
     return path
 
 
+def check_prompt_logprobs(hf, prompt, out, atol=1e-4):
+    """Every prompt token's logprob in `out` (generated with prompt_logprobs=0) against HF's."""
+    import numpy as np
+    import torch
+
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1).numpy()  # [S, V]
+    got = np.array([out.prompt_logprobs[p][prompt[p]] for p in range(1, len(prompt))])
+    np.testing.assert_allclose(got, ref[np.arange(len(prompt) - 1), prompt[1:]], atol=atol)
+
+
+def check_prefix_hit_and_preemption(hf, model, vocab):
+    """Greedy tokens equal HF's when a second request reuses the first's cached pages, and when
+    four sequences share a pool too small for all of them (some are preempted and recomputed)."""
+    import paxpage
+
+    shared = random_prompts(1, vocab, [29], seed=3)[0]
+    config = paxpage.EngineConfig(page_size=4, num_pages=128, enable_prefix_caching=True)
+    first = paxpage.generate(model, [shared + [5, 6]], max_tokens=8, temperature=0, ignore_eos=True,
+                             engine_config=config, use_tqdm=False)[0]
+    engine = model.engine(config)
+    hits_before = engine.scheduler.page_manager.prefix_hit_tokens
+    second = paxpage.generate(model, [shared + [9]], max_tokens=8, temperature=0, ignore_eos=True,
+                              engine_config=config, use_tqdm=False)[0]
+    assert engine.scheduler.page_manager.prefix_hit_tokens > hits_before
+    assert first.token_ids == hf_greedy(hf, shared + [5, 6], 8)
+    assert second.token_ids == hf_greedy(hf, shared + [9], 8)
+
+    prompts = random_prompts(4, vocab, [22, 18, 25, 14], seed=4)
+    small = paxpage.EngineConfig(page_size=4, num_pages=18, max_num_seqs=4)
+    outs = paxpage.generate(model, prompts, max_tokens=16, temperature=0, ignore_eos=True,
+                            engine_config=small, use_tqdm=False)
+    assert model.engine(small).scheduler.stats().num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, prompt, 16)
+
+
 def hf_greedy(model, prompt_ids, max_new_tokens):
     """HF transformers greedy continuation (token ids after the prompt)."""
     import torch

@@ -20,7 +20,8 @@ from models.moe import route_grouped
 from models.rope import mla_softmax_scale
 from paxpage.sharding import ShardingPlan
 from tests.conftest import TINY_DEEPSEEK as BASE
-from tests.conftest import hf_greedy, random_prompts, save_tiny_deepseek
+from tests.conftest import (check_prefix_hit_and_preemption, check_prompt_logprobs, hf_greedy, random_prompts,
+                            save_tiny_deepseek)
 
 VOCAB = BASE["vocab_size"]
 ORIGINAL = 32  # the yarn model's "pretrained" context: prompts reach beyond it
@@ -51,13 +52,6 @@ def tiny_models(tmp_path_factory):
     return get
 
 
-def _check_prompt_logprobs(hf, prompt, out):
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1).numpy()  # [S, V]
-    got = np.array([out.prompt_logprobs[p][prompt[p]] for p in range(1, len(prompt))])
-    np.testing.assert_allclose(got, ref[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-4)
-
-
 def test_config_reads_deepseek_fields(tiny_models):
     hf, model = tiny_models("yarn")
     cfg = model.config
@@ -76,7 +70,7 @@ def test_one_step_prefill_and_decode_match_hf(tiny_models):
     outs = paxpage.generate(model, prompts, max_tokens=12, temperature=0, prompt_logprobs=0, ignore_eos=True,
                             page_size=8, num_pages=64, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
-        _check_prompt_logprobs(hf, prompt, out)
+        check_prompt_logprobs(hf, prompt, out)
         assert out.token_ids == hf_greedy(hf, prompt, 12)
 
 
@@ -89,7 +83,7 @@ def test_chunked_prefill_beside_decode_matches_hf(tiny_models):
                             page_size=4, num_pages=128, max_num_batched_tokens=8, prefill_row_len=4,
                             use_tqdm=False)
     for prompt, out in zip(prompts, outs):
-        _check_prompt_logprobs(hf, prompt, out)
+        check_prompt_logprobs(hf, prompt, out)
         assert out.token_ids == hf_greedy(hf, prompt, 10)
 
 
@@ -97,25 +91,7 @@ def test_prefix_cache_hit_and_preemption_match_hf(tiny_models):
     """A second request reuses the first's cached latent pages; then four sequences share a pool
     too small for all of them, so some are preempted and recomputed."""
     hf, model = tiny_models("yarn")
-    shared = random_prompts(1, VOCAB, [29], seed=3)[0]
-    config = paxpage.EngineConfig(page_size=4, num_pages=128, enable_prefix_caching=True)
-    first = paxpage.generate(model, [shared + [5, 6]], max_tokens=8, temperature=0, ignore_eos=True,
-                             engine_config=config, use_tqdm=False)[0]
-    engine = model.engine(config)
-    hits_before = engine.scheduler.page_manager.prefix_hit_tokens
-    second = paxpage.generate(model, [shared + [9]], max_tokens=8, temperature=0, ignore_eos=True,
-                              engine_config=config, use_tqdm=False)[0]
-    assert engine.scheduler.page_manager.prefix_hit_tokens > hits_before
-    assert first.token_ids == hf_greedy(hf, shared + [5, 6], 8)
-    assert second.token_ids == hf_greedy(hf, shared + [9], 8)
-
-    prompts = random_prompts(4, VOCAB, [22, 18, 25, 14], seed=4)
-    small = paxpage.EngineConfig(page_size=4, num_pages=18, max_num_seqs=4)
-    outs = paxpage.generate(model, prompts, max_tokens=16, temperature=0, ignore_eos=True,
-                            engine_config=small, use_tqdm=False)
-    assert model.engine(small).scheduler.stats().num_preemptions > 0
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(hf, prompt, 16)
+    check_prefix_hit_and_preemption(hf, model, VOCAB)
 
 
 def test_pool_holds_one_latent_per_token_and_layer(tiny_models):

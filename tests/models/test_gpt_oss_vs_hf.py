@@ -17,7 +17,8 @@ import paxpage
 from models.config import ModelConfig
 from models.moe import clamped_swiglu, route, routed_experts
 from models.moe_layout import decode_mxfp4
-from tests.conftest import hf_greedy, random_prompts, save_tiny_hf
+from tests.conftest import (check_prefix_hit_and_preemption, check_prompt_logprobs, hf_greedy, random_prompts,
+                            save_tiny_hf)
 
 VOCAB = 256
 WINDOW = 8
@@ -33,13 +34,6 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_l
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt_oss")
     return save_tiny_hf(path, "gpt_oss", seed=1, **TINY), paxpage.load(path)
-
-
-def _check_prompt_logprobs(hf, prompt, out):
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1).numpy()  # [S, V]
-    got = np.array([out.prompt_logprobs[p][prompt[p]] for p in range(1, len(prompt))])
-    np.testing.assert_allclose(got, ref[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-4)
 
 
 def test_config_reads_gpt_oss_fields(tiny):
@@ -64,7 +58,7 @@ def test_prefill_and_decode_past_the_window_match_hf(tiny, impl):
     outs = paxpage.generate(model, prompts, max_tokens=12, temperature=0, prompt_logprobs=0, ignore_eos=True,
                             page_size=4, num_pages=64, attention_impl=impl, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
-        _check_prompt_logprobs(hf, prompt, out)
+        check_prompt_logprobs(hf, prompt, out)
         assert out.token_ids == hf_greedy(hf, prompt, 12)
 
 
@@ -77,27 +71,10 @@ def test_chunked_prefill_prefix_cache_and_preemption_match_hf(tiny):
                             page_size=4, num_pages=128, max_num_batched_tokens=8, prefill_row_len=4,
                             use_tqdm=False)
     for prompt, out in zip(prompts, outs):
-        _check_prompt_logprobs(hf, prompt, out)
+        check_prompt_logprobs(hf, prompt, out)
         assert out.token_ids == hf_greedy(hf, prompt, 10)
 
-    shared = random_prompts(1, VOCAB, [29], seed=3)[0]
-    config = paxpage.EngineConfig(page_size=4, num_pages=128, enable_prefix_caching=True)
-    paxpage.generate(model, [shared + [5, 6]], max_tokens=4, temperature=0, ignore_eos=True,
-                     engine_config=config, use_tqdm=False)
-    engine = model.engine(config)
-    hits_before = engine.scheduler.page_manager.prefix_hit_tokens
-    second = paxpage.generate(model, [shared + [9]], max_tokens=8, temperature=0, ignore_eos=True,
-                              engine_config=config, use_tqdm=False)[0]
-    assert engine.scheduler.page_manager.prefix_hit_tokens > hits_before
-    assert second.token_ids == hf_greedy(hf, shared + [9], 8)
-
-    prompts = random_prompts(4, VOCAB, [22, 18, 25, 14], seed=4)
-    small = paxpage.EngineConfig(page_size=4, num_pages=18, max_num_seqs=4)
-    outs = paxpage.generate(model, prompts, max_tokens=16, temperature=0, ignore_eos=True,
-                            engine_config=small, use_tqdm=False)
-    assert model.engine(small).scheduler.stats().num_preemptions > 0
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(hf, prompt, 16)
+    check_prefix_hit_and_preemption(hf, model, VOCAB)
 
 
 def test_pallas_kernels_refused_and_the_gpu_default_runs_xla(tiny):
