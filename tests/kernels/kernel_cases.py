@@ -172,4 +172,4 @@ def make_sinks(rng, num_heads: int) -> np.ndarray:
 def assert_sinks_matter(got_with, got_without, dtype):
     """A nonzero sink must move the output well past the tolerance (the test could fail)."""
     diff = np.abs(np.asarray(jnp.asarray(got_with, jnp.float32)) - np.asarray(jnp.asarray(got_without, jnp.float32)))
-    assert diff.max() > 10 * TOLERANCE[dtype]["atol"], f"sinks moved the output by only {diff.max()}"
+    assert diff.max() > 5 * TOLERANCE[dtype]["atol"], f"sinks moved the output by only {diff.max()}"
