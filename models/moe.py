@@ -212,15 +212,19 @@ def _experts_dense(x, weights, experts, gate_up, down, gate_up_bias=None, down_b
     return jnp.einsum("TE,ETH->TH", combine, y.astype(jnp.float32))
 
 
-def moe_mlp(x, router, gate_up, down, *, top_k: int, renormalize: bool, impl: str = "auto"):
+def moe_mlp(x, router, gate_up, down, *, top_k: int, renormalize: bool, impl: str = "auto", router_bias=None,
+            gate_up_bias=None, down_bias=None, activation=_swiglu):
     """The sparse MoE MLP.
 
     x [T, H]; router [H, E]; gate_up [E, H, 2F] (gate columns, then up); down [E, F, H].
     Returns [T, H] in x's dtype: sum over the token's k experts of weight * down(silu(gate) * up).
+    gpt-oss: router_bias [E], gate_up_bias [E, 2F], down_bias [E, H] and its `activation`
+    (route, routed_experts).
     """
     x, router = jnp.asarray(x), jnp.asarray(router)
-    weights, experts = route(x, router, top_k, renormalize)  # [T, k]
-    return routed_experts(x, weights, experts, gate_up, down, impl=impl)
+    weights, experts = route(x, router, top_k, renormalize, router_bias)  # [T, k]
+    return routed_experts(x, weights, experts, gate_up, down, impl=impl, gate_up_bias=gate_up_bias,
+                          down_bias=down_bias, activation=activation)
 
 
 def routed_experts(x, weights, experts, gate_up, down, *, impl: str = "auto", gate_up_bias=None,
@@ -267,14 +271,8 @@ class SparseMoe(nn.Module):
         router = self.param("router", init, (H, E), self.dtype)
         gate_up = self.param("gate_up_proj", init, (E, H, 2 * F), self.dtype)
         down = self.param("down_proj", init, (E, F, H), self.dtype)
-        if not self.bias and self.swiglu_limit is None:
-            return moe_mlp(x, router, gate_up, down, top_k=self.top_k, renormalize=self.renormalize,
-                           impl=self.impl)
-        zeros = nn.initializers.zeros
-        biases = {name: self.param(name, zeros, shape, self.dtype) if self.bias else None
+        biases = {name: self.param(name, nn.initializers.zeros, shape, self.dtype) if self.bias else None
                   for name, shape in (("router_bias", (E,)), ("gate_up_bias", (E, 2 * F)), ("down_bias", (E, H)))}
         activation = _swiglu if self.swiglu_limit is None else clamped_swiglu(self.swiglu_limit, self.swiglu_alpha)
-        x = jnp.asarray(x)
-        weights, experts = route(x, router, self.top_k, self.renormalize, biases["router_bias"])
-        return routed_experts(x, weights, experts, gate_up, down, impl=self.impl, gate_up_bias=biases["gate_up_bias"],
-                              down_bias=biases["down_bias"], activation=activation)
+        return moe_mlp(x, router, gate_up, down, top_k=self.top_k, renormalize=self.renormalize, impl=self.impl,
+                       activation=activation, **biases)

@@ -4,12 +4,18 @@ to the answer (where tool calls are then read, server/tools.py).
 - `qwen3`: the answer starts as content; a `<think>` before any other text opens the reasoning,
   `</think>` closes it. A prompt that already ends in `<think>` (a template that opens the
   reasoning for the model) starts the answer inside it. No tags at all: everything is content.
-- `gpt_oss`: the harmony format's analysis channel is the reasoning (server/harmony.py).
+- `gpt_oss`: gpt-oss answers in OpenAI's harmony format, as messages
+  `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...<|return|>`
+  (its template's generation prompt ends in `<|start|>assistant`, so the answer opens with a
+  header). The text of `analysis` messages is the reasoning, that of every other channel (`final`;
+  `commentary`, preambles and tool calls) the content; headers and tags are never sent, and an
+  answer with no `<|message|>` at all is content as it stands. The tags are special tokens, so
+  requests it reads keep them in the text (`keeps_special_tokens`).
 - `deepseek_r1`: R1's templates put `<think>` in the prompt, so the answer starts inside the
   reasoning, with or without its own `<think>`; everything up to `</think>` is reasoning. An
   answer without `</think>` is all reasoning (it stopped while thinking).
 
-Whitespace just after `</think>` is dropped from the content. One state machine reads streams
+For `<think>`: whitespace just after `</think>` is dropped from the content. One state machine reads streams
 and whole answers alike; a tag split over several deltas is held back until it can be told
 from text."""
 
@@ -17,18 +23,22 @@ from __future__ import annotations
 
 import dataclasses
 
-from paxpage.server.harmony import HarmonyParser
-
 START, END = "<think>", "</think>"
+HARMONY_MESSAGE, HARMONY_CHANNEL = "<|message|>", "<|channel|>"
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")  # a harmony message's end
 
 
 @dataclasses.dataclass(frozen=True)
 class ReasoningParser:
     name: str
     starts_inside: bool  # the answer begins inside the reasoning, whatever the prompt
+    harmony: bool = False  # gpt-oss's harmony messages, not <think> tags
     keeps_special_tokens: bool = False  # its tags are special tokens, kept in the answer's text
 
-    def stream(self, prompt_text: str | None = None) -> "ReasoningStream":
+    def stream(self, prompt_text: str | None = None):
+        """A ReasoningStream (or HarmonyStream): feed(text) -> (reasoning, content), finish()."""
+        if self.harmony:
+            return HarmonyStream()
         inside = self.starts_inside or (prompt_text or "").rstrip().endswith(START)
         return ReasoningStream(inside)
 
@@ -41,12 +51,10 @@ class ReasoningParser:
 
 
 PARSERS = {p.name: p for p in (ReasoningParser("deepseek_r1", True), ReasoningParser("qwen3", False),
-                                HarmonyParser())}
+                                ReasoningParser("gpt_oss", False, harmony=True, keeps_special_tokens=True))}
 
 
-def reasoning_parser(name: str | None):
-    """The parser named `name` (a ReasoningParser or a HarmonyParser: stream, split and
-    keeps_special_tokens alike), or None."""
+def reasoning_parser(name: str | None) -> ReasoningParser | None:
     if name is None:
         return None
     if name not in PARSERS:
@@ -61,9 +69,9 @@ def keep_reasoning_tags(parser, params):
     return params
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper beginning of `tag`."""
-    return max((k for k in range(1, len(tag)) if text.endswith(tag[:k])), default=0)
+def _partial_suffix(text: str, *tags: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of one of `tags`."""
+    return max((k for tag in tags for k in range(1, len(tag)) if text.endswith(tag[:k])), default=0)
 
 
 class ReasoningStream:
@@ -120,3 +128,48 @@ class ReasoningStream:
         if self._inside:
             return rest, ""
         return "", "" if self._strip else rest
+
+
+class HarmonyStream:
+    """One answer read delta by delta: feed(text) -> (reasoning, content) safe to send now."""
+
+    def __init__(self):
+        self._channel: str | None = None  # inside a message: its channel; None: in a header
+        self._messages = 0
+        self._buf = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._buf += text
+        reasoning, content = [], []
+        while self._buf:
+            if self._channel is None:  # a header: everything up to <|message|>
+                i = self._buf.find(HARMONY_MESSAGE)
+                if i < 0:
+                    break  # the header so far stays in the buffer
+                header = self._buf[:i]
+                self._buf = self._buf[i + len(HARMONY_MESSAGE):]
+                channel = header.rsplit(HARMONY_CHANNEL, 1)[1] if HARMONY_CHANNEL in header else ""
+                self._channel = channel.split()[0] if channel.split() else ""
+                self._messages += 1
+                continue
+            ends = [(self._buf.find(tag), tag) for tag in HARMONY_ENDS if tag in self._buf]
+            out = reasoning if self._channel == "analysis" else content
+            if ends:
+                i, tag = min(ends)
+                out.append(self._buf[:i])
+                self._buf = self._buf[i + len(tag):]
+                self._channel = None  # the next header (<|start|>assistant<|channel|>...) follows
+                continue
+            hold = _partial_suffix(self._buf, *HARMONY_ENDS)
+            out.append(self._buf[:len(self._buf) - hold])
+            self._buf = self._buf[len(self._buf) - hold:]
+            break
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """What is still held back, once the answer has ended: a message cut off mid-way keeps its
+        channel; a partial header is dropped, unless the answer had no message at all."""
+        rest, self._buf = self._buf, ""
+        if self._channel is not None:
+            return (rest, "") if self._channel == "analysis" else ("", rest)
+        return "", rest if not self._messages else ""
