@@ -1,17 +1,19 @@
 """The steady decode step's persistent state (vLLM v1's InputBatch idea, for the common case).
 
-Most steps of a busy engine are the same step again: every running sequence decodes one token,
-nothing joins or leaves. When the step in flight is such a plain step (every row one sample of
-a request with n == 1: no beams, grammars, logprobs; see `DecodeBatch.build`), the
-engine keeps its rows here, with their positions, page-table rows, sampling slots and output
-counts as arrays, and the next step, if nothing changed, is scheduled, packed and booked with
-numpy over those arrays (`Scheduler.schedule_decodes` / `update_decodes`, `ModelRunner.
-pack_decode`, `OutputProcessor.process_plain`) and a few Python operations per sequence. Anything
-else (a request joins, finishes, is aborted or preempted, a fork, a page the free list cannot
-give) drops back to the general step, which is equal in outputs. Pure Python and numpy (no jax).
+Most steps of a busy engine are the same step again: every running sequence decodes one token.
+When the step in flight is such a plain step (every row one sample drawing one token: no beams,
+grammars, prompt logprobs, a fork still to come; see `DecodeBatch.build`), the engine keeps its rows
+here, with their positions, page-table rows, sampling slots and output counts as arrays, and the
+next step is scheduled, packed and booked with numpy over those arrays (`Scheduler.
+schedule_decodes` / `update_decodes`, `Packer.pack_decode`, `OutputProcessor.process_plain`) and
+a few Python operations per sequence. Sequences that finished or were aborted since leave the
+batch (`survivors`, `compacted`): the rows left keep their order and arrays, so a batch whose
+requests end at different steps stays on this step. Anything else (a request joins or is
+preempted, a page the free list cannot give) drops back to the general step, which is equal in
+outputs. Pure Python and numpy (no jax).
 
 Axis legend: B rows (the running sequences, in the scheduler's order; row i of the step in
-flight is row i of the next).
+flight is row i of the next, or row j of the compacted batch that keeps it).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
+from paxpage.packing import logprob_bucket
 from paxpage.sequence import Sequence
 
 
@@ -37,6 +40,13 @@ class DecodeBatch:
         self.stop_ids = stop_ids  # [B] tokens that may stop a row (EOS unless ignored, stop_token_ids)
         self.limit_list = limits.tolist()
         self.lora_slots = lora_slots  # i64[B] the rows' LoRA slab slots (-1: base), or None without LoRA
+        # rows whose samples take per-token logprobs: the widest one's top-k width (bucketed) is the sampler's
+        widths = [request.params.logprobs or 0 for request, sample, _ in rows if sample.logprobs is not None]
+        self.with_logprobs = bool(widths)
+        self.num_logprobs = logprob_bucket(max(widths, default=0))
+        # i32[B] the previous step's logits row each row reads its input token from (None: row i
+        # reads row i, the packer's constant)
+        self.prev_rows: np.ndarray | None = None
 
     @classmethod
     def build(cls, scheduled: Seq, rows: list, counts: Seq[int], sampling_slots: Seq[int], steps: Seq[int],
@@ -46,7 +56,8 @@ class DecodeBatch:
         `counts` its sampling entries, `sampling_slots` / `steps` per logits row, and
         `table_slot(seq_id)` its sequences' page-table rows; `lora`: keep the rows' adapter
         slots. None unless every scheduled sequence
-        is a plain sampling row (see the module docstring), one logits row each, in order."""
+        is a plain sampling row (see the module docstring), one logits row each, in order; a
+        request with n > 1 qualifies once its samples are forked (each is then a row of its own)."""
         n = len(rows)
         if n == 0 or len(scheduled) != n or len(sampling_slots) != n:
             return None
@@ -54,8 +65,8 @@ class DecodeBatch:
         eos = frozenset(eos_token_ids)
         for item, (request, sample, row), count in zip(scheduled, rows, counts):
             p, seq = request.params, sample.seq
-            if item.seq is not seq or not item.samples or item.draft_token_ids or count != 1 or p.n != 1 \
-                    or request.beam is not None or sample.matcher is not None or sample.logprobs is not None \
+            if item.seq is not seq or not item.samples or item.draft_token_ids or count != 1 \
+                    or not request.forked or request.beam is not None or sample.matcher is not None \
                     or sample.finish_reason is not None or row != len(seqs):
                 return None
             slot = table_slot(seq.seq_id)
@@ -74,14 +85,40 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    def survivors(self, running: Seq[Sequence]) -> list[int] | None:
+        """The rows whose sequences are still `running` (the scheduler's queue), when the queue is
+        exactly those sequences in the batch's order (others only finished or were aborted);
+        None otherwise (one joined, was preempted or resumed)."""
+        seqs = self.seqs
+        if len(running) == len(seqs):
+            return list(range(len(seqs))) if running == seqs else None  # Sequence compares by identity
+        keep = [i for i, seq in enumerate(seqs) if not seq.is_finished]
+        if len(keep) != len(running) or any(seqs[i] is not seq for i, seq in zip(keep, running)):
+            return None
+        return keep
+
+    def compacted(self, keep: list[int]) -> DecodeBatch:
+        """The batch of rows `keep` (in order), renumbered 0..len(keep) - 1; its `prev_rows` say
+        which of this batch's rows (the step in flight's logits rows) each reads its token from."""
+        index = np.asarray(keep, np.int64)
+        rows = [(request, sample, j) for j, (request, sample, _) in enumerate(self.rows[i] for i in keep)]
+        batch = DecodeBatch(rows, [self.seqs[i] for i in keep], self.positions[index], self.table_slots[index],
+                            self.sampling_slots[index], self.steps[index], self.limits[index],
+                            [self.stop_ids[i] for i in keep],
+                            self.lora_slots[index] if self.lora_slots is not None else None)
+        batch.prev_rows = index.astype(np.int32)
+        return batch
+
     def page_aligned(self, page_size: int) -> list[int]:
         """Rows whose next token starts a page (the only ones that may need one)."""
         return np.flatnonzero(self.positions % page_size == 0).tolist()
 
     def advance(self) -> None:
-        """The step scheduled from these arrays was dispatched: each row's next token is one later."""
+        """The step scheduled from these arrays was dispatched: each row's next token is one later,
+        and comes from the same row of that step."""
         self.positions += 1
         self.steps += 1
+        self.prev_rows = None
 
     def finished_by_length(self) -> list[int]:
         """Rows whose booked outputs (placeholders included) reached their length limit."""
@@ -96,3 +133,4 @@ class DecodeBatch:
                 continue
             assert self.positions[i] == seq.num_computed_tokens, (i, seq, self.positions[i])
             assert self.steps[i] == seq.num_output_tokens, (i, seq, self.steps[i])
+

@@ -30,10 +30,10 @@ from paxpage.decode_batch import DecodeBatch
 from paxpage.embedding import EmbeddingOutput, EmbeddingRequest, Pooling
 from paxpage.engine_stats import EngineStats
 from paxpage.lora_slots import LoraSlots
-from paxpage.launched import PENDING_TOKEN, Launched, fetch, logprob_bucket
+from paxpage.launched import PENDING_TOKEN, Launched, fetch
 from paxpage.output_processor import NewToken, OutputProcessor, Request
 from paxpage.outputs import RequestOutput, StreamDelta
-from paxpage.packing import RowPlan
+from paxpage.packing import RowPlan, logprob_bucket
 from paxpage.runner import ModelRunner
 from paxpage.sampler import SamplingTensors
 from paxpage.sampling_batch import SamplingBatch
@@ -358,13 +358,20 @@ class LLMEngine:
 
     def _decode_step(self) -> list[tuple[Request, list[StreamDelta]]] | None:
         """The steady decode step (decode_batch.py): when the step in flight is a plain decode
-        batch and nothing changed since, this step's rows are its rows one token later. Does what
-        the general step would (schedule, launch, read the previous tokens, book this step's as
-        pending), in numpy over the batch's arrays. None, having changed nothing, otherwise."""
+        batch and since then sequences only finished or were aborted, this step's rows are its
+        rows still running, one token later. Does what the general step would (schedule, launch,
+        read the previous tokens, book this step's as pending), in numpy over the batch's arrays.
+        None, having changed nothing, otherwise."""
         previous = self._inflight
         batch = previous.decode if previous is not None else None
         if batch is None or self._proposer is not None:
             return None
+        keep = batch.survivors(self.scheduler.running)
+        if not keep:
+            return None
+        resolved = batch  # the rows of the step in flight, whose tokens this step reads
+        if len(keep) < len(batch):
+            batch = batch.compacted(keep)
         scheduled = self.scheduler.schedule_decodes(batch.seqs, batch.page_aligned(self.config.page_size))
         if scheduled is None:
             return None
@@ -375,25 +382,32 @@ class LLMEngine:
         if grown:  # their new pages: the one changed entry of each table row
             tables.sync_many([seqs[i].seq_id for i in grown], [seqs[i].num_preemptions for i in grown],
                              [seqs[i].page_table for i in grown], [int(batch.positions[i]) for i in grown])
-        step_batch, prev_rows = self.runner.packer.pack_decode(batch.table_slots, batch.positions, batch.lora_slots)
+        step_batch, prev_rows = self.runner.packer.pack_decode(batch.table_slots, batch.positions, batch.lora_slots,
+                                                               batch.prev_rows)
         tensors = self._sampling.tensors(  # penalised rows: their outputs end in the pending token
             batch.sampling_slots, np.zeros(len(seqs), np.int64), batch.steps,
             lambda r: (batch.rows[r][0].prompt_ids, seqs[r].output_token_ids),
             pad_rows_to=len(step_batch.logits_indices))
         logits = self.runner.forward(step_batch, prev_rows, previous.next_tokens)
-        step = Launched(None, batch.rows, previous.counts, [], None, None, None, previous.row_of_seq,
-                        drafts=previous.drafts)
+        if batch is resolved:
+            step = Launched(None, batch.rows, previous.counts, [], None, None, None, previous.row_of_seq,
+                            drafts=previous.drafts)
+        else:
+            step = Launched(None, batch.rows, [1] * len(seqs), [], None, None, None,
+                            {seq.seq_id: j for j, seq in enumerate(seqs)}, drafts=[()] * len(seqs))
         step.result, step.prompt_result, step.next_tokens = self.runner.sample(
-            step_batch, logits, tensors, prev_rows=prev_rows, prev_tokens=previous.next_tokens)
+            step_batch, logits, tensors, batch.num_logprobs, prev_rows=prev_rows, prev_tokens=previous.next_tokens)
         # the previous step's tokens
         self._inflight = None
         t = time.perf_counter()
-        token_ids, logprobs = fetch((previous.result.token_ids, previous.result.logprobs))
+        result = previous.result
+        top = (result.top_ids, result.top_logprobs) if resolved.with_logprobs else (None, None)
+        token_ids, logprobs, top_ids, top_logprobs = fetch((result.token_ids, result.logprobs) + top)
         self.stats.device_seconds += time.perf_counter() - t
-        n = len(seqs)
+        n = len(resolved)
         deltas, to_finish, num_tokens = self.outputs.process_plain(
-            batch.rows, token_ids[:n].tolist(), logprobs[:n].tolist(), batch.stop_ids,
-            batch.limit_list, PENDING_TOKEN)
+            resolved.rows, token_ids[:n].tolist(), logprobs[:n].tolist(), resolved.stop_ids,
+            resolved.limit_list, PENDING_TOKEN, top_ids, top_logprobs)
         for seq, reason in to_finish:
             if not seq.is_finished:
                 self.scheduler.finish(seq, reason)

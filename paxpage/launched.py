@@ -55,12 +55,3 @@ def fetch(results):
     runs (measured with jax 0.10.2), and the arrays are host memory already."""
     return jax.tree.map(np.asarray, results)
 
-
-def logprob_bucket(n: int) -> int:
-    """Top-k widths compile separately; round up to a few sizes."""
-    if n <= 0:
-        return 0
-    for size in (1, 5, 20):
-        if n <= size:
-            return size
-    return n

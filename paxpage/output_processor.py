@@ -191,19 +191,21 @@ class OutputProcessor:
         return [entry for entry in by_request.values() if entry[0].stream or entry[0].finished], to_finish
 
     def process_plain(self, rows: Seq[tuple[Request, Sample, int]], tokens: Seq[int], logprobs: Seq[float],
-                      stop_ids: Seq[frozenset], limits: Seq[int], pending: int
+                      stop_ids: Seq[frozenset], limits: Seq[int], pending: int, top_ids=None, top_logprobs=None
                       ) -> tuple[list[tuple[Request, list[StreamDelta]]], list[tuple[Sequence, str]], int]:
-        """`process` for the steady decode step's plain rows: one sample per request, no logprobs,
-        no grammar, each with one new token that replaces its `pending` placeholder (async
-        scheduling). Row i gets tokens[i] and logprobs[i]; stop_ids[i] holds the tokens that may
-        stop it (EOS unless ignored, stop_token_ids) and limits[i] its length limit, so the full
-        stop check runs only where one may apply. Returns what `process` does, and the number of
-        tokens taken (rows aborted meanwhile take none)."""
+        """`process` for the steady decode step's plain rows: one sample each (a request with n > 1
+        has a row per sample), no grammar, each with one new token that replaces its `pending`
+        placeholder (async scheduling). Row i gets tokens[i] and logprobs[i] (and, for a sample
+        that asked for logprobs, top_ids[i] / top_logprobs[i], [B, L] arrays); stop_ids[i]
+        holds the tokens that may stop it (EOS unless ignored, stop_token_ids) and limits[i] its
+        length limit, so the full stop check runs only where one may apply. Returns what `process`
+        does, and the number of tokens taken (rows aborted or stopped meanwhile take none)."""
         now, new_delta = time.monotonic(), StreamDelta.fast
         deltas: list[tuple[Request, list[StreamDelta]]] = []
+        multi: dict[int, list[StreamDelta]] = {}  # n > 1: the deltas of each request's samples, one entry
         to_finish: list[tuple[Sequence, str]] = []
         num_taken = 0
-        for (request, sample, _), token, logprob, stops, limit in zip(rows, tokens, logprobs, stop_ids, limits):
+        for (request, sample, i), token, logprob, stops, limit in zip(rows, tokens, logprobs, stop_ids, limits):
             if sample.finish_reason is not None:  # aborted while in flight
                 continue
             num_taken += 1
@@ -214,6 +216,8 @@ class OutputProcessor:
             if request.first_token_time is None:
                 request.first_token_time = now
             sample.cumulative_logprob += logprob
+            if sample.logprobs is not None:
+                sample.logprobs.append(_entry(token, logprob, top_ids[i], top_logprobs[i], request.params.logprobs))
             detok = sample.detok
             if detok is not None:
                 detok.add(token)
@@ -225,7 +229,7 @@ class OutputProcessor:
                     if detok is not None:
                         detok.finish()
             reason = sample.finish_reason
-            if request.stream:  # _delta's, for the request's one sample without logprobs
+            if request.stream:  # _delta's
                 if detok is None:
                     text = ""
                 else:
@@ -233,9 +237,18 @@ class OutputProcessor:
                     text, sample.emitted_text = full[sample.emitted_text:], len(full)
                 emitted, sample.emitted_tokens = sample.emitted_tokens, num_out
                 new = (token,) if emitted == num_out - 1 else tuple(out[emitted:])
-                deltas.append((request, [new_delta(request.index, text, new, reason, 0, None,
-                                                   sample.stop_reason if reason else None)]))
-            elif reason is not None:
+                single = request.params.n == 1
+                entries = None if sample.logprobs is None else tuple(sample.logprobs[emitted:])
+                delta = new_delta(request.index, text, new, reason, 0 if single else request.samples.index(sample),
+                                  entries, sample.stop_reason if reason else None)
+                if single:
+                    deltas.append((request, [delta]))
+                elif request.request_id in multi:
+                    multi[request.request_id].append(delta)
+                else:
+                    multi[request.request_id] = [delta]
+                    deltas.append((request, multi[request.request_id]))
+            elif reason is not None and request.finished:
                 deltas.append((request, []))
             if reason is not None and request.finished:
                 self.remove(request.request_id)

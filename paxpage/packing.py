@@ -56,6 +56,16 @@ def bucket(n: int, minimum: int = 1) -> int:
     return power
 
 
+def logprob_bucket(n: int) -> int:
+    """Top-k widths compile separately; round up to a few sizes."""
+    if n <= 0:
+        return 0
+    for size in (1, 5, 20):
+        if n <= size:
+            return size
+    return n
+
+
 @dataclasses.dataclass
 class RowPlan:
     """Host-side description of one scheduled sequence's tokens in the step."""
@@ -96,7 +106,7 @@ class Packer:
         self.single_row_decode = single_row_decode
         self.keep_on_device = keep_on_device
         self.tables = PageTables(cfg.pages_per_seq, cfg.page_size)
-        self._decode_consts: dict[tuple[int, int], tuple] = {}  # see _decode_constants
+        self._decode_consts: dict[int, tuple] = {}  # see _decode_constants
 
     def reset(self) -> None:
         """Empty page tables (the engine's state was dropped: a failed step, a reset)."""
@@ -225,13 +235,13 @@ class Packer:
                 pool_rows[flat + max(lo, plan.pool_from) - lo:flat + hi - lo] = plan.pool_row
         return pool_rows
 
-    def pack_decode(self, table_slots: np.ndarray, positions: np.ndarray, lora_slots: np.ndarray | None = None
-                    ) -> tuple[StepBatch, np.ndarray]:
-        """`pack` for a step of decode rows only, each writing the token that row r of the
-        previous (still running) step samples: table_slots integer[B] (rows of `self.tables`,
-        already synced), positions integer[B], lora_slots integer[B] (with LoRA). Returns the batch
-        and its i32[T] prev_rows; equal to what `pack` returns for the same rows, in numpy
-        operations over the rows."""
+    def pack_decode(self, table_slots: np.ndarray, positions: np.ndarray, lora_slots: np.ndarray | None = None,
+                    prev_rows: np.ndarray | None = None) -> tuple[StepBatch, np.ndarray]:
+        """`pack` for a step of decode rows only, each writing the token that row prev_rows[r]
+        (by default row r) of the previous (still running) step samples: table_slots integer[B]
+        (rows of `self.tables`, already synced), positions integer[B], lora_slots integer[B] (with
+        LoRA), prev_rows integer[B]. Returns the batch and its i32[T] prev_rows; equal to what
+        `pack` returns for the same rows, in numpy operations over the rows."""
         n = table_slots.shape[0]
         num_dec = decode_rows(n, 0, self.single_row_decode)
         pos = np.zeros(num_dec, np.int32)
@@ -239,32 +249,34 @@ class Packer:
         dec_pages = np.zeros((num_dec, self.cfg.pages_per_seq), np.int32)
         dec_lens = np.zeros(num_dec, np.int32)
         self._lay_out_decodes(table_slots, positions, pos, slots, dec_pages, dec_lens)
-        token_ids, prev_rows, logits_indices, empty, rows0 = self._decode_constants(n, num_dec)
+        token_ids, constant_prev_rows, logits_indices, empty, rows0 = self._decode_constants(num_dec)
+        if prev_rows is None:
+            prev_rows = constant_prev_rows
+        else:  # rows left after others finished: each reads its own row of the previous step
+            prev_rows = np.concatenate([np.asarray(prev_rows, np.int32), np.arange(n, num_dec, dtype=np.int32)])
         lora = self.lora_rows(lora_slots if lora_slots is not None else [], num_dec, [], 0)
         batch = StepBatch(token_ids, pos, slots, dec_pages, dec_lens, rows0, empty, empty,
                           logits_indices, empty, empty, lora_slots=lora)
         return batch, prev_rows
 
-    def _decode_constants(self, n: int, num_dec: int) -> tuple:
-        """The arrays of a steady decode step of n rows that depend on n alone: token ids (-1: the
-        host does not have them, prev_rows points at the device's), prev_rows, logits indices
-        and the empty prefill arrays. Kept on the device once made, so a step transfers only its
-        positions, slots, tables and lengths (each host array a jitted call takes costs it a
-        transfer at dispatch). Sharded or multi-process runners pass them as numpy, as `pack`."""
-        key = (n, num_dec)
-        made = self._decode_consts.get(key)
+    def _decode_constants(self, num_dec: int) -> tuple:
+        """The arrays of a steady decode step that depend on its padded row count alone: token
+        ids (unused: prev_rows points every row at a token of the device's), prev_rows (row r
+        reads row r of the previous step), logits indices and the empty prefill arrays. Padding
+        rows read a token too, like any row; their K/V writes are dropped and their logits rows
+        are not read. Kept on the device once made, so a step transfers only its positions,
+        slots, tables and lengths (each host array a jitted call takes costs it a transfer at
+        dispatch), however many of its rows are real. Sharded or multi-process runners pass them
+        as numpy, as `pack`."""
+        made = self._decode_consts.get(num_dec)
         if made is None:
-            token_ids = np.zeros(num_dec, np.int32)
-            token_ids[:n] = -1
-            prev_rows = np.full(num_dec, -1, np.int32)
-            prev_rows[:n] = np.arange(n)
-            logits_indices = np.zeros(bucket(num_dec), np.int32)
-            logits_indices[:n] = np.arange(n)
-            made = (token_ids, prev_rows, logits_indices, np.zeros(0, np.int32),
+            rows = np.arange(num_dec, dtype=np.int32)
+            logits_indices = np.minimum(np.arange(bucket(num_dec), dtype=np.int32), num_dec - 1)
+            made = (np.zeros(num_dec, np.int32), rows, logits_indices, np.zeros(0, np.int32),
                     np.zeros((0, self.cfg.pages_per_seq), np.int32))
             if self.keep_on_device:
                 made = tuple(jax.device_put(made))
-            self._decode_consts[key] = made
+            self._decode_consts[num_dec] = made
         return made
 
     def _lay_out_decodes(self, table_slots, pos: np.ndarray, positions: np.ndarray, slots: np.ndarray,

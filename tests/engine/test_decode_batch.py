@@ -15,6 +15,7 @@ import pytest
 
 import paxpage
 from paxpage import EngineConfig, SamplingParams as SP
+from paxpage.decode_batch import DecodeBatch
 from paxpage.engine import LLMEngine
 from paxpage.outputs import StreamDelta
 from paxpage.scheduler import Scheduler, SchedulerConfig
@@ -112,7 +113,7 @@ def text_model(tiny_text_dir):
 
 def _check_batch(engine) -> int:
     """The in-flight decode batch's arrays against a rebuild from its sequences; 0 if none, 2 if
-    it has a penalised row, else 1."""
+    it has a penalised row, 3 if it has a row of a request with n > 1, else 1."""
     step = engine._inflight
     batch = step.decode if step is not None else None
     if batch is None:
@@ -129,6 +130,8 @@ def _check_batch(engine) -> int:
         assert engine._sampling.slot(seq.seq_id, request.params, sample.seed) == batch.sampling_slots[i]
         assert batch.limits[i] == min(request.params.max_tokens,
                                       engine.config.max_model_len - seq.num_prompt_tokens)
+    if any(request.params.n > 1 for request, _, _ in batch.rows):
+        return 3
     return 1 + any(request.params.repetition_penalty != 1.0 for request, _, _ in batch.rows)
 
 
@@ -140,7 +143,8 @@ def _run(model, fast: bool, prompts, params, joins, abort_at, stream: bool = Tru
     engine = LLMEngine(model.config, model.params, model.tokenizer, config)  # fresh: no cached prefix
     if not fast:
         engine._decode_step = lambda: None
-    ids, steps, finals, batches = {}, [], {}, [0, 0]  # decode batches checked, with a penalised row
+    # decode batches checked, with a penalised row, with a row of a forked request
+    ids, steps, finals, batches = {}, [], {}, [0, 0, 0]
     step = 0
     while step == 0 or engine.has_unfinished() or len(ids) < len(prompts):
         for i, at in enumerate(joins):
@@ -159,6 +163,7 @@ def _run(model, fast: bool, prompts, params, joins, abort_at, stream: bool = Tru
             checked = _check_batch(engine)
             batches[0] += checked > 0
             batches[1] += checked == 2
+            batches[2] += checked == 3
             engine.scheduler.check_invariants()
         step += 1
         assert step < 400
@@ -188,9 +193,12 @@ def _workload():
 
 
 @pytest.mark.extended
-def test_fast_path_equals_general_path_on_a_mixed_workload(text_model):
+def test_fast_path_equals_general_path_on_a_mixed_workload(text_model, monkeypatch):
     prompts, params, joins, abort = _workload()
     general = _run(text_model, False, prompts, params, joins, abort)
+    compactions = []  # steady steps whose batch dropped rows that finished or were aborted
+    compacted = DecodeBatch.compacted
+    monkeypatch.setattr(DecodeBatch, "compacted", lambda self, keep: compactions.append(keep) or compacted(self, keep))
     fast = _run(text_model, True, prompts, params, joins, abort)
     assert fast[0] == general[0]  # every step's deltas
     assert fast[1] == general[1]
@@ -198,6 +206,8 @@ def test_fast_path_equals_general_path_on_a_mixed_workload(text_model):
     stats = fast[2]
     assert stats.decode_batch_steps > 10 and general[2].decode_batch_steps == 0
     assert fast[3][0] > 10 and fast[3][1] > 3  # decode batches checked against a rebuild (penalised too)
+    assert fast[3][2] > 3  # ... and with the rows of a request's n = 2 samples
+    assert len(compactions) > 3  # rows finished, aborted or stopped under the steady step
     assert stats.steps == general[2].steps and stats.generated_tokens == general[2].generated_tokens
     assert fast[4] > 0  # preemptions happened
 
