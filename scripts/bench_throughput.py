@@ -17,10 +17,11 @@ The pass itself is scripts/throughput_pass.py.
 
 HF baseline (scripts/throughput_peers.py, as is the vLLM peer): static padded batches, as
 users write them: requests in arrival order, chunks of `batch size`, left padding + attention
-mask, greedy, min_new_tokens = max_new_tokens = the chunk's longest output; only each request's wanted tokens count. The batch size is the
-best of a small sweep (--hf-batch-sizes), every size measured on the whole workload. torch
-gets as many threads as the machine has cores (as jax does), or 1 if a quick timing finds
-that faster (on a loaded machine OpenMP's spinning barriers can make 2 threads ~10x slower).
+mask, greedy, min_new_tokens = max_new_tokens = the chunk's longest output; only each
+request's wanted tokens count. The batch size is the best of a small sweep (--hf-batch-sizes),
+every size measured on the whole workload. torch gets as many threads as the machine has
+cores (as jax does), or 1 if a quick timing finds that faster (on a loaded machine OpenMP's
+spinning barriers can make 2 threads ~10x slower).
 
 vLLM peer (optional, scripts/vllm_peer.py): vLLM's CPU build from its own venv
 (--vllm-python or $PAXPAGE_VLLM_PYTHON; skipped with a message without one), one `vllm.LLM`
