@@ -25,7 +25,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from models import gguf_quants
-from models.config import GGUF_ARCH_TO_MODEL_TYPE, ModelConfig
+from models.config import ModelConfig
+from models.gguf_config import GGUF_ARCH_TO_MODEL_TYPE, config_from_gguf_metadata
 
 
 class Quantized(NamedTuple):
@@ -194,7 +195,7 @@ def read_gguf(path: str, keep_quantized: bool = False) -> tuple[ModelConfig, dic
     if "rope_freqs.weight" in by_name:
         _rope_scaling_from_freqs(path, meta, arch, _dequantize(path, by_name["rope_freqs.weight"]))
     try:
-        cfg = ModelConfig.from_gguf_metadata(meta, tensor_names=by_name)
+        cfg = config_from_gguf_metadata(meta, tensor_names=by_name)
     except (ValueError, TypeError) as e:
         raise ValueError(f"GGUF file {path!r}: {e}") from e
 

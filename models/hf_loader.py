@@ -15,6 +15,7 @@ from typing import Any
 from safetensors import safe_open
 
 from models.config import ModelConfig
+from models.hf_config import config_from_hf_dir
 from models.param_layout import params_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -50,7 +51,7 @@ def safetensors_files(directory: str) -> list[str]:
 def load_hf_dir(directory: str, dtype: Any) -> tuple[ModelConfig, dict[str, Any]]:
     """Reads config and weights of a HF directory into the paxpage tree (see models/param_layout.py)."""
     try:
-        cfg = ModelConfig.from_hf_dir(directory)
+        cfg = config_from_hf_dir(directory)
     except (KeyError, TypeError) as e:  # a config.json lacking a required field
         raise ValueError(f"config.json in {directory!r} is incomplete: missing or bad {e}") from e
     with contextlib.ExitStack() as stack:

@@ -13,13 +13,15 @@ the fastest HF batch size does), driven step by step to time each request:
     TPOT  (finish - first token) / (output tokens - 1)
 Any XLA compile during a measured pass fails the run (exit 1) unless --allow-compiles.
 Padding figures say how many of the step shapes' token slots and rows held real work.
+The pass itself is scripts/throughput_pass.py.
 
-HF baseline: static padded batches, as users write them: requests in arrival order, chunks
-of `batch size`, left padding + attention mask, greedy, min_new_tokens = max_new_tokens =
-the chunk's longest output; only each request's wanted tokens count. The batch size is the
-best of a small sweep (--hf-batch-sizes), every size measured on the whole workload. torch
-gets as many threads as the machine has cores (as jax does), or 1 if a quick timing finds
-that faster (on a loaded machine OpenMP's spinning barriers can make 2 threads ~10x slower).
+HF baseline (scripts/throughput_peers.py, as is the vLLM peer): static padded batches, as
+users write them: requests in arrival order, chunks of `batch size`, left padding + attention
+mask, greedy, min_new_tokens = max_new_tokens = the chunk's longest output; only each
+request's wanted tokens count. The batch size is the best of a small sweep (--hf-batch-sizes),
+every size measured on the whole workload. torch gets as many threads as the machine has
+cores (as jax does), or 1 if a quick timing finds that faster (on a loaded machine OpenMP's
+spinning barriers can make 2 threads ~10x slower).
 
 vLLM peer (optional, scripts/vllm_peer.py): vLLM's CPU build from its own venv
 (--vllm-python or $PAXPAGE_VLLM_PYTHON; skipped with a message without one), one `vllm.LLM`
@@ -32,6 +34,7 @@ fastest counts. The first tokens of every output are compared (same greedy token
 Last, one steady decode step of max_num_seqs rows is profiled: full jitted step, the step
 with attention (and the KV write) swapped for no-ops, the model without the sampler, the
 sampler alone, and host packing; shares are rough (separately timed parts, noisy machine).
+What is printed and the docs' tables come from scripts/throughput_report.py.
 
 Usage:
     python scripts/bench_throughput.py --json /tmp/throughput.json
@@ -56,249 +59,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import paxpage  # noqa: E402
 import vllm_peer  # noqa: E402
 import workload as wl  # noqa: E402
-from step_profile import profile_decode_step  # noqa: E402
-from timing import median_seconds  # noqa: E402
 from paxpage import compile_counter  # noqa: E402
-
-
-FIRST_TOKENS = 8  # of each output, compared across systems (greedy: the same tokens)
-
-
-# ---------------------------------------------------------------------------------------- paxpage
-def _step(engine, first: list, finish: list, counts: list, tokens: list) -> None:
-    """One engine step; stamps each request's first token and finish with the time, and keeps
-    each request's first FIRST_TOKENS token ids."""
-    results = engine.step()
-    now = time.perf_counter()
-    for request, deltas in results:
-        i = request.index
-        for d in deltas:
-            if d.token_ids:
-                if first[i] is None:
-                    first[i] = now
-                counts[i] += len(d.token_ids)
-                if len(tokens[i]) < FIRST_TOKENS:
-                    tokens[i] += list(d.token_ids)[:FIRST_TOKENS - len(tokens[i])]
-            if d.finish_reason is not None:
-                finish[i] = now
-
-
-def run_paxpage(model: paxpage.Model, work: wl.Workload, cfg: paxpage.EngineConfig) -> dict:
-    """One pass over the workload, step by step; per-request TTFT / TPOT and engine stats."""
-    engine = model.engine(cfg)
-    stats0 = dataclasses.replace(engine.stats)
-    preempt0 = engine.scheduler.num_preemptions
-    n = work.num_requests
-    first, finish, counts, tokens = [None] * n, [None] * n, [0] * n, [[] for _ in range(n)]
-    start = time.perf_counter()
-    for i, (prompt, out_len) in enumerate(zip(work.prompts, work.output_lens)):
-        engine.add_request(prompt, paxpage.SamplingParams(max_tokens=out_len, temperature=0,
-                                                          ignore_eos=True), index=i)
-    max_running = 0
-    pad = dict.fromkeys(("tokens", "token_slots", "decode_rows", "decode_row_slots",
-                         "prefill_tokens", "prefill_token_slots"), 0)
-    packer = engine.runner.packer
-    pack = packer.pack
-
-    def counting_pack(*a, **kw):  # what the padded shapes cost: real vs padded tokens and rows
-        packed = pack(*a, **kw)
-        b = packed[0]
-        real_dec = int(np.count_nonzero(b.dec_kv_lens))
-        pad["tokens"] += int(np.count_nonzero(b.slot_mapping >= 0))
-        pad["token_slots"] += len(b.token_ids)
-        pad["decode_rows"] += real_dec
-        pad["decode_row_slots"] += len(b.dec_kv_lens)
-        pad["prefill_tokens"] += int(np.sum(b.pre_q_lens))
-        pad["prefill_token_slots"] += len(b.token_ids) - len(b.dec_kv_lens)
-        return packed
-
-    packer.pack = counting_pack
-    try:
-        while engine.has_unfinished():
-            _step(engine, first, finish, counts, tokens)
-            max_running = max(max_running, engine.scheduler.num_running)
-    finally:
-        del packer.pack  # back to the class method
-
-    wall = time.perf_counter() - start
-    if counts != work.output_lens:
-        raise RuntimeError(f"paxpage generated {sum(counts)} tokens, expected {work.num_output_tokens}")
-    st = engine.stats
-    ttft = [f - start for f in first]
-    tpot = [(e - f) / (c - 1) for f, e, c in zip(first, finish, counts) if c > 1]
-    steps = st.steps - stats0.steps
-    return {
-        "wall_s": wall,
-        "steps": steps,
-        "host_s": st.host_seconds - stats0.host_seconds,
-        "device_s": st.device_seconds - stats0.device_seconds,
-        "host_share": (st.host_seconds - stats0.host_seconds) / wall,
-        "mean_kv_utilisation": (st.kv_utilisation_sum - stats0.kv_utilisation_sum)
-        / max(1, st.kv_utilisation_samples - stats0.kv_utilisation_samples),
-        "preemptions": engine.scheduler.num_preemptions - preempt0,
-        "max_running": max_running,
-        "padding": pad,
-        "ttft_s": wl.percentiles(ttft),
-        "tpot_s": wl.percentiles(tpot),
-        "first_tokens": tokens,
-    }
-
-
-def rates(work: wl.Workload, seconds: float) -> dict:
-    return {
-        "requests_per_s": work.num_requests / seconds,
-        "output_tok_per_s": work.num_output_tokens / seconds,
-        "total_tok_per_s": (work.num_prompt_tokens + work.num_output_tokens) / seconds,
-    }
-
-
-# ---------------------------------------------------------------------------------------- HF
-def hf_model_for(source: str | None):
-    """The same weights in transformers (GGUF via gguf_file, HF dir); None if it cannot load them."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from models.hf_loader import is_hf_dir
-    from models.loading import default_model_path
-
-    path = source or default_model_path()
-    on_gpu = torch.cuda.is_available() and jax.default_backend() == "gpu"
-    dtype = torch.bfloat16 if on_gpu else torch.float32  # what paxpage uses on that backend
-    if path.endswith(".gguf"):
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                     gguf_file=os.path.basename(path), dtype=dtype)
-    elif os.path.isdir(path) and is_hf_dir(path):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    else:
-        return None
-    return model.to("cuda" if on_gpu else "cpu").eval()
-
-
-def hf_generate(model, work: wl.Workload, batch_size: int) -> float:
-    """Seconds to serve the workload in static padded batches of batch_size (arrival order)."""
-    import torch
-
-    device = next(model.parameters()).device
-    start = time.perf_counter()
-    for lo in range(0, work.num_requests, batch_size):
-        prompts = work.prompts[lo:lo + batch_size]
-        wanted = work.output_lens[lo:lo + batch_size]
-        width = max(map(len, prompts))
-        ids = torch.zeros((len(prompts), width), dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for r, p in enumerate(prompts):  # left padding
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
-        new = max(wanted)
-        with torch.no_grad():
-            out = model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                                 max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
-        if out.shape[1] - width != new:
-            raise RuntimeError(f"HF generated {out.shape[1] - width} tokens, expected {new}")
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-def pick_threads(model, vocab_size: int, candidates) -> int:
-    """The fastest torch thread count for a batch-8 decode-sized forward. On a loaded machine
-    OpenMP's barriers can make 2 threads ~10x slower than 1; the baseline gets the better one."""
-    import torch
-
-    x = torch.randint(0, vocab_size, (8, 1), device=next(model.parameters()).device)
-    best, best_s = None, float("inf")
-    for threads in dict.fromkeys(candidates):
-        torch.set_num_threads(threads)
-        with torch.no_grad():
-            model(x)
-            seconds = median_seconds(lambda: model(x), 3)
-        if seconds < best_s:
-            best, best_s = threads, seconds
-    torch.set_num_threads(best)
-    return best
-
-
-def run_hf(source: str | None, work: wl.Workload, batch_sizes, threads: int | None) -> dict | None:
-    import torch
-
-    model = hf_model_for(source)
-    if model is None:
-        print(f"HF baseline skipped: transformers cannot load {source!r}", flush=True)
-        return None
-    if threads is None:
-        threads = pick_threads(model, model.config.vocab_size, (os.cpu_count(), 1))
-    torch.set_num_threads(threads)
-    print(f"  torch threads: {threads}", flush=True)
-    hf_generate(model, wl.Workload([work.prompts[0][:8]] * 2, [4, 4]), 2)  # warm-up
-    sweep = {}
-    for bs in batch_sizes:
-        seconds = hf_generate(model, work, bs)
-        sweep[bs] = {"wall_s": seconds, **rates(work, seconds)}
-        print(f"  HF batch {bs:3d}: {sweep[bs]['output_tok_per_s']:7.1f} output tok/s "
-              f"({seconds:.1f} s)", flush=True)
-    best = max(sweep, key=lambda b: sweep[b]["output_tok_per_s"])
-    return {"best_batch_size": best, "threads": threads, "sweep": {str(b): v for b, v in sweep.items()},
-            **sweep[best]}
-
-
-# ---------------------------------------------------------------------------------------- vLLM
-def start_vllm(args, cfg: paxpage.EngineConfig, warm: wl.Workload):
-    """The vLLM peer, built and warmed up on `warm`; (peer, record) or (None, None) when skipped."""
-    if args.no_vllm:
-        return None, None
-    python, why = vllm_peer.find_python(args.vllm_python)
-    if python is None:
-        vllm_peer.skipped(why)
-        return None, None
-    model_dir = vllm_peer.model_dir(args.vllm_model, args.model)
-    engine = {"max_model_len": cfg.max_model_len, "max_num_seqs": cfg.max_num_seqs,
-              "max_num_batched_tokens": max(cfg.max_num_batched_tokens, cfg.max_model_len),
-              "kv_cache_gib": (cfg.kv_cache_bytes or 1 << 30) / (1 << 30)}
-    print(f"vLLM {why} ({python}) on {model_dir}:", flush=True)
-    peer = vllm_peer.OfflinePeer(python, model_dir, engine, args.vllm_timeout)
-    try:
-        started = peer.start()
-        print(f"  vLLM start-up (load, compile): {started['startup_s']:.1f} s; log {peer.log.name}", flush=True)
-        t = time.perf_counter()
-        warm_pass = _vllm_pass(peer, warm)
-        started.update(warmup_pass_s=time.perf_counter() - t, version=why, python=python, model_dir=model_dir)
-    except BaseException:
-        peer.close()
-        raise
-    print(f"  vLLM warm-up pass: {started['warmup_pass_s']:.1f} s "
-          f"({warm_pass['output_tok_per_s']:.1f} output tok/s)", flush=True)
-    return peer, started
-
-
-def _vllm_pass(peer, work: wl.Workload) -> dict:
-    out = peer.run(work.prompts, work.output_lens)
-    if out["output_lens"] != work.output_lens:
-        raise RuntimeError(f"vLLM generated {sum(out['output_lens'])} tokens, expected {work.num_output_tokens}")
-    out.update(rates(work, out["wall_s"]))
-    return out
-
-
-def same_tokens(a: list, b: list) -> float:
-    """Share of requests whose first tokens (FIRST_TOKENS of them) agree in both systems."""
-    return sum(x == y for x, y in zip(a, b)) / max(1, len(a))
-
-
-# ---------------------------------------------------------------------------------------- profile
-
-
-# ---------------------------------------------------------------------------------------- main
-def _print_pass(k: int, pax: dict) -> None:
-    print(f"paxpage pass {k}: {pax['requests_per_s']:.2f} req/s, {pax['output_tok_per_s']:.1f} output tok/s, "
-          f"{pax['total_tok_per_s']:.1f} total tok/s ({pax['wall_s']:.1f} s, {pax['steps']} steps, "
-          f"max {pax['max_running']} running, {pax['preemptions']} preemptions, {pax['compiles']} compiles)",
-          flush=True)
-    print("  TTFT p50/p90/p99: " + " / ".join(f"{v * 1e3:.0f}" for v in pax["ttft_s"].values()) + " ms; "
-          "TPOT p50/p90/p99: " + " / ".join(f"{v * 1e3:.0f}" for v in pax["tpot_s"].values()) + " ms; "
-          f"host share of wall time {pax['host_share']:.1%}", flush=True)
-    p = pax["padding"]
-    print(f"  padding: {p['tokens']} real tokens in {p['token_slots']} token slots "
-          f"({p['tokens'] / p['token_slots']:.0%}); decode rows {p['decode_rows']}/{p['decode_row_slots']}, "
-          f"prefill tokens {p['prefill_tokens']}/{p['prefill_token_slots']}", flush=True)
+from step_profile import profile_decode_step  # noqa: E402
+from throughput_pass import FIRST_TOKENS, rates, run_paxpage  # noqa: E402
+# the peers (scripts/throughput_peers.py) and the run's figures (scripts/throughput_report.py);
+# the tests reach them as bench_throughput.<name>
+from throughput_peers import run_hf, same_tokens, start_vllm, vllm_pass  # noqa: E402
+from throughput_report import doc_tables, print_pass, print_profile, vllm_summary  # noqa: E402
 
 
 def compare_batch_invariant(model, work: wl.Workload, cfg: paxpage.EngineConfig, default_pass, args) -> dict:
@@ -325,31 +92,6 @@ def compare_batch_invariant(model, work: wl.Workload, cfg: paxpage.EngineConfig,
           flush=True)
     return {"default_wall_s": best_default, "invariant_wall_s": best_inv, "time_ratio": ratio,
             "invariant_passes": inv, "default_passes": default}
-
-
-def doc_tables(data: dict) -> dict:
-    """The docs' table (docs/benchmarks.md): one row per system."""
-    def row(name, r):
-        return [name, round(r["requests_per_s"], 2), round(r["output_tok_per_s"], 1),
-                round(r["total_tok_per_s"], 1)]
-
-    rows = [row("paxpage", data["paxpage"])]
-    if data.get("vllm"):
-        rows.append(row(f"vLLM {data['vllm']['version']} (CPU build, tuned)", data["vllm"]))
-    if data["hf"]:
-        rows.append(row(f"HF transformers `generate`, batch {data['hf']['best_batch_size']}", data["hf"]))
-    tables = {"throughput": {"columns": ["system", "requests/s", "output tok/s", "total tok/s"], "rows": rows}}
-    invariant = data.get("batch_invariant")
-    if invariant:
-        passes = len(invariant["default_passes"])
-        tables["batch_invariant"] = {
-            "columns": ["mode", f"fastest of {passes} passes (s)", "output tok/s", "time / default"],
-            "rows": [[mode, round(wall, 2), round(max(r["output_tok_per_s"] for r in runs), 1), f"{wall / base:.2f}x"]
-                     for base in (invariant["default_wall_s"],)
-                     for mode, wall, runs in (("default", invariant["default_wall_s"], invariant["default_passes"]),
-                                              ("batch_invariant=True", invariant["invariant_wall_s"],
-                                               invariant["invariant_passes"]))]}
-    return tables
 
 
 def main(argv=None) -> int:
@@ -440,9 +182,9 @@ def _measure(args, model, cfg, work, summary, warm, vllm, vllm_info) -> int:
         w = work if k == 0 else work.with_fresh_prompts(model.config.vocab_size, args.seed + 7919 * (k + 1))
         result = run_paxpage(model, w, cfg)
         result.update(rates(w, result["wall_s"]), compiles=compile_counter.compiles() - c0)
-        _print_pass(k, result)
+        print_pass(k, result)
         if vllm is not None:  # the same prompts, right after: the same machine load for both
-            v = _vllm_pass(vllm, w)
+            v = vllm_pass(vllm, w)
             v["same_first_tokens"] = same_tokens(result["first_tokens"], v.pop("first_tokens"))
             vllm_passes.append(v)
             print(f"vLLM pass {k}: {v['requests_per_s']:.2f} req/s, {v['output_tok_per_s']:.1f} output tok/s, "
@@ -470,25 +212,7 @@ def _measure(args, model, cfg, work, summary, warm, vllm, vllm_info) -> int:
         print(f"ratio paxpage / HF (output tok/s): {ratio:.2f}x", flush=True)
     vllm_record, vllm_ratios = None, None
     if vllm_passes:
-        best = max(vllm_passes, key=lambda r: r["output_tok_per_s"])
-        vllm_record = dict(vllm_info, **{k: best[k] for k in ("wall_s", "requests_per_s", "output_tok_per_s",
-                                                              "total_tok_per_s")},
-                           passes_output_tok_per_s=[r["output_tok_per_s"] for r in vllm_passes],
-                           same_first_tokens=[r["same_first_tokens"] for r in vllm_passes])
-        vllm_ratios = {
-            "output_tok_per_s": pax["output_tok_per_s"] / best["output_tok_per_s"],
-            "passes_output_tok_per_s": [p["output_tok_per_s"] / v["output_tok_per_s"]
-                                        for p, v in zip(passes, vllm_passes)],
-            "warmup_s": warm["wall_s"] / (vllm_info["startup_s"] + vllm_info["warmup_pass_s"]),
-            "warmup_pass_s": warm["wall_s"] / vllm_info["warmup_pass_s"],
-        }
-        print(f"vLLM (fastest of {len(vllm_passes)} passes): {best['output_tok_per_s']:.1f} output tok/s; "
-              f"start-up {vllm_info['startup_s']:.1f} s + warm-up pass {vllm_info['warmup_pass_s']:.1f} s "
-              f"(paxpage warm-up {warm['wall_s']:.1f} s)", flush=True)
-        print(f"ratio paxpage / vLLM (output tok/s): {vllm_ratios['output_tok_per_s']:.2f}x fastest, pass by pass "
-              + ", ".join(f"{r:.2f}x" for r in vllm_ratios["passes_output_tok_per_s"])
-              + f"; warm-up paxpage / vLLM {vllm_ratios['warmup_pass_s']:.2f}x the warm-up pass, "
-              f"{vllm_ratios['warmup_s']:.2f}x with its start-up", flush=True)
+        vllm_record, vllm_ratios = vllm_summary(pax, passes, vllm_passes, vllm_info, warm)
 
     invariant = compare_batch_invariant(model, work, cfg, measured_pass, args) if args.batch_invariant else None
 
@@ -496,10 +220,7 @@ def _measure(args, model, cfg, work, summary, warm, vllm, vllm_info) -> int:
     if not args.no_profile:
         context = int(np.mean(work.prompt_lens) + np.mean(work.output_lens) / 2)
         profile = profile_decode_step(model, cfg, context, args.profile_iters)
-        t = profile["seconds"]
-        print(f"decode step profile ({profile['rows']} rows, context {profile['context']}): "
-              + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()), flush=True)
-        print("  shares: " + ", ".join(f"{k} {v:.0%}" for k, v in profile["shares"].items()), flush=True)
+        print_profile(profile)
 
     if args.json:
         data = {

@@ -30,7 +30,7 @@ import jax  # noqa: E402
 
 import paxpage  # noqa: E402
 import workload as wl  # noqa: E402
-from bench_throughput import run_paxpage  # noqa: E402
+from throughput_pass import run_paxpage  # noqa: E402
 from paxpage import compile_counter  # noqa: E402
 
 

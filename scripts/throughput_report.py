@@ -1,0 +1,80 @@
+"""The figures of a bench_throughput run (scripts/bench_throughput.py): each paxpage pass as
+printed, the vLLM peer's record and paxpage's ratios to it, the decode-step profile as printed,
+and the docs' tables made from the run's JSON record.
+"""
+
+from __future__ import annotations
+
+
+def print_pass(k: int, pax: dict) -> None:
+    """Measured pass k: its rates, steps, TTFT / TPOT percentiles and padding."""
+    print(f"paxpage pass {k}: {pax['requests_per_s']:.2f} req/s, {pax['output_tok_per_s']:.1f} output tok/s, "
+          f"{pax['total_tok_per_s']:.1f} total tok/s ({pax['wall_s']:.1f} s, {pax['steps']} steps, "
+          f"max {pax['max_running']} running, {pax['preemptions']} preemptions, {pax['compiles']} compiles)",
+          flush=True)
+    print("  TTFT p50/p90/p99: " + " / ".join(f"{v * 1e3:.0f}" for v in pax["ttft_s"].values()) + " ms; "
+          "TPOT p50/p90/p99: " + " / ".join(f"{v * 1e3:.0f}" for v in pax["tpot_s"].values()) + " ms; "
+          f"host share of wall time {pax['host_share']:.1%}", flush=True)
+    p = pax["padding"]
+    print(f"  padding: {p['tokens']} real tokens in {p['token_slots']} token slots "
+          f"({p['tokens'] / p['token_slots']:.0%}); decode rows {p['decode_rows']}/{p['decode_row_slots']}, "
+          f"prefill tokens {p['prefill_tokens']}/{p['prefill_token_slots']}", flush=True)
+
+
+def vllm_summary(pax: dict, passes: list[dict], vllm_passes: list[dict], vllm_info: dict,
+                 warm: dict) -> tuple[dict, dict]:
+    """(record, ratios) of the vLLM peer: its fastest pass beside paxpage's fastest (`pax`), pass
+    by pass, and the two warm-ups; both printed."""
+    best = max(vllm_passes, key=lambda r: r["output_tok_per_s"])
+    vllm_record = dict(vllm_info, **{k: best[k] for k in ("wall_s", "requests_per_s", "output_tok_per_s",
+                                                          "total_tok_per_s")},
+                       passes_output_tok_per_s=[r["output_tok_per_s"] for r in vllm_passes],
+                       same_first_tokens=[r["same_first_tokens"] for r in vllm_passes])
+    vllm_ratios = {
+        "output_tok_per_s": pax["output_tok_per_s"] / best["output_tok_per_s"],
+        "passes_output_tok_per_s": [p["output_tok_per_s"] / v["output_tok_per_s"]
+                                    for p, v in zip(passes, vllm_passes)],
+        "warmup_s": warm["wall_s"] / (vllm_info["startup_s"] + vllm_info["warmup_pass_s"]),
+        "warmup_pass_s": warm["wall_s"] / vllm_info["warmup_pass_s"],
+    }
+    print(f"vLLM (fastest of {len(vllm_passes)} passes): {best['output_tok_per_s']:.1f} output tok/s; "
+          f"start-up {vllm_info['startup_s']:.1f} s + warm-up pass {vllm_info['warmup_pass_s']:.1f} s "
+          f"(paxpage warm-up {warm['wall_s']:.1f} s)", flush=True)
+    print(f"ratio paxpage / vLLM (output tok/s): {vllm_ratios['output_tok_per_s']:.2f}x fastest, pass by pass "
+          + ", ".join(f"{r:.2f}x" for r in vllm_ratios["passes_output_tok_per_s"])
+          + f"; warm-up paxpage / vLLM {vllm_ratios['warmup_pass_s']:.2f}x the warm-up pass, "
+          f"{vllm_ratios['warmup_s']:.2f}x with its start-up", flush=True)
+    return vllm_record, vllm_ratios
+
+
+def print_profile(profile: dict) -> None:
+    """The decode-step profile (scripts/step_profile.py): each part's time and share."""
+    t = profile["seconds"]
+    print(f"decode step profile ({profile['rows']} rows, context {profile['context']}): "
+          + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()), flush=True)
+    print("  shares: " + ", ".join(f"{k} {v:.0%}" for k, v in profile["shares"].items()), flush=True)
+
+
+def doc_tables(data: dict) -> dict:
+    """The docs' table (docs/benchmarks.md): one row per system."""
+    def row(name, r):
+        return [name, round(r["requests_per_s"], 2), round(r["output_tok_per_s"], 1),
+                round(r["total_tok_per_s"], 1)]
+
+    rows = [row("paxpage", data["paxpage"])]
+    if data.get("vllm"):
+        rows.append(row(f"vLLM {data['vllm']['version']} (CPU build, tuned)", data["vllm"]))
+    if data["hf"]:
+        rows.append(row(f"HF transformers `generate`, batch {data['hf']['best_batch_size']}", data["hf"]))
+    tables = {"throughput": {"columns": ["system", "requests/s", "output tok/s", "total tok/s"], "rows": rows}}
+    invariant = data.get("batch_invariant")
+    if invariant:
+        passes = len(invariant["default_passes"])
+        tables["batch_invariant"] = {
+            "columns": ["mode", f"fastest of {passes} passes (s)", "output tok/s", "time / default"],
+            "rows": [[mode, round(wall, 2), round(max(r["output_tok_per_s"] for r in runs), 1), f"{wall / base:.2f}x"]
+                     for base in (invariant["default_wall_s"],)
+                     for mode, wall, runs in (("default", invariant["default_wall_s"], invariant["default_passes"]),
+                                              ("batch_invariant=True", invariant["invariant_wall_s"],
+                                               invariant["invariant_passes"]))]}
+    return tables
