@@ -58,8 +58,8 @@ def test_sinks_lower_for_cuda(context, batch_invariant):
         batch_invariant=batch_invariant, sinks=sinks)
     launches = gpu_launches.triton_launches(gpu_launches.export_for(fn, args, "cuda").mlir_module())
     assert [launch.name for launch in launches] == ["paxpage_paged_attention_gpu"]
-    segments = gpu_attention.plan(3, 5, 12, 4, 64, -(-context // PAGE), PAGE, batch_invariant=batch_invariant).num_splits
-    assert (segments == 1) == (context == 64)
+    geometry = gpu_attention.plan(3, 5, 12, 4, 64, -(-context // PAGE), PAGE, batch_invariant=batch_invariant)
+    assert (geometry.num_splits == 1) == (context == 64)
 
 
 @pytest.mark.parametrize("batch,num_q,context", [(8, 1, 4096), (64, 1, 32768), (1, 2048, 2048)],
