@@ -52,8 +52,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels.decode_attention import (
     MASK_VALUE,
     cap_scores,
-    check_window_and_cap,
     check_sinks,
+    check_window_and_cap,
     combine_splits,
     default_num_splits,
     window_start,

@@ -63,8 +63,8 @@ from pallas_kernels import kv_quant
 from pallas_kernels.decode_attention import (
     MASK_VALUE,
     cap_scores,
-    check_window_and_cap,
     check_sinks,
+    check_window_and_cap,
     combine_splits,
     fold_sink,
     interpret_arg,
