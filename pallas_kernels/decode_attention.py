@@ -10,7 +10,9 @@ cap c maps scaled scores s to c * tanh(s / c).
 
 Each row's keys may be split into C parts that run as independent programs; each part keeps an
 online softmax (running max m, running sum l, unnormalised accumulator acc) and the parts are
-merged exactly afterwards with a log-sum-exp rescale (`combine_splits`).
+merged exactly afterwards with a log-sum-exp rescale (`combine_splits`). Attention sinks (gpt-oss,
+a logit per query head in the denominator only) join in that merge as one more part with max
+sinks[h], sum 1 and no value, so the kernel itself is the same with or without them.
 
 The GPU family has its own kernels: `gpu_attention` (every step kind) and the Mosaic GPU decode
 kernel `decode_attention_mgpu`; dispatch.py chooses.
@@ -25,7 +27,7 @@ map); keys and values are dequantised in the block. A plain pool passes no scale
 kernel it always did.
 
 This module also holds the pieces the other kernels share (mask value, online-softmax step,
-version-guarded compiler params).
+split merge and sink fold, version-guarded compiler params).
 """
 
 from __future__ import annotations
@@ -124,11 +126,33 @@ def online_softmax_step(s, v, m_prev, l_prev, acc_prev):
     return m_next, l_next, correction * acc_prev + pv
 
 
-def combine_splits(acc, m, l):
-    """Exact merge of C partial softmaxes along axis 1: acc f32[B, C, ..., D], m, l f32[B, C, ..., 1]."""
+def check_sinks(sinks, num_heads: int) -> None:
+    """ValueError unless sinks is None or one f32 logit per query head."""
+    if sinks is not None and tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks has shape {tuple(sinks.shape)}; expected ({num_heads},), one per query head")
+
+
+def fold_sink(m, l, acc, sink):
+    """(l, acc) of an online softmax (max m, sum l, unnormalised acc) with one more logit, the
+    sink, in its denominator: the sink is a partial with max `sink`, sum 1 and no value.
+    m, l, sink f32[..., 1]; acc f32[..., D]. A state that saw no key (l = 0) gets l = 1, acc = 0."""
+    m_all = jnp.maximum(m, sink)
+    alpha = jnp.exp(m - m_all)
+    return alpha * l + jnp.exp(sink - m_all), alpha * acc
+
+
+def combine_splits(acc, m, l, sink=None):
+    """Exact merge of C partial softmaxes along axis 1: acc f32[B, C, ..., D], m, l f32[B, C, ..., 1].
+    sink: f32 logits broadcastable to m[:, 0] (gpt-oss; e.g. [K, G, 1]), one more term of each
+    row's denominator with no value."""
     m_max = jnp.max(m, axis=1, keepdims=True)
+    if sink is not None:
+        sink = jnp.broadcast_to(sink, m_max.shape)
+        m_max = jnp.maximum(m_max, sink)
     w = jnp.exp(m - m_max)  # empty splits have m = MASK_VALUE -> weight 0 (or 1 with l = 0)
     l_sum = jnp.sum(w * l, axis=1)
+    if sink is not None:
+        l_sum = l_sum + jnp.exp(sink - m_max)[:, 0]
     acc_sum = jnp.sum(w * acc, axis=1)
     return acc_sum / jnp.where(l_sum == 0.0, 1.0, l_sum)  # rows with no keys -> zeros
 
@@ -267,6 +291,7 @@ def decode_attention(
     interpret: bool = False,
     sliding_window: int | None = None,  # W: row b sees keys lengths[b]-W..lengths[b]-1
     soft_cap: float | None = None,  # c: scaled scores s -> c * tanh(s / c)
+    sinks: jax.Array | None = None,  # f32[N] per query head: a logit in the denominator only
 ) -> jax.Array:  # [B, N, D] dtype of q
     check_backend(backend)
     if backend != "tpu":
@@ -283,6 +308,7 @@ def decode_attention(
         raise ValueError(
             f"page_indices {page_indices.shape} / lengths {lengths.shape} do not match batch {batch}"
         )
+    check_sinks(sinks, num_heads)
     group = num_heads // num_kv_heads
     pages_per_seq = page_indices.shape[1]
     num_blocks = pages_per_seq  # the TPU kernel streams one page per grid step
@@ -299,5 +325,7 @@ def decode_attention(
         q4, kv_pages, table, lengths, scales, sm_scale=sm_scale, num_splits=num_splits, interpret=interpret,
         sliding_window=sliding_window, soft_cap=soft_cap,
     )
-    out = combine_splits(acc, m, l)  # [B, K, G, D]
+    # The sinks join in the merge (the kernel is the same with or without them).
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1)
+    out = combine_splits(acc, m, l, sink)  # [B, K, G, D]
     return out.reshape(batch, num_heads, head_dim).astype(q.dtype)

@@ -19,6 +19,8 @@ Layout of one program (grid B x K x C, one warpgroup each):
   over the block, acc += sum(p * v, keys). The C splits merge exactly by log-sum-exp afterwards
   (`decode_attention.combine_splits`). Keys past the row's length (NaN page tails, stray pages)
   get MASK_VALUE scores and zeroed V rows.
+* Attention sinks (gpt-oss, f32[N]) join in that merge as one more part (max sinks[h], sum 1, no
+  value): the kernel is the same with or without them.
 
 Why no wgmma: Mosaic GPU interpret mode (jax 0.10.2), the only way to run this on a CPU, executes
 wgmma only with both operands as untransposed SMEM refs (`transpose_ref` fails in
@@ -50,6 +52,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.decode_attention import (
     MASK_VALUE,
     cap_scores,
+    check_sinks,
     check_window_and_cap,
     combine_splits,
     default_num_splits,
@@ -238,6 +241,7 @@ def decode_attention_mgpu(
     interpret: bool = False,
     sliding_window: int | None = None,  # W: row b sees keys lengths[b]-W..lengths[b]-1
     soft_cap: float | None = None,  # c: scaled scores s -> c * tanh(s / c)
+    sinks: jax.Array | None = None,  # f32[N] per query head: a logit in the denominator only
 ) -> jax.Array:  # [B, N, D] dtype of q
     check_window_and_cap(sliding_window, soft_cap)
     if not hasattr(kv_pages, "shape"):  # a kv_quant.QuantizedKV
@@ -254,6 +258,7 @@ def decode_attention_mgpu(
                                 interpret=interpret)
     if reason:
         raise ValueError(f"Mosaic GPU decode kernel cannot run this: {reason}")
+    check_sinks(sinks, num_heads)
     group = num_heads // num_kv_heads
     pages_per_block = BLOCK_KEYS // page_size
     pages_per_seq = page_indices.shape[1]
@@ -278,5 +283,6 @@ def decode_attention_mgpu(
         grid_names=("b", "h", "c"),
         interpret=interpret_arg(interpret),
     )(lengths.astype(jnp.int32), table, q4, kv_pages)
-    out = combine_splits(acc, m[..., :1], l[..., :1])  # [B, K, G, D]
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1)
+    out = combine_splits(acc, m[..., :1], l[..., :1], sink)  # [B, K, G, D]
     return out.reshape(batch, num_heads, head_dim).astype(q.dtype)

@@ -24,6 +24,9 @@ read KV at 82 GB/s. Asking for "mosaic" where it cannot run (it needs dtype f32/
 head_dim % 64 == 0, page_size in 8..64, N // K <= 8 and, when compiling, compute capability
 >= 9.0 for TMA) raises ValueError with the reason.
 
+Attention sinks (gpt-oss, `sinks` f32[N]: a logit per query head in the softmax's denominator
+only) reach every kernel family; each folds them into its final normalisation or split merge.
+
 Quantised KV cache (kv_quant.QuantizedKV, EngineConfig.kv_cache_dtype "int8" / "fp8"): every
 kernel here takes it except Mosaic GPU (`decode_attention_mgpu.QUANTIZED_REASON`), so "auto"
 decodes such a pool with the ragged kernel and "mosaic" raises.
@@ -35,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import decode_attention_mgpu, gpu_attention, kv_quant, kv_write, tpu_target
-from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.decode_attention import check_sinks, decode_attention
 from pallas_kernels.ragged_attention import ragged_paged_attention
 
 IMPLS = ("pallas", "pallas-interpret")
@@ -106,6 +109,7 @@ def paged_attention(
     sliding_window: int | None = None,  # W: a query at position p sees keys p - W + 1..p
     soft_cap: float | None = None,  # c: scaled scores s -> c * tanh(s / c)
     batch_invariant: bool = False,  # a row's result independent of the launch (GPU ragged kernel only)
+    sinks: jax.Array | None = None,  # f32[N] per query head (gpt-oss): a logit in the denominator only
 ) -> jax.Array:  # [B, Tq, N, D]; padding tokens are zeros
     kernel_backend, interpret = resolve_impl(impl, backend)
     if batch_invariant and (kernel_backend != "gpu" or gpu_decode == "mosaic"):
@@ -117,9 +121,10 @@ def paged_attention(
             f"page_indices {page_indices.shape}, kv_lens {kv_lens.shape}, q_lens {q_lens.shape} "
             f"do not match {batch} rows"
         )
+    check_sinks(sinks, num_heads)
     q_lens = q_lens.astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)
-    masking = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+    masking = dict(sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     if kernel_backend == "gpu":
         pages, _ = kv_quant.split(kv_pages)  # a quantised pool's 1-byte dtype keeps it off Mosaic GPU
         if num_q == 1 and not batch_invariant and select_gpu_decode(

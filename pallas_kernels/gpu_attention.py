@@ -37,6 +37,10 @@ Work decomposition (grid B x K x Qb x C, one program each):
   the stored values are cast to q's dtype (exact: int8 and e4m3 values fit in bf16), each key's
   column of scores is multiplied by its K scale, and P's columns by the V scales before P . V.
   No dequantised tile is formed.
+* Attention sinks (gpt-oss, f32[N], a logit per query head in the denominator only): the sink is
+  one more partial with max sinks[h], sum 1 and no value. With C == 1 it is folded into the
+  program's final normalisation (an [R, 1] block of the tile rows' sinks); with C > 1 it joins the
+  merge of the partials (last, in the in-order merge). Without sinks the kernel is unchanged.
 * Keys outside a tile's visible range are never loaded from their pages (their slot index is
   replaced by slot 0 and the loaded values zeroed), so NaN page tails, stray table entries and
   pages released behind a sliding window do not leak.
@@ -59,8 +63,10 @@ from pallas_kernels import kv_quant
 from pallas_kernels.decode_attention import (
     MASK_VALUE,
     cap_scores,
+    check_sinks,
     check_window_and_cap,
     combine_splits,
+    fold_sink,
     interpret_arg,
     next_pow2,
     triton_params,
@@ -135,13 +141,16 @@ def _kernel(
     pt_ref,  # i32[pages_per_seq] row b's page table
     q_ref,  # [R, D] query tile (token r // Gp, head r % Gp)
     kv_ref,  # [2, P * page_size, K, D] the whole pool, read in place (kv head h of each key)
-    *refs,  # quantised: scales_ref bf16[2, P * page_size, K]; then the outputs:
+    *refs,  # quantised: scales_ref bf16[2, P * page_size, K]; with sinks (C == 1 only): sink_ref
+    # f32[R, 1] each tile row's sink logit; then the outputs:
     # C == 1: o_ref [R, D]; C > 1: acc_ref f32[R, D], m_ref f32[R, 1], l_ref f32[R, 1]
     sm_scale: float, page_size: int, block_q: int, rows_per_tok: int, block_k: int, num_splits: int,
-    split_tiles: int, sliding_window: int | None, soft_cap: float | None, quantized: bool,
+    split_tiles: int, sliding_window: int | None, soft_cap: float | None, quantized: bool, sinks: bool,
 ):
-    scales_ref = refs[0] if quantized else None
-    out_refs = refs[1:] if quantized else refs
+    refs = list(refs)
+    scales_ref = refs.pop(0) if quantized else None
+    sink_ref = refs.pop(0) if sinks else None
+    out_refs = refs
     h, j, c = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     pages_per_seq = pt_ref.shape[0]
     kv_len = kv_lens_ref[0]
@@ -206,6 +215,8 @@ def _kernel(
     m, l, acc = lax.fori_loop(start, jnp.maximum(start, end), body, init)
     if num_splits == 1:
         (o_ref,) = out_refs
+        if sinks:
+            l, acc = fold_sink(m, l, acc, sink_ref[...])
         o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
     else:
         acc_ref, m_ref, l_ref = out_refs
@@ -214,15 +225,18 @@ def _kernel(
         l_ref[...] = l
 
 
-def _launch(qw, pool, scales, page_indices, kv_lens, q_lens, *, geometry: Plan, page_size, sm_scale,
+def _launch(qw, pool, scales, sink_rows, page_indices, kv_lens, q_lens, *, geometry: Plan, page_size, sm_scale,
             sliding_window, soft_cap, interpret):
+    """sink_rows: None, or f32[K, R, 1] the sink logit of each query-tile row (head r % Gp)."""
     batch, num_kv_heads, num_q_blocks, rows, head_dim = qw.shape
     num_splits = geometry.num_splits
     quantized = scales is not None
+    sink_in_kernel = sink_rows is not None and num_splits == 1  # else it joins the merge below
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, page_size=page_size, block_q=geometry.block_q,
         rows_per_tok=geometry.rows_per_tok, block_k=geometry.block_k, num_splits=num_splits,
         split_tiles=geometry.split_tiles, sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized,
+        sinks=sink_in_kernel,
     )
     whole = lambda x: pl.BlockSpec(x.shape, lambda b, h, j, c: (0,) * x.ndim)  # read in place
     in_specs = [
@@ -236,6 +250,9 @@ def _launch(qw, pool, scales, page_indices, kv_lens, q_lens, *, geometry: Plan, 
     if quantized:  # the scales, read in place like the pages
         in_specs.append(whole(scales))
         args.append(scales)
+    if sink_in_kernel:  # kv head h's rows
+        in_specs.append(pl.BlockSpec((None, rows, 1), lambda b, h, j, c: (h, 0, 0)))
+        args.append(sink_rows)
     if num_splits == 1:
         out_specs = pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, j, c: (b, h, j, 0, 0))
         out_shape = jax.ShapeDtypeStruct(qw.shape, qw.dtype)
@@ -262,20 +279,27 @@ def _launch(qw, pool, scales, page_indices, kv_lens, q_lens, *, geometry: Plan, 
         return out
     acc, m, l = out
     merge = combine_splits_in_order if geometry.split_tiles else combine_splits
-    return merge(acc, m, l).astype(qw.dtype)  # [B, K, Qb, R, D]
+    sink = None if sink_rows is None else sink_rows[:, None]  # [K, 1, R, 1] against [B, K, Qb, R, 1]
+    return merge(acc, m, l, sink).astype(qw.dtype)  # [B, K, Qb, R, D]
 
 
-def combine_splits_in_order(acc, m, l):
+def combine_splits_in_order(acc, m, l, sink=None):
     """`combine_splits` with the C partials summed one after another in segment order, an order
     no reduce can change: acc f32[B, C, ..., D], m, l f32[B, C, ..., 1]. Segments a row does not
-    reach (m = MASK_VALUE, l = 0, acc = 0) add exact zeros, so C itself does not matter."""
+    reach (m = MASK_VALUE, l = 0, acc = 0) add exact zeros, so C itself does not matter.
+    sink: logits broadcastable to m[:, 0], added to the denominator after the last segment."""
     m_max = jnp.max(m, axis=1, keepdims=True)  # a max is exact in any order
+    if sink is not None:
+        sink = jnp.broadcast_to(sink, m_max.shape)
+        m_max = jnp.maximum(m_max, sink)
     w = jnp.exp(m - m_max)
     l_sum = w[:, 0] * l[:, 0]
     acc_sum = w[:, 0] * acc[:, 0]
     for c in range(1, acc.shape[1]):
         l_sum = l_sum + w[:, c] * l[:, c]
         acc_sum = acc_sum + w[:, c] * acc[:, c]
+    if sink is not None:
+        l_sum = l_sum + jnp.exp(sink - m_max)[:, 0]
     return acc_sum / jnp.where(l_sum == 0.0, 1.0, l_sum)
 
 
@@ -298,6 +322,7 @@ def paged_attention(
     block_k: int | None = None,  # keys per K/V tile (default BLOCK_K)
     num_splits: int | None = None,  # C key segments (default: `plan`)
     batch_invariant: bool = False,  # fixed query tiles and key segments (module docstring)
+    sinks: jax.Array | None = None,  # f32[N] per query head: a logit in the denominator only
 ) -> jax.Array:  # [B, Tq, N, D] dtype of q; padding tokens are zeros
     check_window_and_cap(sliding_window, soft_cap)
     batch, num_q, num_heads, head_dim = q.shape
@@ -313,6 +338,7 @@ def paged_attention(
     if page_size & (page_size - 1) or head_dim & (head_dim - 1) or head_dim < MIN_DOT:
         raise ValueError(f"GPU kernel needs a power-of-two page_size and head_dim >= {MIN_DOT}; "
                          f"got page_size {page_size}, head_dim {head_dim}")
+    check_sinks(sinks, num_heads)
     group = num_heads // num_kv_heads
     geometry = plan(batch, num_q, num_heads, num_kv_heads, head_dim, page_indices.shape[1], page_size,
                     block_q=block_q, block_k=block_k, num_splits=num_splits, batch_invariant=batch_invariant)
@@ -328,9 +354,13 @@ def paged_attention(
     pool = pages.reshape(2, num_pages * page_size, num_kv_heads, head_dim)  # flat key slots (free)
     if scales is not None:
         scales = scales.reshape(2, num_pages * page_size, num_kv_heads)
+    sink_rows = None
+    if sinks is not None:  # [N] -> [K, R, 1], row = token * Gp + head like qw (padding rows: 0)
+        sink_rows = jnp.pad(sinks.astype(jnp.float32).reshape(num_kv_heads, group), ((0, 0), (0, gp - group)))
+        sink_rows = jnp.pad(jnp.tile(sink_rows, (1, bq)), ((0, 0), (0, rows - bq * gp)))[..., None]
     kv_lens = kv_lens.astype(jnp.int32)
     q_lens = q_lens.astype(jnp.int32)
-    out = _launch(qw, pool, scales, page_indices.astype(jnp.int32), kv_lens, q_lens, geometry=geometry,
+    out = _launch(qw, pool, scales, sink_rows, page_indices.astype(jnp.int32), kv_lens, q_lens, geometry=geometry,
                   page_size=page_size, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                   interpret=interpret)  # [B, K, Qb, R, D]
 

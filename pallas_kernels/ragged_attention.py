@@ -23,6 +23,10 @@ may be released pages). A soft cap c maps scaled scores s to c * tanh(s / c).
 Quantised pool (kv_quant.QuantizedKV): each K/V block is read with its block of scales and
 dequantised in the block as in decode_attention.py. A plain pool traces the kernel it always did.
 
+Attention sinks (gpt-oss, f32[N], a logit per query head in the denominator only): the rows'
+sinks come in as one resident [K, R, 1] block, and each sequence's final normalisation folds its
+sink in (a partial with max sinks[h], sum 1 and no value). Without sinks the kernel is unchanged.
+
 Mosaic TPU: metadata and a precomputed work list (query block, sequence) are scalar-prefetch
 SMEM inputs, the grid is (W, pages) and each step's page is fetched by the BlockSpec index map.
 """
@@ -42,8 +46,10 @@ from pallas_kernels.decode_attention import (
     MASK_VALUE,
     cap_scores,
     check_backend,
+    check_sinks,
     check_window_and_cap,
     dequantize_rows,
+    fold_sink,
     interpret_arg,
     online_softmax_step,
     scores_nt,
@@ -102,13 +108,16 @@ def _ragged_kernel_tpu(
     q_ref,  # [K, R, D]
     k_ref,  # [page_size, K, D] one page
     v_ref,  # [page_size, K, D]
-    *refs,  # quantised: ks_ref, vs_ref f32[page_size, K] the page's scales; then
-    # o_ref [K, R, D] resident while consecutive work items share the block, and VMEM scratch
-    # m_sc, l_sc, acc_sc f32[K, R, 1], f32[K, R, 1], f32[K, R, D]
+    *refs,  # quantised: ks_ref, vs_ref f32[page_size, K] the page's scales; with sinks: sink_ref
+    # f32[K, R, 1] each row's sink logit; then o_ref [K, R, D] resident while consecutive work
+    # items share the block, and VMEM scratch m_sc, l_sc, acc_sc f32[K, R, 1], f32[K, R, 1], f32[K, R, D]
     sm_scale: float, block_q: int, rows_per_tok: int, sliding_window: int | None, soft_cap: float | None,
-    quantized: bool = False,
+    quantized: bool = False, sinks: bool = False,
 ):
-    ks_ref, vs_ref, o_ref, m_sc, l_sc, acc_sc = refs if quantized else (None, None, *refs)
+    refs = list(refs)
+    ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
+    sink_ref = refs.pop(0) if sinks else None
+    o_ref, m_sc, l_sc, acc_sc = refs
     w, p = pl.program_id(0), pl.program_id(1)
     page_size = k_ref.shape[0]
     rows = q_ref.shape[1]
@@ -147,8 +156,10 @@ def _ragged_kernel_tpu(
     def _merge():
         in_seq = _row_mask(rows, row_lo, row_hi, rows_per_tok)
         for h in range(k_ref.shape[1]):
-            l = l_sc[h]
-            seq_out = acc_sc[h] / jnp.where(l == 0.0, 1.0, l)
+            l, acc = l_sc[h], acc_sc[h]
+            if sinks:
+                l, acc = fold_sink(m_sc[h], l, acc, sink_ref[h])
+            seq_out = acc / jnp.where(l == 0.0, 1.0, l)
             o_ref[h] = jnp.where(in_seq, seq_out, o_ref[h].astype(jnp.float32)).astype(o_ref.dtype)
 
 
@@ -168,8 +179,8 @@ def _work_list(first, last, num_q_blocks, num_slots):
     return block, seq.astype(jnp.int32), is_first.astype(jnp.int32), valid.astype(jnp.int32)
 
 
-def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, *, sm_scale, block_q, rows_per_tok,
-                interpret, sliding_window, soft_cap):
+def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, sink_rows, *, sm_scale, block_q,
+                rows_per_tok, interpret, sliding_window, soft_cap):
     num_q_blocks, num_kv_heads, rows, head_dim = qw.shape
     _, _, page_size, _, _ = kv_pages.shape
     num_slots, pages_per_seq = table.shape
@@ -194,6 +205,10 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, *, sm_sca
         scale_block = (None, None, page_size, num_kv_heads)
         scale_specs = [pl.BlockSpec(scale_block, page_map(0, 2)), pl.BlockSpec(scale_block, page_map(1, 2))]
         scale_args = [scales, scales]
+    sink_specs, sink_args = [], []
+    if sink_rows is not None:  # [K, R, 1], the same block at every grid step: fetched once
+        sink_specs = [pl.BlockSpec(sink_rows.shape, lambda w, p, *_: (0, 0, 0))]
+        sink_args = [sink_rows]
 
     block_map = lambda w, p, cu_r, kvl_r, pt_r, wb_r, *_: (wb_r[w], 0, 0, 0)
     page_block = (None, None, page_size, num_kv_heads, head_dim)
@@ -205,6 +220,7 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, *, sm_sca
             pl.BlockSpec(page_block, page_map(0)),
             pl.BlockSpec(page_block, page_map(1)),
             *scale_specs,
+            *sink_specs,
         ],
         out_specs=pl.BlockSpec((None, num_kv_heads, rows, head_dim), block_map),
         scratch_shapes=[
@@ -214,7 +230,8 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, *, sm_sca
         ],
     )
     kernel = functools.partial(_ragged_kernel_tpu, sm_scale=sm_scale, block_q=block_q, rows_per_tok=rows_per_tok,
-                               sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized)
+                               sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized,
+                               sinks=sink_rows is not None)
     with tpu_target.pinned("tpu", interpret):  # lowered for the TPU this compiles for
         return pl.pallas_call(
             kernel,
@@ -224,7 +241,7 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, *, sm_sca
             compiler_params=tpu_params(("arbitrary", "arbitrary")),
             interpret=interpret_arg("tpu", interpret),
             name="paxpage_ragged_attention_tpu",
-        )(cu, kv_lens, table.reshape(-1), wb, ws, wi, wv, qw, kv_pages, kv_pages, *scale_args)
+        )(cu, kv_lens, table.reshape(-1), wb, ws, wi, wv, qw, kv_pages, kv_pages, *scale_args, *sink_args)
 
 
 # ---------------------------------------------------------------- public wrapper
@@ -245,6 +262,7 @@ def ragged_paged_attention(
     interpret: bool = False,
     sliding_window: int | None = None,  # W: a token at position p sees keys p - W + 1..p
     soft_cap: float | None = None,  # c: scaled scores s -> c * tanh(s / c)
+    sinks: jax.Array | None = None,  # f32[N] per query head: a logit in the denominator only
 ) -> jax.Array:  # [T, N, D] dtype of q
     check_backend(backend)
     if backend != "tpu":
@@ -262,6 +280,7 @@ def ragged_paged_attention(
         raise ValueError(
             f"cu_q_lens {cu_q_lens.shape} / kv_lens {kv_lens.shape} do not match {num_slots} sequence slots"
         )
+    check_sinks(sinks, num_heads)
     group = num_heads // num_kv_heads
     rows_per_tok = group
     block_q = block_q or 8
@@ -288,7 +307,10 @@ def ragged_paged_attention(
     qw = qw.transpose(0, 2, 1, 3, 4).reshape(num_q_blocks, num_kv_heads, block_q * rows_per_tok, head_dim)
     kw = dict(sm_scale=sm_scale, block_q=block_q, rows_per_tok=rows_per_tok, interpret=interpret,
               sliding_window=sliding_window, soft_cap=soft_cap)
-    out = _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, **kw)
+    sink_rows = None
+    if sinks is not None:  # [N] -> [K, R, 1], row = token * Gp + g like qw
+        sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, group), (1, block_q))[..., None]
+    out = _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, sink_rows, **kw)
     out = out.reshape(num_q_blocks, num_kv_heads, block_q, rows_per_tok, head_dim)[:, :, :, :group]
     out = out.transpose(0, 2, 1, 3, 4).reshape(num_q_blocks * block_q, num_heads, head_dim)
     return out[:num_tokens]

@@ -6,6 +6,8 @@ into paxpage's cache directory + /native; where it is off (PAXPAGE_NATIVE_ATTENT
 be built or loaded, "xla" runs instead (the same attention in XLA ops). "pallas" and
 "pallas-interpret" are the Pallas kernels (pallas_kernels/dispatch.py), imported only when used.
 
+Every implementation takes gpt-oss's attention sinks (a `sinks` f32[N] argument).
+
 Latent-attention models (DeepSeek-V3, ModelConfig.is_mla) have one path: the chunked XLA form over
 the latent pool (pallas_kernels/latent_attention.py), "xla" here. `latent_impl` maps the choice.
 """
@@ -81,18 +83,6 @@ def latent_impl(impl: str) -> str:
                          "(deepseek_v3); use 'xla' (or leave attention_impl unset)")
     if impl == "native":
         log.info("paxpage: latent attention has no native kernel; running its XLA path")
-    return "xla"
-
-
-def sinks_impl(impl: str, asked: str | None) -> str:
-    """The impl a model with attention sinks (gpt-oss) runs: the Pallas kernels have no sink form
-    yet, so the default falls back to "xla" with a log line, and asking for them raises."""
-    if not get(impl).pallas:
-        return impl
-    if asked is not None:
-        raise ValueError(f"attention_impl {asked!r} has no form with attention sinks (gpt-oss) yet; "
-                         "use 'xla' (or leave attention_impl unset)")
-    log.info("paxpage: attention sinks run the XLA attention (the Pallas kernels have no sink form yet)")
     return "xla"
 
 

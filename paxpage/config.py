@@ -234,8 +234,6 @@ class EngineConfig:
             if self.max_loras:
                 raise ValueError(f"LoRA adapters are not supported with latent attention ({model.model_type}); "
                                  f"got max_loras={self.max_loras}")
-        if model.attention_sinks:
-            impl = attention_impl.sinks_impl(impl, self.attention_impl)
         if attention_impl.get(impl).cpu_only and not on_cpu:
             raise ValueError(f"attention_impl='native' is a CPU kernel, but the backend is "
                              f"{backend!r}; use 'pallas'")

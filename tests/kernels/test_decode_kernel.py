@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import (CONFIGS, INTERPRET, QUANT_CASES, WINDOW_CASES, assert_close, config_id, make_case,
-                          quant_case_id, quantize_case, reference_pool, release_outside_window,
-                          skip_unless_runnable, window_case_id)
+from kernel_cases import (CONFIGS, INTERPRET, QUANT_CASES, WINDOW_CASES, assert_close, assert_sinks_matter,
+                          config_id, make_case, make_sinks, quant_case_id, quantize_case, reference_pool,
+                          release_outside_window, skip_unless_runnable, window_case_id)
 from pallas_kernels import reference
 from pallas_kernels.decode_attention import decode_attention
 
@@ -21,7 +21,7 @@ def _lengths(page_size):
     return [1, 2 * page_size, page_size + 3, PAGES_PER_SEQ * page_size, 0]
 
 
-def _check(cfg, backend, num_splits, seed=0, window=None, cap=None, kv_cache_dtype="auto"):
+def _check(cfg, backend, num_splits, seed=0, window=None, cap=None, kv_cache_dtype="auto", sinks=False):
     skip_unless_runnable(backend)
     dtype, page_size, ratio, head_dim, num_kv_heads = cfg
     rng = np.random.default_rng(seed)
@@ -35,18 +35,24 @@ def _check(cfg, backend, num_splits, seed=0, window=None, cap=None, kv_cache_dty
     pool, ref_pool = jnp.asarray(case.kv_pages), jnp.asarray(reference_pool(case.kv_pages))
     if kv_cache_dtype != "auto":  # NaN scales on unused rows
         pool, ref_pool = quantize_case(case, kv_cache_dtype)
+    sink = jnp.asarray(make_sinks(rng, ratio * num_kv_heads)) if sinks else None
     got = decode_attention(
         jnp.asarray(case.q[:, 0]), pool, case.page_indices, case.kv_lens,
         sm_scale=scale, num_splits=num_splits, backend=backend, interpret=INTERPRET,
-        sliding_window=window, soft_cap=cap,
+        sliding_window=window, soft_cap=cap, sinks=sink,
     )
     q_lens = (case.kv_lens > 0).astype(np.int32)
-    want = reference.paged_attention_ref(
-        jnp.asarray(case.q), ref_pool, case.page_indices,
-        case.kv_lens, q_lens, sm_scale=scale, sliding_window=window, soft_cap=cap,
-    )[:, 0]
+
+    def want(sinks):
+        return reference.paged_attention_ref(
+            jnp.asarray(case.q), ref_pool, case.page_indices,
+            case.kv_lens, q_lens, sm_scale=scale, sliding_window=window, soft_cap=cap, sinks=sinks,
+        )[:, 0]
+
     assert got.dtype == dtype
-    assert_close(got, want, dtype)
+    assert_close(got, want(sink), dtype)
+    if sinks:
+        assert_sinks_matter(want(sink), want(None), dtype)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=config_id)
@@ -79,6 +85,16 @@ def test_decode_quantized_sliding_window():
     _check(CONFIGS[4], "tpu", num_splits=2, seed=10, window=16, cap=3.0, kv_cache_dtype="fp8")
 
 
+@pytest.mark.parametrize("cfg,num_splits,window,cap,kv_cache_dtype", [
+    (CONFIGS[3], 2, 5, None, "auto"),  # GQA 8:1 bf16, a window under a page, 2 splits
+    (CONFIGS[1], 1, 16, 3.0, "int8"),  # GQA 3:1, a window and a cap on an int8 pool (extended tier)
+], ids=["gqa-window-splits", "int8-window-cap"])
+def test_decode_sinks(cfg, num_splits, window, cap, kv_cache_dtype):
+    """Attention sinks (gpt-oss) join the merge of the splits."""
+    _check(cfg, "tpu", num_splits=num_splits, seed=11, window=window, cap=cap, kv_cache_dtype=kv_cache_dtype,
+           sinks=True)
+
+
 def test_decode_rejects_bad_shapes():
     q = jnp.zeros((2, 3, 64))
     kv = jnp.zeros((2, 4, 8, 2, 64))
@@ -88,3 +104,6 @@ def test_decode_rejects_bad_shapes():
         decode_attention(q, kv, jnp.zeros((2, 2), jnp.int32), jnp.zeros((2,), jnp.int32), sm_scale=1.0, backend="cpu")
     with pytest.raises(ValueError, match="gpu_attention"):
         decode_attention(q, kv, jnp.zeros((2, 2), jnp.int32), jnp.zeros((2,), jnp.int32), sm_scale=1.0, backend="gpu")
+    with pytest.raises(ValueError, match="one per query head"):
+        decode_attention(jnp.zeros((2, 4, 64)), kv, jnp.zeros((2, 2), jnp.int32), jnp.zeros((2,), jnp.int32),
+                         sm_scale=1.0, interpret=True, sinks=jnp.zeros((4, 1), jnp.float32))

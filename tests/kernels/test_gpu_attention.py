@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import (CONFIGS, INTERPRET, QUANT_CASES, WINDOW_CASES, assert_close, config_id, make_case,
-                          quant_case_id, quantize_case, reference_pool, release_outside_window,
-                          skip_unless_runnable, window_case_id)
+from kernel_cases import (CONFIGS, INTERPRET, QUANT_CASES, WINDOW_CASES, assert_close, assert_sinks_matter,
+                          config_id, make_case, make_sinks, quant_case_id, quantize_case, reference_pool,
+                          release_outside_window, skip_unless_runnable, window_case_id)
 from pallas_kernels import gpu_attention, reference
 
 PAGES_PER_SEQ = 4
@@ -37,7 +37,7 @@ def _rows(kind, page_size):
     return [r[0] for r in rows], [r[1] for r in rows]
 
 
-def _check(cfg, kind, *, seed=0, window=None, cap=None, kv_cache_dtype="auto", **plan):
+def _check(cfg, kind, *, seed=0, window=None, cap=None, kv_cache_dtype="auto", sinks=False, **plan):
     skip_unless_runnable("gpu")
     dtype, page_size, ratio, head_dim, num_kv_heads = cfg
     rng = np.random.default_rng(seed)
@@ -51,13 +51,17 @@ def _check(cfg, kind, *, seed=0, window=None, cap=None, kv_cache_dtype="auto", *
     if kv_cache_dtype != "auto":  # NaN scales on unused rows
         pool, ref_pool = quantize_case(case, kv_cache_dtype)
     kw = dict(sm_scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap)
+    sink = jnp.asarray(make_sinks(rng, ratio * num_kv_heads)) if sinks else None
     kernel = jax.jit(functools.partial(gpu_attention.paged_attention, interpret=INTERPRET, **kw, **plan),
                      compiler_options=COMPILER_OPTIONS)
-    got = kernel(jnp.asarray(case.q), pool, case.page_indices, case.kv_lens, case.q_lens)
-    want = reference.paged_attention_ref(jnp.asarray(case.q), ref_pool, case.page_indices, case.kv_lens,
-                                         case.q_lens, **kw)
+    got = kernel(jnp.asarray(case.q), pool, case.page_indices, case.kv_lens, case.q_lens, sinks=sink)
+    ref = functools.partial(reference.paged_attention_ref, jnp.asarray(case.q), ref_pool, case.page_indices,
+                            case.kv_lens, case.q_lens, **kw)
+    want = ref(sinks=sink)
     assert got.dtype == dtype and got.shape == case.q.shape
     assert_close(got, want, dtype)
+    if sinks:
+        assert_sinks_matter(want, ref(), dtype)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=config_id)
@@ -104,6 +108,27 @@ def test_quantized_sliding_window():
     _check(CONFIGS[0], "mixed", seed=10, window=5, cap=2.0, kv_cache_dtype="int8")
 
 
+# Attention sinks (gpt-oss) through both of the kernel's ends: folded into the program's final
+# normalisation (one key segment) and into the merge of the segments (num_splits > 1). The default
+# tier runs one of each end with GQA, the cap and window, a quantised pool and batch_invariant.
+SINK_CHECKS = {
+    "mixed-one-segment": (CONFIGS[0], "mixed", dict(), True),
+    "decode-gqa-segments": (CONFIGS[3], "decode", dict(num_splits=2), True),
+    "mixed-gqa3-tiles-segments": (CONFIGS[1], "mixed", dict(block_q=2, num_splits=2), False),
+    "mixed-window-cap-segments": (CONFIGS[0], "mixed", dict(window=16, cap=3.0, num_splits=2), True),
+    "mixed-int8-window-cap": (CONFIGS[1], "mixed", dict(kv_cache_dtype="int8", window=5, cap=2.0), False),
+    "decode-fp8-segments": (CONFIGS[0], "decode", dict(kv_cache_dtype="fp8", num_splits=2), True),
+    "mixed-batch-invariant": (CONFIGS[3], "mixed", dict(batch_invariant=True), False),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.extended if extended else ())
+                                  for name, (*_, extended) in sorted(SINK_CHECKS.items())])
+def test_sinks(name):
+    cfg, kind, kw, _ = SINK_CHECKS[name]
+    _check(cfg, kind, seed=11, sinks=True, **kw)
+
+
 def test_plan_sizes_segments_for_the_device():
     """C fills MIN_PROGRAMS and never exceeds the table's width in key tiles."""
     p = gpu_attention.plan(8, 1, 32, 8, 128, 256, 16)  # decode B=8, 4096-key table
@@ -127,7 +152,7 @@ def test_rejects_bad_shapes():
                                       jnp.zeros((2, 2), jnp.int32), lens, lens, sm_scale=1.0, interpret=True)
 
 
-def _one_row_alone_and_batched(batch_invariant: bool):
+def _one_row_alone_and_batched(batch_invariant: bool, sinks: bool = False):
     """Row 2 (a 700-key decode row) of a mixed batch over an 80-page table, and the same row
     alone over a 44-page table: (batched row, alone row, reference row)."""
     skip_unless_runnable("gpu")
@@ -135,14 +160,18 @@ def _one_row_alone_and_batched(batch_invariant: bool):
     kv_lens, q_lens = [8, 37, 700, 5, 64], [8, 1, 1, 5, 3]
     case = make_case(rng, dtype=jnp.float32, page_size=16, ratio=4, head_dim=16, num_kv_heads=1,
                      kv_lens=kv_lens, q_lens=q_lens, pages_per_seq=80)
+    sink = jnp.asarray(make_sinks(rng, 4)) if sinks else None
     kernel = jax.jit(functools.partial(gpu_attention.paged_attention, sm_scale=0.25, interpret=INTERPRET,
-                                       batch_invariant=batch_invariant), compiler_options=COMPILER_OPTIONS)
+                                       batch_invariant=batch_invariant, sinks=sink),
+                     compiler_options=COMPILER_OPTIONS)
     pool, q = jnp.asarray(case.kv_pages), jnp.asarray(case.q)
     batched = kernel(q, pool, case.page_indices, case.kv_lens, case.q_lens)[2, 0]
     alone = kernel(q[2:3, :1], pool, case.page_indices[2:3, :44], case.kv_lens[2:3], case.q_lens[2:3])[0, 0]
-    want = reference.paged_attention_ref(q[2:3, :1], jnp.asarray(reference_pool(case.kv_pages)),
-                                         case.page_indices[2:3], case.kv_lens[2:3], case.q_lens[2:3],
-                                         sm_scale=0.25)[0, 0]
+    ref = functools.partial(reference.paged_attention_ref, q[2:3, :1], jnp.asarray(reference_pool(case.kv_pages)),
+                            case.page_indices[2:3], case.kv_lens[2:3], case.q_lens[2:3], sm_scale=0.25)
+    want = ref(sinks=sink)[0, 0]
+    if sinks:
+        assert_sinks_matter(want, ref()[0, 0], jnp.float32)
     return np.asarray(batched), np.asarray(alone), want
 
 
@@ -154,6 +183,22 @@ def test_batch_invariant_row_alone_equals_batched():
     assert_close(batched, want, jnp.float32)
     batched, alone, _ = _one_row_alone_and_batched(False)
     assert not np.array_equal(batched, alone)
+
+
+def test_batch_invariant_sinks_merge_after_the_last_segment():
+    """The sinks join the in-order merge of the fixed segments (3 here): still bitwise."""
+    batched, alone, want = _one_row_alone_and_batched(True, sinks=True)
+    np.testing.assert_array_equal(batched, alone)
+    assert_close(batched, want, jnp.float32)
+
+
+def test_sinks_of_the_wrong_shape_raise():
+    q = jnp.zeros((2, 1, 4, 64))
+    kv = jnp.zeros((2, 4, 8, 2, 64))
+    lens = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match=r"sinks has shape \(2,\); expected \(4,\)"):
+        gpu_attention.paged_attention(q, kv, jnp.zeros((2, 2), jnp.int32), lens, lens, sm_scale=1.0, interpret=True,
+                                      sinks=jnp.zeros((2,), jnp.float32))
 
 
 def test_batch_invariant_plan_is_fixed():

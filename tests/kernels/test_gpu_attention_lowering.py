@@ -47,6 +47,21 @@ def test_engine_attention_lowers_for_cuda(num_q, dtype, kv_dtype):
     assert launch.num_warps == 4
 
 
+@pytest.mark.parametrize("context,batch_invariant", [(64, False), (1000, False), (64, True), (1000, True)],
+                         ids=["one-segment", "segments", "batch-invariant-one-segment", "batch-invariant-segments"])
+def test_sinks_lower_for_cuda(context, batch_invariant):
+    """gpt-oss's sinks f32[N] in the kernel's final normalisation (a table of one key tile: one
+    segment) and in the merge of the segments, the in-order merge included."""
+    args = (*_args(3, 5, context, num_heads=12, num_kv_heads=4, head_dim=64), S((12,), jnp.float32))
+    fn = lambda q, kv, pt, kvl, ql, sinks: dispatch.paged_attention(  # noqa: E731
+        q, kv, pt, kvl, ql, sm_scale=0.1, impl="pallas", backend="gpu", sliding_window=40,
+        batch_invariant=batch_invariant, sinks=sinks)
+    launches = gpu_launches.triton_launches(gpu_launches.export_for(fn, args, "cuda").mlir_module())
+    assert [launch.name for launch in launches] == ["paxpage_paged_attention_gpu"]
+    geometry = gpu_attention.plan(3, 5, 12, 4, 64, -(-context // PAGE), PAGE, batch_invariant=batch_invariant)
+    assert (geometry.num_splits == 1) == (context == 64)
+
+
 @pytest.mark.parametrize("batch,num_q,context", [(8, 1, 4096), (64, 1, 32768), (1, 2048, 2048)],
                          ids=["decode-B8-S4k", "decode-B64-S32k", "prefill-2048"])
 def test_launch_fills_the_device(batch, num_q, context):

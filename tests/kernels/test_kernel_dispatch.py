@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import (IMPL, assert_close, make_case, quantize_case, reference_pool, release_outside_window,
-                          skip_unless_runnable)
+from kernel_cases import (IMPL, assert_close, assert_sinks_matter, make_case, make_sinks, quantize_case,
+                          reference_pool, release_outside_window, skip_unless_runnable)
 from pallas_kernels import dispatch, reference
 
 
@@ -65,6 +65,42 @@ def test_paged_attention_window_and_cap_reach_every_kernel(backend, gpu_decode, 
         case.kv_lens, case.q_lens, **kw,
     )
     assert_close(got, want, jnp.float32)
+
+
+@pytest.mark.parametrize("backend,gpu_decode,kv_lens,q_lens", [
+    ("gpu", "mosaic", [9, 30, 1, 0], [1, 1, 1, 0]),  # the Mosaic GPU decode kernel
+    ("tpu", "auto", [9, 30, 3, 0, 12], [6, 2, 3, 0, 0]),  # the TPU ragged kernel on packed tokens
+], ids=["gpu-mosaic-decode", "tpu-mixed"])
+def test_sinks_reach_the_kernels(backend, gpu_decode, kv_lens, q_lens):
+    """gpt-oss's sinks through the row-layout entry point (the GPU ragged kernel takes them in
+    test_gpu_attention.py and in the gpt-oss engine test), with a window and GQA."""
+    skip_unless_runnable(backend)
+    if gpu_decode == "mosaic" and dispatch.decode_attention_mgpu.unsupported_reason(
+            jnp.float32, jnp.float32, 16, 4, 2, 64, interpret=IMPL == "pallas-interpret"):
+        pytest.skip("no Mosaic GPU here")
+    rng = np.random.default_rng(10)
+    case = make_case(rng, dtype=jnp.float32, page_size=16, ratio=2, head_dim=64, num_kv_heads=2,
+                     kv_lens=kv_lens, q_lens=q_lens, pages_per_seq=2)
+    case = release_outside_window(case, 20)
+    sinks = jnp.asarray(make_sinks(rng, 4))
+    kw = dict(sm_scale=0.125, sliding_window=20)
+    got = dispatch.paged_attention(jnp.asarray(case.q), jnp.asarray(case.kv_pages), case.page_indices, case.kv_lens,
+                                   case.q_lens, impl=IMPL, backend=backend, gpu_decode=gpu_decode, sinks=sinks, **kw)
+    want = lambda sinks: reference.paged_attention_ref(  # noqa: E731
+        jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)), case.page_indices, case.kv_lens,
+        case.q_lens, sinks=sinks, **kw)
+    assert_close(got, want(sinks), jnp.float32)
+    assert_sinks_matter(want(sinks), want(None), jnp.float32)
+
+
+def test_sinks_must_be_one_per_query_head():
+    q = jnp.zeros((1, 1, 4, 64))
+    lens = jnp.ones((1,), jnp.int32)
+    for backend in ("gpu", "tpu"):
+        with pytest.raises(ValueError, match=r"sinks has shape \(2,\); expected \(4,\), one per query head"):
+            dispatch.paged_attention(q, jnp.zeros((2, 2, 8, 2, 64)), jnp.zeros((1, 1), jnp.int32), lens, lens,
+                                     sm_scale=1.0, impl="pallas-interpret", backend=backend,
+                                     sinks=jnp.zeros((2,), jnp.float32))
 
 
 def test_write_kv_matches_reference():

@@ -70,10 +70,20 @@ def _cases(dtype, backend):
 KERNELS = [("gpu", "kv_write"), ("tpu", "decode"), ("tpu", "ragged"), ("tpu", "kv_write")]
 
 
+def _with_sinks(fn, args):
+    """(fn, args) taking gpt-oss's sinks f32[N] as one more argument."""
+    return (lambda *a: fn(*a[:-1], sinks=a[-1])), (*args, S((N,), jnp.float32))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("backend,kernel", KERNELS)
 def test_kernel_lowers_for_platform(backend, dtype, kernel):
     _assert_lowers(backend, lambda: _cases(dtype, backend)[kernel])
+
+
+@pytest.mark.parametrize("kernel", ["decode", "ragged"])
+def test_sinks_lower_for_tpu(kernel):
+    _assert_lowers("tpu", lambda: _with_sinks(*_cases(jnp.bfloat16, "tpu")[kernel]))
 
 
 def _assert_lowers(backend, case):

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import (CONFIGS, INTERPRET, QUANT_CASES, WINDOW_CASES, assert_close, config_id, make_case,
-                          quant_case_id, quantize_case, reference_pool, release_outside_window,
-                          skip_unless_runnable, window_case_id)
+from kernel_cases import (CONFIGS, INTERPRET, QUANT_CASES, WINDOW_CASES, assert_close, assert_sinks_matter,
+                          config_id, make_case, make_sinks, quant_case_id, quantize_case, reference_pool,
+                          release_outside_window, skip_unless_runnable, window_case_id)
 from pallas_kernels import reference
 from pallas_kernels.ragged_attention import ragged_paged_attention
 
@@ -25,7 +25,7 @@ def _seqs(page_size):
             (PAGES_PER_SEQ * page_size, 2), (1, 1)]
 
 
-def _check(cfg, backend, *, block_q=None, seed=0, window=None, cap=None, kv_cache_dtype="auto"):
+def _check(cfg, backend, *, block_q=None, seed=0, window=None, cap=None, kv_cache_dtype="auto", sinks=False):
     skip_unless_runnable(backend)
     dtype, page_size, ratio, head_dim, num_kv_heads = cfg
     rng = np.random.default_rng(seed)
@@ -48,19 +48,25 @@ def _check(cfg, backend, *, block_q=None, seed=0, window=None, cap=None, kv_cach
     pool, ref_pool = jnp.asarray(case.kv_pages), jnp.asarray(reference_pool(case.kv_pages))
     if kv_cache_dtype != "auto":  # NaN scales on unused rows
         pool, ref_pool = quantize_case(case, kv_cache_dtype)
+    sink = jnp.asarray(make_sinks(rng, ratio * num_kv_heads)) if sinks else None
     got = ragged_paged_attention(
         jnp.asarray(flat_q), pool, table.astype(np.int32), cu_slots, kv_slots,
         np.array([num_seqs], np.int32), sm_scale=scale, block_q=block_q, backend=backend, interpret=INTERPRET,
-        sliding_window=window, soft_cap=cap,
+        sliding_window=window, soft_cap=cap, sinks=sink,
     )
-    rows = reference.paged_attention_ref(
-        jnp.asarray(case.q), ref_pool, case.page_indices,
-        case.kv_lens, case.q_lens, sm_scale=scale, sliding_window=window, soft_cap=cap,
-    )
-    want = np.concatenate([np.asarray(rows[b, :q_lens[b]]) for b in range(num_seqs)])
-    want = np.concatenate([want, np.zeros((TRAILING_TOKENS, *want.shape[1:]), want.dtype)])
+
+    def want(sinks):
+        rows = reference.paged_attention_ref(
+            jnp.asarray(case.q), ref_pool, case.page_indices,
+            case.kv_lens, case.q_lens, sm_scale=scale, sliding_window=window, soft_cap=cap, sinks=sinks,
+        )
+        flat = np.concatenate([np.asarray(rows[b, :q_lens[b]]) for b in range(num_seqs)])
+        return np.concatenate([flat, np.zeros((TRAILING_TOKENS, *flat.shape[1:]), flat.dtype)])
+
     assert got.dtype == dtype and got.shape == flat_q.shape
-    assert_close(got, want, dtype)
+    assert_close(got, want(sink), dtype)
+    if sinks:
+        assert_sinks_matter(want(sink), want(None), dtype)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=config_id)
@@ -91,6 +97,16 @@ def test_ragged_quantized_pool(qc, backend):
 
 def test_ragged_quantized_sliding_window():
     _check(CONFIGS[0], "tpu", block_q=4, seed=10, window=5, cap=2.0, kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("cfg,block_q,window,cap,kv_cache_dtype", [
+    (CONFIGS[3], None, 16, 3.0, "int8"),  # GQA 8:1, a window and a cap on an int8 pool
+    (CONFIGS[1], 4, None, None, "auto"),  # GQA 3:1, query blocks spanning sequences (extended tier)
+], ids=["gqa8-int8-window-cap", "gqa3-blocks"])
+def test_ragged_sinks(cfg, block_q, window, cap, kv_cache_dtype):
+    """Attention sinks (gpt-oss) in each sequence's final normalisation."""
+    _check(cfg, "tpu", block_q=block_q, seed=11, window=window, cap=cap, kv_cache_dtype=kv_cache_dtype,
+           sinks=True)
 
 
 def test_ragged_rejects_mismatched_metadata():

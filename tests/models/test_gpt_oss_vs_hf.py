@@ -2,7 +2,7 @@
 expert biases, the clamped SwiGLU, alternating windowed / full layers and YaRN without truncation.
 Every prompt token's logprob and the greedy continuation, in one prefill, chunked prefill beside
 decode rows, past the window, with prefix-cache hits and under preemption, on the XLA and native
-attention (the Pallas kernels have no sink form yet and are refused). The MoE block on its own
+attention and the Pallas kernels (interpreted). The MoE block on its own
 against HF's GptOssMLP, and the MXFP4 expert weights of released checkpoints decoded against
 transformers' own dequantisation."""
 
@@ -49,7 +49,7 @@ def test_config_reads_gpt_oss_fields(tiny):
                     head_dim=8, moe_bias=True)
 
 
-@pytest.mark.parametrize("impl", ["xla", "native"])
+@pytest.mark.parametrize("impl", ["xla", "native", "pallas-interpret"])
 def test_prefill_and_decode_past_the_window_match_hf(tiny, impl):
     """Two prompts prefilled in one step (the 40-token one past the window and YaRN's original
     context), then 12 decode steps."""
@@ -77,14 +77,10 @@ def test_chunked_prefill_prefix_cache_and_preemption_match_hf(tiny):
     check_prefix_hit_and_preemption(hf, model, VOCAB)
 
 
-def test_pallas_kernels_refused_and_the_gpu_default_runs_xla(tiny):
-    """The Pallas kernels have no sink form: asked for, they raise; the GPU / TPU default runs XLA."""
+def test_gpu_and_tpu_default_to_the_pallas_kernels(tiny):
     _, model = tiny
-    for impl in ("pallas", "pallas-interpret"):
-        with pytest.raises(ValueError, match=f"attention_impl '{impl}' has no form with attention sinks"):
-            paxpage.EngineConfig(attention_impl=impl).resolve(model.config, backend="cpu")
     for backend in ("gpu", "tpu"):
-        assert paxpage.EngineConfig().resolve(model.config, backend=backend).attention_impl == "xla"
+        assert paxpage.EngineConfig().resolve(model.config, backend=backend).attention_impl == "pallas"
 
 
 @pytest.mark.parametrize("impl", ["tiled", "ragged_dot", "dense"])

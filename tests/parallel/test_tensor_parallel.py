@@ -72,6 +72,16 @@ def test_tp_pallas_kernels_under_shard_map(tmp_path):
 
 
 @pytest.mark.extended
+def test_tp_pallas_kernels_take_the_sinks(tmp_path):
+    """gpt-oss on the Pallas kernels (interpreted) at tp 2: each device's sinks are its own heads'
+    (split with the queries), through the windowed and full layers."""
+    hf = save_tiny_hf(tmp_path, "gpt_oss", num_attention_heads=8, num_key_value_heads=4, sliding_window=8,
+                      num_hidden_layers=2, head_dim=16, intermediate_size=32)
+    out = run_json(["tests.parallel.tp_worker", str(tmp_path), "2", "4", "--pallas"], timeout=420)
+    assert out["greedy"]["2"] == [hf_greedy(hf, p, 4) for p in _prompts(128)]
+
+
+@pytest.mark.extended
 def test_tp_int8_kv_cache_and_int8_weights(tmp_path):
     """An int8 KV cache and int8 weights at tp 2 (K = 4 heads split 2 + 2): the KV scales are split
     on their K axis like the pages, weight values split like the float kernels (per-channel scales
