@@ -10,7 +10,6 @@ job (output_processor.py); driving the step for many callers is the engine loop'
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 import os
@@ -28,25 +27,26 @@ from paxpage import speculative as spec_lib
 from paxpage.config import EngineConfig
 from paxpage.decode_batch import DecodeBatch
 from paxpage.embedding import EmbeddingOutput, EmbeddingRequest, Pooling
+from paxpage.booking import StepBooking
 from paxpage.engine_stats import EngineStats
 from paxpage.lora_slots import LoraSlots
 from paxpage.launched import PENDING_TOKEN, Launched, fetch
-from paxpage.output_processor import NewToken, OutputProcessor, Request
+from paxpage.output_processor import OutputProcessor, Request
 from paxpage.outputs import RequestOutput, StreamDelta
-from paxpage.packing import RowPlan, logprob_bucket
+from paxpage.packing import logprob_bucket
 from paxpage.runner import ModelRunner
 from paxpage.sampler import SamplingTensors
 from paxpage.sampling_batch import SamplingBatch
-from paxpage.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from paxpage.sampling_params import SamplingParams
 from paxpage.scheduler import Scheduler, SchedulerConfig
+from paxpage.speculative.coordinator import SpeculationCoordinator
+from paxpage.step_plan import plan_step
 from paxpage.sequence import Sequence
 from paxpage.structured_backend import GrammarBackend, bitmask_words
 
 
 log = logging.getLogger("paxpage")
 
-
-KV_SAMPLE_EVERY = 8
 
 
 class LLMEngine:
@@ -107,13 +107,13 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._beams = beam_lib.BeamCoordinator(self.scheduler, self.outputs, self.new_sequence)
         self._inflight: Launched | None = None  # async scheduling: the step still on the device
-        self._proposer = spec_lib.make_proposer(cfg, model_cfg, tokenizer)
-        # a draft model's K/V pool follows the target's (paxpage/speculative/draft.py): every step and page copy
-        self._draft_hooks = self._proposer.pool_hooks() if self._proposer is not None else None
-        if self._proposer is not None and jax.process_count() > 1:
+        proposer = spec_lib.make_proposer(cfg, model_cfg, tokenizer)
+        if proposer is not None and jax.process_count() > 1:
             raise ValueError("speculative decoding is not supported on multi-host engines")
-        self._spec_max_batch = cfg.resolved_speculative_max_batch
-        self._draft_dists = None  # this step's Proposals.draft_dists, when the proposer gives them
+        self._spec = (None if proposer is None else SpeculationCoordinator(
+            proposer, cfg.resolved_speculative_max_batch, cfg.max_model_len, PENDING_TOKEN))
+        self._booking = StepBooking(self.scheduler, self.outputs, self._beams, self.stats, self._embeds,
+                                    self.new_sequence, tokenizer, cfg.max_model_len, self._spec)
         self._grammars: GrammarBackend | None = None  # built by the first structured request
         self._grammars_lock = threading.Lock()
         # the running sequences' sampling parameters, one slot each, kept between steps
@@ -292,8 +292,8 @@ class LLMEngine:
             if seq.output_token_ids and seq.output_token_ids[-1] == PENDING_TOKEN:
                 seq.output_token_ids.pop()  # its in-flight token is discarded
             self.scheduler.abort(seq.seq_id)
-            if self._proposer is not None:
-                self._proposer.on_free(seq.seq_id)
+            if self._spec is not None:
+                self._spec.on_free(seq.seq_id)
 
     def request(self, request_id: int) -> Request | None:
         """A live request (None once it finished or was aborted)."""
@@ -328,23 +328,26 @@ class LLMEngine:
         launched = None
         sched = None
         if self.scheduler.has_unfinished():
-            sched = self.scheduler.schedule(self._propose() if self._proposer is not None else None)
+            drafts = None
+            if self._spec is not None:
+                drafts = self._spec.propose(self.scheduler.running, self.outputs.lookup, self._embeds.__contains__)
+            sched = self.scheduler.schedule(drafts)
         if sched is not None and sched.scheduled:
             self.runner.copy_pages(sched.copies)
-            if self._draft_hooks is not None:
-                self._draft_hooks.on_copy_pages(sched.copies)
+            if self._spec is not None:
+                self._spec.on_copy_pages(sched.copies)
             # a beam request runs all its live beams in a step or none
             if not self._beams.hold_back(sched):
                 launched = self._launch(sched)
         deltas: list[tuple[Request, list[StreamDelta]]] = []
         if self._inflight is not None:  # the previous step's tokens, one step late
             previous, self._inflight = self._inflight, None
-            deltas += self._resolve(previous)
+            deltas += self._booking.resolve(previous)
         if launched is not None and launched.result is None:
             self._dispatch_sampler(launched)  # its bitmasks needed the tokens just resolved
         if launched is not None:
             if self._can_overlap(launched):
-                self._advance(launched)
+                self._booking.advance(launched)
                 self._inflight = launched
                 launched.decode = DecodeBatch.build(
                     launched.sched.scheduled, launched.rows, launched.counts, *launched.sampling_rows,
@@ -352,7 +355,7 @@ class LLMEngine:
                     lora=bool(self.config.max_loras))
                 self.stats.overlapped_steps += 1
             else:
-                deltas += self._complete(launched)
+                deltas += self._booking.complete(launched)
             self.stats.steps += 1
         return deltas
 
@@ -364,7 +367,7 @@ class LLMEngine:
         None, having changed nothing, otherwise."""
         previous = self._inflight
         batch = previous.decode if previous is not None else None
-        if batch is None or self._proposer is not None:
+        if batch is None or self._spec is not None:
             return None
         keep = batch.survivors(self.scheduler.running)
         if not keep:
@@ -408,13 +411,11 @@ class LLMEngine:
         deltas, to_finish, num_tokens = self.outputs.process_plain(
             resolved.rows, token_ids[:n].tolist(), logprobs[:n].tolist(), resolved.stop_ids,
             resolved.limit_list, PENDING_TOKEN, top_ids, top_logprobs)
-        for seq, reason in to_finish:
-            if not seq.is_finished:
-                self.scheduler.finish(seq, reason)
+        self._booking.finish(to_finish)
         self.stats.generated_tokens += num_tokens
-        # this step's tokens, pending (as _advance)
+        # this step's tokens, pending (as StepBooking.advance)
         self.scheduler.update_decodes(seqs, PENDING_TOKEN)
-        self._sample_kv_utilisation()
+        self._booking.sample_kv_utilisation()
         batch.advance()
         for i in batch.finished_by_length():
             if not seqs[i].is_finished:
@@ -430,118 +431,18 @@ class LLMEngine:
         # An in-flight step with no live request left carries only tokens to discard.
         return len(self.outputs) > 0 or bool(self._embeds)
 
-    # ------------------------------------------------------------------ speculation
-    def _speculating(self) -> bool:
-        """Adaptive: a step speculates only while few enough sequences run (past the threshold,
-        verifying k + 1 tokens per sequence costs more than the accepted drafts save)."""
-        return self._proposer is not None and 0 < self.scheduler.num_running <= self._spec_max_batch
-
-    def _propose(self) -> dict[int, tuple[int, ...]] | None:
-        """Drafts for this step's decoding sequences (paxpage/speculative/proposer.py), or None. Beams,
-        structured outputs and sequences whose last token is still in flight do not speculate."""
-        self._draft_dists = None
-        if not self._speculating():
-            return None
-        k, max_len = self._proposer.num_speculative_tokens, self.config.max_model_len
-        inputs = []
-        for seq in self.scheduler.running:
-            if seq.num_uncomputed_tokens != 1 or seq.last_token_id == PENDING_TOKEN or seq.group_id in self._embeds:
-                continue
-            request, sample = self.outputs.lookup(seq.seq_id)
-            if request.beam is not None or sample.matcher is not None or sample.finish_reason is not None \
-                    or not request.forked:
-                continue
-            # one more token than the accepted drafts comes from the target
-            room = min(k, request.params.max_tokens - seq.num_output_tokens - 1, max_len - seq.num_tokens - 1)
-            if room >= 1:
-                inputs.append(spec_lib.SpecInput(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, room,
-                                                 request.params.temperature <= GREEDY_TEMPERATURE,
-                                                 request.params, sample.seed, seq.page_table))
-        if not inputs:
-            return None
-        proposals = self._proposer.propose(inputs)
-        drafts = {}
-        for r, spec in enumerate(inputs):
-            n = int(proposals.num_drafts[r])
-            assert 0 <= n <= spec.max_drafts, (n, spec.max_drafts)
-            if n:
-                drafts[spec.seq_id] = tuple(int(t) for t in proposals.token_ids[r, :n])
-        if proposals.draft_dists is not None:
-            self._draft_dists = ({spec.seq_id: r for r, spec in enumerate(inputs)}, proposals.draft_dists)
-        return drafts
-
     def _launch(self, sched) -> "Launched":
         """Packs the scheduled rows and dispatches the step; returns without waiting. With
         structured rows and a step in flight only the model is dispatched here: `step()`
         dispatches the sampler once the in-flight tokens are read (`_dispatch_sampler`)."""
         inflight = self._inflight.row_of_seq if self._inflight is not None else {}
-        sampling = self._sampling
-        plans = []
-        # Per sampling entry (request, sample, first logits row), its rows and drafts; per logits
-        # row its sampling slot, seed offset and token position. Rows follow the plans' order
-        # (the runner's logits_plan): one request's n rows draw with seeds seed + i; a verify
-        # row's j-th logits row sees its first j drafts as outputs (penalties, min_tokens).
-        rows, counts, row_drafts = [], [], []
-        slots, offsets, steps = [], [], []
-        num_logprobs = 0
-        pooling = []  # (embedding request, chunk start, whether it is the last chunk, pooled row)
-        for item in sched.scheduled:
-            seq = item.seq
-            embed = self._embeds.get(seq.group_id)
-            if embed is not None:  # an embedding's chunk: no logits row, maybe a pooled row
-                row = len(pooling) if embed.pools(item.start, item.end) else -1
-                plans.append(RowPlan(seq.tokens, seq.page_table, item.start, item.num_new_tokens, 0, 0,
-                                     seq.seq_id, seq.num_preemptions, pool_row=row,
-                                     pool_from=embed.pooling.first_pooled(len(embed.prompt_ids))))
-                if row >= 0:
-                    pooling.append((embed, item.start, item.end == seq.num_prompt_tokens, row))
-                continue
-            request, sample = self.outputs.lookup(seq.seq_id)
-            drafts = item.draft_token_ids
-            if drafts:  # verify row: its last token and drafts, a logits row at each
-                num_samples = 1 + len(drafts)
-                plans.append(RowPlan(seq.token_ids + list(drafts), seq.page_table, item.start,
-                                     item.num_new_tokens, num_samples, 0, seq.seq_id,
-                                     seq.num_preemptions, num_drafts=len(drafts), lora_slot=seq.lora_slot))
-            else:
-                fork_now = item.samples and not request.forked
-                wants_prompt = sample.prompt_logprobs is not None and item.start < seq.num_prompt_tokens
-                pending = item.num_new_tokens == 1 and seq.last_token_id == PENDING_TOKEN
-                num_samples = (request.params.n if fork_now else 1) if item.samples else 0
-                plans.append(RowPlan(seq.tokens, seq.page_table, item.start, item.num_new_tokens, num_samples,
-                                     seq.num_prompt_tokens if wants_prompt else 0, seq.seq_id,
-                                     seq.num_preemptions, inflight[seq.seq_id] if pending else -1,
-                                     lora_slot=seq.lora_slot))
-            if not num_samples:
-                continue
-            rows.append((request, sample, len(slots)))
-            counts.append(num_samples)
-            row_drafts.append(drafts)
-            num_logprobs = max(num_logprobs, request.params.logprobs or 0)
-            slot = sampling.slot(seq.seq_id, request.params, sample.seed)
-            num_out = seq.num_output_tokens
-            if num_samples == 1:
-                slots.append(slot)
-                offsets.append(0)
-                steps.append(num_out)
-            else:
-                slots += [slot] * num_samples
-                offsets += [0] * num_samples if drafts else range(num_samples)
-                steps += range(num_out, num_out + num_samples) if drafts else [num_out] * num_samples
+        plan = plan_step(sched, self.outputs.lookup, self._embeds, self._sampling, inflight)
+        rows, counts, pooling = plan.rows, plan.counts, plan.pooling
         self._forget_ended(self.scheduler.running)
-        batch, logits_plan, prompt_plan, prev_rows = self.runner.packer.pack(plans)
-        first_rows = [row for _, _, row in rows]
-
-        def row_tokens(r: int):  # (prompt, outputs) a penalised logits row sees
-            k = bisect.bisect_right(first_rows, r) - 1
-            request, sample, first = rows[k]
-            out, i = sample.seq.output_token_ids, r - first
-            return request.prompt_ids, (out + list(row_drafts[k][:i]) if row_drafts[k] and i else out)
-
-        tensors = sampling.tensors(np.asarray(slots, np.int64), np.asarray(offsets, np.int64),
-                                   np.asarray(steps, np.int64), row_tokens,
-                                   pad_rows_to=len(batch.logits_indices))
-        num_logprobs = logprob_bucket(num_logprobs)
+        batch, logits_plan, prompt_plan, prev_rows = self.runner.packer.pack(plan.plans)
+        tensors = self._sampling.tensors(plan.slots, plan.offsets, plan.steps, plan.row_tokens,
+                                         pad_rows_to=len(batch.logits_indices))
+        num_logprobs = logprob_bucket(plan.num_logprobs)
         num_prompt_logprobs = logprob_bucket(max(
             (self.outputs.lookup(sched.scheduled[i].seq.seq_id)[0].params.prompt_logprobs or 0
              for i, _ in prompt_plan), default=0))
@@ -551,12 +452,12 @@ class LLMEngine:
             logits, pooled = self.runner.forward_pooled(batch, prev_rows, prev_tokens)
         else:
             logits = self.runner.forward(batch, prev_rows, prev_tokens)
-        if self._draft_hooks is not None:
-            self._draft_hooks.on_step(batch, prev_rows, prev_tokens)
+        if self._spec is not None:
+            self._spec.on_step(batch, prev_rows, prev_tokens)
         step = Launched(sched, rows, counts, prompt_plan, None, None, None,
                         sampler_args=(batch, logits, tensors, num_logprobs, num_prompt_logprobs, prev_rows,
                                       prev_tokens),
-                        drafts=row_drafts, sampling_rows=(slots, steps), pooling=pooling, pooled=pooled)
+                        drafts=plan.drafts, sampling_rows=(plan.slots, plan.steps), pooling=pooling, pooled=pooled)
         # Structured rows' bitmasks follow from every earlier token: with a step in flight they
         # are built once its tokens are read (step() does it), while the device runs this step's
         # model, and only its sampler waits for them.
@@ -583,8 +484,7 @@ class LLMEngine:
             for _, row, count in step.constrained:  # a forking request's n rows share one state
                 allowed[row + 1:row + count] = allowed[row]
         if step.speculates:
-            draft_ids, draft_dists = spec_lib.draft_rows(step.rows, step.drafts, self._draft_dists,
-                                                          len(batch.logits_indices))
+            draft_ids, draft_dists = self._spec.draft_rows(step.rows, step.drafts, len(batch.logits_indices))
             step.result, step.prompt_result, step.accepted = self.runner.verify(
                 batch, logits, tensors, draft_ids, draft_dists, num_logprobs, num_prompt_logprobs, allowed,
                 prev_rows, prev_tokens)
@@ -596,144 +496,12 @@ class LLMEngine:
     def _can_overlap(self, step: "Launched") -> bool:
         """A step may stay in flight when the next step can be scheduled without its tokens: plain
         sampling rows only (no beams, no forks; no prompt logprobs). Rows that reach their length
-        limit finish early (see `_advance`). Penalised rows overlap: their counts lack the token
+        limit finish early (see `StepBooking.advance`). Penalised rows overlap: their counts lack the token
         in flight, which the sampler adds on the device (sampler.apply_penalties). Structured
         rows overlap too: the next step's bitmasks wait for these tokens, but only its sampler
         does (see `_launch`), not its model. While speculation is on (few sequences run, see
-        `_speculating`) no step stays in flight: proposals need every last token on the host."""
+        `SpeculationCoordinator.active`) no step stays in flight: proposals need every last token on the host."""
         if not self.config.async_scheduling or step.prompt_plan or step.pooling or step.speculates \
-                or self._speculating():
+                or (self._spec is not None and self._spec.active(self.scheduler.num_running)):
             return False
         return all(request.beam is None and count == 1 for (request, _, _), count in zip(step.rows, step.counts))
-
-    def _advance(self, step: "Launched") -> None:
-        """Books an in-flight step's tokens as pending, so the next step can be scheduled: each
-        sampling sequence gets a placeholder token that `_resolve` replaces. A sequence whose
-        next token is its last by length leaves the scheduler now (its token still comes)."""
-        self.scheduler.update(step.sched, {sample.seq.seq_id: PENDING_TOKEN for _, sample, _ in step.rows})
-        self._sample_kv_utilisation()
-        max_len = self.config.max_model_len
-        for request, sample, row in step.rows:
-            seq = sample.seq
-            step.row_of_seq[seq.seq_id] = row
-            if seq.is_finished:  # stopped when the previous step's tokens were read
-                continue
-            if seq.num_output_tokens >= request.params.max_tokens or seq.num_tokens >= max_len:
-                self.scheduler.finish(seq, "length")
-                if self._proposer is not None:
-                    self._proposer.on_free(seq.seq_id)
-
-    def _resolve(self, step: "Launched") -> list[tuple[Request, list[StreamDelta]]]:
-        """Reads an in-flight step's tokens and hands them to the output processor."""
-        t = time.perf_counter()
-        result = fetch(step.result)
-        self.stats.device_seconds += time.perf_counter() - t
-        new_tokens = []
-        token_ids = result.token_ids.tolist()
-        for request, sample, row in step.rows:
-            seq = sample.seq
-            if sample.finish_reason is not None:  # aborted while in flight
-                continue
-            assert seq.output_token_ids[-1] == PENDING_TOKEN, seq
-            token = token_ids[row]
-            seq.output_token_ids[-1] = token
-            new_tokens.append(NewToken(request, sample, token, row))
-        return self._process(new_tokens, result)
-
-    def _complete(self, step: "Launched") -> list[tuple[Request, list[StreamDelta]]]:
-        """The synchronous path: waits for the step's tokens, then books them."""
-        t = time.perf_counter()
-        result, prompt_result, accepted, pooled = fetch((step.result, step.prompt_result, step.accepted,
-                                                         step.pooled))
-        self.stats.device_seconds += time.perf_counter() - t
-        sched = step.sched
-        embedded = self._pool(step.pooling, pooled)
-        for j, (plan_index, position) in enumerate(step.prompt_plan):
-            self.outputs.record_prompt_logprobs(
-                sched.scheduled[plan_index].seq, position, prompt_result.target_logprobs[j],
-                prompt_result.top_ids[j], prompt_result.top_logprobs[j])
-        sampled: dict[int, int] = {}
-        forks: list[tuple[Request, object, int]] = []  # (request, parent sample, first row)
-        new_tokens: list[NewToken] = []
-        beam_rows: list[tuple[Request, object, int]] = []  # beam.py picks their tokens
-        verified = []  # sequences that speculated, for the proposer
-        for (request, sample, row), count, drafts in zip(step.rows, step.counts, step.drafts):
-            if request.beam is not None:
-                beam_rows.append((request, sample, row))
-                continue
-            if sample.finish_reason is not None:  # stopped while the previous step was in flight
-                continue
-            if drafts:  # the accepted drafts, then the target's token at the first rejection
-                num_accepted = 0
-                while num_accepted < len(drafts) and accepted[row + num_accepted]:
-                    num_accepted += 1
-                first = sample.seq.num_output_tokens
-                tokens = [int(t) for t in result.token_ids[row:row + num_accepted + 1]]
-                sampled[sample.seq.seq_id] = tokens
-                new_tokens += [NewToken(request, sample, t, row + j, first + j) for j, t in enumerate(tokens)]
-                verified.append(sample.seq)
-                self.stats.spec_rows += 1
-                self.stats.draft_tokens += len(drafts)
-                self.stats.accepted_tokens += num_accepted
-                continue
-            token = int(result.token_ids[row])
-            sampled[sample.seq.seq_id] = token
-            new_tokens.append(NewToken(request, sample, token, row))
-            if count > 1:
-                forks.append((request, sample, row))
-            request.forked = True
-        self._beams.select(beam_rows, result, sampled)
-        self.scheduler.update(sched, sampled)
-        self._sample_kv_utilisation()
-        # Parallel samples fork after the parent's prompt is in the cache: they share its
-        # pages, and the first write into the shared last page copies it.
-        for request, parent, first_row in forks:
-            for extra in range(1, request.params.n):
-                seq = self.new_sequence(request.prompt_ids, request.params.max_tokens, request.request_id)
-                child = self.outputs.new_sample(request, seq, parent.seed + extra)
-                if parent.matcher is not None:  # the parent's state before its first token
-                    child.matcher = parent.matcher.deep_copy()
-                token = int(result.token_ids[first_row + extra])
-                seq.append_token(token)
-                self.scheduler.fork(parent.seq, seq)
-                request.samples.append(child)
-                new_tokens.append(NewToken(request, child, token, first_row + extra))
-        if verified:
-            self.stats.spec_steps += 1
-        deltas = self._process(new_tokens, result)
-        for seq in verified:
-            if not seq.is_finished:
-                self._proposer.on_verified(seq.seq_id, seq.num_tokens)
-        deltas += self._beams.apply(self.tokenizer)  # forks, dropped beams, finished beam requests
-        return deltas + embedded
-
-    def _pool(self, pooling, pooled) -> list[tuple[EmbeddingRequest, list]]:
-        """Adds a step's pooled rows to their embedding requests; those whose last chunk ran
-        finish (their pages are freed before `scheduler.update`, which then skips them)."""
-        done = []
-        for embed, start, last, row in pooling:
-            if embed.finished:  # aborted while the step ran
-                continue
-            embed.add(start, pooled[row])
-            if last:
-                embed.finish()
-                self.scheduler.finish(embed.seq, "stop")
-                del self._embeds[embed.request_id]
-                done.append((embed, []))
-        return done
-
-    def _process(self, new_tokens: list[NewToken], result) -> list[tuple[Request, list[StreamDelta]]]:
-        deltas, to_finish = self.outputs.process(new_tokens, result)
-        for seq, reason in to_finish:
-            if not seq.is_finished:  # a sequence finished early by length already left
-                self.scheduler.finish(seq, reason)
-                if self._proposer is not None:
-                    self._proposer.on_free(seq.seq_id)
-        self.stats.generated_tokens += len(new_tokens)
-        return deltas
-
-    def _sample_kv_utilisation(self) -> None:
-        # Measured while this step's sequences still hold their pages (before stops free them).
-        if self.stats.steps % KV_SAMPLE_EVERY == 0:
-            self.stats.kv_utilisation_sum += self.scheduler.stats().kv_utilization
-            self.stats.kv_utilisation_samples += 1

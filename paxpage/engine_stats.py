@@ -16,7 +16,7 @@ class EngineStats:
     decode_batch_steps: int = 0  # of those, steady decode steps booked from arrays (decode_batch.py)
     host_seconds: float = 0.0  # scheduling + packing + stop checks
     device_seconds: float = 0.0  # jitted step incl. the token transfer
-    # KV utilisation sampled every engine.KV_SAMPLE_EVERY steps (shared pages are counted page by page)
+    # KV utilisation sampled every booking.KV_SAMPLE_EVERY steps (shared pages are counted page by page)
     kv_utilisation_sum: float = 0.0
     kv_utilisation_samples: int = 0
     # speculative decoding: steps with drafts, sequence rows that carried drafts, drafts

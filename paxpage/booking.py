@@ -1,0 +1,186 @@
+"""What a dispatched step's tokens do to the engine's state: in-flight bookkeeping.
+
+A step that stays in flight (async scheduling) has its tokens booked as pending placeholders
+first (`advance`), so the next step can be scheduled, and replaced once read (`resolve`). A step
+the engine waits for is booked whole (`complete`): prompt logprobs, accepted drafts of a
+speculating row, the target's token, the n - 1 children a forking request starts with (they
+share the parent's pages, copied on their first write), the beams beam.py picks, and the pooled
+rows of embedding requests. Then the output processor turns tokens into text and stops, and the
+sequences that stopped leave the scheduler. Pure Python on the host, but for `fetch`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from paxpage.embedding import EmbeddingRequest
+from paxpage.engine_stats import EngineStats
+from paxpage.launched import PENDING_TOKEN, Launched, fetch
+from paxpage.output_processor import NewToken, OutputProcessor, Request
+from paxpage.outputs import StreamDelta
+from paxpage.scheduler import Scheduler
+
+
+KV_SAMPLE_EVERY = 8  # steps between samples of the KV pool's utilisation
+
+Deltas = list[tuple[Request, list[StreamDelta]]]
+
+
+class StepBooking:
+    def __init__(self, scheduler: Scheduler, outputs: OutputProcessor, beams, stats: EngineStats,
+                 embeds: dict[int, EmbeddingRequest], new_sequence: Callable, tokenizer, max_model_len: int,
+                 speculation=None):
+        self.scheduler = scheduler
+        self.outputs = outputs
+        self.beams = beams  # beam.BeamCoordinator
+        self.stats = stats
+        self.embeds = embeds  # the engine's live embedding requests by request id
+        self.new_sequence = new_sequence  # (prompt ids, max tokens, request id) -> Sequence
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.speculation = speculation  # speculative.coordinator.SpeculationCoordinator, or None
+
+    def advance(self, step: Launched) -> None:
+        """Books an in-flight step's tokens as pending, so the next step can be scheduled: each
+        sampling sequence gets a placeholder token that `resolve` replaces. A sequence whose
+        next token is its last by length leaves the scheduler now (its token still comes)."""
+        self.scheduler.update(step.sched, {sample.seq.seq_id: PENDING_TOKEN for _, sample, _ in step.rows})
+        self.sample_kv_utilisation()
+        for request, sample, row in step.rows:
+            seq = sample.seq
+            step.row_of_seq[seq.seq_id] = row
+            if seq.is_finished:  # stopped when the previous step's tokens were read
+                continue
+            if seq.num_output_tokens >= request.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                self.scheduler.finish(seq, "length")
+                self._freed(seq.seq_id)
+
+    def resolve(self, step: Launched) -> Deltas:
+        """Reads an in-flight step's tokens and hands them to the output processor."""
+        t = time.perf_counter()
+        result = fetch(step.result)
+        self.stats.device_seconds += time.perf_counter() - t
+        new_tokens = []
+        token_ids = result.token_ids.tolist()
+        for request, sample, row in step.rows:
+            seq = sample.seq
+            if sample.finish_reason is not None:  # aborted while in flight
+                continue
+            assert seq.output_token_ids[-1] == PENDING_TOKEN, seq
+            token = token_ids[row]
+            seq.output_token_ids[-1] = token
+            new_tokens.append(NewToken(request, sample, token, row))
+        return self._process(new_tokens, result)
+
+    def complete(self, step: Launched) -> Deltas:
+        """The synchronous path: waits for the step's tokens, then books them."""
+        t = time.perf_counter()
+        result, prompt_result, accepted, pooled = fetch((step.result, step.prompt_result, step.accepted,
+                                                         step.pooled))
+        self.stats.device_seconds += time.perf_counter() - t
+        sched = step.sched
+        embedded = self._pool(step.pooling, pooled)
+        for j, (plan_index, position) in enumerate(step.prompt_plan):
+            self.outputs.record_prompt_logprobs(
+                sched.scheduled[plan_index].seq, position, prompt_result.target_logprobs[j],
+                prompt_result.top_ids[j], prompt_result.top_logprobs[j])
+        sampled: dict[int, int] = {}
+        forks: list[tuple[Request, object, int]] = []  # (request, parent sample, first row)
+        new_tokens: list[NewToken] = []
+        beam_rows: list[tuple[Request, object, int]] = []  # beam.py picks their tokens
+        verified = []  # sequences that speculated, for the proposer
+        for (request, sample, row), count, drafts in zip(step.rows, step.counts, step.drafts):
+            if request.beam is not None:
+                beam_rows.append((request, sample, row))
+                continue
+            if sample.finish_reason is not None:  # stopped while the previous step was in flight
+                continue
+            if drafts:  # the accepted drafts, then the target's token at the first rejection
+                num_accepted = 0
+                while num_accepted < len(drafts) and accepted[row + num_accepted]:
+                    num_accepted += 1
+                first = sample.seq.num_output_tokens
+                tokens = [int(t) for t in result.token_ids[row:row + num_accepted + 1]]
+                sampled[sample.seq.seq_id] = tokens
+                new_tokens += [NewToken(request, sample, t, row + j, first + j) for j, t in enumerate(tokens)]
+                verified.append(sample.seq)
+                self.stats.spec_rows += 1
+                self.stats.draft_tokens += len(drafts)
+                self.stats.accepted_tokens += num_accepted
+                continue
+            token = int(result.token_ids[row])
+            sampled[sample.seq.seq_id] = token
+            new_tokens.append(NewToken(request, sample, token, row))
+            if count > 1:
+                forks.append((request, sample, row))
+            request.forked = True
+        self.beams.select(beam_rows, result, sampled)
+        self.scheduler.update(sched, sampled)
+        self.sample_kv_utilisation()
+        new_tokens += self._fork(forks, result)
+        if verified:
+            self.stats.spec_steps += 1
+        deltas = self._process(new_tokens, result)
+        for seq in verified:
+            if not seq.is_finished:
+                self.speculation.on_verified(seq.seq_id, seq.num_tokens)
+        deltas += self.beams.apply(self.tokenizer)  # forks, dropped beams, finished beam requests
+        return deltas + embedded
+
+    def _fork(self, forks: list[tuple[Request, object, int]], result) -> list[NewToken]:
+        """Parallel samples fork after the parent's prompt is in the cache: they share its
+        pages, and the first write into the shared last page copies it. Child i draws with the
+        parent's seed + i; its first token is logits row first_row + i."""
+        new_tokens = []
+        for request, parent, first_row in forks:
+            for extra in range(1, request.params.n):
+                seq = self.new_sequence(request.prompt_ids, request.params.max_tokens, request.request_id)
+                child = self.outputs.new_sample(request, seq, parent.seed + extra)
+                if parent.matcher is not None:  # the parent's state before its first token
+                    child.matcher = parent.matcher.deep_copy()
+                token = int(result.token_ids[first_row + extra])
+                seq.append_token(token)
+                self.scheduler.fork(parent.seq, seq)
+                request.samples.append(child)
+                new_tokens.append(NewToken(request, child, token, first_row + extra))
+        return new_tokens
+
+    def _pool(self, pooling, pooled) -> list[tuple[EmbeddingRequest, list]]:
+        """Adds a step's pooled rows to their embedding requests; those whose last chunk ran
+        finish (their pages are freed before `scheduler.update`, which then skips them)."""
+        done = []
+        for embed, start, last, row in pooling:
+            if embed.finished:  # aborted while the step ran
+                continue
+            embed.add(start, pooled[row])
+            if last:
+                embed.finish()
+                self.scheduler.finish(embed.seq, "stop")
+                del self.embeds[embed.request_id]
+                done.append((embed, []))
+        return done
+
+    def _process(self, new_tokens: list[NewToken], result) -> Deltas:
+        deltas, to_finish = self.outputs.process(new_tokens, result)
+        self.finish(to_finish)
+        self.stats.generated_tokens += len(new_tokens)
+        return deltas
+
+    def finish(self, to_finish) -> None:
+        """The (sequence, reason) pairs the output processor stopped leave the scheduler (a
+        sequence finished early by length already left)."""
+        for seq, reason in to_finish:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, reason)
+                self._freed(seq.seq_id)
+
+    def _freed(self, seq_id: int) -> None:
+        if self.speculation is not None:
+            self.speculation.on_free(seq_id)
+
+    def sample_kv_utilisation(self) -> None:
+        # Measured while this step's sequences still hold their pages (before stops free them).
+        if self.stats.steps % KV_SAMPLE_EVERY == 0:
+            self.stats.kv_utilisation_sum += self.scheduler.stats().kv_utilization
+            self.stats.kv_utilisation_samples += 1
