@@ -6,7 +6,7 @@ field's name, which is translated back to the name the client used (`max_complet
 
 from __future__ import annotations
 
-from paxpage.sampling_params import SamplingParams
+from paxpage.sampling.params import SamplingParams
 from paxpage.structured import StructuredOutputs
 from paxpage.server.errors import APIError, bad_request
 from paxpage.server.limits import check_sampling_fields

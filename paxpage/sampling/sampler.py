@@ -13,21 +13,21 @@ Order of operations in `sample` (vLLM semantics):
   3. logprobs = log_softmax(penalised logits): the reported logprobs, before temperature
   4. greedy rows (temperature ~ 0) take argmax of the penalised logits
   5. sampled rows: / temperature, top-k, top-p, min-p filtering, then one draw with the row key
-     (paxpage/sampling_draw.py: an exact Gumbel-max, without sorting the vocabulary, whose token
+     (paxpage/sampling/draw.py: an exact Gumbel-max, without sorting the vocabulary, whose token
      moves under a rounding change of the logits only at a near tie of two noisy scores)
 
 The host never builds [R, V] arrays: penalties get each row's distinct token ids with their
 output counts, and only those logits are gathered, penalised and scattered back. Which rows are
 greedy / filtered is data: the costly stages sit behind `lax.cond(any row needs it)` (lowered
 for a GPU, where a conditional waits on the host, every stage runs and selects combine them:
-sampling_draw.by_platform). Two host
+draw.py by_platform). Two host
 facts are static (SamplingTensors.greedy_only, .penalised), so a shape has three variants: all
 greedy, none penalised, any. Only the shapes compile besides: R, V, S (powers of two >= 16
 capped at `token_width`), E (powers of two >= 4) and the static num_logprobs.
 
 CPU cost notes (V = 49152): XLA's CPU sort takes ~8 ms per row, so `filter_logits` finds the
 top-k / top-p thresholds by an exact 32-step bisection over the float bits, and `sample` does not
-need them at all on its common paths; argmax is sampling_draw.argmax_rows (block maxima, then
+need them at all on its common paths; argmax is draw.py argmax_rows (block maxima, then
 one block), ~4x faster than lax.top_k(x, 1) and ~15x faster than jnp.argmax on CPU; the [R, V]
 log-softmax is only built when top logprobs are asked for.
 """
@@ -43,11 +43,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxpage.penalty_counts import distinct_counts
+from paxpage.sampling.penalty_counts import distinct_counts
 from paxpage.sampling import fields
-from paxpage.sampling_draw import (argmax_rows, by_platform, cond_or_select, draw, largest_threshold,
+from paxpage.sampling.draw import (argmax_rows, by_platform, cond_or_select, draw, largest_threshold,
                                    sortable_keys)
-from paxpage.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from paxpage.sampling.params import GREEDY_TEMPERATURE, SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _MIN_TOKEN_WIDTH = 16  # smallest width of the token-id lists, so short sequences share one compile
@@ -73,7 +73,7 @@ def row_keys(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
 
 def hash_seeds(seeds: np.ndarray) -> np.ndarray:
     """`row_keys`'s first stage, u64[R] splitmix64(seed): a row's seed never changes, so a batch
-    that keeps its rows (sampling_batch.py) computes it once."""
+    that keeps its rows (batch.py) computes it once."""
     return _splitmix64_array(np.asarray(seeds).astype(np.uint64))
 
 
@@ -185,9 +185,9 @@ class SamplingTensors:
                   ) -> SamplingTensors:
         """The tensors from per-row numpy arrays (R rows, padding included), the banned ids of the
         rows that have any ({row: ids}), and `row_counts(i, with_prompt) -> (ids, counts)`, called
-        only for rows with a penalty: penalty_counts.distinct_counts of the row's prompt (when
+        only for rows with a penalty: penalty_counts.py distinct_counts of the row's prompt (when
         with_prompt, i.e. a repetition penalty) and output tokens, ids in any order. `build` and
-        sampling_batch.SamplingBatch both end here. The leaves stay numpy (see the end)."""
+        batch.py SamplingBatch both end here. The leaves stay numpy (see the end)."""
         num_rows = temperature.shape[0]
         # Distinct penalty tokens only for rows that use them. A batch without penalties ships
         # the smallest width (the same shape as a short penalised batch, so no extra compile)
@@ -336,7 +336,7 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
     draw_impl: "xla", or "native" (CPU only, once `resolve_draw_impl` returned it): the proposal
     draw of sampled rows without top-k runs as the native kernel (pallas_kernels/native_sampling.py);
     or "select": no stage behind a branch on any platform, as "xla" lowers for a GPU on its own
-    (sampling_draw.by_platform; tests run it on the CPU).
+    (draw.py by_platform; tests run it on the CPU).
     pending: None, or i32[R] each row's output token that t's penalty lists leave out (-1: none;
     see apply_penalties)."""
     logits = logits.astype(jnp.float32)
@@ -377,7 +377,7 @@ def _proposal(draw_impl: str):
 def _sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int, greedy_only: bool = False,
             proposal=None, branchless: bool | None = None) -> SamplerOutput:
     """`sample` on penalised f32 logits (greedy_only: every row is greedy; no draw compiled;
-    proposal, branchless: see sampling_draw.draw)."""
+    proposal, branchless: see draw.py draw)."""
     best = jnp.max(logits, axis=-1)  # [R]
     # log_softmax's own terms, so a gathered logprob equals its entry of log_softmax(logits)
     log_total = jnp.log(jnp.sum(jnp.exp(logits - best[:, None]), axis=-1))  # [R]
