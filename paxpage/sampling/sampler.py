@@ -106,22 +106,22 @@ class RowInfo(NamedTuple):
     step: int | None = None
 
 
+def _with_row_fields(cls):
+    """Declares one array per row field of the table (fields.FIELDS), before cls's own fields."""
+    cls.__annotations__ = {**{f.name: "jax.Array" for f in fields.FIELDS}, **cls.__annotations__}
+    return cls
+
+
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty", "keys", "token_ids", "token_counts",
-                 "banned_ids"],
+    data_fields=[*fields.NAMES, "keys", "token_ids", "token_counts", "banned_ids"],
     meta_fields=["greedy_only", "penalised"],
 )
 @dataclasses.dataclass(frozen=True)
+@_with_row_fields
 class SamplingTensors:
-    temperature: jax.Array  # f32[R]; <= GREEDY_TEMPERATURE means greedy
-    top_p: jax.Array  # f32[R]; 1 = off
-    top_k: jax.Array  # i32[R]; 0 = off
-    min_p: jax.Array  # f32[R]; 0 = off
-    repetition_penalty: jax.Array  # f32[R]; 1 = off
-    presence_penalty: jax.Array  # f32[R]
-    frequency_penalty: jax.Array  # f32[R]
+    # First one array per field of the table (fields.FIELDS: temperature, top_p, ...), each
+    # [R] of the field's dtype, a padding row holding the field's neutral value.
     keys: jax.Array  # u32[R, 2] raw threefry key data, from row_keys
     # Penalty tokens in compact form: each distinct id once (-1 pad) with its number of
     # occurrences among the output tokens. Rows with repetition_penalty list prompt ids too
@@ -144,7 +144,7 @@ class SamplingTensors:
 
     @property
     def num_rows(self) -> int:
-        return self.temperature.shape[0]
+        return self.keys.shape[0]
 
     @classmethod
     def build(cls, rows: Sequence[RowInfo | tuple], vocab_size: int, pad_rows_to: int | None = None,
@@ -175,24 +175,25 @@ class SamplingTensors:
             banned[i] = p.banned_token_ids(len(out), eos_token_ids)
         keys = np.zeros((num_rows, 2), np.uint32)
         keys[:num_real] = row_keys(seeds[:num_real], steps[:num_real])
-        return cls.from_host(*(arrays[name] for name in fields.NAMES), keys, banned,
+        return cls.from_host(arrays, keys, banned,
                              lambda i, with_prompt: distinct_counts(rows[i].prompt_ids if with_prompt else (),
                                                                     rows[i].output_ids), token_width)
 
     @classmethod
-    def from_host(cls, temperature, top_p, top_k, min_p, rep, presence, frequency, keys,
-                  banned: dict[int, Sequence[int]], row_counts, token_width: int | None = None
-                  ) -> SamplingTensors:
-        """The tensors from per-row numpy arrays (R rows, padding included), the banned ids of the
-        rows that have any ({row: ids}), and `row_counts(i, with_prompt) -> (ids, counts)`, called
-        only for rows with a penalty: penalty_counts.py distinct_counts of the row's prompt (when
-        with_prompt, i.e. a repetition penalty) and output tokens, ids in any order. `build` and
-        batch.py SamplingBatch both end here. The leaves stay numpy (see the end)."""
-        num_rows = temperature.shape[0]
+    def from_host(cls, arrays: dict[str, np.ndarray], keys, banned: dict[int, Sequence[int]], row_counts,
+                  token_width: int | None = None) -> SamplingTensors:
+        """The tensors from per-row numpy arrays (arrays: {field name: [R] array}, every field of
+        the table, padding rows included; keys u32[R, 2]), the banned ids of the rows that have
+        any ({row: ids}), and `row_counts(i, with_prompt) -> (ids, counts)`, called only for rows
+        with a penalty: penalty_counts.py distinct_counts of the row's prompt (when with_prompt,
+        i.e. a repetition penalty) and output tokens, ids in any order. `build` and batch.py
+        SamplingBatch both end here. The leaves stay numpy (see the end)."""
+        num_rows = keys.shape[0]
         # Distinct penalty tokens only for rows that use them. A batch without penalties ships
         # the smallest width (the same shape as a short penalised batch, so no extra compile)
         # and its penalty stage is skipped on device.
-        needs_output = (rep != 1.0) | (presence != 0.0) | (frequency != 0.0)
+        needs_output = fields.counted_rows(arrays.__getitem__)
+        rep = arrays["repetition_penalty"]
         distinct: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for i in np.flatnonzero(needs_output):
             distinct[i] = row_counts(i, bool(rep[i] != 1.0))
@@ -214,14 +215,14 @@ class SamplingTensors:
             banned_ids[i, :len(ids)] = ids
 
         penalised = bool(needs_output.any() or np.any(banned_ids >= 0))
-        greedy_only = bool(np.all(temperature <= GREEDY_TEMPERATURE)) and not penalised
+        greedy_only = bool(np.all(arrays["temperature"] <= GREEDY_TEMPERATURE)) and not penalised
         # Host arrays: the sampler's jitted call moves them as it dispatches. Not jnp.asarray (it
         # compiled a copy per shape and dtype the first time and dispatched one op per array every
         # step), nor jax.device_put: on CPU, while the device runs the previous step, a device_put
         # costs ~0.35 ms of the host's time against ~0.05 ms for the same array passed to jit
         # (jax 0.10.2).
-        return cls(temperature, top_p, top_k, min_p, rep, presence, frequency, keys, token_ids, token_counts,
-                   banned_ids, greedy_only=greedy_only, penalised=penalised)
+        return cls(**{name: arrays[name] for name in fields.NAMES}, keys=keys, token_ids=token_ids,
+                   token_counts=token_counts, banned_ids=banned_ids, greedy_only=greedy_only, penalised=penalised)
 
 
 def _eos_tuple(eos_token_ids: Sequence[int] | int | None) -> tuple[int, ...]:
@@ -259,7 +260,7 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors, pending: jax.Array | 
     num_rows, vocab_size = logits.shape
     ids, counts = t.token_ids, t.token_counts  # [R, S]
     if pending is not None:
-        penalised = (t.repetition_penalty != 1.0) | (t.presence_penalty != 0.0) | (t.frequency_penalty != 0.0)
+        penalised = fields.counted_rows(lambda name: getattr(t, name))
         pending = jnp.where(penalised, pending, -1)[:, None]  # [R, 1]
         listed = (ids == pending) & (pending >= 0)  # [R, S]: at most one per row (ids are distinct)
         new = jnp.where(jnp.any(listed, axis=-1, keepdims=True), -1, pending)
