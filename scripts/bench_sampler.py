@@ -46,7 +46,7 @@ CASES = {
 
 # Where a checkout keeps the sampler and the device code it imports, (module name, file) in import
 # order: the sampling package, or the flat layout (paxpage/sampler.py beside paxpage/sampling_draw.py).
-# The host-side modules a flat-layout sampler imports are this tree's under their flat names.
+# A flat-layout sampler imports this tree's modules under their flat names, bar those its checkout has.
 _LAYOUTS = (
     (("paxpage.sampling.noise", "paxpage/sampling/noise.py"), ("paxpage.sampling.draw", "paxpage/sampling/draw.py"),
      (None, "paxpage/sampling/sampler.py")),
@@ -54,7 +54,8 @@ _LAYOUTS = (
      (None, "paxpage/sampler.py")),
 )
 _FLAT_NAMES = {"paxpage.sampling_params": "paxpage.sampling.params",
-               "paxpage.penalty_counts": "paxpage.sampling.penalty_counts"}
+               "paxpage.penalty_counts": "paxpage.sampling.penalty_counts",
+               "paxpage.sampling_draw": "paxpage.sampling.draw", "paxpage.sampling_noise": "paxpage.sampling.noise"}
 
 
 def _load(path: str):
@@ -70,8 +71,7 @@ def _load(path: str):
     else:
         files = [(None, path)]
     aliases = {old: importlib.import_module(new) for old, new in _FLAT_NAMES.items()}
-    names = [name for name, _ in files if name is not None] + list(aliases)
-    saved = {name: sys.modules.get(name) for name in names}
+    saved = {name: sys.modules.get(name) for name in {*aliases, *(name for name, _ in files if name is not None)}}
     try:
         sys.modules.update(aliases)
         for name, file in files:
