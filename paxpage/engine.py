@@ -35,9 +35,9 @@ from paxpage.output_processor import NewToken, OutputProcessor, Request
 from paxpage.outputs import RequestOutput, StreamDelta
 from paxpage.packing import RowPlan
 from paxpage.runner import ModelRunner
-from paxpage.sampling.sampler import SamplingTensors
 from paxpage.sampling.batch import SamplingBatch
 from paxpage.sampling.params import GREEDY_TEMPERATURE, SamplingParams
+from paxpage.sampling.sampler import SamplingTensors
 from paxpage.scheduler import Scheduler, SchedulerConfig
 from paxpage.sequence import Sequence
 from paxpage.structured_backend import GrammarBackend, bitmask_words

@@ -20,10 +20,10 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-from paxpage.sampling.penalty_counts import RunningCounts
 from paxpage.sampling import fields
-from paxpage.sampling.sampler import SamplingTensors, hash_seeds, keys_of_hashed
 from paxpage.sampling.params import SamplingParams
+from paxpage.sampling.penalty_counts import RunningCounts
+from paxpage.sampling.sampler import SamplingTensors, hash_seeds, keys_of_hashed
 
 _MASK64 = (1 << 64) - 1
 KEYS_AHEAD = 16  # decode steps whose keys sampled rows get at once
