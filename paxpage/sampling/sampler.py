@@ -120,8 +120,8 @@ def _with_row_fields(cls):
 @dataclasses.dataclass(frozen=True)
 @_with_row_fields
 class SamplingTensors:
-    # First one array per field of the table (fields.FIELDS: temperature, top_p, ...), each
-    # [R] of the field's dtype, a padding row holding the field's neutral value.
+    # Before these, one array per field of the table (fields.FIELDS: temperature, top_p, ...),
+    # each [R] of the field's dtype, a padding row holding the field's neutral value.
     keys: jax.Array  # u32[R, 2] raw threefry key data, from row_keys
     # Penalty tokens in compact form: each distinct id once (-1 pad) with its number of
     # occurrences among the output tokens. Rows with repetition_penalty list prompt ids too
