@@ -1,7 +1,7 @@
 """The sampler's proposal draw as a native CPU kernel (native/proposal_draw_cpu.cc, an XLA FFI
 custom call), beside `proposal_draw_ref`, the same draw in jnp with the same signature.
 
-The proposal draw is the costly step of a sampled row without top-k (paxpage/sampling_draw.py):
+The proposal draw is the costly step of a sampled row without top-k (paxpage/sampling/draw.py):
 one two-level Gumbel-max draw from the whole temperature-scaled distribution (a block by its log
 mass, then a token inside it, the noise a hash of the row key and the index), then the check that
 the drawn token is kept by min-p and top-p. In XLA on CPU it costs two fused passes over the [R, V]
@@ -29,7 +29,7 @@ from pallas_kernels.native import build as native_build
 TARGET = "paxpage_proposal_draw_cpu"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "proposal_draw_cpu.cc")
 LIBRARY = native_build.NativeLibrary(SOURCE, {TARGET: "PaxpageProposalDrawCpu"}, "the native CPU proposal draw")
-BLOCK = 256  # tokens per block of the two-level draw (the kernel's kBlock, sampling_draw._BLOCK)
+BLOCK = 256  # tokens per block of the two-level draw (the kernel's kBlock, paxpage/sampling/draw.py _BLOCK)
 
 
 def load(build_dir: str, compiler: str = "g++") -> bool:
@@ -47,7 +47,7 @@ def proposal_draw_native(
     best: jax.Array,  # f32[R]: max(logits) / temperature
     l_min: jax.Array,  # f32[R]: min-p's logit floor (-inf: off)
     top_p: jax.Array,  # f32[R]: 1 = off
-    keys: jax.Array,  # u32[R, 2]: the row keys (paxpage/sampler.py row_keys)
+    keys: jax.Array,  # u32[R, 2]: the row keys (paxpage/sampling/sampler.py row_keys)
     active: jax.Array,  # bool[R]: rows to draw (others give token 0, not accepted)
 ) -> tuple[jax.Array, jax.Array]:  # (token i32[R], accepted bool[R])
     if not loaded():
@@ -66,15 +66,15 @@ def proposal_draw_ref(
     best: jax.Array,  # f32[R]: max(logits) / temperature
     l_min: jax.Array,  # f32[R]: min-p's logit floor (-inf: off)
     top_p: jax.Array,  # f32[R]: 1 = off
-    keys: jax.Array,  # u32[R, 2]: the row keys (paxpage/sampler.py row_keys)
+    keys: jax.Array,  # u32[R, 2]: the row keys (paxpage/sampling/sampler.py row_keys)
     active: jax.Array,  # bool[R]: rows to draw (others give token 0, not accepted)
 ) -> tuple[jax.Array, jax.Array]:  # (token i32[R], accepted bool[R])
-    """The sampler's own proposal draw in XLA ops (paxpage/sampling_draw.py two_level_draw, round
+    """The sampler's own proposal draw in XLA ops (paxpage/sampling/draw.py two_level_draw, round
     0): weights w = exp(logits / T - best) where logits > -inf (else 0); a block of BLOCK tokens by
     Gumbel-max over log block sums, a token in it by Gumbel-max over logits / T - best; accepted
     when its logit is >= l_min and (top_p >= 1 or the weight of strictly better tokens < top_p *
     total)."""
-    from paxpage.sampling_draw import two_level_draw
+    from paxpage.sampling.draw import two_level_draw
 
     no_floor = jnp.full(temperature.shape, -jnp.inf, jnp.float32)
     token, value, total = two_level_draw(logits, (temperature, best, no_floor, no_floor), keys, 0)

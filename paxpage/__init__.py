@@ -14,7 +14,7 @@ from paxpage.embedding import EmbeddingOutput
 from paxpage.engine import LLMEngine
 from paxpage.engine_loop import EngineDeadError, EngineLoop, EngineOverloadedError
 from paxpage.outputs import Completion, RequestMetrics, RequestOutput, StreamDelta
-from paxpage.sampling_params import SamplingParams
+from paxpage.sampling.params import SamplingParams
 from paxpage.structured import StructuredOutputs
 
 __all__ = [

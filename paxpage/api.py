@@ -18,7 +18,7 @@ from paxpage.engine import LLMEngine
 from paxpage.embedding import EmbeddingOutput, Pooling
 from paxpage.engine_loop import FINAL_OUTPUTS, EngineLoop, Submission
 from paxpage.outputs import RequestOutput, StreamDelta
-from paxpage.sampling_params import SamplingParams
+from paxpage.sampling.params import SamplingParams
 
 log = logging.getLogger("paxpage")
 

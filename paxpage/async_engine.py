@@ -27,7 +27,7 @@ from paxpage.embedding import EmbeddingOutput, Pooling
 from paxpage.engine_loop import (FINAL_OUTPUTS, EngineDeadError, EngineOverloadedError, EngineSnapshot,
                                  EngineStepError, Submission)
 from paxpage.outputs import RequestOutput, StreamDelta
-from paxpage.sampling_params import SamplingParams
+from paxpage.sampling.params import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineOverloadedError", "EngineSnapshot", "EngineStepError"]
 

@@ -43,6 +43,7 @@ import numpy as np
 from paxpage.output_processor import prompt_logprobs_list
 from paxpage.outputs import Completion, RequestOutput, StreamDelta
 from paxpage.page_manager import cdiv
+from paxpage.sampling import fields
 from paxpage.sequence import Sequence
 
 _NEG = np.float32(-1.0e9)  # HF's "impossible" score
@@ -102,10 +103,10 @@ class BeamSearch:
                              f"the vocabulary has {vocab_size} tokens")
         if config is not None:
             _check_fits(self.width, num_prompt_tokens + params.max_tokens, config)
-        # Rows of live beams sample greedily (cheapest path) and report the top-K log-probs.
-        self.row_params = params.replace(
-            temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, n=1,
-            logprobs=max(self.num_candidates, params.logprobs or 0))
+        # Rows of live beams sample greedily (cheapest path: every per-row field neutral) and
+        # report the top-K log-probs.
+        self.row_params = params.replace(**fields.NEUTRAL, n=1,
+                                         logprobs=max(self.num_candidates, params.logprobs or 0))
         self.scores: list[np.float32] = [np.float32(0.0)]  # per live beam, in `live` order
         self.beam_logprobs: list[list[dict[int, float]]] = [[]]  # per live beam, if params.logprobs
         self.num_cached_tokens = 0  # prefix-cache hit tokens of the prompt

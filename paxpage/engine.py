@@ -24,10 +24,10 @@ from models.config import ModelConfig
 from paxpage import beam as beam_lib
 from paxpage import compile_counter, kv_sizing
 from paxpage import speculative as spec_lib
+from paxpage.booking import StepBooking
 from paxpage.config import EngineConfig
 from paxpage.decode_batch import DecodeBatch
 from paxpage.embedding import EmbeddingOutput, EmbeddingRequest, Pooling
-from paxpage.booking import StepBooking
 from paxpage.engine_stats import EngineStats
 from paxpage.lora_slots import LoraSlots
 from paxpage.launched import PENDING_TOKEN, Launched, fetch
@@ -35,18 +35,17 @@ from paxpage.output_processor import OutputProcessor, Request
 from paxpage.outputs import RequestOutput, StreamDelta
 from paxpage.packing import logprob_bucket
 from paxpage.runner import ModelRunner
-from paxpage.sampler import SamplingTensors
-from paxpage.sampling_batch import SamplingBatch
-from paxpage.sampling_params import SamplingParams
+from paxpage.sampling.batch import SamplingBatch
+from paxpage.sampling.params import SamplingParams
+from paxpage.sampling.sampler import SamplingTensors
 from paxpage.scheduler import Scheduler, SchedulerConfig
 from paxpage.speculative.coordinator import SpeculationCoordinator
-from paxpage.step_plan import plan_step
 from paxpage.sequence import Sequence
+from paxpage.step_plan import plan_step
 from paxpage.structured_backend import GrammarBackend, bitmask_words
 
 
 log = logging.getLogger("paxpage")
-
 
 
 class LLMEngine:

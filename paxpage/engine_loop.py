@@ -35,7 +35,7 @@ from typing import Any, Callable
 from paxpage.embedding import EmbeddingOutput, Pooling
 from paxpage.engine import LLMEngine
 from paxpage.outputs import RequestOutput, StreamDelta
-from paxpage.sampling_params import SamplingParams
+from paxpage.sampling.params import SamplingParams
 
 Sink = Callable[[Any], None]
 log = logging.getLogger("paxpage")

@@ -34,7 +34,7 @@ class Launched:
     # then row .. row + len(drafts)), and accepted bool[R] (device) from speculative/verify.py
     drafts: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     accepted: object = None
-    # the sampling slot and output-token count of each logits row (paxpage/sampling_batch.py)
+    # the sampling slot and output-token count of each logits row (paxpage/sampling/batch.py)
     sampling_rows: tuple[list[int], list[int]] = ((), ())
     # while in flight: the rows as a steady decode batch, when they are plain (decode_batch.py)
     decode: DecodeBatch | None = None

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from paxpage.detokenizer import IncrementalDetokenizer
 from paxpage.outputs import Completion, RequestMetrics, RequestOutput, StreamDelta
-from paxpage.sampling_params import SamplingParams
+from paxpage.sampling.params import SamplingParams
 from paxpage.sequence import Sequence
 from paxpage.structured_backend import accept
 

@@ -27,7 +27,7 @@ from models import layer_stack, lora_ops, param_forms
 from models.families import build_model
 from pallas_kernels import kv_quant
 from paxpage import attention_impl, kv_sizing, lora_slab
-from paxpage import sampler as sampler_lib
+from paxpage.sampling import sampler as sampler_lib
 from paxpage.batch import StepBatch
 from paxpage.config import ResolvedConfig
 from paxpage.packing import Packer, bucket, decode_rows

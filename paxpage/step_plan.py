@@ -4,7 +4,7 @@
 lays them out) and, per sampling entry (request, sample, first logits row), the logits rows it
 draws from: one for a plain row, n for a request forking its samples (row i draws with seed +
 i), 1 + drafts for a verify row (its j-th logits row sees its first j drafts as outputs, for
-penalties and min_tokens). Each logits row gets its sampling slot (sampling_batch.py), seed
+penalties and min_tokens). Each logits row gets its sampling slot (sampling/batch.py), seed
 offset and output-token count. An embedding request's chunk has no logits row; its last chunks
 may pool hidden states. Pure Python on the host.
 """

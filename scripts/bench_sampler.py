@@ -6,9 +6,9 @@ Cases (every row alike): greedy, temperature 0.7, temperature 0.7 + top_p 0.9, t
   flat    N(0, 0.16^2): what a tiny random model gives (top-p 0.9 keeps ~85% of the vocabulary)
   peaked  N(0, 1) plus a few strong tokens per row, a trained model's shape (top-p 0.9 keeps a
           handful to a few hundred tokens)
---baseline PATH times another checkout's sampler (a directory: its paxpage/sampler.py with its
-own paxpage/sampling_draw.py; or a sampler.py alone) in the same process, interleaved with this
-one, so before / after share the machine's load. --draw-impl both (the default) times this
+--baseline PATH times another checkout's sampler (a directory: its paxpage/sampling/sampler.py with its
+own draw.py and noise.py beside it, or the flat layout's paxpage/sampler.py; or a sampler.py alone) in
+the same process, interleaved with this one, so before / after share the machine's load. --draw-impl both (the default) times this
 sampler's proposal draw in XLA ops and as the native CPU kernel side by side.
 
 Usage:
@@ -31,8 +31,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from paxpage import sampler as sampler_lib  # noqa: E402
-from paxpage.sampling_params import SamplingParams  # noqa: E402
+from paxpage.sampling import sampler as sampler_lib  # noqa: E402
+from paxpage.sampling.params import SamplingParams  # noqa: E402
 
 CASES = {
     "greedy": SamplingParams(temperature=0),
@@ -44,20 +44,49 @@ CASES = {
 }
 
 
+# Where a checkout keeps the sampler and the device code it imports, (module name, file) in import
+# order: the sampling package, or the flat layout (paxpage/sampler.py beside paxpage/sampling_draw.py).
+# A flat-layout sampler imports this tree's modules under their flat names, bar those its checkout has.
+_LAYOUTS = (
+    (("paxpage.sampling.noise", "paxpage/sampling/noise.py"), ("paxpage.sampling.draw", "paxpage/sampling/draw.py"),
+     (None, "paxpage/sampling/sampler.py")),
+    (("paxpage.sampling_noise", "paxpage/sampling_noise.py"), ("paxpage.sampling_draw", "paxpage/sampling_draw.py"),
+     (None, "paxpage/sampler.py")),
+)
+_FLAT_NAMES = {"paxpage.sampling_params": "paxpage.sampling.params",
+               "paxpage.penalty_counts": "paxpage.sampling.penalty_counts",
+               "paxpage.sampling_draw": "paxpage.sampling.draw", "paxpage.sampling_noise": "paxpage.sampling.noise"}
+
+
 def _load(path: str):
     """Another tree's sampler, for --baseline: PATH is a sampler.py, or a checkout (a directory
-    holding paxpage/sampler.py), whose own paxpage/sampling_draw.py the sampler then imports."""
+    holding paxpage/sampling/sampler.py, or paxpage/sampler.py in the flat layout), whose own draw and
+    noise modules the sampler then imports."""
     tag = abs(hash(path))
-    draw_path = None
     if os.path.isdir(path):
-        path, draw_path = (os.path.join(path, "paxpage", name) for name in ("sampler.py", "sampling_draw.py"))
-    saved = sys.modules.get("paxpage.sampling_draw")
+        layout = next((layout for layout in _LAYOUTS if os.path.isfile(os.path.join(path, layout[-1][1]))), None)
+        if layout is None:
+            raise SystemExit(f"--baseline {path}: no {' or '.join(files[-1][1] for files in _LAYOUTS)} there")
+        files = [(name, os.path.join(path, rel)) for name, rel in layout]
+    else:
+        files = [(None, path)]
+    aliases = {old: importlib.import_module(new) for old, new in _FLAT_NAMES.items()}
+    saved = {name: sys.modules.get(name) for name in {*aliases, *(name for name, _ in files if name is not None)}}
     try:
-        if draw_path is not None:  # the baseline's sampler imports its own draw
-            sys.modules["paxpage.sampling_draw"] = _module(f"baseline_sampling_draw_{tag}", draw_path)
-        return _module(f"baseline_sampler_{tag}", path)
+        sys.modules.update(aliases)
+        for name, file in files:
+            if not os.path.isfile(file):  # a tree without a noise module: its draw holds the noise
+                continue
+            module = _module(f"baseline_{os.path.basename(file)[:-3]}_{tag}", file)
+            if name is None:
+                return module
+            sys.modules[name] = module  # what the next file imports
     finally:
-        sys.modules["paxpage.sampling_draw"] = saved
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
 
 
 def _module(name: str, path: str):
@@ -160,8 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from provenance import write_record  # the figures with machine, versions, date, command, commit
 
-        write_record(args.json, data, doc_tables(data), measures=("paxpage/sampler.py", "paxpage/sampling_draw.py",
-                                                                   "paxpage/sampling_batch.py"))
+        write_record(args.json, data, doc_tables(data),
+                     measures=("paxpage/sampling/sampler.py", "paxpage/sampling/draw.py", "paxpage/sampling/batch.py"))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 
 import paxpage  # noqa: E402
 from models.families import build_model  # noqa: E402
-from paxpage import sampler as sampler_lib  # noqa: E402
+from paxpage.sampling import sampler as sampler_lib  # noqa: E402
 
 
 def lower_compile(jitted, *args) -> tuple[float, float]:

@@ -27,7 +27,7 @@ def profile_decode_step(model: paxpage.Model, cfg: paxpage.EngineConfig, context
     from models.families import build_model
     from pallas_kernels import reference
     from pallas_kernels.xla_attention import paged_attention_xla
-    from paxpage import sampler as sampler_lib
+    from paxpage.sampling import sampler as sampler_lib
     from paxpage.packing import RowPlan
 
     engine = model.engine(cfg)

@@ -111,7 +111,7 @@ def test_exit_status_and_debug_in_a_process():
     assert proc.stderr == "paxpage: error: top_p must be in (0, 1], got 2.0\n" and proc.stdout == ""
     proc = run("--debug", "generate", "hi", "--top-p", "2")
     assert proc.returncode == 1
-    assert "Traceback (most recent call last)" in proc.stderr and "sampling_params.py" in proc.stderr
+    assert "Traceback (most recent call last)" in proc.stderr and "sampling/params.py" in proc.stderr
 
 
 def test_bench_without_a_name(capsys):

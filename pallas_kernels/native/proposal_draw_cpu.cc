@@ -1,6 +1,6 @@
 // The sampler's proposal draw on CPU as an XLA FFI custom call: the semantics of
 // pallas_kernels/native_sampling.py `proposal_draw_ref` (and of the proposal path of
-// paxpage/sampling_draw.py), one row per work item, each row's logits read from memory once.
+// paxpage/sampling/draw.py), one row per work item, each row's logits read from memory once.
 //
 // Axis legend: R rows, V vocabulary, N blocks of kBlock tokens.
 //
@@ -13,7 +13,7 @@
 //   block sums S_n over blocks of kBlock tokens, total = their sum;
 //   the block: the first argmax of log S_n + gumbel(key, 0, n); inside it the token: the first
 //   argmax of logits_i / T - best + gumbel(key, 1, i) over its kept tokens (i the token id;
-//   gumbel is paxpage/sampling_noise.py's counter hash, the same integer operations);
+//   gumbel is paxpage/sampling/noise.py's counter hash, the same integer operations);
 //   accepted = value >= l_min and (top_p >= 1 or the weight of {logits > value} < top_p * total),
 //   where value is the drawn token's logit.
 // The first pass computes w into a per-thread buffer (the row stays in L2 for the rest), the
@@ -37,7 +37,7 @@ namespace {
 
 using namespace paxpage_native;  // simd.h, parallel.h
 
-constexpr int64_t kBlock = 256;  // tokens per block: sampling_draw._BLOCK
+constexpr int64_t kBlock = 256;  // tokens per block: paxpage/sampling/draw.py _BLOCK
 
 struct Rows {
   const float* logits;
@@ -52,7 +52,7 @@ struct Rows {
   int64_t vocab;
 };
 
-// paxpage/sampling_noise.py, operation for operation.
+// paxpage/sampling/noise.py, operation for operation.
 inline uint32_t fmix32(uint32_t h) {
   h ^= h >> 16;
   h *= 0x85EBCA6Bu;
@@ -74,7 +74,7 @@ struct Noise {  // a row's two words for one stream
   }
 };
 
-constexpr uint32_t kBlockStream = 0, kTokenStream = 1;  // round 0 of sampling_noise's streams
+constexpr uint32_t kBlockStream = 0, kTokenStream = 1;  // round 0 of paxpage/sampling/noise.py's streams
 
 void draw_row(const Rows& rs, int64_t r, std::vector<float>& w, std::vector<float>& sums) {
   if (!rs.active[r]) {

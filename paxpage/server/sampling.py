@@ -6,28 +6,27 @@ field's name, which is translated back to the name the client used (`max_complet
 
 from __future__ import annotations
 
-from paxpage.sampling_params import SamplingParams
+import dataclasses
+
+from paxpage.sampling.params import SamplingParams
 from paxpage.structured import StructuredOutputs
 from paxpage.server.errors import APIError, bad_request
 from paxpage.server.limits import check_sampling_fields
 from paxpage.server.protocol import ChatCompletionRequest, CompletionRequest
 
-_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens",
-                    "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
-                    "logprobs", "prompt_logprobs", "skip_special_tokens")
+# A request field named as a SamplingParams field means the same in both APIs and is copied when
+# given (None: the default). The others are mapped below: max_tokens and logprobs differ between
+# chat and completions, prompt_logprobs comes from echo, structured outputs come in several forms.
+_BY_HAND = frozenset({"max_tokens", "logprobs", "prompt_logprobs", "structured_outputs"})
+_SAME_NAME = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name not in _BY_HAND
+                   and f.name in ChatCompletionRequest.model_fields and f.name in CompletionRequest.model_fields)
+# The SamplingParams fields a request sets: an error naming one is a 400 naming the client's field.
+_SAMPLING_FIELDS = frozenset(_SAME_NAME) | {"max_tokens", "logprobs", "prompt_logprobs"}
 
 
 def _common(req) -> dict:
     check_sampling_fields(req)
-    kw = dict(n=req.n, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
-              skip_special_tokens=req.skip_special_tokens,
-              include_stop_str_in_output=req.include_stop_str_in_output)
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed", "stop", "stop_token_ids"):
-        value = getattr(req, name)
-        if value is not None:
-            kw[name] = value
+    kw = {name: getattr(req, name) for name in _SAME_NAME if getattr(req, name) is not None}
     structured = _structured(req)
     if structured is not None:
         kw["structured_outputs"] = structured

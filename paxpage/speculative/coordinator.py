@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from paxpage.sampling_params import GREEDY_TEMPERATURE
+from paxpage.sampling.params import GREEDY_TEMPERATURE
 from paxpage.speculative import draft_rows
 from paxpage.speculative.proposer import Proposer, SpecInput
 

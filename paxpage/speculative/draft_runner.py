@@ -46,10 +46,10 @@ from paxpage.batch import StepBatch
 from paxpage.config import ResolvedConfig
 from paxpage.packing import bucket
 from paxpage.runner import ModelRunner
-from paxpage.sampler import filter_logits, row_key
 from paxpage.sampling import fields
-from paxpage.sampling_draw import argmax_rows
-from paxpage.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from paxpage.sampling.draw import argmax_rows
+from paxpage.sampling.params import GREEDY_TEMPERATURE, SamplingParams
+from paxpage.sampling.sampler import filter_logits, row_key
 
 # Mixed into each sampled row's seed so the draft's draws are independent of the target's
 # (the acceptance test's uniforms must not be correlated with how the draft picked its token).

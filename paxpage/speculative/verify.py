@@ -3,7 +3,7 @@
 Every logits row r of a verify step carries the draft token the target is asked to judge there,
 `draft_ids[r]` (-1: no draft, e.g. a plain decode row or the bonus row after a sequence's last
 draft). Row r computes, independently of every other row, `target`: the token the plain sampler
-draws from the row (paxpage/sampler.py, unchanged: penalties, temperature, top-k / top-p /
+draws from the row (paxpage/sampling/sampler.py, unchanged: penalties, temperature, top-k / top-p /
 min-p, the row's key), then `accept` and `token`:
   * deterministic drafts (q one-hot on the draft x; n-gram): accept iff target == x, and
     token = target. Drawing target ~ p and accepting when it equals x accepts with probability
@@ -31,8 +31,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from paxpage import sampler as sampler_lib
-from paxpage.sampling_params import GREEDY_TEMPERATURE
+from paxpage.sampling import sampler as sampler_lib
+from paxpage.sampling.params import GREEDY_TEMPERATURE
 
 _ACCEPT_SALT = 0x5EC0  # fold_in constants: the row key's draws for acceptance and the residual
 _RESIDUAL_SALT = 0x5EC1

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import paxpage
 from paxpage.engine import LLMEngine
-from paxpage.sampling_params import SamplingParams
+from paxpage.sampling.params import SamplingParams
 from tests.conftest import save_tiny_hf
 
 VOCAB = 128

@@ -9,7 +9,7 @@ import pytest
 import paxpage
 from paxpage.beam import BeamSearch, top_candidates
 from paxpage.config import EngineConfig
-from paxpage.sampling_params import SamplingParams
+from paxpage.sampling.params import SamplingParams
 
 from tests.conftest import hf_greedy, save_tiny_hf
 

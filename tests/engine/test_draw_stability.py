@@ -1,7 +1,7 @@
 """Seeded draws survive rounding noise: logits changed by ~1e-6 (another reduction order in the
 final norm or a tensor-parallel matmul, a smaller data-parallel batch) change a seeded token only
 at a near tie of two noisy scores. The reference is a float64 numpy Gumbel-max written from
-paxpage/sampling_noise.py's definition of the noise."""
+paxpage/sampling/noise.py's definition of the noise."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paxpage.sampler import RowInfo, SamplingTensors, sample
-from paxpage.sampling_params import SamplingParams
+from paxpage.sampling.params import SamplingParams
+from paxpage.sampling.sampler import RowInfo, SamplingTensors, sample
 
 NUM_ROWS, VOCAB, HEAD, BLOCK = 256, 49152, 16, 256
 NEAR_TIE = 1e-4  # a score gap below this may flip under a 1e-6 change of the logits
@@ -42,7 +42,7 @@ def _top2_gap(scores):
 
 
 def reference_draw(logits, keys, temperature):
-    """The two-level Gumbel-max of sampling_draw (round 0, no filter) in float64:
+    """The two-level Gumbel-max of paxpage/sampling/draw.py (round 0, no filter) in float64:
     (tokens [R], margin [R]: the smaller of the block and the token stage's top-two score gaps)."""
     x = logits.astype(np.float64) / temperature
     x -= x.max(axis=-1, keepdims=True)

@@ -19,7 +19,7 @@ import pytest
 from models.config import ModelConfig
 from models.param_layout import param_shapes
 from pallas_kernels.gpu_launches import export_for
-from paxpage import sampler as sampler_lib
+from paxpage.sampling import sampler as sampler_lib
 from paxpage.config import EngineConfig
 from paxpage.hlo_control import data_dependent_control
 from paxpage.runner import ModelRunner

@@ -6,7 +6,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from paxpage.penalty_counts import RunningCounts, distinct_counts
+from paxpage.sampling.penalty_counts import RunningCounts, distinct_counts
 
 
 def _reference(prompt, out) -> dict[int, int]:
@@ -69,7 +69,7 @@ def test_repetition_penalised_greedy_generation_matches_hf(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
     import paxpage
-    from paxpage.sampling_params import SamplingParams
+    from paxpage.sampling.params import SamplingParams
     from tests.conftest import random_prompts
 
     model = paxpage.load(tiny_llama_dir)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from paxpage.sampler import RowInfo, SamplingTensors, apply_penalties, filter_logits, row_key, sample
-from paxpage.sampling_params import SamplingParams
+from paxpage.sampling.params import SamplingParams
+from paxpage.sampling.sampler import RowInfo, SamplingTensors, apply_penalties, filter_logits, row_key, sample
 
 # Upper 0.1% points of the chi-square distribution by degrees of freedom (scipy is not installed).
 CHI2_CRITICAL_0_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
@@ -341,7 +341,7 @@ def test_bfloat16_logits_and_no_logprobs():
     assert np.all(np.asarray(out.logprobs) <= 0)
 
 
-# ---- the draw's paths (paxpage/sampling_draw.py): candidates, proposal, exact fallback ----
+# ---- the draw's paths (paxpage/sampling/draw.py): candidates, proposal, exact fallback ----
 
 def _grouped_check(tokens, expected_probs, num_groups=5):
     """Support within expected_probs > 0, and a chi-square test at 0.1% on the counts of
@@ -420,7 +420,7 @@ def test_draws_stay_inside_filter_logits_support(draw_impl="xla"):
 
 @pytest.mark.parametrize("vocab", [37, 256, 1000])
 def test_argmax_rows_is_numpys_first_argmax(vocab):
-    from paxpage.sampling_draw import argmax_rows
+    from paxpage.sampling.draw import argmax_rows
 
     rng = np.random.default_rng(vocab)
     x = rng.integers(-3, 4, size=(7, vocab)).astype(np.float32)  # many ties at the maximum

@@ -5,9 +5,9 @@ against splitmix64 on Python ints."""
 import numpy as np
 import pytest
 
-from paxpage.sampler import RowInfo, SamplingTensors, row_key, row_keys
-from paxpage.sampling_batch import SamplingBatch
-from paxpage.sampling_params import SamplingParams
+from paxpage.sampling.batch import SamplingBatch
+from paxpage.sampling.params import SamplingParams
+from paxpage.sampling.sampler import RowInfo, SamplingTensors, row_key, row_keys
 
 VOCAB = 50
 EOS = (3, 7)

@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from paxpage.sampling_params import SamplingParams
+from paxpage.sampling.params import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -86,7 +86,7 @@ def test_sampled_rows_return_their_distribution(models):
     import torch
 
     from paxpage.speculative.draft_runner import DraftRow
-    from paxpage.sampling_params import SamplingParams
+    from paxpage.sampling.params import SamplingParams
 
     target, draft, hf_draft = models
     runner = _runner(target, draft)
@@ -159,7 +159,7 @@ def test_sampled_drafts_are_drawn_from_q(models):
     >= 5, the rest pooled; threshold p = 1e-4 by the Wilson-Hilferty approximation). Seeds are
     fixed, so the test is deterministic."""
     from paxpage.speculative.draft_runner import DraftRow
-    from paxpage.sampling_params import SamplingParams
+    from paxpage.sampling.params import SamplingParams
 
     target, draft, _ = models
     runner = _runner(target, draft)

@@ -6,8 +6,8 @@ accept exactly the argmax."""
 import jax.numpy as jnp
 import numpy as np
 
-from paxpage.sampler import RowInfo, SamplingTensors
-from paxpage.sampling_params import SamplingParams
+from paxpage.sampling.params import SamplingParams
+from paxpage.sampling.sampler import RowInfo, SamplingTensors
 from paxpage.speculative.verify import verify
 from tests.engine.test_sampler import LOGITS, PROBS, _chi_square_check, _draw, _keep
 

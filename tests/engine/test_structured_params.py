@@ -84,7 +84,7 @@ def test_device_mask_matches_llguidance_reference():
     import jax.numpy as jnp
     from llguidance.numpy import apply_token_bitmask_inplace
 
-    from paxpage.sampler import apply_bitmask
+    from paxpage.sampling.sampler import apply_bitmask
 
     rng = np.random.default_rng(0)
     for vocab in (100, 128, 49152):
@@ -101,7 +101,7 @@ def test_device_mask_matches_llguidance_reference():
 def test_every_sampling_mode_respects_the_mask():
     import jax.numpy as jnp
 
-    from paxpage.sampler import SamplingTensors, sample
+    from paxpage.sampling.sampler import SamplingTensors, sample
 
     vocab, rows = 300, 8
     rng = np.random.default_rng(1)

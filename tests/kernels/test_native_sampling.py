@@ -13,8 +13,8 @@ import pytest
 
 from pallas_kernels import native_sampling
 from pallas_kernels.native_sampling import proposal_draw_native, proposal_draw_ref
-from paxpage import sampler as sampler_lib
-from paxpage.sampling_params import SamplingParams
+from paxpage.sampling import sampler as sampler_lib
+from paxpage.sampling.params import SamplingParams
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the native kernel"),

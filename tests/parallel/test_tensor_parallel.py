@@ -105,7 +105,7 @@ def test_tp_smollm2_greedy_same_tokens(hf_smollm2):
     """The real SmolLM2 (N = 9, K = 3: attention replicated at tp 2 and 4, MLP and vocab split),
     eight prompts of 32 tokens: greedy and seeded sampling (temperature 1.0, seed 11) give the
     same tokens at tp 1, 2, 4 and on two data-parallel replicas, though the logits differ by
-    rounding between these layouts: a seeded draw moves only at a near tie (sampling_draw.py)."""
+    rounding between these layouts: a seeded draw moves only at a near tie (paxpage/sampling/draw.py)."""
     out = run_json(["tests.parallel.tp_worker", "default", "1,2,4", "32", "--eight", "--dp", "--sampling"],
                    timeout=900)
     want = hf_greedy(hf_smollm2, _prompts(49152)[1], 4)  # the second prompt is --one's

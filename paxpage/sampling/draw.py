@@ -15,7 +15,7 @@ recomputed in each pass, possibly rounded differently, and a drawn token must co
 to itself from one pass to the next.
 
 Every draw is a Gumbel-max: the argmax of log-weight + Gumbel noise, the noise a pure function
-of the row's key and the block or token id (paxpage/sampling_noise.py). So a draw is exact in
+of the row's key and the block or token id (paxpage/sampling/noise.py). So a draw is exact in
 distribution and moves only when two noisy scores nearly tie: a logit changed by a rounding
 error (another tensor-parallel reduction order, another batch) leaves the token alone unless
 its score and another's are that close. No draw walks cumulative sums, where the same error
@@ -50,7 +50,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from paxpage.sampling_noise import BLOCK_STREAM, TOKEN_STREAM, gumbel
+from paxpage.sampling.noise import BLOCK_STREAM, TOKEN_STREAM, gumbel
 
 NUM_CANDIDATES = 128  # top_k up to this takes the candidate path
 _BLOCK = 256  # tokens per block of the two-level draw over the whole vocabulary

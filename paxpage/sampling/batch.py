@@ -20,10 +20,10 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-from paxpage.penalty_counts import RunningCounts
 from paxpage.sampling import fields
-from paxpage.sampler import SamplingTensors, hash_seeds, keys_of_hashed
-from paxpage.sampling_params import SamplingParams
+from paxpage.sampling.params import SamplingParams
+from paxpage.sampling.penalty_counts import RunningCounts
+from paxpage.sampling.sampler import SamplingTensors, hash_seeds, keys_of_hashed
 
 _MASK64 = (1 << 64) - 1
 KEYS_AHEAD = 16  # decode steps whose keys sampled rows get at once
@@ -131,9 +131,7 @@ class SamplingBatch:
                 if ahead is not None:
                     return ahead
         below = self.min_tokens[slots] > steps
-        plain = not below.any() and not ((self.repetition_penalty[slots] != 1.0)
-                                         | (self.presence_penalty[slots] != 0.0)
-                                         | (self.frequency_penalty[slots] != 0.0)).any()
+        plain = not below.any() and not fields.counted_rows(lambda name: getattr(self, name)[slots]).any()
         keys = np.zeros((num_rows, 2), np.uint32)
         with np.errstate(over="ignore"):
             hashed = hash_seeds(self.seed[slots] + seed_offsets.astype(np.uint64))
@@ -142,7 +140,7 @@ class SamplingBatch:
         for r in np.flatnonzero(below):  # rare: below min_tokens
             banned[int(r)] = self._params[slots[r]].banned_token_ids(int(steps[r]), self.eos_token_ids)
         tensors = SamplingTensors.from_host(
-            *(rows_of(getattr(self, f.name), f.neutral) for f in fields.FIELDS), keys, banned,
+            {f.name: rows_of(getattr(self, f.name), f.neutral) for f in fields.FIELDS}, keys, banned,
             lambda r, with_prompt: self._row_counts(int(slots[r]), *row_tokens(r), with_prompt),
             self.token_width)
         self._reusable = None

@@ -1,6 +1,6 @@
 """Gumbel noise as a pure function of (row key, stream, index): the randomness of every draw.
 
-A row's draw (paxpage/sampling_draw.py) takes the argmax of log-weights plus Gumbel noise, so its
+A row's draw (paxpage/sampling/draw.py) takes the argmax of log-weights plus Gumbel noise, so its
 token moves only when two noisy scores nearly tie; the noise itself must then depend on nothing
 but the row's key and the index it is added to (a block, a token id), never on the batch, the
 vocabulary's padding or the device. It is a small counter hash that the native CPU draw

@@ -13,21 +13,21 @@ Order of operations in `sample` (vLLM semantics):
   3. logprobs = log_softmax(penalised logits): the reported logprobs, before temperature
   4. greedy rows (temperature ~ 0) take argmax of the penalised logits
   5. sampled rows: / temperature, top-k, top-p, min-p filtering, then one draw with the row key
-     (paxpage/sampling_draw.py: an exact Gumbel-max, without sorting the vocabulary, whose token
+     (paxpage/sampling/draw.py: an exact Gumbel-max, without sorting the vocabulary, whose token
      moves under a rounding change of the logits only at a near tie of two noisy scores)
 
 The host never builds [R, V] arrays: penalties get each row's distinct token ids with their
 output counts, and only those logits are gathered, penalised and scattered back. Which rows are
 greedy / filtered is data: the costly stages sit behind `lax.cond(any row needs it)` (lowered
 for a GPU, where a conditional waits on the host, every stage runs and selects combine them:
-sampling_draw.by_platform). Two host
+draw.py by_platform). Two host
 facts are static (SamplingTensors.greedy_only, .penalised), so a shape has three variants: all
 greedy, none penalised, any. Only the shapes compile besides: R, V, S (powers of two >= 16
 capped at `token_width`), E (powers of two >= 4) and the static num_logprobs.
 
 CPU cost notes (V = 49152): XLA's CPU sort takes ~8 ms per row, so `filter_logits` finds the
 top-k / top-p thresholds by an exact 32-step bisection over the float bits, and `sample` does not
-need them at all on its common paths; argmax is sampling_draw.argmax_rows (block maxima, then
+need them at all on its common paths; argmax is draw.py argmax_rows (block maxima, then
 one block), ~4x faster than lax.top_k(x, 1) and ~15x faster than jnp.argmax on CPU; the [R, V]
 log-softmax is only built when top logprobs are asked for.
 """
@@ -43,11 +43,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxpage.penalty_counts import distinct_counts
+from paxpage.sampling.penalty_counts import distinct_counts
 from paxpage.sampling import fields
-from paxpage.sampling_draw import (argmax_rows, by_platform, cond_or_select, draw, largest_threshold,
+from paxpage.sampling.draw import (argmax_rows, by_platform, cond_or_select, draw, largest_threshold,
                                    sortable_keys)
-from paxpage.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from paxpage.sampling.params import GREEDY_TEMPERATURE, SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _MIN_TOKEN_WIDTH = 16  # smallest width of the token-id lists, so short sequences share one compile
@@ -73,7 +73,7 @@ def row_keys(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
 
 def hash_seeds(seeds: np.ndarray) -> np.ndarray:
     """`row_keys`'s first stage, u64[R] splitmix64(seed): a row's seed never changes, so a batch
-    that keeps its rows (sampling_batch.py) computes it once."""
+    that keeps its rows (batch.py) computes it once."""
     return _splitmix64_array(np.asarray(seeds).astype(np.uint64))
 
 
@@ -106,22 +106,22 @@ class RowInfo(NamedTuple):
     step: int | None = None
 
 
+def _with_row_fields(cls):
+    """Declares one array per row field of the table (fields.FIELDS), before cls's own fields."""
+    cls.__annotations__ = {**{f.name: "jax.Array" for f in fields.FIELDS}, **cls.__annotations__}
+    return cls
+
+
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty", "keys", "token_ids", "token_counts",
-                 "banned_ids"],
+    data_fields=[*fields.NAMES, "keys", "token_ids", "token_counts", "banned_ids"],
     meta_fields=["greedy_only", "penalised"],
 )
 @dataclasses.dataclass(frozen=True)
+@_with_row_fields
 class SamplingTensors:
-    temperature: jax.Array  # f32[R]; <= GREEDY_TEMPERATURE means greedy
-    top_p: jax.Array  # f32[R]; 1 = off
-    top_k: jax.Array  # i32[R]; 0 = off
-    min_p: jax.Array  # f32[R]; 0 = off
-    repetition_penalty: jax.Array  # f32[R]; 1 = off
-    presence_penalty: jax.Array  # f32[R]
-    frequency_penalty: jax.Array  # f32[R]
+    # Before these, one array per field of the table (fields.FIELDS: temperature, top_p, ...),
+    # each [R] of the field's dtype, a padding row holding the field's neutral value.
     keys: jax.Array  # u32[R, 2] raw threefry key data, from row_keys
     # Penalty tokens in compact form: each distinct id once (-1 pad) with its number of
     # occurrences among the output tokens. Rows with repetition_penalty list prompt ids too
@@ -144,7 +144,7 @@ class SamplingTensors:
 
     @property
     def num_rows(self) -> int:
-        return self.temperature.shape[0]
+        return self.keys.shape[0]
 
     @classmethod
     def build(cls, rows: Sequence[RowInfo | tuple], vocab_size: int, pad_rows_to: int | None = None,
@@ -175,24 +175,25 @@ class SamplingTensors:
             banned[i] = p.banned_token_ids(len(out), eos_token_ids)
         keys = np.zeros((num_rows, 2), np.uint32)
         keys[:num_real] = row_keys(seeds[:num_real], steps[:num_real])
-        return cls.from_host(*(arrays[name] for name in fields.NAMES), keys, banned,
+        return cls.from_host(arrays, keys, banned,
                              lambda i, with_prompt: distinct_counts(rows[i].prompt_ids if with_prompt else (),
                                                                     rows[i].output_ids), token_width)
 
     @classmethod
-    def from_host(cls, temperature, top_p, top_k, min_p, rep, presence, frequency, keys,
-                  banned: dict[int, Sequence[int]], row_counts, token_width: int | None = None
-                  ) -> SamplingTensors:
-        """The tensors from per-row numpy arrays (R rows, padding included), the banned ids of the
-        rows that have any ({row: ids}), and `row_counts(i, with_prompt) -> (ids, counts)`, called
-        only for rows with a penalty: penalty_counts.distinct_counts of the row's prompt (when
-        with_prompt, i.e. a repetition penalty) and output tokens, ids in any order. `build` and
-        sampling_batch.SamplingBatch both end here. The leaves stay numpy (see the end)."""
-        num_rows = temperature.shape[0]
+    def from_host(cls, arrays: dict[str, np.ndarray], keys, banned: dict[int, Sequence[int]], row_counts,
+                  token_width: int | None = None) -> SamplingTensors:
+        """The tensors from per-row numpy arrays (arrays: {field name: [R] array}, every field of
+        the table, padding rows included; keys u32[R, 2]), the banned ids of the rows that have
+        any ({row: ids}), and `row_counts(i, with_prompt) -> (ids, counts)`, called only for rows
+        with a penalty: penalty_counts.py distinct_counts of the row's prompt (when with_prompt,
+        i.e. a repetition penalty) and output tokens, ids in any order. `build` and batch.py
+        SamplingBatch both end here. The leaves stay numpy (see the end)."""
+        num_rows = keys.shape[0]
         # Distinct penalty tokens only for rows that use them. A batch without penalties ships
         # the smallest width (the same shape as a short penalised batch, so no extra compile)
         # and its penalty stage is skipped on device.
-        needs_output = (rep != 1.0) | (presence != 0.0) | (frequency != 0.0)
+        needs_output = fields.counted_rows(arrays.__getitem__)
+        rep = arrays["repetition_penalty"]
         distinct: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for i in np.flatnonzero(needs_output):
             distinct[i] = row_counts(i, bool(rep[i] != 1.0))
@@ -214,14 +215,14 @@ class SamplingTensors:
             banned_ids[i, :len(ids)] = ids
 
         penalised = bool(needs_output.any() or np.any(banned_ids >= 0))
-        greedy_only = bool(np.all(temperature <= GREEDY_TEMPERATURE)) and not penalised
+        greedy_only = bool(np.all(arrays["temperature"] <= GREEDY_TEMPERATURE)) and not penalised
         # Host arrays: the sampler's jitted call moves them as it dispatches. Not jnp.asarray (it
         # compiled a copy per shape and dtype the first time and dispatched one op per array every
         # step), nor jax.device_put: on CPU, while the device runs the previous step, a device_put
         # costs ~0.35 ms of the host's time against ~0.05 ms for the same array passed to jit
         # (jax 0.10.2).
-        return cls(temperature, top_p, top_k, min_p, rep, presence, frequency, keys, token_ids, token_counts,
-                   banned_ids, greedy_only=greedy_only, penalised=penalised)
+        return cls(**{name: arrays[name] for name in fields.NAMES}, keys=keys, token_ids=token_ids,
+                   token_counts=token_counts, banned_ids=banned_ids, greedy_only=greedy_only, penalised=penalised)
 
 
 def _eos_tuple(eos_token_ids: Sequence[int] | int | None) -> tuple[int, ...]:
@@ -259,7 +260,7 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors, pending: jax.Array | 
     num_rows, vocab_size = logits.shape
     ids, counts = t.token_ids, t.token_counts  # [R, S]
     if pending is not None:
-        penalised = (t.repetition_penalty != 1.0) | (t.presence_penalty != 0.0) | (t.frequency_penalty != 0.0)
+        penalised = fields.counted_rows(lambda name: getattr(t, name))
         pending = jnp.where(penalised, pending, -1)[:, None]  # [R, 1]
         listed = (ids == pending) & (pending >= 0)  # [R, S]: at most one per row (ids are distinct)
         new = jnp.where(jnp.any(listed, axis=-1, keepdims=True), -1, pending)
@@ -336,7 +337,7 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
     draw_impl: "xla", or "native" (CPU only, once `resolve_draw_impl` returned it): the proposal
     draw of sampled rows without top-k runs as the native kernel (pallas_kernels/native_sampling.py);
     or "select": no stage behind a branch on any platform, as "xla" lowers for a GPU on its own
-    (sampling_draw.by_platform; tests run it on the CPU).
+    (draw.py by_platform; tests run it on the CPU).
     pending: None, or i32[R] each row's output token that t's penalty lists leave out (-1: none;
     see apply_penalties)."""
     logits = logits.astype(jnp.float32)
@@ -377,7 +378,7 @@ def _proposal(draw_impl: str):
 def _sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int, greedy_only: bool = False,
             proposal=None, branchless: bool | None = None) -> SamplerOutput:
     """`sample` on penalised f32 logits (greedy_only: every row is greedy; no draw compiled;
-    proposal, branchless: see sampling_draw.draw)."""
+    proposal, branchless: see draw.py draw)."""
     best = jnp.max(logits, axis=-1)  # [R]
     # log_softmax's own terms, so a gathered logprob equals its entry of log_softmax(logits)
     log_total = jnp.log(jnp.sum(jnp.exp(logits - best[:, None]), axis=-1))  # [R]

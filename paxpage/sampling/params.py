@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from paxpage.sampling import fields
 from paxpage.structured import StructuredOutputs
 
 # Temperatures at or below this are treated as greedy by the sampler (as in vLLM): dividing
@@ -222,8 +223,7 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return bool(fields.counted_rows(lambda name: getattr(self, name)))
 
     def banned_token_ids(self, num_generated: int, eos_token_ids: Sequence[int]) -> tuple[int, ...]:
         """Token ids masked out at this step: EOS (unless ignore_eos) and stop_token_ids while
