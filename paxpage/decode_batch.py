@@ -90,6 +90,8 @@ class DecodeBatch:
         exactly those sequences in the batch's order (others only finished or were aborted);
         None otherwise (one joined, was preempted or resumed)."""
         seqs = self.seqs
+        if len(running) > len(seqs):
+            return None
         if len(running) == len(seqs):
             return list(range(len(seqs))) if running == seqs else None  # Sequence compares by identity
         keep = [i for i, seq in enumerate(seqs) if not seq.is_finished]
