@@ -222,6 +222,29 @@ def test_fast_path_equals_general_path_on_a_mixed_workload(text_model, monkeypat
         assert quiet[2].generated_tokens == streamed[2].generated_tokens and quiet[2].steps == streamed[2].steps
 
 
+def test_steady_step_keeps_its_batch_as_requests_end_and_takes_logprobs_and_forks(text_model, monkeypatch):
+    # Requests of different lengths finish at different steps; one takes per-token logprobs, one
+    # forks two samples: the steady step drops the finished rows and runs the others, with the
+    # general step's outputs.
+    prompts = random_prompts(5, 320, [5, 9, 3, 7, 6], seed=5)
+    params = [SP(temperature=0, max_tokens=9, ignore_eos=True),
+              SP(temperature=0.8, seed=1, max_tokens=14, ignore_eos=True),
+              SP(temperature=0, max_tokens=11, logprobs=2, ignore_eos=True),
+              SP(temperature=1.0, seed=2, n=2, max_tokens=16, ignore_eos=True),
+              SP(temperature=0.9, seed=3, max_tokens=20, stop_token_ids=list(range(5, 320, 41)))]
+    joins, no_abort = [0] * 5, (-1, 0)
+    general = _run(text_model, False, prompts, params, joins, no_abort)
+    compactions = []
+    compacted = DecodeBatch.compacted
+    monkeypatch.setattr(DecodeBatch, "compacted", lambda self, keep: compactions.append(keep) or compacted(self, keep))
+    fast = _run(text_model, True, prompts, params, joins, no_abort)
+    assert fast[0] == general[0] and fast[1] == general[1]
+    assert sorted(fast[1]) == list(range(5))
+    assert len(compactions) >= 3 and fast[2].decode_batch_steps >= 10
+    assert fast[3][2] >= 5  # batches holding the n = 2 request's rows (and the logprobs row)
+    assert len(fast[1][2][0][4]) == 11  # the logprobs request: an entry per token
+
+
 def _python_work_per_step(model, context: int, steps: int = 16) -> tuple[float, float]:
     """Python bytecodes and calls per steady decode step of 6 rows at `context` tokens, half of
     them streamed: a count of the host's work that, unlike its time, the machine's load and the
