@@ -158,7 +158,7 @@ class HarmonyStream:
                 self._messages += 1
                 self._call = self._keep_calls and "to=functions." in header
                 if self._call:
-                    content.append(HARMONY_START + header.removeprefix(HARMONY_START) + HARMONY_MESSAGE)
+                    content.append(HARMONY_START + header.rsplit(HARMONY_START, 1)[-1] + HARMONY_MESSAGE)
                 continue
             ends = [(self._buf.find(tag), tag) for tag in HARMONY_ENDS if tag in self._buf]
             out = reasoning if self._channel == "analysis" and not self._call else content

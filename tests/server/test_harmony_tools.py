@@ -16,6 +16,9 @@ PROMPT = "<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant"
 CALL_W = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\", \"days\": 2}"
 W = ParsedCall("get_weather", '{"city": "Paris", "days": 2}')
 T = ParsedCall("get_time", "{}")
+AFTER_TEXT = ("<|channel|>analysis<|message|>a<b<|end|><|start|>assistant<|channel|>commentary<|message|>Let me "
+              "check.<|end|><|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json"
+              "<|message|>{}<|call|>")
 
 # (answer, reasoning, content, calls)
 CASES = [
@@ -25,9 +28,9 @@ CASES = [
     # two calls; the second names its recipient before the channel
     (CALL_W + "<|call|><|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>",
      "", None, [W, T]),
-    ("<|channel|>analysis<|message|>a<b<|end|><|start|>assistant<|channel|>commentary<|message|>Let me check."
-     "<|end|><|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}<|call|>",
-     "a<b", "Let me check.", [T]),
+    (CALL_W + "<|call|>\n<|start|>assistant to=functions.get_time<|channel|>commentary<|message|>{}<|call|>",
+     "", None, [W, T]),  # text between messages is not content
+    (AFTER_TEXT, "a<b", "Let me check.", [T]),
     # arguments whose text holds harmony-like characters and braces in strings
     ('<|channel|>commentary to=functions.get_weather<|message|>{"city": "a<|b}", "days": 2}<|call|>', "",
      None, [ParsedCall("get_weather", '{"city": "a<|b}", "days": 2}')]),
@@ -97,7 +100,7 @@ def test_arguments_stream_as_they_grow():
 
 
 def test_one_call_when_not_parallel():
-    text = CASES[2][0]
+    text = CASES[2][0]  # two calls
     plan = _plan(parallel=False)
     assert _whole(plan, text) == ("", None, [W])
     _, _, merged = _streamed(plan, list(text))
@@ -123,3 +126,50 @@ def test_chosen_by_name_and_from_a_harmony_template():
     assert choose(None, "openai").name == "openai"
     template = "{{ '<|start|>assistant<|channel|>commentary to=functions.' + name }}{% if tools %}{% endif %}"
     assert choose(template).name == "openai"
+
+
+@pytest.fixture(scope="module")
+def harmony_client(tmp_path_factory):
+    """A tiny random model (Qwen2.5's template: the harmony tags are plain text to its tokenizer)
+    served with --reasoning-parser gpt_oss --tool-call-parser openai."""
+    import openai
+
+    import paxpage
+    from paxpage.async_engine import AsyncEngine
+    from tests.server.conftest import LiveServer
+    from tests.server.test_tools import save_family_model
+
+    path = tmp_path_factory.mktemp("tiny_harmony")
+    save_family_model(path, "qwen2.5")
+    engine = AsyncEngine(paxpage.load(path), paxpage.EngineConfig(num_pages=128, page_size=16, max_num_seqs=1,
+                                                                  max_model_len=2048))
+    server = LiveServer(engine, served_model_name="tiny", reasoning_parser="gpt_oss", tool_call_parser="openai")
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=180.0, max_retries=0) as c:
+        yield c
+    server.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_server_answers_harmony_calls_as_tool_calls(harmony_client, stream):
+    from tests.server.test_tools import TOOLS
+
+    text = AFTER_TEXT  # analysis, a commentary preamble, a call
+    body = dict(model="tiny", messages=[{"role": "user", "content": "The time?"}], tools=TOOLS,
+                max_completion_tokens=200, extra_body={"guided_choice": [text]})
+    if not stream:
+        choice = harmony_client.chat.completions.create(**body).choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert (choice.message.reasoning_content, choice.message.content) == ("a<b", "Let me check.")
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [("get_time", "{}")]
+        return
+    reasoning, content, calls, reasons = "", "", {}, []
+    for chunk in harmony_client.chat.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            reasoning += getattr(c.delta, "reasoning_content", None) or ""
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or ():
+                name, args = calls.get(d.index, ("", ""))
+                calls[d.index] = (name + (d.function.name or ""), args + (d.function.arguments or ""))
+            reasons.append(c.finish_reason)
+    assert (reasoning, content, reasons[-1]) == ("a<b", "Let me check.", "tool_calls")
+    assert list(calls.values()) == [("get_time", "{}")]
