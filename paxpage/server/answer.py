@@ -10,7 +10,7 @@ from paxpage.server.tools import ToolCallStream, ToolPlan
 class AnswerStream:
     def __init__(self, plan: ToolPlan, reasoning, prompt_text: str | None):
         """reasoning: the server's ReasoningParser, or None."""
-        self._think = reasoning.stream(prompt_text) if reasoning is not None else None
+        self._think = reasoning.stream(prompt_text, plan.harmony_calls) if reasoning is not None else None
         self._tools = ToolCallStream(plan) if plan.parse else None
 
     def feed(self, text: str) -> tuple[str, str]:

@@ -24,9 +24,11 @@ from paxpage.server.tools import (ToolPlan, apply_to_params, finish_reason, plan
 router = APIRouter()
 
 
-def split_reasoning(ctx, text: str, prompt_text: str | None) -> tuple[str, str]:
+def split_reasoning(ctx, text: str, prompt_text: str | None, plan: ToolPlan) -> tuple[str, str]:
     """(reasoning, the rest) of a whole answer; without a reasoning parser all of it is the rest."""
-    return ctx.reasoning.split(text, prompt_text) if ctx.reasoning is not None else ("", text)
+    if ctx.reasoning is None:
+        return "", text
+    return ctx.reasoning.split(text, prompt_text, plan.harmony_calls)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -59,7 +61,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return Response(status_code=499)
     choices = []
     for c in out.outputs:
-        reasoning, text = split_reasoning(ctx, c.text, prompt_text)
+        reasoning, text = split_reasoning(ctx, c.text, prompt_text, plan)
         content, calls = read_answer(plan, text)
         message = {"role": "assistant", "content": content, "refusal": None}
         if ctx.reasoning is not None:

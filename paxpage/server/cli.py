@@ -12,6 +12,7 @@ import threading
 from paxpage import attention_impl
 from paxpage.embedding import POOLING_CHOICES
 from paxpage.server.reasoning import PARSERS
+from paxpage.server.tool_parsers import PARSERS as TOOL_PARSERS
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -46,8 +47,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="/health answers 503 when live requests make no progress this many seconds")
     s.add_argument("--graceful-timeout", type=float, default=5.0,
                    help="on SIGINT/SIGTERM, seconds to let open connections finish")
-    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
-                   help="how tool calls are read from the model's text (default: from the chat template)")
+    s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are read from the model's text (default: from the chat template; "
+                        "openai: gpt-oss's harmony messages, with --reasoning-parser gpt_oss)")
     s.add_argument("--reasoning-parser", default=None, choices=sorted(PARSERS),
                    help="split the model's <think>...</think> text (gpt_oss: its harmony analysis channel) "
                         "into reasoning_content (default: no split, it stays in the answer)")

@@ -10,7 +10,9 @@ to the answer (where tool calls are then read, server/tools.py).
   header). The text of `analysis` messages is the reasoning, that of every other channel (`final`;
   `commentary`, preambles and tool calls) the content; headers and tags are never sent, and an
   answer with no `<|message|>` at all is content as it stands. The tags are special tokens, so
-  requests it reads keep them in the text (`keeps_special_tokens`).
+  requests it reads keep them in the text (`keeps_special_tokens`). With `keep_calls` (the
+  `openai` tool parser reads the answer, server/tool_parsers/harmony.py) a message addressed
+  `to=functions.NAME` goes to the content whole, opened with `<|start|>` and closed with its end tag.
 - `deepseek_r1`: R1's templates put `<think>` in the prompt, so the answer starts inside the
   reasoning, with or without its own `<think>`; everything up to `</think>` is reasoning. An
   answer without `</think>` is all reasoning (it stopped while thinking).
@@ -24,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 START, END = "<think>", "</think>"
-HARMONY_MESSAGE, HARMONY_CHANNEL = "<|message|>", "<|channel|>"
+HARMONY_START, HARMONY_MESSAGE, HARMONY_CHANNEL = "<|start|>", "<|message|>", "<|channel|>"
 HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")  # a harmony message's end
 
 
@@ -35,16 +37,17 @@ class ReasoningParser:
     harmony: bool = False  # gpt-oss's harmony messages, not <think> tags
     keeps_special_tokens: bool = False  # its tags are special tokens, kept in the answer's text
 
-    def stream(self, prompt_text: str | None = None):
-        """A ReasoningStream (or HarmonyStream): feed(text) -> (reasoning, content), finish()."""
+    def stream(self, prompt_text: str | None = None, keep_calls: bool = False):
+        """A ReasoningStream (or HarmonyStream): feed(text) -> (reasoning, content), finish().
+        keep_calls: harmony messages addressed to a function stay whole in the content."""
         if self.harmony:
-            return HarmonyStream()
+            return HarmonyStream(keep_calls)
         inside = self.starts_inside or (prompt_text or "").rstrip().endswith(START)
         return ReasoningStream(inside)
 
-    def split(self, text: str, prompt_text: str | None = None) -> tuple[str, str]:
+    def split(self, text: str, prompt_text: str | None = None, keep_calls: bool = False) -> tuple[str, str]:
         """(reasoning, content) of a whole answer."""
-        reader = self.stream(prompt_text)
+        reader = self.stream(prompt_text, keep_calls)
         r1, c1 = reader.feed(text)
         r2, c2 = reader.finish()
         return r1 + r2, c1 + c2
@@ -133,8 +136,10 @@ class ReasoningStream:
 class HarmonyStream:
     """One answer read delta by delta: feed(text) -> (reasoning, content) safe to send now."""
 
-    def __init__(self):
+    def __init__(self, keep_calls: bool = False):
         self._channel: str | None = None  # inside a message: its channel; None: in a header
+        self._keep_calls = keep_calls
+        self._call = False  # inside a message addressed to a function, kept whole
         self._messages = 0
         self._buf = ""
 
@@ -151,12 +156,15 @@ class HarmonyStream:
                 channel = header.rsplit(HARMONY_CHANNEL, 1)[1] if HARMONY_CHANNEL in header else ""
                 self._channel = channel.split()[0] if channel.split() else ""
                 self._messages += 1
+                self._call = self._keep_calls and "to=functions." in header
+                if self._call:
+                    content.append(HARMONY_START + header.rsplit(HARMONY_START, 1)[-1] + HARMONY_MESSAGE)
                 continue
             ends = [(self._buf.find(tag), tag) for tag in HARMONY_ENDS if tag in self._buf]
-            out = reasoning if self._channel == "analysis" else content
+            out = reasoning if self._channel == "analysis" and not self._call else content
             if ends:
                 i, tag = min(ends)
-                out.append(self._buf[:i])
+                out.append(self._buf[:i] + (tag if self._call else ""))
                 self._buf = self._buf[i + len(tag):]
                 self._channel = None  # the next header (<|start|>assistant<|channel|>...) follows
                 continue
@@ -171,5 +179,5 @@ class HarmonyStream:
         channel; a partial header is dropped, unless the answer had no message at all."""
         rest, self._buf = self._buf, ""
         if self._channel is not None:
-            return (rest, "") if self._channel == "analysis" else ("", rest)
+            return (rest, "") if self._channel == "analysis" and not self._call else ("", rest)
         return "", rest if not self._messages else ""

@@ -138,7 +138,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     except ClientGone:
         return Response(status_code=499)
     c = out.outputs[0]
-    reasoning, text = split_reasoning(ctx, c.text, turn.prompt_text)
+    reasoning, text = split_reasoning(ctx, c.text, turn.prompt_text, turn.plan)
     content, parsed = read_answer(turn.plan, text)
     calls = tool_call_dicts(turn.plan, parsed) if parsed else []
     output = ([_reasoning_item(reasoning)] if reasoning else []) + \

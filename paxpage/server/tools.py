@@ -65,6 +65,12 @@ class ToolPlan:
     def parser(self) -> ToolParser:
         return self.rendering.parser
 
+    @property
+    def harmony_calls(self) -> bool:
+        """The answer's harmony messages to functions are read as calls: a harmony reasoning
+        parser passes them on whole (server/reasoning.py, keep_calls)."""
+        return self.parse and self.parser.harmony
+
 
 def plan_tools(req: ChatCompletionRequest, rendering: ToolRendering) -> ToolPlan:
     choice = req.tool_choice

@@ -67,6 +67,7 @@ def test_format_calls_reads_back_and_the_grammar_accepts_it(name):
     ("mistral", ["Sure [TOOL", "_CALLS] [", "{}"], ["Sure ", "", ""]),
     ("llama3_json", [" ", "{\"na", "me\""], ["", "", ""]),  # a call is the whole answer: nothing leaks
     ("llama3_json", ["Hel", "lo {"], ["Hel", "lo {"]),
+    ("openai", ["Let me check.<|st", "art|>assistant to=functions.x"], ["Let me check.", ""]),
 ])
 def test_streaming_holds_back_only_what_may_be_a_call(name, pieces, streamed):
     from paxpage.server.tools import ToolCallStream, ToolPlan, ToolRendering

@@ -7,11 +7,13 @@ to the model in a system message (server/tools.py)."""
 from __future__ import annotations
 
 from paxpage.server.tool_parsers.base import ParsedCall, ToolParser
+from paxpage.server.tool_parsers.harmony import HarmonyParser
 from paxpage.server.tool_parsers.hermes import HermesParser
 from paxpage.server.tool_parsers.llama3_json import Llama3JsonParser
 from paxpage.server.tool_parsers.mistral import MistralParser
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
+                                                                HarmonyParser)}
 
 __all__ = ["PARSERS", "ParsedCall", "ToolParser", "choose", "template_renders_tools"]
 
@@ -28,6 +30,8 @@ def choose(chat_template: str | None, name: str | None = None) -> ToolParser | N
             raise ValueError(f"--tool-call-parser {name!r} is not one of {sorted(PARSERS)}")
         return PARSERS[name]()
     template = chat_template or ""
+    if "<|channel|>" in template and ("to=functions" in template or "<|call|>" in template):  # gpt-oss (harmony)
+        return HarmonyParser()
     if "<tool_call>" in template:
         return HermesParser()
     if "[TOOL_CALLS]" in template:

@@ -87,6 +87,7 @@ class ToolParser:
     token_markers: tuple[str, ...] = ()  # grammar markers that tokenizers may have as added tokens
     format_hint: str = ""  # how one call is written, for the system prompt of a template without tools
     arguments_keys: tuple[str, ...] = ("arguments",)  # the call object's key(s) for the arguments
+    harmony: bool = False  # calls are harmony messages, which the gpt_oss reasoning parser passes on whole
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """(content, calls); a malformed call leaves the whole text as content. Arguments come
