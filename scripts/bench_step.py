@@ -29,6 +29,19 @@ over that time, set against this machine's read bandwidth (the best of a jitted 
 Requests are added as generate() adds them (stream=False: no per-step StreamDelta, vLLM's
 FINAL_ONLY); a "-stream" case adds them as a streaming client does (one delta per request per step).
 
+Cases off the steady state (the rest add every request at once with one max_tokens, prefix caching
+on): "-nocache" turns prefix caching off; "-spread" gives prompts of different lengths and half the
+rows a max_tokens that ends inside the measured window (the batch shrinks while it is measured);
+"-arrivalsK" adds a request of `context` prompt tokens before every K-th measured step (that step
+carries its prefill chunk beside the decodes); "-n2" samples two completions per request, rows / 2
+requests; "-logprobs5" reports 5 top alternatives per token; "-stop" has a stop string that never
+matches, so every row is detokenised (the tiny model with SmolLM2's tokenizer, same vocabulary).
+For every case the output also holds each measured step's host CPU and its max (the target is
+every step's, not the mean), how many of the measured steps took the steady decode step
+(engine.stats.decode_batch_steps over engine.stats.steps), the running rows as each step starts,
+and with arrivals the mean and max host CPU of the steps with and without an arrival's prefill.
+An arriving request is added between steps, outside the timed step.
+
 Models: "tiny" is a random 2-layer Llama (hidden 64, 4 heads, 4 kv heads of 16, vocab
 49152) written with transformers' LlamaConfig + save_pretrained to a temp dir, so the model's
 matmuls are negligible next to attention, sampling and host work; "smollm2" is
