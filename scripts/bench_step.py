@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -89,7 +90,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import paxpage  # noqa: E402
-from paxpage import attention_impl  # noqa: E402
+from paxpage import attention_impl, compile_counter  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
 
@@ -334,6 +335,9 @@ class _Totals:
         self.step_decode_batch: list[bool] = []
         self.step_arrival: list[bool] = []
         self.step_rows: list[int] = []  # running sequences as the step starts
+        # what else may take a step's time: XLA compiles (a shape first seen), full garbage collections
+        self.step_compiles: list[int] = []
+        self.step_full_gcs: list[int] = []
 
     def step(self, engine) -> None:
         arrival = bool(self.every) and self.steps % self.every == 0
@@ -341,9 +345,12 @@ class _Totals:
             self.arrive()
         self.step_rows.append(len(engine.scheduler.running))
         before = dataclasses.replace(engine.stats)
+        compiles, full_gcs = compile_counter.compiles(), gc.get_stats()[2]["collections"]
         t, cpu = time.perf_counter(), time.thread_time()
         engine.step()
         cpu = time.thread_time() - cpu
+        self.step_compiles.append(compile_counter.compiles() - compiles)
+        self.step_full_gcs.append(gc.get_stats()[2]["collections"] - full_gcs)
         self.cpu += cpu
         self.wall += time.perf_counter() - t
         after = engine.stats
@@ -361,7 +368,11 @@ class _Totals:
         out = {"host_s": host, "device_s": device, "wall_s": wall, "host_cpu_s": self.cpu / n,
                "host_cpu_max_s": max(self.step_cpu), "measured_steps": n,
                "decode_batch_steps": sum(self.step_decode_batch), "step_host_cpu_s": self.step_cpu,
-               "step_decode_batch": self.step_decode_batch, "step_rows": self.step_rows}
+               "step_decode_batch": self.step_decode_batch, "step_rows": self.step_rows,
+               "step_compiles": self.step_compiles, "step_full_gcs": self.step_full_gcs,
+               # the max over the steps without a compile: the figure once every shape has been seen
+               "host_cpu_max_warm_s": max([c for c, k in zip(self.step_cpu, self.step_compiles) if not k],
+                                          default=0.0)}
         if self.every:  # steps with an arrival's prefill chunk, and the decode-only rest
             for name, steps in (("arrival", [c for c, a in zip(self.step_cpu, self.step_arrival) if a]),
                                 ("decode", [c for c, a in zip(self.step_cpu, self.step_arrival) if not a])):
@@ -480,7 +491,7 @@ def doc_tables(data: dict) -> dict:
     for r in data["cases"]:
         split = {name: (f"{ms(r[f'{name}_host_cpu_s'])} / {ms(r[f'{name}_host_cpu_max_s'])}"
                         if f"{name}_steps" in r else "") for name in ("decode", "arrival")}
-        every.append([case_label(r), ms(r["host_cpu_s"]), ms(r["host_cpu_max_s"]),
+        every.append([case_label(r), ms(r["host_cpu_s"]), ms(r["host_cpu_max_s"]), ms(r["host_cpu_max_warm_s"]),
                       f"{r['decode_batch_steps']} / {r['measured_steps']}",
                       f"{r['step_rows'][0]} to {r['step_rows'][-1]}", split["decode"], split["arrival"]])
     return {"step": {"caption": caption,
@@ -488,10 +499,11 @@ def doc_tables(data: dict) -> dict:
                                  "wall / max(host CPU, busy)", "overlap", "attention share", "attention GB/s"],
                      "rows": rows},
             "step_every": {"caption": f"Host CPU of every measured step per case ({data['steps']} measured), ms: "
-                                      "mean and max; the steps that took the steady decode step; running rows "
+                                      "mean, max, and max over the steps that compiled nothing; the steps that took the steady decode step; running rows "
                                       "in the first and last step; with arrivals, the steps without and with "
                                       "an arriving request's prefill (mean / max)",
-                           "columns": ["case", "host CPU ms", "max host CPU ms", "steady decode steps", "rows",
+                           "columns": ["case", "host CPU ms", "max host CPU ms", "max without compiles",
+                                       "steady decode steps", "rows",
                                        "decode-only steps' host CPU ms", "prefill steps' host CPU ms"],
                            "rows": every}}
 
@@ -557,15 +569,17 @@ def main(argv: list[str] | None = None) -> int:
             split = "".join(f"; {name} steps ({r[f'{name}_steps']}) CPU {r[f'{name}_host_cpu_s'] * 1e3:.2f} "
                             f"max {r[f'{name}_host_cpu_max_s'] * 1e3:.2f}" for name in ("decode", "arrival")
                             if f"{name}_steps" in r)
-            print(f"{'':26s} host CPU max {r['host_cpu_max_s'] * 1e3:.2f} ms/step; steady decode step in "
+            print(f"{'':26s} host CPU max {r['host_cpu_max_s'] * 1e3:.2f} ms/step ({r['host_cpu_max_warm_s'] * 1e3:.2f} "
+                  f"without the {sum(map(bool, r['step_compiles']))} steps that compiled); steady decode step in "
                   f"{r['decode_batch_steps']} / {r['measured_steps']} steps; rows {r['step_rows'][0]} to "
                   f"{r['step_rows'][-1]}{split}", flush=True)
             if not case.steady:
                 print(f"{'':26s} per step (ms): " + " ".join(
-                    f"{c * 1e3:.1f}{'' if d else '*'}{'+' if a else ''}" for c, d, a in zip(
-                        r["step_host_cpu_s"], r["step_decode_batch"],
-                        r.get("step_arrival", [False] * r["measured_steps"]))) +
-                      "  (* general step, + an arrival's prefill)", flush=True)
+                    f"{c * 1e3:.1f}{'' if d else '*'}{'+' if a else ''}{'c' if k else ''}{'g' if g else ''}"
+                    for c, d, a, k, g in zip(r["step_host_cpu_s"], r["step_decode_batch"],
+                                             r.get("step_arrival", [False] * r["measured_steps"]),
+                                             r["step_compiles"], r["step_full_gcs"])) +
+                      "  (* general step, + an arrival's prefill, c compiled, g full gc)", flush=True)
     # Sampled cases against the greedy case of the same model and shape, when both ran.
     def steady(row):
         return Case(**{f.name: row[f.name] for f in dataclasses.fields(Case)}).steady

@@ -222,7 +222,8 @@ def test_bench_step_quick(tmp_path):
         for key in ("host_s", "device_s", "wall_s", "attention_s", "attention_gb_per_s"):
             assert case[key] > 0, key
         assert case["host_cpu_max_s"] == max(case["step_host_cpu_s"]) >= case["host_cpu_s"]
-        assert len(case["step_host_cpu_s"]) == case["measured_steps"] == 2
+        assert len(case["step_host_cpu_s"]) == len(case["step_compiles"]) == case["measured_steps"] == 2
+        assert case["host_cpu_max_warm_s"] <= case["host_cpu_max_s"]
         assert 0 <= case["decode_batch_steps"] <= 2
         # 2 layers x 8 rows x 32 keys x 4 kv heads x 16 dims x K and V x 4 bytes
         assert case["attention_kv_bytes"] == 2 * 2 * 8 * 32 * 4 * 16 * 4
