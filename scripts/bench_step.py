@@ -499,7 +499,8 @@ def doc_tables(data: dict) -> dict:
                                  "wall / max(host CPU, busy)", "overlap", "attention share", "attention GB/s"],
                      "rows": rows},
             "step_every": {"caption": f"Host CPU of every measured step per case ({data['steps']} measured), ms: "
-                                      "mean, max, and max over the steps that compiled nothing; the steps that took the steady decode step; running rows "
+                                      "mean, max, and max over the steps that compiled nothing; the steps that "
+                                      "took the steady decode step; running rows "
                                       "in the first and last step; with arrivals, the steps without and with "
                                       "an arriving request's prefill (mean / max)",
                            "columns": ["case", "host CPU ms", "max host CPU ms", "max without compiles",
@@ -569,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
             split = "".join(f"; {name} steps ({r[f'{name}_steps']}) CPU {r[f'{name}_host_cpu_s'] * 1e3:.2f} "
                             f"max {r[f'{name}_host_cpu_max_s'] * 1e3:.2f}" for name in ("decode", "arrival")
                             if f"{name}_steps" in r)
-            print(f"{'':26s} host CPU max {r['host_cpu_max_s'] * 1e3:.2f} ms/step ({r['host_cpu_max_warm_s'] * 1e3:.2f} "
+            print(f"{'':26s} host CPU max {r['host_cpu_max_s'] * 1e3:.2f} ms/step "
+                  f"({r['host_cpu_max_warm_s'] * 1e3:.2f} "
                   f"without the {sum(map(bool, r['step_compiles']))} steps that compiled); steady decode step in "
                   f"{r['decode_batch_steps']} / {r['measured_steps']} steps; rows {r['step_rows'][0]} to "
                   f"{r['step_rows'][-1]}{split}", flush=True)

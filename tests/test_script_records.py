@@ -60,10 +60,12 @@ def test_bench_step_rows_and_case_names():
     ms = 1e-3
     row = dict(case, case=case["key"], host_s=0.4 * ms, host_cpu_s=0.4 * ms, device_s=2.0 * ms, busy_s=2.0 * ms,
                wall_s=2.5 * ms, overlap=0.0, attention_share=0.08, attention_gb_per_s=28.2,
-               host_cpu_max_s=0.64 * ms, host_cpu_max_warm_s=0.64 * ms, measured_steps=16, decode_batch_steps=15, step_rows=[32] * 16)
+               host_cpu_max_s=0.64 * ms, host_cpu_max_warm_s=0.64 * ms, measured_steps=16, decode_batch_steps=15,
+               step_rows=[32] * 16)
     # a case with arrivals: 4 steps with a prefill chunk, 12 without
     arrivals = dict(row, **dataclasses.asdict(bench.Case("x", "tiny", 256, 1536, arrivals_every=4)),
-                    host_cpu_max_s=180.0 * ms, host_cpu_max_warm_s=3.04 * ms, decode_batch_steps=8, step_rows=[256] + [257] * 14 + [260],
+                    host_cpu_max_s=180.0 * ms, host_cpu_max_warm_s=3.04 * ms, decode_batch_steps=8,
+                    step_rows=[256] + [257] * 14 + [260],
                     decode_steps=12, decode_host_cpu_s=1.21 * ms, decode_host_cpu_max_s=1.5 * ms,
                     arrival_steps=4, arrival_host_cpu_s=2.5 * ms, arrival_host_cpu_max_s=3.04 * ms)
     tables = bench.doc_tables({"cases": [row, arrivals], "steps": 16, "read_bandwidth_gb_per_s": 70.4})
