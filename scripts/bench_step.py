@@ -608,10 +608,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in results:
         row["wall_vs_bound"] = row["wall_s"] / max(row["host_cpu_s"], row["busy_s"])
     data = {"backend": jax.default_backend(), "read_bandwidth_gb_per_s": bandwidth, "steps": steps, "cases": results}
-    table = doc_tables(data)["step"]
-    print("\n| " + " | ".join(table["columns"]) + " |\n" + "|---" * len(table["columns"]) + "|")
-    for cells in table["rows"]:
-        print("| " + " | ".join(str(c) for c in cells) + " |")
+    for table in doc_tables(data).values():
+        print("\n| " + " | ".join(table["columns"]) + " |\n" + "|---" * len(table["columns"]) + "|")
+        for cells in table["rows"]:
+            print("| " + " | ".join(str(c) for c in cells) + " |")
     if args.json:
         from provenance import write_record  # the figures with machine, versions, date, command, commit
 
