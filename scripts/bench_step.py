@@ -29,6 +29,19 @@ over that time, set against this machine's read bandwidth (the best of a jitted 
 Requests are added as generate() adds them (stream=False: no per-step StreamDelta, vLLM's
 FINAL_ONLY); a "-stream" case adds them as a streaming client does (one delta per request per step).
 
+Cases off the steady state (the rest add every request at once with one max_tokens, prefix caching
+on): "-nocache" turns prefix caching off; "-spread" gives prompts of different lengths and half the
+rows a max_tokens that ends inside the measured window (the batch shrinks while it is measured);
+"-arrivalsK" adds a request of `context` prompt tokens before every K-th measured step (that step
+carries its prefill chunk beside the decodes); "-n2" samples two completions per request, rows / 2
+requests; "-logprobs5" reports 5 top alternatives per token; "-stop" has a stop string that never
+matches, so every row is detokenised (the tiny model with SmolLM2's tokenizer, same vocabulary).
+For every case the output also holds each measured step's host CPU and its max (the target is
+every step's, not the mean), how many of the measured steps took the steady decode step
+(engine.stats.decode_batch_steps over engine.stats.steps), the running rows as each step starts,
+and with arrivals the mean and max host CPU of the steps with and without an arrival's prefill.
+An arriving request is added between steps, outside the timed step.
+
 Models: "tiny" is a random 2-layer Llama (hidden 64, 4 heads, 4 kv heads of 16, vocab
 49152) written with transformers' LlamaConfig + save_pretrained to a temp dir, so the model's
 matmuls are negligible next to attention, sampling and host work; "smollm2" is
@@ -62,6 +75,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
+import json
 import os
 import sys
 import tempfile
@@ -75,7 +90,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import paxpage  # noqa: E402
-from paxpage import attention_impl  # noqa: E402
+from paxpage import attention_impl, compile_counter  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
 
@@ -93,6 +108,27 @@ class Case:
     # False: requests as generate() adds them (no per-step deltas, vLLM's FINAL_ONLY); True: as a
     # streaming client's (a StreamDelta per request per step)
     stream: bool = False
+    # The cases below leave the steady state the rest measure (all rows added at once, one max_tokens):
+    prefix_caching: bool = True  # False: EngineConfig(enable_prefix_caching=False)
+    # > 0: prompts of context - prompt_spread .. context tokens (rows at different positions, crossing
+    # page boundaries in different steps)
+    prompt_spread: int = 0
+    # > 0: this share of the rows reaches its max_tokens inside the measured window, at steps spread
+    # over it (the batch shrinks while it is measured)
+    ending: float = 0.0
+    # > 0: a request of `context` prompt tokens arrives before every this-many-th measured step, so
+    # that step carries its prefill chunk beside the decodes (max_num_seqs leaves room for them)
+    arrivals_every: int = 0
+    n: int = 1  # parallel samples per request: rows // n requests
+    logprobs: int | None = None  # top alternatives reported per generated token
+    # stop strings; the engine then detokenises every row (SmolLM2's tokenizer on the tiny model)
+    stop: tuple[str, ...] = ()
+
+    @property
+    def steady(self) -> bool:
+        """Every row added at once with one max_tokens, prefix caching on, no per-row extras."""
+        return (self.prefix_caching, self.prompt_spread, self.ending, self.arrivals_every, self.n, self.logprobs,
+                self.stop) == (True, 0, 0.0, 0, 1, None, ())
 
 
 CASES = [
@@ -105,10 +141,19 @@ CASES = [
     Case("tiny-256x1536-t0.7-p0.9-stream", "tiny", 256, 1536, temperature=0.7, top_p=0.9, stream=True),
     Case("smollm2-64x65", "smollm2", 64, 65, prefill_tokens=2048),
     Case("smollm2-256x65", "smollm2", 256, 65, prefill_tokens=2048),
+    Case("tiny-256x128-nocache", "tiny", 256, 128, prefix_caching=False),
+    Case("tiny-256x1536-nocache", "tiny", 256, 1536, prefix_caching=False),
+    Case("tiny-256x1536-spread", "tiny", 256, 1536, prompt_spread=768, ending=0.5),
+    Case("tiny-256x1536-arrivals4", "tiny", 256, 1536, arrivals_every=4),
+    Case("tiny-256x1536-t0.7-n2", "tiny", 256, 1536, temperature=0.7, n=2),
+    Case("tiny-256x1536-logprobs5", "tiny", 256, 1536, logprobs=5),
+    Case("tiny-256x1536-stop", "tiny", 256, 1536, stop=("xyz",)),
 ]
 QUICK_CASES = [
     Case("tiny-8x32", "tiny", 8, 32, prefill_tokens=256),
     Case("tiny-8x32-t0.7-p0.9", "tiny", 8, 32, temperature=0.7, top_p=0.9, prefill_tokens=256),
+    Case("tiny-8x32-mixed", "tiny", 8, 32, temperature=0.7, prefill_tokens=256, prefix_caching=False,
+         prompt_spread=8, ending=0.5, arrivals_every=1, n=2, logprobs=2, stop=("xyz",)),
 ]
 TINY_CONFIG = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=4, intermediate_size=128, max_position_embeddings=2048,
@@ -185,26 +230,82 @@ def time_attention(model: paxpage.Model, cfg: paxpage.EngineConfig, rows: int, c
     return {"seconds": seconds, "kv_bytes": kv_bytes, "gb_per_s": kv_bytes / seconds / 1e9}
 
 
-def fill_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: int):
+_STOP_TOKENIZER = []  # SmolLM2's tokenizer, read once: the tiny model's vocabulary is SmolLM2's
+
+
+def stop_tokenizer(model: paxpage.Model):
+    """The tokenizer a stop-string case detokenises with: the model's, or (the tiny model has none)
+    the one in SmolLM2-135M-Instruct's GGUF, whose 49,152 tokens are the tiny model's vocabulary."""
+    if model.tokenizer is not None:
+        return model.tokenizer
+    if not _STOP_TOKENIZER:
+        from models.loading import default_model_path
+        from models.tokenizer import gguf_tokenizer
+
+        _STOP_TOKENIZER.append(gguf_tokenizer(default_model_path()))
+    return _STOP_TOKENIZER[0]
+
+
+def prefill_steps(prompt_lens: list[int], rows_per_request: int, budget: int) -> list[int]:
+    """The fill step (0-based) in which each prompt's last chunk is prefilled, roughly as the
+    scheduler takes them: in order, `budget` tokens per step less one per decoding row."""
+    ends, step, done = [], 0, 0  # done: tokens of prompt len(ends) already prefilled
+    while len(ends) < len(prompt_lens):
+        left = budget - rows_per_request * len(ends)
+        while left > 0 and len(ends) < len(prompt_lens):
+            take = min(left, prompt_lens[len(ends)] - done)
+            left, done = left - take, done + take
+            if done == prompt_lens[len(ends)]:
+                ends.append(step)
+                done = 0
+        step += 1
+    return ends
+
+
+def fill_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: int, window: int | None = None,
+              before_window: int = 0):
     """An engine with case.rows decoding sequences, after `warmup` decode steps (compiles), with
-    tokens left for `steps` more. -> (engine, cfg, fill steps, fill seconds)."""
+    tokens left for `steps` more. `window`: the measured steps among them (default all), after
+    `before_window` unmeasured ones; a case's ending rows finish inside it.
+    -> (engine, cfg, fill steps, fill seconds, arrive: adds one arriving request)."""
+    window = steps if window is None else window
     page_size = 16
     tokens_per_row = case.context + warmup + steps + 4
     # Prefill finishes for different requests in different steps: room for that spread too.
     spread = -(-case.rows * case.context // case.prefill_tokens) + 2
     pages_per_row = -(-(tokens_per_row + spread) // page_size)
-    cfg = paxpage.EngineConfig(page_size=page_size, num_pages=case.rows * pages_per_row + 8,
-                               max_num_seqs=case.rows,
-                               max_num_batched_tokens=max(case.prefill_tokens, case.rows))
+    num_arrivals = -(-steps // case.arrivals_every) if case.arrivals_every else 0
+    num_seqs = case.rows + num_arrivals
+    cfg = paxpage.EngineConfig(page_size=page_size, num_pages=num_seqs * pages_per_row + 8,
+                               max_num_seqs=num_seqs,
+                               max_num_batched_tokens=max(case.prefill_tokens, case.rows),
+                               enable_prefix_caching=case.prefix_caching)
     # A fresh engine (the model's weights shared), not model.engine(cfg): that one is kept per
     # config, so two cases with equal configs would step one engine holding both cases' requests.
-    engine = paxpage.LLMEngine(model.config, model.param_forms, model.tokenizer, cfg)
+    tokenizer = stop_tokenizer(model) if case.stop else model.tokenizer
+    engine = paxpage.LLMEngine(model.config, model.param_forms, tokenizer, cfg)
     rng = np.random.default_rng(seed)
+    num_requests = case.rows // case.n
     params = paxpage.SamplingParams(max_tokens=warmup + steps + spread + 2, temperature=case.temperature,
                                     top_p=case.top_p, repetition_penalty=case.repetition_penalty,
-                                    ignore_eos=True, seed=seed)
-    requests = [engine.request(engine.add_request(rng.integers(0, model.config.vocab_size, case.context).tolist(),
-                                                  params, stream=case.stream)) for _ in range(case.rows)]
+                                    ignore_eos=True, seed=seed, n=case.n, logprobs=case.logprobs,
+                                    stop=list(case.stop))
+    lens = [case.context] * num_requests
+    if case.prompt_spread:
+        lens = rng.integers(case.context - case.prompt_spread, case.context + 1, num_requests).tolist()
+    max_tokens = [params.max_tokens] * num_requests
+    if case.ending:
+        # Row i's prompt ends in fill step e_i; the fill lasts ~max(e) + 2 steps (the last first
+        # token is read a step late), then `warmup` + `before_window` steps: its j-th window step is
+        # engine step max(e) + 2 + warmup + before_window + j, by which it has made that - e_i + 1 tokens.
+        ends = prefill_steps(lens, case.n, cfg.max_num_batched_tokens)
+        first = max(ends) + 2 + warmup + before_window
+        chosen = rng.permutation(num_requests)[:round(case.ending * num_requests)]
+        for k, i in enumerate(chosen):
+            max_tokens[i] = max(1, first + k * window // len(chosen) - ends[i] + 1)
+    requests = [engine.request(engine.add_request(rng.integers(0, model.config.vocab_size, length).tolist(),
+                                                  dataclasses.replace(params, max_tokens=limit), stream=case.stream))
+                for length, limit in zip(lens, max_tokens)]
     t = time.perf_counter()
     fill_steps = 0
     while any(r.first_token_time is None for r in requests):  # prefill, until each has its first token
@@ -213,31 +314,73 @@ def fill_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: i
     fill_s = time.perf_counter() - t
     for _ in range(warmup):
         engine.step()
-    return engine, cfg, fill_steps, fill_s
+    arrival = dataclasses.replace(params, max_tokens=steps + 2)
+
+    def arrive():
+        engine.add_request(rng.integers(0, model.config.vocab_size, case.context).tolist(), arrival,
+                           stream=case.stream)
+
+    return engine, cfg, fill_steps, fill_s, arrive
 
 
 class _Totals:
-    """Sums of one engine's measured steps: host / device (engine.stats), wall, thread CPU."""
+    """Sums of one engine's measured steps: host / device (engine.stats), wall, thread CPU; and
+    each step's thread CPU, whether it was the steady decode step, whether it carried an arrival."""
 
-    def __init__(self):
+    def __init__(self, case: Case | None = None, arrive=None):
         self.steps, self.host, self.device, self.wall, self.cpu = 0, 0.0, 0.0, 0.0, 0.0
+        self.every = case.arrivals_every if case is not None else 0
+        self.arrive = arrive
+        self.step_cpu: list[float] = []
+        self.step_decode_batch: list[bool] = []
+        self.step_arrival: list[bool] = []
+        self.step_rows: list[int] = []  # running sequences as the step starts
+        # what else may take a step's time: XLA compiles (a shape first seen), full garbage collections
+        self.step_compiles: list[int] = []
+        self.step_full_gcs: list[int] = []
 
     def step(self, engine) -> None:
+        arrival = bool(self.every) and self.steps % self.every == 0
+        if arrival:  # added between steps, outside the step's timing, as a server's engine loop does
+            self.arrive()
+        self.step_rows.append(len(engine.scheduler.running))
         before = dataclasses.replace(engine.stats)
+        compiles, full_gcs = compile_counter.compiles(), gc.get_stats()[2]["collections"]
         t, cpu = time.perf_counter(), time.thread_time()
         engine.step()
-        self.cpu += time.thread_time() - cpu
+        cpu = time.thread_time() - cpu
+        self.step_compiles.append(compile_counter.compiles() - compiles)
+        self.step_full_gcs.append(gc.get_stats()[2]["collections"] - full_gcs)
+        self.cpu += cpu
         self.wall += time.perf_counter() - t
         after = engine.stats
         assert after.steps == before.steps + 1
         self.steps += 1
         self.host += after.host_seconds - before.host_seconds
         self.device += after.device_seconds - before.device_seconds
+        self.step_cpu.append(cpu)
+        self.step_decode_batch.append(after.decode_batch_steps > before.decode_batch_steps)
+        self.step_arrival.append(arrival)
 
     def result(self) -> dict:
         n = self.steps
         host, device, wall = self.host / n, self.device / n, self.wall / n
-        return {"host_s": host, "device_s": device, "wall_s": wall, "host_cpu_s": self.cpu / n}
+        out = {"host_s": host, "device_s": device, "wall_s": wall, "host_cpu_s": self.cpu / n,
+               "host_cpu_max_s": max(self.step_cpu), "measured_steps": n,
+               "decode_batch_steps": sum(self.step_decode_batch), "step_host_cpu_s": self.step_cpu,
+               "step_decode_batch": self.step_decode_batch, "step_rows": self.step_rows,
+               "step_compiles": self.step_compiles, "step_full_gcs": self.step_full_gcs,
+               # the max over the steps without a compile: the figure once every shape has been seen
+               "host_cpu_max_warm_s": max([c for c, k in zip(self.step_cpu, self.step_compiles) if not k],
+                                          default=0.0)}
+        if self.every:  # steps with an arrival's prefill chunk, and the decode-only rest
+            for name, steps in (("arrival", [c for c, a in zip(self.step_cpu, self.step_arrival) if a]),
+                                ("decode", [c for c, a in zip(self.step_cpu, self.step_arrival) if not a])):
+                out[f"{name}_steps"] = len(steps)
+                out[f"{name}_host_cpu_s"] = sum(steps) / max(1, len(steps))
+                out[f"{name}_host_cpu_max_s"] = max(steps, default=0.0)
+            out["step_arrival"] = self.step_arrival
+        return out
 
 
 def overlap(host: float, busy_s: float, wall: float) -> float:
@@ -259,8 +402,8 @@ def busy(engines: list, steps: int) -> list[float]:
 def run_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: int) -> dict:
     """Fills an engine with case.rows decoding sequences and measures `steps` decode steps,
     then `steps` more for the device's busy time."""
-    engine, cfg, fill_steps, fill_s = fill_case(model, case, 2 * steps, warmup, seed)
-    totals = _Totals()
+    engine, cfg, fill_steps, fill_s, arrive = fill_case(model, case, 2 * steps, warmup, seed, window=steps)
+    totals = _Totals(case, arrive)
     for _ in range(steps):
         totals.step(engine)
     return {"cfg": cfg, **totals.result(), "busy_s": busy([engine], steps)[0],
@@ -272,10 +415,11 @@ def run_interleaved(models: dict, cases: list, steps: int, warmup: int, seed: in
     """Every case's engine filled first, then `rounds` windows of `steps` measured steps, taken
     in turns (one step of each case at a time), so the machine's load falls on all cases alike.
     Each result also holds its host CPU per step in every window ("window_host_cpu_s")."""
-    filled = [fill_case(models[case.model], case, (rounds + 1) * steps + 1, warmup, seed) for case in cases]
+    filled = [fill_case(models[case.model], case, (rounds + 1) * steps + 1, warmup, seed, window=steps,
+                        before_window=1) for case in cases]
     for engine, *_ in filled:  # one untimed round: the first step after the other fills is slow
         engine.step()
-    totals = [_Totals() for _ in cases]
+    totals = [_Totals(case, f[4]) for case, f in zip(cases, filled)]
     windows = [[] for _ in cases]
     for _ in range(rounds):
         start = [total.cpu for total in totals]
@@ -287,7 +431,7 @@ def run_interleaved(models: dict, cases: list, steps: int, warmup: int, seed: in
     busy_s = busy([engine for engine, *_ in filled], steps)
     return [{"cfg": cfg, **total.result(), "busy_s": b, "fill_steps": fill_steps, "fill_s": fill_s,
              "window_host_cpu_s": w}
-            for (_, cfg, fill_steps, fill_s), total, b, w in zip(filled, totals, busy_s, windows)]
+            for (_, cfg, fill_steps, fill_s, _), total, b, w in zip(filled, totals, busy_s, windows)]
 
 
 def context_ratios(results: list[dict]) -> list[tuple[dict, dict]]:
@@ -313,6 +457,21 @@ def case_label(row: dict) -> str:
         parts.append(f"repetition penalty {row['repetition_penalty']:g}")
     if row["stream"]:
         parts.append("streamed")
+    if not row.get("prefix_caching", True):
+        parts.append("prefix caching off")
+    if row.get("prompt_spread"):
+        parts.append(f"prompts of {row['context'] - row['prompt_spread']} to {row['context']} tokens")
+    if row.get("ending"):
+        parts.append(f"{row['ending']:.0%} of rows ending in the window")
+    if row.get("arrivals_every"):
+        k = row["arrivals_every"]
+        parts.append("a request arriving every step" if k == 1 else f"a request arriving every {k} steps")
+    if row.get("n", 1) != 1:
+        parts.append(f"n {row['n']}")
+    if row.get("logprobs") is not None:
+        parts.append(f"logprobs {row['logprobs']}")
+    if row.get("stop"):
+        parts.append("stop " + json.dumps(list(row["stop"])))
     return ", ".join(parts)
 
 
@@ -328,10 +487,26 @@ def doc_tables(data: dict) -> dict:
     caption = (f"One steady decode step per case ({data['steps']} measured), rows x context; tiny: a random "
                f"{tiny['num_hidden_layers']}-layer Llama (hidden {tiny['hidden_size']}, vocabulary "
                f"{tiny['vocab_size']:,}); this machine's read bandwidth {data['read_bandwidth_gb_per_s']:.1f} GB/s")
+    every = []  # every measured step: the target is each step's, not only the mean
+    for r in data["cases"]:
+        split = {name: (f"{ms(r[f'{name}_host_cpu_s'])} / {ms(r[f'{name}_host_cpu_max_s'])}"
+                        if f"{name}_steps" in r else "") for name in ("decode", "arrival")}
+        every.append([case_label(r), ms(r["host_cpu_s"]), ms(r["host_cpu_max_s"]), ms(r["host_cpu_max_warm_s"]),
+                      f"{r['decode_batch_steps']} / {r['measured_steps']}",
+                      f"{r['step_rows'][0]} to {r['step_rows'][-1]}", split["decode"], split["arrival"]])
     return {"step": {"caption": caption,
                      "columns": ["case", "host ms", "host CPU ms", "device wait ms", "device busy ms", "wall ms",
                                  "wall / max(host CPU, busy)", "overlap", "attention share", "attention GB/s"],
-                     "rows": rows}}
+                     "rows": rows},
+            "step_every": {"caption": f"Host CPU of every measured step per case ({data['steps']} measured), ms: "
+                                      "mean, max, and max over the steps that compiled nothing; the steps that "
+                                      "took the steady decode step; running rows "
+                                      "in the first and last step; with arrivals, the steps without and with "
+                                      "an arriving request's prefill (mean / max)",
+                           "columns": ["case", "host CPU ms", "max host CPU ms", "max without compiles",
+                                       "steady decode steps", "rows",
+                                       "decode-only steps' host CPU ms", "prefill steps' host CPU ms"],
+                           "rows": every}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -392,11 +567,29 @@ def main(argv: list[str] | None = None) -> int:
                   f"{att['seconds'] * 1e3:6.1f} ms ({row['attention_share']:4.0%} of device busy), "
                   f"{att['gb_per_s']:5.1f} GB/s ({row['attention_vs_bandwidth']:.2f}x read bandwidth)  "
                   f"[fill {r['fill_steps']} steps, {r['fill_s']:.0f} s]", flush=True)
+            split = "".join(f"; {name} steps ({r[f'{name}_steps']}) CPU {r[f'{name}_host_cpu_s'] * 1e3:.2f} "
+                            f"max {r[f'{name}_host_cpu_max_s'] * 1e3:.2f}" for name in ("decode", "arrival")
+                            if f"{name}_steps" in r)
+            print(f"{'':26s} host CPU max {r['host_cpu_max_s'] * 1e3:.2f} ms/step "
+                  f"({r['host_cpu_max_warm_s'] * 1e3:.2f} "
+                  f"without the {sum(map(bool, r['step_compiles']))} steps that compiled); steady decode step in "
+                  f"{r['decode_batch_steps']} / {r['measured_steps']} steps; rows {r['step_rows'][0]} to "
+                  f"{r['step_rows'][-1]}{split}", flush=True)
+            if not case.steady:
+                print(f"{'':26s} per step (ms): " + " ".join(
+                    f"{c * 1e3:.1f}{'' if d else '*'}{'+' if a else ''}{'c' if k else ''}{'g' if g else ''}"
+                    for c, d, a, k, g in zip(r["step_host_cpu_s"], r["step_decode_batch"],
+                                             r.get("step_arrival", [False] * r["measured_steps"]),
+                                             r["step_compiles"], r["step_full_gcs"])) +
+                      "  (* general step, + an arrival's prefill, c compiled, g full gc)", flush=True)
     # Sampled cases against the greedy case of the same model and shape, when both ran.
-    greedy = {(r["model"], r["rows"], r["context"]): r for r in results if r["temperature"] == 0}
+    def steady(row):
+        return Case(**{f.name: row[f.name] for f in dataclasses.fields(Case)}).steady
+
+    greedy = {(r["model"], r["rows"], r["context"]): r for r in results if r["temperature"] == 0 and steady(r)}
     for row in results:
         base = greedy.get((row["model"], row["rows"], row["context"]))
-        if row["temperature"] != 0 and base is not None:
+        if row["temperature"] != 0 and base is not None and steady(row):
             row["device_vs_greedy"] = row["device_s"] / base["device_s"]
             row["busy_vs_greedy"] = row["busy_s"] / base["busy_s"]
             print(f"{row['case']}: device busy {row['busy_vs_greedy']:.2f}x {base['case']}'s "
@@ -415,10 +608,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in results:
         row["wall_vs_bound"] = row["wall_s"] / max(row["host_cpu_s"], row["busy_s"])
     data = {"backend": jax.default_backend(), "read_bandwidth_gb_per_s": bandwidth, "steps": steps, "cases": results}
-    table = doc_tables(data)["step"]
-    print("\n| " + " | ".join(table["columns"]) + " |\n" + "|---" * len(table["columns"]) + "|")
-    for cells in table["rows"]:
-        print("| " + " | ".join(str(c) for c in cells) + " |")
+    for table in doc_tables(data).values():
+        print("\n| " + " | ".join(table["columns"]) + " |\n" + "|---" * len(table["columns"]) + "|")
+        for cells in table["rows"]:
+            print("| " + " | ".join(str(c) for c in cells) + " |")
     if args.json:
         from provenance import write_record  # the figures with machine, versions, date, command, commit
 

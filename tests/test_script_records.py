@@ -59,14 +59,32 @@ def test_bench_step_rows_and_case_names():
     case = dataclasses.asdict(bench.CASES[0])  # tiny-32x128, as measured for the committed record
     ms = 1e-3
     row = dict(case, case=case["key"], host_s=0.4 * ms, host_cpu_s=0.4 * ms, device_s=2.0 * ms, busy_s=2.0 * ms,
-               wall_s=2.5 * ms, overlap=0.0, attention_share=0.08, attention_gb_per_s=28.2)
-    tables = bench.doc_tables({"cases": [row], "steps": 16, "read_bandwidth_gb_per_s": 70.4})
+               wall_s=2.5 * ms, overlap=0.0, attention_share=0.08, attention_gb_per_s=28.2,
+               host_cpu_max_s=0.64 * ms, host_cpu_max_warm_s=0.64 * ms, measured_steps=16, decode_batch_steps=15,
+               step_rows=[32] * 16)
+    # a case with arrivals: 4 steps with a prefill chunk, 12 without
+    arrivals = dict(row, **dataclasses.asdict(bench.Case("x", "tiny", 256, 1536, arrivals_every=4)),
+                    host_cpu_max_s=180.0 * ms, host_cpu_max_warm_s=3.04 * ms, decode_batch_steps=8,
+                    step_rows=[256] + [257] * 14 + [260],
+                    decode_steps=12, decode_host_cpu_s=1.21 * ms, decode_host_cpu_max_s=1.5 * ms,
+                    arrival_steps=4, arrival_host_cpu_s=2.5 * ms, arrival_host_cpu_max_s=3.04 * ms)
+    tables = bench.doc_tables({"cases": [row, arrivals], "steps": 16, "read_bandwidth_gb_per_s": 70.4})
     committed = _committed("step", "step")
     assert tables["step"]["columns"] == committed["columns"]
-    assert tables["step"]["rows"] == [committed["rows"][0]]  # wall / max(host CPU, busy) = 2.5 / 2.0
+    assert tables["step"]["rows"][0] == committed["rows"][0]  # wall / max(host CPU, busy) = 2.5 / 2.0
     assert "read bandwidth 70.4 GB/s" in tables["step"]["caption"]
-    labels = {bench.case_label(dataclasses.asdict(c)) for c in bench.CASES}
+    assert tables["step_every"]["rows"] == [
+        ["tiny 32 x 128", 0.4, 0.6, 0.6, "15 / 16", "32 to 32", "", ""],
+        ["tiny 256 x 1536, a request arriving every 4 steps", 0.4, 180.0, 3.0, "8 / 16", "256 to 260", "1.2 / 1.5",
+         "2.5 / 3.0"]]
+    # The steady cases are the committed record's; the others name what they add to it.
+    labels = {bench.case_label(dataclasses.asdict(c)) for c in bench.CASES if c.steady}
     assert labels == {r[0] for r in committed["rows"]}
+    others = [bench.case_label(dataclasses.asdict(c)) for c in bench.CASES if not c.steady]
+    assert len(set(others)) == len(others) and not set(others) & labels
+    assert bench.case_label(dataclasses.asdict(bench.QUICK_CASES[-1])) == (
+        "tiny 8 x 32, temperature 0.7, prefix caching off, prompts of 24 to 32 tokens, 50% of rows ending in "
+        'the window, a request arriving every step, n 2, logprobs 2, stop ["xyz"]')
     _renders(tables)
 
 

@@ -217,15 +217,21 @@ def test_bench_step_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["read_bandwidth_gb_per_s"] > 0
-    assert [c["case"] for c in data["cases"]] == ["tiny-8x32", "tiny-8x32-t0.7-p0.9"]
+    assert [c["case"] for c in data["cases"]] == ["tiny-8x32", "tiny-8x32-t0.7-p0.9", "tiny-8x32-mixed"]
     for case in data["cases"]:
         for key in ("host_s", "device_s", "wall_s", "attention_s", "attention_gb_per_s"):
             assert case[key] > 0, key
+        assert case["host_cpu_max_s"] == max(case["step_host_cpu_s"]) >= case["host_cpu_s"]
+        assert len(case["step_host_cpu_s"]) == len(case["step_compiles"]) == case["measured_steps"] == 2
+        assert case["host_cpu_max_warm_s"] <= case["host_cpu_max_s"]
+        assert 0 <= case["decode_batch_steps"] <= 2
         # 2 layers x 8 rows x 32 keys x 4 kv heads x 16 dims x K and V x 4 bytes
         assert case["attention_kv_bytes"] == 2 * 2 * 8 * 32 * 4 * 16 * 4
     assert "| tiny 8 x 32 |" in proc.stdout
     rows = _check_record(data, "step")
-    assert [r[0] for r in rows] == ["tiny 8 x 32", "tiny 8 x 32, temperature 0.7, top-p 0.9"]
+    assert [r[0] for r in rows][:2] == ["tiny 8 x 32", "tiny 8 x 32, temperature 0.7, top-p 0.9"]
+    mixed = data["cases"][2]  # a request arrives before each measured step: both carry its prefill
+    assert (mixed["arrival_steps"], mixed["decode_steps"]) == (2, 0) and mixed["step_arrival"] == [True, True]
 
 
 
