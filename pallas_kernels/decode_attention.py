@@ -19,7 +19,9 @@ kernel `decode_attention_mgpu`; dispatch.py chooses.
 
 * TPU: Mosaic TPU with `PrefetchScalarGridSpec`: lengths and the page table sit in SMEM and the
   BlockSpec index map fetches one page per grid step (Pallas double-buffers the DMAs). Interpreted on
-  CPU with `pltpu.InterpretParams()`.
+  CPU with `pltpu.InterpretParams()`. The pool is in `layout` (kv_layout.py): the canonical
+  [2, P, page_size, K, D] (K and V pages fetched apart) or the tpu layout [P, K, page_size, 2D]
+  (one [K, page_size, 2D] block a page, which tiles on TPU: XLA never relays the pool out).
 
 Quantised pool (kv_quant.QuantizedKV: int8 / fp8 values, bf16 scales [2, P, page_size, K]): each
 K/V block comes with the matching block of scales (the page's scales, fetched by the same index
@@ -42,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels import kv_quant, tpu_target
+from pallas_kernels import kv_layout, kv_quant, tpu_target
 
 # Finite, so a fully masked row gives exp(0) junk that is later discarded, never inf - inf = NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -126,6 +128,20 @@ def online_softmax_step(s, v, m_prev, l_prev, acc_prev):
     return m_next, l_next, correction * acc_prev + pv
 
 
+def check_pool(kv_pages, layout, head_dim: int):
+    """(pages, scales or None, KVLayout) of one layer's cache in `layout` (a kv_layout name);
+    ValueError unless its shape is that layout's with head dim `head_dim`."""
+    layout = kv_layout.get(layout)
+    pages, scales = kv_quant.split(kv_pages)
+    if scales is not None and layout.name != "canonical":
+        raise ValueError(f"a quantised pool has the canonical layout; got layout {layout.name!r}")
+    _, _, _, kv_dim = layout.dims(pages.shape)
+    if kv_dim != head_dim:
+        raise ValueError(f"kv_pages has shape {pages.shape} ({layout.name} layout): head dim {kv_dim}, "
+                         f"queries' {head_dim}")
+    return pages, scales, layout
+
+
 def check_sinks(sinks, num_heads: int) -> None:
     """ValueError unless sinks is None or one f32 logit per query head."""
     if sinks is not None and tuple(sinks.shape) != (num_heads,):
@@ -158,6 +174,39 @@ def combine_splits(acc, m, l, sink=None):
 
 
 # ---------------------------------------------------------------- TPU (Mosaic TPU)
+class PageReader:
+    """Head h's keys and values [page_size, D] of the page block a TPU kernel got: two refs
+    [page_size, K, D] in the canonical layout, one ref [K, page_size, 2D] in the tpu layout
+    (kv_layout.py). Takes its refs off the front of `refs`."""
+
+    def __init__(self, refs: list, fused: bool):
+        self.fused = fused
+        if fused:
+            self.kv_ref = refs.pop(0)
+            self.num_kv_heads, self.page_size, lanes = self.kv_ref.shape
+            self.head_dim = lanes // 2
+        else:
+            self.k_ref, self.v_ref = refs.pop(0), refs.pop(0)
+            self.page_size, self.num_kv_heads, self.head_dim = self.k_ref.shape
+
+    def __call__(self, h: int):
+        if self.fused:
+            d = self.head_dim
+            return self.kv_ref[h, :, :d], self.kv_ref[h, :, d:]
+        return self.k_ref[:, h, :], self.v_ref[:, h, :]
+
+
+def page_specs(layout, page_size: int, num_kv_heads: int, head_dim: int, page_index):
+    """BlockSpecs of one page of the pool: K and V (canonical layout; the pool is passed twice) or
+    the one fused block (tpu layout; passed once). page_index(*grid_and_prefetch) -> the physical page."""
+    if layout.name == "tpu":
+        block = (None, num_kv_heads, page_size, 2 * head_dim)
+        return [pl.BlockSpec(block, lambda *a: (page_index(*a), 0, 0, 0))]
+    block = (None, None, page_size, num_kv_heads, head_dim)
+    return [pl.BlockSpec(block, lambda *a: (0, page_index(*a), 0, 0, 0)),
+            pl.BlockSpec(block, lambda *a: (1, page_index(*a), 0, 0, 0))]
+
+
 def _page_slot(b, c, p, lens_ref, *, page_size, pages_per_split, pages_per_row, sliding_window):
     """Flat page-table index fetched at grid step (b, c, p); past the row's end it repeats the
     last used page, and before its window the window's first page, so Pallas skips the DMA (same
@@ -174,16 +223,19 @@ def _decode_kernel_tpu(
     lens_ref,  # SMEM i32[B]
     pt_ref,  # SMEM i32[B * pages_per_row]
     q_ref,  # [K, G, D]
-    k_ref,  # [page_size, K, D] one page
-    v_ref,  # [page_size, K, D]
-    *refs,  # quantised: ks_ref, vs_ref f32[page_size, K] the page's scales; then the outputs:
-    # acc_ref f32[K, G, D] resident across the page axis, m_ref f32[K, G, 1], l_ref f32[K, G, 1]
+    *refs,  # canonical layout: k_ref, v_ref [page_size, K, D] one page; tpu layout: kv_ref
+    # [K, page_size, 2D] one page (K | V on lanes); quantised: ks_ref, vs_ref f32[page_size, K] the
+    # page's scales; then the outputs: acc_ref f32[K, G, D] resident across the page axis,
+    # m_ref f32[K, G, 1], l_ref f32[K, G, 1]
     sm_scale: float, pages_per_split: int, sliding_window: int | None, soft_cap: float | None,
-    quantized: bool = False,
+    quantized: bool = False, fused: bool = False,
 ):
-    ks_ref, vs_ref, acc_ref, m_ref, l_ref = refs if quantized else (None, None, *refs)
+    refs = list(refs)
+    page_rows = PageReader(refs, fused)
+    ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
+    acc_ref, m_ref, l_ref = refs
     b, c, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    page_size = k_ref.shape[0]
+    page_size, num_kv_heads = page_rows.page_size, page_rows.num_kv_heads
 
     @pl.when(p == 0)
     def _init():
@@ -201,9 +253,8 @@ def _decode_kernel_tpu(
         key_col = first_key + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)
         valid_row = (key_row < length) & (key_row >= lo)
         valid_col = (key_col < length) & (key_col >= lo)
-        for h in range(k_ref.shape[1]):  # K is small and static
-            k = k_ref[:, h, :]  # [page_size, D]
-            v = v_ref[:, h, :]
+        for h in range(num_kv_heads):  # K is small and static
+            k, v = page_rows(h)  # [page_size, D] each
             q = q_ref[h]
             if quantized:  # dequantise the page's rows: [page_size, D] * [page_size, 1]
                 k = dequantize_rows(k, ks_ref[:, h:h + 1], q.dtype)
@@ -217,16 +268,17 @@ def _decode_kernel_tpu(
 
 
 def _decode_tpu(q4, kv_pages, table, lengths, scales, *, sm_scale, num_splits, interpret, sliding_window,
-                soft_cap):
+                soft_cap, layout):
     batch, num_kv_heads, group, head_dim = q4.shape  # [B, K, G, D]
-    _, _, page_size, _, _ = kv_pages.shape
+    _, page_size, _, _ = layout.dims(kv_pages.shape)
     pages_per_row = table.shape[1]
     pages_per_split = pages_per_row // num_splits
     slot = functools.partial(
         _page_slot, page_size=page_size, pages_per_split=pages_per_split, pages_per_row=pages_per_row,
         sliding_window=sliding_window,
     )
-    page_block = (None, None, page_size, num_kv_heads, head_dim)
+    pool_specs = page_specs(layout, page_size, num_kv_heads, head_dim,
+                            lambda b, c, p, lens, pt: pt[slot(b, c, p, lens)])
     out_block = (None, None, num_kv_heads, group)
     split_out = (batch, num_splits, num_kv_heads, group)
     quantized = scales is not None
@@ -241,8 +293,7 @@ def _decode_tpu(q4, kv_pages, table, lengths, scales, *, sm_scale, num_splits, i
         grid=(batch, num_splits, pages_per_split),
         in_specs=[
             pl.BlockSpec((None, num_kv_heads, group, head_dim), lambda b, c, p, lens, pt: (b, 0, 0, 0)),
-            pl.BlockSpec(page_block, lambda b, c, p, lens, pt: (0, pt[slot(b, c, p, lens)], 0, 0, 0)),
-            pl.BlockSpec(page_block, lambda b, c, p, lens, pt: (1, pt[slot(b, c, p, lens)], 0, 0, 0)),
+            *pool_specs,
             *scale_specs,
         ],
         out_specs=[
@@ -252,7 +303,8 @@ def _decode_tpu(q4, kv_pages, table, lengths, scales, *, sm_scale, num_splits, i
         ],
     )
     kernel = functools.partial(_decode_kernel_tpu, sm_scale=sm_scale, pages_per_split=pages_per_split,
-                               sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized)
+                               sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized,
+                               fused=layout.name == "tpu")
     with tpu_target.pinned("tpu", interpret):  # lowered for the TPU this compiles for
         return pl.pallas_call(
             kernel,
@@ -265,7 +317,7 @@ def _decode_tpu(q4, kv_pages, table, lengths, scales, *, sm_scale, num_splits, i
             compiler_params=tpu_params(("parallel", "parallel", "arbitrary")),
             interpret=interpret_arg("tpu", interpret),
             name="paxpage_decode_attention_tpu",
-        )(lengths, table.reshape(-1), q4, kv_pages, kv_pages, *scale_args)
+        )(lengths, table.reshape(-1), q4, *[kv_pages] * len(pool_specs), *scale_args)
 
 
 # ---------------------------------------------------------------- public wrapper
@@ -277,11 +329,13 @@ def default_num_splits(backend: str, batch: int, num_kv_heads: int, num_blocks: 
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "num_splits", "backend", "interpret", "sliding_window", "soft_cap")
+    jax.jit, static_argnames=("sm_scale", "num_splits", "backend", "interpret", "sliding_window", "soft_cap",
+                              "layout")
 )
 def decode_attention(
     q: jax.Array,  # [B, N, D] f32 or bf16
-    kv_pages,  # [2, P, page_size, K, D] one layer's pool (0 = K, 1 = V), or a kv_quant.QuantizedKV
+    kv_pages,  # one layer's pool in `layout` (canonical [2, P, page_size, K, D], 0 = K, 1 = V; tpu
+    # [P, K, page_size, 2D]), or a kv_quant.QuantizedKV (canonical layout)
     page_indices: jax.Array,  # i32[B, pages_per_seq] logical -> physical page of row b
     lengths: jax.Array,  # i32[B] keys of row b (0 = padding row -> zeros)
     *,
@@ -292,16 +346,15 @@ def decode_attention(
     sliding_window: int | None = None,  # W: row b sees keys lengths[b]-W..lengths[b]-1
     soft_cap: float | None = None,  # c: scaled scores s -> c * tanh(s / c)
     sinks: jax.Array | None = None,  # f32[N] per query head: a logit in the denominator only
+    layout: str = "canonical",  # the pool's kv_layout name
 ) -> jax.Array:  # [B, N, D] dtype of q
     check_backend(backend)
     if backend != "tpu":
         raise ValueError(f"backend is {backend!r}: the GPU family runs pallas_kernels.gpu_attention.paged_attention")
     check_window_and_cap(sliding_window, soft_cap)
     batch, num_heads, head_dim = q.shape
-    kv_pages, scales = kv_quant.split(kv_pages)
-    two, _, page_size, num_kv_heads, kv_dim = kv_pages.shape
-    if two != 2 or kv_dim != head_dim:
-        raise ValueError(f"kv_pages has shape {kv_pages.shape}; expected [2, P, page_size, K, {head_dim}]")
+    kv_pages, scales, layout = check_pool(kv_pages, layout, head_dim)
+    _, page_size, num_kv_heads, _ = layout.dims(kv_pages.shape)
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} kv heads")
     if page_indices.shape[0] != batch or lengths.shape != (batch,):
@@ -323,7 +376,7 @@ def decode_attention(
     q4 = q.reshape(batch, num_kv_heads, group, head_dim)  # [B, K, G, D]
     acc, m, l = _decode_tpu(
         q4, kv_pages, table, lengths, scales, sm_scale=sm_scale, num_splits=num_splits, interpret=interpret,
-        sliding_window=sliding_window, soft_cap=soft_cap,
+        sliding_window=sliding_window, soft_cap=soft_cap, layout=layout,
     )
     # The sinks join in the merge (the kernel is the same with or without them).
     sink = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1)

@@ -27,6 +27,9 @@ head_dim % 64 == 0, page_size in 8..64, N // K <= 8 and, when compiling, compute
 Attention sinks (gpt-oss, `sinks` f32[N]: a logit per query head in the softmax's denominator
 only) reach every kernel family; each folds them into its final normalisation or split merge.
 
+KV layout (kv_layout.py): the GPU family reads the canonical pool [2, P, page_size, K, D]; the
+TPU family reads it or the tpu layout [P, K, page_size, 2D], which tiles on TPU (`layout`).
+
 Quantised KV cache (kv_quant.QuantizedKV, EngineConfig.kv_cache_dtype "int8" / "fp8"): every
 kernel here takes it except Mosaic GPU (`decode_attention_mgpu.QUANTIZED_REASON`), so "auto"
 decodes such a pool with the ragged kernel and "mosaic" raises.
@@ -37,7 +40,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import decode_attention_mgpu, gpu_attention, kv_quant, kv_write, tpu_target
+from pallas_kernels import decode_attention_mgpu, gpu_attention, kv_layout, kv_quant, kv_write, tpu_target
 from pallas_kernels.decode_attention import check_sinks, decode_attention
 from pallas_kernels.ragged_attention import ragged_paged_attention
 
@@ -97,7 +100,7 @@ def resolve_impl(impl: str, backend: str | None = None) -> tuple[str, bool]:
 
 def paged_attention(
     q: jax.Array,  # [B, Tq, N, D] f32/bf16; row b has q_lens[b] real tokens, rest padding
-    kv_pages,  # [2, P, page_size, K, D] one layer's pool, already holding this step's K/V (or QuantizedKV)
+    kv_pages,  # one layer's pool in `layout`, already holding this step's K/V (or a QuantizedKV)
     page_indices: jax.Array,  # i32[B, pages_per_seq]
     kv_lens: jax.Array,  # i32[B] keys of row b including this step's (0 = padding row)
     q_lens: jax.Array,  # i32[B] new tokens of row b (<= kv_lens[b], <= Tq)
@@ -110,8 +113,10 @@ def paged_attention(
     soft_cap: float | None = None,  # c: scaled scores s -> c * tanh(s / c)
     batch_invariant: bool = False,  # a row's result independent of the launch (GPU ragged kernel only)
     sinks: jax.Array | None = None,  # f32[N] per query head (gpt-oss): a logit in the denominator only
+    layout: str = "canonical",  # the pool's kv_layout name; "tpu" only for the TPU family
 ) -> jax.Array:  # [B, Tq, N, D]; padding tokens are zeros
     kernel_backend, interpret = resolve_impl(impl, backend)
+    check_layout(layout, kernel_backend)
     if batch_invariant and (kernel_backend != "gpu" or gpu_decode == "mosaic"):
         raise ValueError(f"batch_invariant runs the GPU ragged kernel only; got backend {kernel_backend!r}, "
                          f"gpu_decode {gpu_decode!r}")
@@ -140,7 +145,7 @@ def paged_attention(
     if num_q == 1:
         out = decode_attention(
             q[:, 0], kv_pages, page_indices, kv_lens,
-            sm_scale=sm_scale, backend=kernel_backend, interpret=interpret, **masking,
+            sm_scale=sm_scale, backend=kernel_backend, interpret=interpret, layout=layout, **masking,
         )  # [B, N, D]
         return jnp.where(q_lens[:, None, None] > 0, out, jnp.zeros_like(out))[:, None]
 
@@ -153,20 +158,31 @@ def paged_attention(
     flat_q = flat_q.at[dest].set(q.reshape(-1, num_heads, head_dim), mode="drop")
     flat_out = ragged_paged_attention(
         flat_q, kv_pages, page_indices, cu, kv_lens, jnp.full((1,), batch, jnp.int32),
-        sm_scale=sm_scale, backend=kernel_backend, interpret=interpret, **masking,
+        sm_scale=sm_scale, backend=kernel_backend, interpret=interpret, layout=layout, **masking,
     )  # [B * Tq, N, D]
     out = flat_out[jnp.minimum(dest, batch * num_q - 1)].reshape(q.shape)
     return jnp.where(real[:, :, None, None], out, jnp.zeros_like(out))
 
 
 def write_kv(
-    kv_pages,  # [2, P, page_size, K, D] one layer's pool or a QuantizedKV (donate it in the caller's jit)
+    kv_pages,  # one layer's pool in `layout` or a QuantizedKV (donate it in the caller's jit)
     k: jax.Array,  # [T, K, D]
     v: jax.Array,  # [T, K, D]
     slot_mapping: jax.Array,  # i32[T]; -1 = padding, not written
     *,
     impl: str,
     backend: str | None = None,
+    layout: str = "canonical",  # the pool's kv_layout name; "tpu" only for the TPU family
 ) -> jax.Array:  # the pool with token t's K/V at slot_mapping[t]
     kernel_backend, interpret = resolve_impl(impl, backend)
-    return kv_write.write_kv(kv_pages, k, v, slot_mapping, backend=kernel_backend, interpret=interpret)
+    check_layout(layout, kernel_backend)
+    return kv_write.write_kv(kv_pages, k, v, slot_mapping, backend=kernel_backend, interpret=interpret,
+                             layout=layout)
+
+
+def check_layout(layout, kernel_backend: str) -> None:
+    """ValueError unless `layout` (a kv_layout name) is one the kernel family reads: the GPU
+    family reads the canonical layout only, the TPU family both."""
+    name = kv_layout.get(layout).name
+    if name != "canonical" and kernel_backend != "tpu":
+        raise ValueError(f"the {name!r} KV layout is read by the TPU kernels only; the backend is {kernel_backend!r}")

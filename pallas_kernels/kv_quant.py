@@ -5,7 +5,8 @@ Axis legend: T flat tokens, K kv heads, D head dim, P pages.
 One layer's cache is either a plain array [2, P, page_size, K, D] (the model's dtype; "auto") or a
 `QuantizedKV(pages, scales)`: `pages` [2, P, page_size, K, D] int8 / float8_e4m3fn and `scales`
 SCALE_DTYPE[2, P, page_size, K] (bf16), so that row (half, page, slot, head) holds `pages[...] * scales[...]`.
-The scales have the pool's leading axes, so anything that moves pages (copy-on-write, a page
+A quantised pool has the canonical layout on every backend (kv_layout.py: the TPU's plain pool
+has its own). The scales have the pool's leading axes, so anything that moves pages (copy-on-write, a page
 table, sharding over K) moves them the same way; a `jax.tree_util` map over the pytree does both.
 
 Quantisation is symmetric absmax per (token, kv head): scale = max|x| / QMAX, x / scale rounded

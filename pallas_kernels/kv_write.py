@@ -8,7 +8,8 @@ touched; jit the caller with the pool donated and XLA updates it in place, never
 
 GPU: Triton lowering, one program per (token, kv head) storing a [D] row through a pointer.
 TPU: Mosaic TPU; slots are scalar-prefetched into SMEM, the pool stays in HBM (`pl.ANY`) and each
-token's [K, D] rows are DMA'd from VMEM straight to their slot.
+token's [K, D] rows are DMA'd from VMEM straight to their slot. On the tpu layout (kv_layout.py)
+a token's row set is an in-place XLA scatter (`_kv_write_tpu_fused` says why).
 
 Quantised pool (kv_quant.QuantizedKV): K/V are quantised per (token, kv head) in the wrapper
 (kv_quant.quantize, jnp). The GPU kernel stores each row's int8/fp8 values and its scale
@@ -29,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import kv_quant, tpu_target
-from pallas_kernels.decode_attention import check_backend, interpret_arg, tpu_params, triton_params
+from pallas_kernels.decode_attention import check_backend, check_pool, interpret_arg, tpu_params, triton_params
 
 
 def _kv_write_kernel_gpu(slots_ref, k_ref, v_ref, *refs, page_size: int, quantized: bool):
@@ -92,7 +93,7 @@ def _kv_write_gpu(kv_pages, k, v, slots, scales, ks, vs, *, interpret):
 
 def _kv_write_kernel_tpu(slots_ref, k_ref, v_ref, _, pool_ref, sem, *, page_size: int):
     # slots_ref SMEM i32[T_pad]; k_ref/v_ref [block_t, K, D] VMEM; pool_ref HBM [2, P, page_size, K, D]
-    # (input 3 is the aliased pool).
+    # (input 3 is the aliased pool). Canonical layout only (the tpu layout: _kv_write_tpu_fused).
     block_t = k_ref.shape[0]
     t0 = pl.program_id(0) * block_t
 
@@ -159,9 +160,21 @@ def _kv_write_tpu(kv_pages, k, v, slots, scales, ks, vs, *, block_t, interpret):
     return pages, kv_quant.write_scales(scales, slots, jnp.stack([ks, vs]))
 
 
-@functools.partial(jax.jit, static_argnames=("block_t", "backend", "interpret"), donate_argnums=(0,))
+def _kv_write_tpu_fused(kv_pages, k, v, slots):
+    """The tpu layout [P, K, page_size, 2D] (kv_layout.py): token t's keys and values are one
+    [K, 2D] row set at (page, :, offset), an in-place XLA scatter on the donated pool. One token
+    is one sublane of each (page_size, 2D) tile, below the tile-aligned offsets a Mosaic DMA
+    takes, so no Pallas kernel stores it."""
+    num_pages, _, page_size, _ = kv_pages.shape
+    page = jnp.where(slots < 0, num_pages, slots // page_size)  # padding: out of bounds, dropped
+    rows = jnp.concatenate([k, v], axis=-1)  # [T, K, 2D]
+    return kv_pages.at[page, :, slots % page_size].set(rows, mode="drop")
+
+
+@functools.partial(jax.jit, static_argnames=("block_t", "backend", "interpret", "layout"), donate_argnums=(0,))
 def write_kv(
-    kv_pages,  # [2, P, page_size, K, D] one layer's pool, or a QuantizedKV; donated, updated in place
+    kv_pages,  # one layer's pool in `layout` (canonical [2, P, page_size, K, D] or a QuantizedKV;
+    # tpu [P, K, page_size, 2D]); donated, updated in place
     k: jax.Array,  # [T, K, D] this step's keys, flat tokens
     v: jax.Array,  # [T, K, D]
     slot_mapping: jax.Array,  # i32[T] page_id * page_size + offset; -1 = padding, not written
@@ -169,11 +182,14 @@ def write_kv(
     block_t: int = 8,  # TPU: tokens per grid step
     backend: str = "gpu",
     interpret: bool = False,
+    layout: str = "canonical",  # the pool's kv_layout name
 ) -> jax.Array:  # the same pool with the T rows written
     check_backend(backend)
-    kv_pages, scales = kv_quant.split(kv_pages)
-    two, num_pages, page_size, num_kv_heads, head_dim = kv_pages.shape
-    if two != 2 or k.shape[1:] != (num_kv_heads, head_dim) or v.shape != k.shape:
+    kv_pages, scales, layout = check_pool(kv_pages, layout, k.shape[-1])
+    num_pages, page_size, num_kv_heads, head_dim = layout.dims(kv_pages.shape)
+    if layout.name == "tpu" and backend != "tpu":
+        raise ValueError(f"the tpu KV layout is the TPU family's; backend is {backend!r}")
+    if k.shape[1:] != (num_kv_heads, head_dim) or v.shape != k.shape:
         raise ValueError(
             f"k {k.shape} / v {v.shape} do not fit kv_pages {kv_pages.shape}; expected [T, {num_kv_heads}, {head_dim}]"
         )
@@ -189,6 +205,8 @@ def write_kv(
         v = v.astype(kv_pages.dtype)
     else:  # quantised here, per (token, kv head); the kernels store values and scales
         (k, v), (ks, vs) = kv_quant.quantize(jnp.stack([k, v]), kv_pages.dtype)
+    if layout.name == "tpu":
+        return _kv_write_tpu_fused(kv_pages, k, v, slots)
     if backend == "gpu":
         out = _kv_write_gpu(kv_pages, k, v, slots, scales, ks, vs, interpret=interpret)
     else:

@@ -41,17 +41,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import kv_quant, tpu_target
+from pallas_kernels import tpu_target
 from pallas_kernels.decode_attention import (
     MASK_VALUE,
+    PageReader,
     cap_scores,
     check_backend,
+    check_pool,
     check_sinks,
     check_window_and_cap,
     dequantize_rows,
     fold_sink,
     interpret_arg,
     online_softmax_step,
+    page_specs,
     scores_nt,
     tpu_params,
 )
@@ -106,20 +109,21 @@ def _ragged_kernel_tpu(
     cu_ref, kv_lens_ref, pt_ref,  # SMEM i32[S_max + 1], i32[S_max], i32[S_max * pages_per_seq]
     wb_ref, ws_ref, wi_ref, wv_ref,  # SMEM i32[W]: query block, sequence, first-of-block, valid
     q_ref,  # [K, R, D]
-    k_ref,  # [page_size, K, D] one page
-    v_ref,  # [page_size, K, D]
-    *refs,  # quantised: ks_ref, vs_ref f32[page_size, K] the page's scales; with sinks: sink_ref
+    *refs,  # canonical layout: k_ref, v_ref [page_size, K, D] one page; tpu layout: kv_ref
+    # [K, page_size, 2D] one page (K | V on lanes); quantised: ks_ref, vs_ref f32[page_size, K] the
+    # page's scales; with sinks: sink_ref
     # f32[K, R, 1] each row's sink logit; then o_ref [K, R, D] resident while consecutive work
     # items share the block, and VMEM scratch m_sc, l_sc, acc_sc f32[K, R, 1], f32[K, R, 1], f32[K, R, D]
     sm_scale: float, block_q: int, rows_per_tok: int, sliding_window: int | None, soft_cap: float | None,
-    quantized: bool = False, sinks: bool = False,
+    quantized: bool = False, sinks: bool = False, fused: bool = False,
 ):
     refs = list(refs)
+    page_rows = PageReader(refs, fused)
     ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
     sink_ref = refs.pop(0) if sinks else None
     o_ref, m_sc, l_sc, acc_sc = refs
     w, p = pl.program_id(0), pl.program_id(1)
-    page_size = k_ref.shape[0]
+    page_size, num_kv_heads = page_rows.page_size, page_rows.num_kv_heads
     rows = q_ref.shape[1]
     kv_len = kv_lens_ref[ws_ref[w]]
     row_lo, row_hi, base, num_keys = _work_geometry(w, cu_ref, kv_lens_ref, wb_ref, ws_ref, block_q=block_q)
@@ -137,8 +141,8 @@ def _ragged_kernel_tpu(
 
     @pl.when((wv_ref[w] == 1) & (p * page_size < num_keys) & ((p + 1) * page_size > first_key))
     def _compute():
-        for h in range(k_ref.shape[1]):  # K is small and static
-            q, k, v = q_ref[h], k_ref[:, h, :], v_ref[:, h, :]
+        for h in range(num_kv_heads):  # K is small and static
+            q, (k, v) = q_ref[h], page_rows(h)
             if quantized:  # dequantise the page's rows: [page_size, D] * [page_size, 1]
                 k = dequantize_rows(k, ks_ref[:, h:h + 1], q.dtype)
                 v = v.astype(jnp.float32) * vs_ref[:, h:h + 1]
@@ -155,7 +159,7 @@ def _ragged_kernel_tpu(
     @pl.when((wv_ref[w] == 1) & (p == pl.num_programs(1) - 1))
     def _merge():
         in_seq = _row_mask(rows, row_lo, row_hi, rows_per_tok)
-        for h in range(k_ref.shape[1]):
+        for h in range(num_kv_heads):
             l, acc = l_sc[h], acc_sc[h]
             if sinks:
                 l, acc = fold_sink(m_sc[h], l, acc, sink_ref[h])
@@ -180,24 +184,25 @@ def _work_list(first, last, num_q_blocks, num_slots):
 
 
 def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, sink_rows, *, sm_scale, block_q,
-                rows_per_tok, interpret, sliding_window, soft_cap):
+                rows_per_tok, interpret, sliding_window, soft_cap, layout):
     num_q_blocks, num_kv_heads, rows, head_dim = qw.shape
-    _, _, page_size, _, _ = kv_pages.shape
+    _, page_size, _, _ = layout.dims(kv_pages.shape)
     num_slots, pages_per_seq = table.shape
     wb, ws, wi, wv = _work_list(first, last, num_q_blocks, num_slots)
     geom = functools.partial(_work_geometry, block_q=block_q)
 
-    def page_map(half, trailing=3):  # trailing: block axes after the page's (K, D; scales: K)
-        def index_map(w, p, cu_r, kvl_r, pt_r, wb_r, ws_r, wi_r, wv_r):
-            row_lo, _, base, num_keys = geom(w, cu_r, kvl_r, wb_r, ws_r)
-            used = jnp.maximum(pl.cdiv(num_keys, page_size) - 1, 0)
-            page = p
-            if sliding_window is not None:  # before the window: its first page (released pages unread)
-                # lax.div: both operands are >= 0; a floor division would lower through lax.sign
-                page = jnp.maximum(p, lax.div(_first_key(base, row_lo, sliding_window), page_size))
-            # Past the keys this item needs, repeat the last page: no new DMA, no stray read.
-            return (half, pt_r[ws_r[w] * pages_per_seq + jnp.minimum(page, used)]) + (0,) * trailing
-        return index_map
+    def page_index(w, p, cu_r, kvl_r, pt_r, wb_r, ws_r, wi_r, wv_r):
+        row_lo, _, base, num_keys = geom(w, cu_r, kvl_r, wb_r, ws_r)
+        used = jnp.maximum(pl.cdiv(num_keys, page_size) - 1, 0)
+        page = p
+        if sliding_window is not None:  # before the window: its first page (released pages unread)
+            # lax.div: both operands are >= 0; a floor division would lower through lax.sign
+            page = jnp.maximum(p, lax.div(_first_key(base, row_lo, sliding_window), page_size))
+        # Past the keys this item needs, repeat the last page: no new DMA, no stray read.
+        return pt_r[ws_r[w] * pages_per_seq + jnp.minimum(page, used)]
+
+    def page_map(half, trailing=3):  # scales' block: (half, page) then their K axis
+        return lambda *a: (half, page_index(*a)) + (0,) * trailing
 
     quantized = scales is not None
     scale_specs, scale_args = [], []
@@ -211,14 +216,13 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, sink_rows
         sink_args = [sink_rows]
 
     block_map = lambda w, p, cu_r, kvl_r, pt_r, wb_r, *_: (wb_r[w], 0, 0, 0)
-    page_block = (None, None, page_size, num_kv_heads, head_dim)
+    pool_specs = page_specs(layout, page_size, num_kv_heads, head_dim, page_index)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=7,
         grid=(wb.shape[0], pages_per_seq),
         in_specs=[
             pl.BlockSpec((None, num_kv_heads, rows, head_dim), block_map),
-            pl.BlockSpec(page_block, page_map(0)),
-            pl.BlockSpec(page_block, page_map(1)),
+            *pool_specs,
             *scale_specs,
             *sink_specs,
         ],
@@ -231,7 +235,7 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, sink_rows
     )
     kernel = functools.partial(_ragged_kernel_tpu, sm_scale=sm_scale, block_q=block_q, rows_per_tok=rows_per_tok,
                                sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized,
-                               sinks=sink_rows is not None)
+                               sinks=sink_rows is not None, fused=layout.name == "tpu")
     with tpu_target.pinned("tpu", interpret):  # lowered for the TPU this compiles for
         return pl.pallas_call(
             kernel,
@@ -241,16 +245,17 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, sink_rows
             compiler_params=tpu_params(("arbitrary", "arbitrary")),
             interpret=interpret_arg("tpu", interpret),
             name="paxpage_ragged_attention_tpu",
-        )(cu, kv_lens, table.reshape(-1), wb, ws, wi, wv, qw, kv_pages, kv_pages, *scale_args, *sink_args)
+        )(cu, kv_lens, table.reshape(-1), wb, ws, wi, wv, qw, *[kv_pages] * len(pool_specs), *scale_args, *sink_args)
 
 
 # ---------------------------------------------------------------- public wrapper
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "block_q", "backend", "interpret", "sliding_window", "soft_cap")
+    jax.jit, static_argnames=("sm_scale", "block_q", "backend", "interpret", "sliding_window", "soft_cap",
+                              "layout")
 )
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, D] f32 or bf16, flat tokens of all sequences back to back
-    kv_pages,  # [2, P, page_size, K, D] one layer's pool, already holding this step's K/V (or a QuantizedKV)
+    kv_pages,  # one layer's pool in `layout` (decode_attention's), already holding this step's K/V
     page_indices: jax.Array,  # i32[S_max, pages_per_seq] logical -> physical page of sequence i
     cu_q_lens: jax.Array,  # i32[S_max + 1] token offsets; cu_q_lens[0] = 0
     kv_lens: jax.Array,  # i32[S_max] keys of sequence i including its new tokens
@@ -263,16 +268,15 @@ def ragged_paged_attention(
     sliding_window: int | None = None,  # W: a token at position p sees keys p - W + 1..p
     soft_cap: float | None = None,  # c: scaled scores s -> c * tanh(s / c)
     sinks: jax.Array | None = None,  # f32[N] per query head: a logit in the denominator only
+    layout: str = "canonical",  # the pool's kv_layout name
 ) -> jax.Array:  # [T, N, D] dtype of q
     check_backend(backend)
     if backend != "tpu":
         raise ValueError(f"backend is {backend!r}: the GPU family runs pallas_kernels.gpu_attention.paged_attention")
     check_window_and_cap(sliding_window, soft_cap)
     num_tokens, num_heads, head_dim = q.shape
-    kv_pages, scales = kv_quant.split(kv_pages)
-    two, _, page_size, num_kv_heads, kv_dim = kv_pages.shape
-    if two != 2 or kv_dim != head_dim:
-        raise ValueError(f"kv_pages has shape {kv_pages.shape}; expected [2, P, page_size, K, {head_dim}]")
+    kv_pages, scales, layout = check_pool(kv_pages, layout, head_dim)
+    _, page_size, num_kv_heads, _ = layout.dims(kv_pages.shape)
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} kv heads")
     num_slots, pages_per_seq = page_indices.shape
@@ -306,7 +310,7 @@ def ragged_paged_attention(
     qw = jnp.pad(qw, ((0, 0), (0, 0), (0, 0), (0, rows_per_tok - group), (0, 0)))
     qw = qw.transpose(0, 2, 1, 3, 4).reshape(num_q_blocks, num_kv_heads, block_q * rows_per_tok, head_dim)
     kw = dict(sm_scale=sm_scale, block_q=block_q, rows_per_tok=rows_per_tok, interpret=interpret,
-              sliding_window=sliding_window, soft_cap=soft_cap)
+              sliding_window=sliding_window, soft_cap=soft_cap, layout=layout)
     sink_rows = None
     if sinks is not None:  # [N] -> [K, R, 1], row = token * Gp + g like qw
         sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, group), (1, block_q))[..., None]

@@ -108,13 +108,17 @@ def kernel_family(impl: str) -> str | None:
     return dispatch.resolve_impl(impl)[0]
 
 
-def functions(impl: str, backend: str | None = None, batch_invariant: bool = False, latent: bool = False):
+def functions(impl: str, backend: str | None = None, batch_invariant: bool = False, latent: bool = False,
+              layout: str = "canonical"):
     """(attention, write_kv) of a resolved impl ("native" only once `resolve` returned it).
     latent: those of a latent-attention model's pool (impl must be `latent_impl`'s "xla").
     backend: "gpu" or "tpu" makes the Pallas kernels lower for that family whatever this host
-    is (pallas_kernels/dispatch.py); None: the compile target's.
+    is (pallas_kernels/dispatch.py); None: the compile target's. layout: the pool's
+    pallas_kernels.kv_layout name, "tpu" only with the TPU family's Pallas kernels.
     batch_invariant: the Pallas GPU kernel's fixed-split plan (the native kernel's order per row
     is fixed already; the XLA path has no such form)."""
+    if layout != "canonical" and not get(impl).pallas:
+        raise ValueError(f"attention impl {impl!r} reads the canonical KV layout; got {layout!r}")
     if latent:
         assert impl == "xla", impl
         return latent_attention.latent_attention_xla, latent_attention.write_latent
@@ -127,6 +131,7 @@ def functions(impl: str, backend: str | None = None, batch_invariant: bool = Fal
     from pallas_kernels import dispatch  # imported lazily: Pallas is not needed on the fast CPU path
 
     return (
-        functools.partial(dispatch.paged_attention, impl=impl, backend=backend, batch_invariant=batch_invariant),
-        functools.partial(dispatch.write_kv, impl=impl, backend=backend),
+        functools.partial(dispatch.paged_attention, impl=impl, backend=backend, batch_invariant=batch_invariant,
+                          layout=layout),
+        functools.partial(dispatch.write_kv, impl=impl, backend=backend, layout=layout),
     )

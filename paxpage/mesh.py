@@ -103,12 +103,14 @@ def cache_zeros(shape, kv_cache_dtype: str, dtype, sharding) -> object:
                                 zeros(shape[:-1], kv_quant.SCALE_DTYPE, sharding.scales))
 
 
-def shard_attention(attention, write_kv, mesh: Mesh, plan: ShardingPlan, kv_cache_dtype: str = "auto"):
+def shard_attention(attention, write_kv, mesh: Mesh, plan: ShardingPlan, kv_cache_dtype: str = "auto",
+                    layout=None):
     """Wraps the model's attention and KV write so each device runs them on its own heads (all
     heads when the plan replicates attention). Page tables, lengths and slots are replicated.
     A quantised cache's scales split over their K axis like the pages. A latent pool
     (plan.latent_pool) is replicated: each device attends its query heads against all of it."""
-    q_spec, kv_spec, pool_spec = plan.spec(Q_AXES), plan.spec(NEW_KV_AXES), plan.kv_cache_spec(kv_cache_dtype)
+    q_spec, kv_spec = plan.spec(Q_AXES), plan.spec(NEW_KV_AXES)
+    pool_spec = plan.kv_cache_spec(kv_cache_dtype, layout=layout)  # layout: the pool's kv_layout
     rep = PartitionSpec()
 
     def sharded_attention(q, kv_pages, page_indices, kv_lens, q_lens, *, sm_scale, sinks=None, **masking):
@@ -152,14 +154,15 @@ def _abstract_array(x, dtype=None):
 
 
 def shard_runner_state(model_cfg, params, dtype, mesh: Mesh, attention, write_kv, kv_cache_dtype: str = "auto",
-                       stacked_pool: bool = False, abstract: bool = False):
+                       stacked_pool: bool = False, abstract: bool = False, layout=None):
     """What ModelRunner needs on a tensor-parallel mesh: (model config the step runs, plan,
     sharded params, the KV cache's sharding, a pytree like one layer's cache (each layer's
     cache: `cache_zeros(shape, kv_cache_dtype, dtype, it)`; with stacked_pool the one stacked
     [2, L, P, ...] cache), attention and write_kv under shard_map, jit kwargs of the step, jit
     kwargs of the page copy). Stacked layer params (models/layer_stack.py) keep their leading
     layer axis unsharded. abstract: `params` may be jax.ShapeDtypeStructs and the params come back
-    as ShapeDtypeStructs with their shardings (nothing placed: ahead-of-time compilation)."""
+    as ShapeDtypeStructs with their shardings (nothing placed: ahead-of-time compilation).
+    layout: the pool's pallas_kernels.kv_layout (None: canonical), split on its kv-head axis."""
     from paxpage.sharding import replicate_kv_heads
 
     plan = ShardingPlan.for_model(model_cfg, mesh.shape[MODEL_AXIS])
@@ -167,9 +170,10 @@ def shard_runner_state(model_cfg, params, dtype, mesh: Mesh, attention, write_kv
     params = cast_params(params, dtype, to_array=to_array)  # quantised: int8 values, f32 scales
     params = place_params(replicate_kv_heads(plan, model_cfg, params), mesh, plan, place_fn)
     model_cfg = plan.sharded_model_config(model_cfg)
-    pool = jax.tree.map(lambda spec: NamedSharding(mesh, spec), plan.kv_cache_spec(kv_cache_dtype, stacked_pool),
+    pool = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
+                        plan.kv_cache_spec(kv_cache_dtype, stacked_pool, layout),
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
-    attention, write_kv = shard_attention(attention, write_kv, mesh, plan, kv_cache_dtype)
+    attention, write_kv = shard_attention(attention, write_kv, mesh, plan, kv_cache_dtype, layout)
     pools = pool if stacked_pool else [pool] * model_cfg.num_layers
     replicated = NamedSharding(mesh, PartitionSpec())
     step = {"out_shardings": (pools, replicated, replicated)}

@@ -25,7 +25,7 @@ import numpy as np
 from models.config import ModelConfig
 from models import layer_stack, lora_ops, param_forms
 from models.families import build_model
-from pallas_kernels import kv_quant
+from pallas_kernels import kv_layout, kv_quant
 from paxpage import attention_impl, kv_sizing, lora_slab
 from paxpage.sampling import sampler as sampler_lib
 from paxpage.batch import StepBatch
@@ -66,11 +66,17 @@ class ModelRunner:
             attention_impl.check_batch_invariant(impl, family)
         if not abstract:
             log.info("paxpage: %s", attention_impl.describe(impl, asked, backend))
-        attention, write_kv = attention_impl.functions(impl, backend, cfg.batch_invariant, latent=model_cfg.is_mla)
-        self._pool_sharding = None  # None: the default device
         # Scanned layers (models/layer_stack.py): the params are stacked and the pool is one
         # stacked [2, L, P, ...] array instead of a list of L pools.
         self.scanned = cfg.scan_period > 0
+        # The pool's layout is its kernel family's (pallas_kernels/kv_layout.py): the TPU kernels'
+        # tiles on TPU; a stacked pool (layer_stack's [2, L, P, ...]) stays canonical.
+        self.kv_layout = kv_layout.for_backend(
+            family if attention_impl.get(impl).pallas and not self.scanned else None,
+            quantized=cfg.kv_cache_dtype != "auto", latent=model_cfg.is_mla)
+        attention, write_kv = attention_impl.functions(impl, backend, cfg.batch_invariant, latent=model_cfg.is_mla,
+                                                       layout=self.kv_layout.name)
+        self._pool_sharding = None  # None: the default device
         num_layers = model_cfg.num_layers
         if mesh is None and abstract:
             self.params = jax.eval_shape(functools.partial(param_forms.make_form, num_layers=num_layers,
@@ -92,7 +98,7 @@ class ModelRunner:
             (model_cfg, self.plan, self.params, self._pool_sharding, attention, write_kv, step_shardings,
              copy_shardings) = mesh_lib.shard_runner_state(model_cfg, params, dtype, mesh, attention, write_kv,
                                                            cfg.kv_cache_dtype, stacked_pool=self.scanned,
-                                                           abstract=abstract)
+                                                           abstract=abstract, layout=self.kv_layout)
         self.step_model_cfg = model_cfg  # the config the step runs (sharded: KV heads maybe replicated)
         # On CPU with native kernels, one device, the LoRA delta runs as the native kernel; under a
         # mesh the slab is sharded and the delta stays in XLA ops (GSPMD partitions them).
@@ -112,7 +118,7 @@ class ModelRunner:
         # Sharded: the pool keeps its sharding across steps (out_shardings), so a step never
         # reshards it or recompiles; logits come back replicated for the sampler.
         self._step = jax.jit(self._forward, donate_argnums=(1,), **step_shardings)
-        self._copy = jax.jit(functools.partial(_copy_pages, page_axis=2 if self.scanned else 1),
+        self._copy = jax.jit(functools.partial(_copy_pages, page_axis=2 if self.scanned else self.kv_layout.page_axis),
                              donate_argnums=(0,), **copy_shardings)
         # The sampler and the fixed-width copy of its tokens are one executable per logits-row count.
         # On CPU with native kernels, sampled rows draw through the native proposal kernel.
@@ -184,7 +190,8 @@ class ModelRunner:
 
     def _pool(self, num_pages: int, dtype, make=None):
         """The KV cache of num_pages pages per layer: a list of L caches (each a [2, P, page_size, K, D]
-        array, or kv_quant.QuantizedKV(pages, scales) for an int8 / fp8 cache, or a latent-attention
+        array, or in the tpu layout [P, K, page_size, 2D] (self.kv_layout), or
+        kv_quant.QuantizedKV(pages, scales) for an int8 / fp8 cache, or a latent-attention
         model's [1, P, page_size, 1, C] latent pool), or when scanning one
         stacked cache of [2, L, P, ...] leaves. Code that moves pages maps over the pytree
         (jax.tree.map). `make(shape, dtype)` builds one cache (default: zeros where the step expects them)."""
@@ -192,6 +199,8 @@ class ModelRunner:
         make = make or self._zeros
         halves, heads, width = m.kv_pool_dims  # (2, K, D); latent attention (1, 1, C)
         shape = (halves, num_pages, self.cfg.page_size, heads, width)
+        if self.kv_layout.name != "canonical":
+            shape = self.kv_layout.shape(num_pages, self.cfg.page_size, heads, width)
         if self.scanned:
             return make(layer_stack.stacked_pool_shape(shape, m.num_layers), dtype)
         return [make(shape, dtype) for _ in range(m.num_layers)]
@@ -519,7 +528,8 @@ def _stack_abstract(xs):
 
 def _copy_pages(kv_cache, src, dst, page_axis: int):  # src, dst: i32[C]
     """Copies pages src -> dst in every array of the cache: per-layer caches [2, P, ...]
-    (page_axis 1) or the scanned layers' stacked cache [2, L, P, ...] (page_axis 2). A quantised
+    (page_axis 1; the tpu layout's [P, ...]: 0) or the scanned layers' stacked cache
+    [2, L, P, ...] (page_axis 2). A quantised
     cache's scales have the same leading axes, so one map copies a page's values and scales."""
     lead = (slice(None),) * page_axis
     return jax.tree.map(lambda pages: pages.at[lead + (dst,)].set(pages[lead + (src,)], mode="drop"), kv_cache)

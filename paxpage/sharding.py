@@ -39,7 +39,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from models.config import ModelConfig
-from pallas_kernels import kv_quant
+from pallas_kernels import kv_layout, kv_quant
 
 MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits over
 DATA_AXIS = "data"  # the mesh axis data-parallel replicas sit along
@@ -73,7 +73,8 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
 }
 # The stacked layer params' subtree (models/layer_stack.STACKED_KEY).
 STACKED_LAYERS = "layers"
-# One layer's KV pool [2, P, page_size, K, D]; a quantised pool's scales [2, P, page_size, K].
+# One layer's KV pool [2, P, page_size, K, D] (the canonical layout; kv_pool_axes gives any
+# layout's); a quantised pool's scales [2, P, page_size, K].
 KV_POOL_AXES: tuple[str | None, ...] = (None, None, None, "kv_heads", None)
 KV_SCALE_AXES: tuple[str | None, ...] = (None, None, None, "kv_heads")
 # Attention inputs inside the step: q [B, Tq, N, D], new k/v [T, K, D].
@@ -141,15 +142,22 @@ class ShardingPlan:
 
     @property
     def kv_pool_spec(self) -> PartitionSpec:
+        """The canonical pool's spec (`layout_pool_spec` for any layout's)."""
+        return self.layout_pool_spec(None)
+
+    def layout_pool_spec(self, layout=None) -> PartitionSpec:
+        """The pool's spec in `layout` (pallas_kernels.kv_layout; None: canonical): split on its
+        kv-head axis; a latent pool is replicated."""
         if self.latent_pool:
             return PartitionSpec(*(None,) * len(KV_POOL_AXES))
-        return self.spec(KV_POOL_AXES)
+        return self.spec(kv_pool_axes(layout))
 
-    def kv_cache_spec(self, kv_cache_dtype: str = "auto", stacked: bool = False):
+    def kv_cache_spec(self, kv_cache_dtype: str = "auto", stacked: bool = False, layout=None):
         """One layer's cache spec as a pytree like the cache: the pool's spec, or for a quantised
         cache QuantizedKV(pool spec, scales spec), both split on their K axis. stacked: the
-        stacked [2, L, P, ...] cache of scanned layers, whose layer axis is never split."""
-        pages, scales = self.kv_pool_spec, self.spec(KV_SCALE_AXES)
+        stacked [2, L, P, ...] cache of scanned layers, whose layer axis is never split.
+        layout: the pool's kv_layout (None: canonical)."""
+        pages, scales = self.layout_pool_spec(layout), self.spec(KV_SCALE_AXES)
         if stacked:
             pages, scales = (PartitionSpec(s[0], None, *s[1:]) for s in (pages, scales))
         if kv_cache_dtype == "auto":
@@ -176,6 +184,13 @@ class ShardingPlan:
         if self.kv_replicas > 1:
             parts[0] += f" (each KV head x{self.kv_replicas})"
         return f"tp={self.tensor_parallel_size}: " + ", ".join(parts)
+
+
+def kv_pool_axes(layout=None) -> tuple[str | None, ...]:
+    """Logical axes of one layer's pool in `layout` (a kv_layout name or KVLayout; None: canonical)."""
+    layout = kv_layout.get(layout)
+    ndim = len(layout.shape(1, 1, 1, 1))
+    return tuple("kv_heads" if axis == layout.head_axis else None for axis in range(ndim))
 
 
 def param_specs(plan: ShardingPlan, params) -> dict:

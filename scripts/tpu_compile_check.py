@@ -12,12 +12,16 @@ compile; the other checks print FINDING lines, fatal with --strict:
    Llama-3-8B (32 / 8, D = 128) shapes, bf16 / int8 / fp8 pools, sliding window, soft cap, each
    for v5e and v6e;
 2. page layout: the pool's compiled argument bytes over its logical bytes (values and scales) at
-   K = 3 / D = 64 and K = 8 / D = 128, bf16 and int8, measured as the difference between pools of
-   P and 2P pages so the other arguments cancel; must be <= 1.1x;
+   K = 3 / D = 64, K = 1 / D = 128 and K = 8 / D = 128, bf16 and int8, in the canonical and the
+   tpu layout (pallas_kernels/kv_layout.py), measured as the difference between pools of P and 2P
+   pages so the other arguments cancel, and the pool-sized copies (relayouts) the decode, mixed
+   and KV write kernels make of it; the layout the TPU backend's pool gets must be <= 1.1x and
+   never copied;
 3. the engine step (paxpage.runner.ModelRunner's own jitted step, built from abstract params:
    no weights are made) for SmolLM2 and a Llama-3-8B-shaped config, on one chip and tensor
    parallel over v5e:2x4, decode and mixed shapes: argument, output, temp and alias bytes; no
-   temporary as large as one layer's pool (a hidden copy), no weight-shaped f32 array (an upcast);
+   pool-sized copy (a relayout) and no temporary as large as one layer's pool (XLA staging a
+   pool through VMEM is counted apart), no weight-shaped f32 array (an upcast);
 4. a roofline for decoding the 8B shape at batch 64 and 256 from the compiled step's
    cost_analysis and the chips' HBM bandwidth: compiled, not run.
 
@@ -52,7 +56,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 from models.config import ModelConfig  # noqa: E402
 from models.param_layout import param_shapes  # noqa: E402
-from pallas_kernels import dispatch, kv_quant  # noqa: E402
+from pallas_kernels import dispatch, kv_layout, kv_quant  # noqa: E402
 from paxpage import kv_sizing  # noqa: E402
 from paxpage.config import EngineConfig  # noqa: E402
 from paxpage.packing import bucket  # noqa: E402
@@ -83,8 +87,8 @@ def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def abstract_pool(num_pages: int, num_kv_heads: int, head_dim: int, kv_dtype: str):
-    shape = (2, num_pages, PAGE_SIZE, num_kv_heads, head_dim)
+def abstract_pool(num_pages: int, num_kv_heads: int, head_dim: int, kv_dtype: str, layout: str = "canonical"):
+    shape = kv_layout.get(layout).shape(num_pages, PAGE_SIZE, num_kv_heads, head_dim)
     return jax.eval_shape(lambda: kv_quant.zeros(shape, kv_dtype, jnp.bfloat16))
 
 
@@ -100,11 +104,13 @@ def logical_bytes(tree) -> int:
 
 # ---------------------------------------------------------------- 1. kernels
 QUICK_KERNELS = ("decode smollm2 bf16", "decode llama8b int8", "decode window 512", "mixed 512 fp8",
-                 "mixed soft-cap 50", "kv write 512 int8")
+                 "mixed soft-cap 50", "kv write 512 int8", "decode smollm2 bf16 tpu-layout",
+                 "mixed 512 smollm2 tpu-layout", "kv write 512 tpu-layout")
 
 
 def kernel_cases(quick: bool):
-    """(name, heads (N, K, D), kind, rows B or tokens T, max keys S, kv dtype, window, soft cap)."""
+    """(name, heads (N, K, D), kind, rows B or tokens T, max keys S, kv dtype, window, soft cap[,
+    pool layout]): the canonical pool layout unless a case names one (kv_layout.py)."""
     small, large = (9, 3, 64), (32, 8, 128)
     cases = [
         ("decode smollm2 bf16", small, "decode", 8, 2048, "auto", None, None),
@@ -122,19 +128,26 @@ def kernel_cases(quick: bool):
         ("kv write 512 bf16", large, "write", 512, 4096, "auto", None, None),
         ("kv write 512 int8", small, "write", 512, 2048, "int8", None, None),
         ("kv write 64 fp8", large, "write", 64, 4096, "fp8", None, None),
+        ("decode smollm2 bf16 tpu-layout", small, "decode", 8, 2048, "auto", None, None, "tpu"),
+        ("decode llama8b bf16 tpu-layout", large, "decode", 8, 4096, "auto", None, None, "tpu"),
+        ("decode window 512 tpu-layout", large, "decode", 8, 4096, "auto", 512, None, "tpu"),
+        ("mixed 512 smollm2 tpu-layout", small, "ragged", 512, 2048, "auto", None, None, "tpu"),
+        ("mixed soft-cap 50 tpu-layout", small, "ragged", 512, 2048, "auto", None, 50.0, "tpu"),
+        ("kv write 512 tpu-layout", small, "write", 512, 2048, "auto", None, None, "tpu"),
     ]
     return [c for c in cases if c[0] in QUICK_KERNELS] if quick else cases
 
 
 def compile_kernel(case, device, num_pages: int | None = None):
-    name, (n, k, d), kind, rows, keys, kv_dtype, window, cap = case
+    name, (n, k, d), kind, rows, keys, kv_dtype, window, cap = case[:8]
+    layout = case[8] if len(case) > 8 else "canonical"
     pages_per_seq = keys // PAGE_SIZE
     num_pages = num_pages or 2048
-    pool = abstract_pool(num_pages, k, d, kv_dtype)
-    masking = dict(sliding_window=window, soft_cap=cap)
+    pool = abstract_pool(num_pages, k, d, kv_dtype, layout)
+    masking = dict(sliding_window=window, soft_cap=cap, layout=layout)
     if kind == "write":
         args = (pool, _sds((rows, k, d), jnp.bfloat16), _sds((rows, k, d), jnp.bfloat16), _sds((rows,), jnp.int32))
-        fn = jax.jit(lambda *a: dispatch.write_kv(*a, impl="pallas"), donate_argnums=(0,))
+        fn = jax.jit(lambda *a: dispatch.write_kv(*a, impl="pallas", layout=layout), donate_argnums=(0,))
     else:
         batch, tq = (rows, 1) if kind == "decode" else (rows // 32, 32)  # ragged: rows of 32 tokens
         args = (_sds((batch, tq, n, d), jnp.bfloat16), pool, _sds((batch, pages_per_seq), jnp.int32),
@@ -157,7 +170,7 @@ def check_kernels(quick: bool, report: dict) -> list[str]:
                 print(f"  {chip:4} {case[0]:28} FAILED {type(e).__name__}: {str(e)[:200]}")
                 continue
             seconds = time.perf_counter() - t
-            print(f"  {chip:4} {case[0]:28} compiled in {seconds:4.2f} s; args {mib(mem.argument_size_in_bytes)}, "
+            print(f"  {chip:4} {case[0]:31} compiled in {seconds:4.2f} s; args {mib(mem.argument_size_in_bytes)}, "
                   f"temp {mib(mem.temp_size_in_bytes)}")
             report.setdefault("kernels", []).append({"chip": chip, "case": case[0], "seconds": round(seconds, 2),
                                                      "argument_bytes": mem.argument_size_in_bytes,
@@ -166,29 +179,50 @@ def check_kernels(quick: bool, report: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------- 2. page layout
-def pool_ratio(device, heads, kv_dtype: str) -> float:
-    """Compiled argument bytes per logical byte of the pool, from pools of P and 2P pages."""
+LAYOUT_HEADS = ((9, 3, 64), (8, 1, 128), (32, 8, 128))  # SmolLM2, one kv head, Llama-3-8B
+
+
+def pool_ratio(device, heads, kv_dtype: str, layout: str = "canonical") -> tuple[float, int]:
+    """(compiled argument bytes per logical byte of the pool, from pools of P and 2P pages; how
+    many pool-sized copies (relayouts) the decode, mixed and KV write kernels make of it)."""
     n, k, d = heads
-    case = ("layout", heads, "decode", 8, 2048, kv_dtype, None, None)
     small, large = 1024, 2048
+    case = ("layout", heads, "decode", 8, 2048, kv_dtype, None, None, layout)
     a = compile_kernel(case, device, small).memory_analysis().argument_size_in_bytes
-    b = compile_kernel(case, device, large).memory_analysis().argument_size_in_bytes
-    extra = logical_bytes(abstract_pool(large, k, d, kv_dtype)) - logical_bytes(abstract_pool(small, k, d, kv_dtype))
-    return (b - a) / extra
+    compiled = compile_kernel(case, device, large)
+    b = compiled.memory_analysis().argument_size_in_bytes
+    pool = abstract_pool(large, k, d, kv_dtype, layout)
+    extra = logical_bytes(pool) - logical_bytes(abstract_pool(small, k, d, kv_dtype, layout))
+    copies = pool_copies(compiled.as_text(), pool)
+    for kind, rows in (("ragged", 256), ("write", 256)):
+        hlo = compile_kernel(("layout", heads, kind, rows, 2048, kv_dtype, None, None, layout), device,
+                             large).as_text()
+        copies += pool_copies(hlo, pool)
+    return (b - a) / extra, copies
 
 
 def check_layout(quick: bool, report: dict) -> list[str]:
+    """Both layouts measured; the one the TPU backend's pool gets (kv_layout.for_backend) must
+    be <= MAX_POOL_RATIO and never copied."""
     failures = []
     for chip, (topology, _, _) in list(CHIPS.items())[:1 if quick else None]:
         device = devices(topology)[0]
-        for heads in ((9, 3, 64), (32, 8, 128)):
+        for heads in LAYOUT_HEADS:
             for kv_dtype in ("auto", "int8"):
-                ratio = pool_ratio(device, heads, kv_dtype)
-                label = f"K={heads[1]} D={heads[2]} {'bf16' if kv_dtype == 'auto' else kv_dtype}"
-                print(f"  {chip:4} pool {label:18} compiled / logical bytes {ratio:.3f}x")
-                report.setdefault("pool_layout", []).append({"chip": chip, "pool": label, "ratio": round(ratio, 4)})
-                if ratio > MAX_POOL_RATIO:
-                    failures.append(f"pool {label} on {chip}: {ratio:.3f}x logical bytes > {MAX_POOL_RATIO}x")
+                for layout in kv_layout.LAYOUTS:
+                    if kv_dtype != "auto" and layout != "canonical":
+                        continue  # a quantised pool has the canonical layout (kv_layout.py)
+                    ratio, copies = pool_ratio(device, heads, kv_dtype, layout)
+                    chosen = kv_layout.for_backend("tpu", quantized=kv_dtype != "auto").name == layout
+                    label = f"K={heads[1]} D={heads[2]} {'bf16' if kv_dtype == 'auto' else kv_dtype} {layout}"
+                    print(f"  {chip:4} pool {label:28} compiled / logical bytes {ratio:.3f}x, copied {copies} "
+                          f"times by the decode, mixed and write kernels{'' if chosen else ' (not the TPU pool)'}")
+                    report.setdefault("pool_layout", []).append({
+                        "chip": chip, "pool": label, "layout": layout, "tpu_pool": chosen, "ratio": round(ratio, 4),
+                        "pool_copies": copies})
+                    if chosen and (ratio > MAX_POOL_RATIO or copies):
+                        failures.append(f"pool {label} on {chip}: {ratio:.3f}x logical bytes (limit "
+                                        f"{MAX_POOL_RATIO}x), {copies} pool-sized copies")
     return failures
 
 
@@ -257,6 +291,15 @@ def pool_copies(hlo: str, cache) -> int:
     return len(pattern.findall(hlo))
 
 
+def pool_staging(hlo: str, cache) -> int:
+    """Asynchronous copies of a whole layer's pool (XLA's memory-space assignment staging it
+    through VMEM and back: a scheduling choice, not a relayout)."""
+    leaf = jax.tree.leaves(cache)[0]
+    shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+    dims = re.escape(f"[{','.join(map(str, shape))}]")
+    return len(re.findall(r"= \([a-z0-9]+" + dims + r"\{[^}]*\}[^=]*copy-start\(", hlo))
+
+
 def check_steps(quick: bool, report: dict, only: str = "") -> tuple[list[str], list[str], dict]:
     failures, findings, costs = [], [], {}
     for label, model_cfg, topology, tp, max_seqs, num_pages, shapes in step_cases(quick):
@@ -286,7 +329,7 @@ def check_steps(quick: bool, report: dict, only: str = "") -> tuple[list[str], l
                    "temp_bytes": mem.temp_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
                    "layer_pool_bytes": layer_pool, "pool_bytes": logical_bytes(runner.kv_cache), "flops": float(cost.get("flops", 0.0)),
                    "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-                   "pool_copies": pool_copies(hlo, first_pool)}
+                   "pool_copies": pool_copies(hlo, first_pool), "pool_staging": pool_staging(hlo, first_pool)}
             # What the pool is sized against on a TPU (no compile): must hold what XLA allocates.
             row["working_bytes"] = row["temp_bytes"] + row["output_bytes"] - row["alias_bytes"]
             row["bound_bytes"] = kv_sizing.step_bytes_bound(runner.step_model_cfg, dec + pre * runner.cfg.prefill_row_len,
@@ -295,14 +338,18 @@ def check_steps(quick: bool, report: dict, only: str = "") -> tuple[list[str], l
             print(f"  {label:15} decode {dec:3} prefill rows {pre:2}: {seconds:5.1f} s; per device args "
                   f"{mib(row['argument_bytes'])}, out {mib(row['output_bytes'])}, temp {mib(row['temp_bytes'])}, "
                   f"aliased {mib(row['alias_bytes'])}; one layer's pool {mib(layer_pool)}, copied "
-                  f"{row['pool_copies']} times; working {mib(row['working_bytes'])} against the sizing bound "
+                  f"{row['pool_copies']} times, staged through VMEM {row['pool_staging']} times; working {mib(row['working_bytes'])} against the sizing bound "
                   f"{mib(row['bound_bytes'])}")
             if row["working_bytes"] > row["bound_bytes"]:
                 findings.append(f"step {label} ({dec}, {pre}): works in {row['working_bytes']} bytes, past "
                                 f"kv_sizing.step_bytes_bound's {row['bound_bytes']}")
-            if mem.temp_size_in_bytes >= layer_pool or row["pool_copies"]:
+            if row["pool_copies"]:
+                findings.append(f"step {label} ({dec}, {pre}): {row['pool_copies']} pool-sized copies: the pool "
+                                f"is relaid out")
+            elif mem.temp_size_in_bytes >= layer_pool:
                 findings.append(f"step {label} ({dec}, {pre}): temp {mem.temp_size_in_bytes} bytes >= one layer's "
-                                f"pool {layer_pool}, {row['pool_copies']} pool copies: the pool is relaid out")
+                                f"pool {layer_pool} with no relayout ({row['pool_staging']} pool stagings through "
+                                f"VMEM)")
             upcasts = f32_weight_arrays(hlo, upcast_shapes)
             if upcasts:
                 failures.append(f"step {label} ({dec}, {pre}): f32 arrays of weight shapes {upcasts}")

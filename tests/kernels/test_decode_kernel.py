@@ -10,7 +10,7 @@ import pytest
 from kernel_cases import (CONFIGS, INTERPRET, QUANT_CASES, WINDOW_CASES, assert_close, assert_sinks_matter,
                           config_id, make_case, make_sinks, quant_case_id, quantize_case, reference_pool,
                           release_outside_window, skip_unless_runnable, window_case_id)
-from pallas_kernels import reference
+from pallas_kernels import kv_layout, reference
 from pallas_kernels.decode_attention import decode_attention
 
 PAGES_PER_SEQ = 4
@@ -21,7 +21,8 @@ def _lengths(page_size):
     return [1, 2 * page_size, page_size + 3, PAGES_PER_SEQ * page_size, 0]
 
 
-def _check(cfg, backend, num_splits, seed=0, window=None, cap=None, kv_cache_dtype="auto", sinks=False):
+def _check(cfg, backend, num_splits, seed=0, window=None, cap=None, kv_cache_dtype="auto", sinks=False,
+           layout="canonical"):
     skip_unless_runnable(backend)
     dtype, page_size, ratio, head_dim, num_kv_heads = cfg
     rng = np.random.default_rng(seed)
@@ -35,11 +36,12 @@ def _check(cfg, backend, num_splits, seed=0, window=None, cap=None, kv_cache_dty
     pool, ref_pool = jnp.asarray(case.kv_pages), jnp.asarray(reference_pool(case.kv_pages))
     if kv_cache_dtype != "auto":  # NaN scales on unused rows
         pool, ref_pool = quantize_case(case, kv_cache_dtype)
+    pool = kv_layout.get(layout).from_canonical(pool)  # the same keys and values (NaN pages too)
     sink = jnp.asarray(make_sinks(rng, ratio * num_kv_heads)) if sinks else None
     got = decode_attention(
         jnp.asarray(case.q[:, 0]), pool, case.page_indices, case.kv_lens,
         sm_scale=scale, num_splits=num_splits, backend=backend, interpret=INTERPRET,
-        sliding_window=window, soft_cap=cap, sinks=sink,
+        sliding_window=window, soft_cap=cap, sinks=sink, layout=layout,
     )
     q_lens = (case.kv_lens > 0).astype(np.int32)
 
@@ -95,6 +97,18 @@ def test_decode_sinks(cfg, num_splits, window, cap, kv_cache_dtype):
            sinks=True)
 
 
+@pytest.mark.parametrize("cfg", CONFIGS, ids=config_id)
+def test_decode_on_the_tpu_layout(cfg):
+    """The pool in the tpu layout [P, K, page_size, 2D] gives the reference's result on the same
+    keys and values in the canonical layout."""
+    _check(cfg, "tpu", num_splits=1, seed=12, layout="tpu")
+
+
+@pytest.mark.parametrize("wc", WINDOW_CASES[:1], ids=window_case_id)
+def test_decode_on_the_tpu_layout_window_splits_sinks(wc):
+    _check(CONFIGS[4], "tpu", num_splits=2, seed=13, window=wc[0], cap=wc[1], sinks=True, layout="tpu")
+
+
 def test_decode_rejects_bad_shapes():
     q = jnp.zeros((2, 3, 64))
     kv = jnp.zeros((2, 4, 8, 2, 64))
@@ -104,6 +118,9 @@ def test_decode_rejects_bad_shapes():
         decode_attention(q, kv, jnp.zeros((2, 2), jnp.int32), jnp.zeros((2,), jnp.int32), sm_scale=1.0, backend="cpu")
     with pytest.raises(ValueError, match="gpu_attention"):
         decode_attention(q, kv, jnp.zeros((2, 2), jnp.int32), jnp.zeros((2,), jnp.int32), sm_scale=1.0, backend="gpu")
+    with pytest.raises(ValueError, match="tpu layout"):
+        decode_attention(q, kv, jnp.zeros((2, 2), jnp.int32), jnp.zeros((2,), jnp.int32), sm_scale=1.0,
+                         interpret=True, layout="tpu")
     with pytest.raises(ValueError, match="one per query head"):
         decode_attention(jnp.zeros((2, 4, 64)), kv, jnp.zeros((2, 2), jnp.int32), jnp.zeros((2,), jnp.int32),
                          sm_scale=1.0, interpret=True, sinks=jnp.zeros((4, 1), jnp.float32))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kernel_cases import INTERPRET, skip_unless_runnable
-from pallas_kernels import reference
+from pallas_kernels import kv_layout, reference
 from pallas_kernels.kv_write import write_kv
 
 
@@ -34,6 +34,29 @@ def test_write_kv_exact(dtype, backend):
                    backend=backend, interpret=INTERPRET)
     assert got.dtype == pool.dtype
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_write_kv_on_the_tpu_layout_exact(dtype):
+    """The tpu layout [P, K, page_size, 2D]: the reference's write on the canonical pool, laid out."""
+    skip_unless_runnable("tpu")
+    rng = np.random.default_rng(1)
+    num_pages, page_size, num_kv_heads, head_dim, num_tokens = 5, 8, 3, 64, 11
+    pool = rng.standard_normal((2, num_pages, page_size, num_kv_heads, head_dim)).astype(np.float32)
+    pool[:, 3] = np.nan  # untouched NaN pages must stay bit-identical
+    pool = jnp.asarray(pool, dtype)
+    k = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads, head_dim)), dtype)
+    v = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads, head_dim)), dtype)
+    slots = rng.permutation(num_pages * page_size)[:num_tokens].astype(np.int32)
+    slots[[2, 10]] = -1
+    slots[5] = num_pages * page_size + 3  # past the pool: dropped like padding
+    want = reference.write_kv(pool, k, v, slots)
+    got = write_kv(kv_layout.TPU.from_canonical(pool), k, v, slots, backend="tpu", interpret=INTERPRET, layout="tpu")
+    assert got.shape == (num_pages, num_kv_heads, page_size, 2 * head_dim) and got.dtype == pool.dtype
+    np.testing.assert_array_equal(np.asarray(kv_layout.TPU.to_canonical(got), np.float32),
+                                  np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match="TPU family"):
+        write_kv(kv_layout.TPU.from_canonical(pool), k, v, slots, backend="gpu", interpret=True, layout="tpu")
 
 
 def test_write_kv_donates_and_aliases_the_pool():

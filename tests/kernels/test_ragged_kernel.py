@@ -10,7 +10,7 @@ import pytest
 from kernel_cases import (CONFIGS, INTERPRET, QUANT_CASES, WINDOW_CASES, assert_close, assert_sinks_matter,
                           config_id, make_case, make_sinks, quant_case_id, quantize_case, reference_pool,
                           release_outside_window, skip_unless_runnable, window_case_id)
-from pallas_kernels import reference
+from pallas_kernels import kv_layout, reference
 from pallas_kernels.ragged_attention import ragged_paged_attention
 
 PAGES_PER_SEQ = 4
@@ -25,7 +25,8 @@ def _seqs(page_size):
             (PAGES_PER_SEQ * page_size, 2), (1, 1)]
 
 
-def _check(cfg, backend, *, block_q=None, seed=0, window=None, cap=None, kv_cache_dtype="auto", sinks=False):
+def _check(cfg, backend, *, block_q=None, seed=0, window=None, cap=None, kv_cache_dtype="auto", sinks=False,
+           layout="canonical"):
     skip_unless_runnable(backend)
     dtype, page_size, ratio, head_dim, num_kv_heads = cfg
     rng = np.random.default_rng(seed)
@@ -48,11 +49,12 @@ def _check(cfg, backend, *, block_q=None, seed=0, window=None, cap=None, kv_cach
     pool, ref_pool = jnp.asarray(case.kv_pages), jnp.asarray(reference_pool(case.kv_pages))
     if kv_cache_dtype != "auto":  # NaN scales on unused rows
         pool, ref_pool = quantize_case(case, kv_cache_dtype)
+    pool = kv_layout.get(layout).from_canonical(pool)  # the same keys and values (NaN pages too)
     sink = jnp.asarray(make_sinks(rng, ratio * num_kv_heads)) if sinks else None
     got = ragged_paged_attention(
         jnp.asarray(flat_q), pool, table.astype(np.int32), cu_slots, kv_slots,
         np.array([num_seqs], np.int32), sm_scale=scale, block_q=block_q, backend=backend, interpret=INTERPRET,
-        sliding_window=window, soft_cap=cap, sinks=sink,
+        sliding_window=window, soft_cap=cap, sinks=sink, layout=layout,
     )
 
     def want(sinks):
@@ -93,6 +95,18 @@ def test_ragged_sliding_window_and_soft_cap(wc, backend, block_q):
 def test_ragged_quantized_pool(qc, backend):
     """int8 / fp8 values with per-(token, kv head) scales, read with the matching scale blocks."""
     _check(qc[1], backend, seed=9, kv_cache_dtype=qc[0])
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=config_id)
+def test_ragged_on_the_tpu_layout(cfg):
+    """The pool in the tpu layout [P, K, page_size, 2D] gives the reference's result on the same
+    keys and values in the canonical layout."""
+    _check(cfg, "tpu", seed=14, layout="tpu")
+
+
+@pytest.mark.parametrize("wc", WINDOW_CASES[:1], ids=window_case_id)
+def test_ragged_on_the_tpu_layout_window_blocks_sinks(wc):
+    _check(CONFIGS[1], "tpu", block_q=4, seed=15, window=wc[0], cap=wc[1], sinks=True, layout="tpu")
 
 
 def test_ragged_quantized_sliding_window():

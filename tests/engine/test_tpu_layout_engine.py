@@ -1,0 +1,33 @@
+"""The engine on the TPU kernel family (interpreted here) runs its pool in the tpu KV layout
+(pallas_kernels/kv_layout.py) and gives XLA's greedy tokens across prefill, chunked prefill and
+decode; a quantised pool on the same family stays canonical."""
+
+from __future__ import annotations
+
+import pytest
+
+import paxpage
+from paxpage.config import EngineConfig
+from tests.conftest import random_prompts
+
+COMMON = dict(page_size=8, num_pages=32, max_num_batched_tokens=16, prefill_row_len=8, max_num_seqs=4,
+              precompile=False)
+
+
+def _tokens(model, prompts, impl):
+    return [o.token_ids for o in paxpage.generate(model, prompts, attention_impl=impl, max_tokens=5, temperature=0,
+                                                  ignore_eos=True, use_tqdm=False, **COMMON)]
+
+
+@pytest.mark.extended
+def test_tpu_family_engine_uses_the_tpu_layout_and_matches_xla(tiny_llama_dir, monkeypatch):
+    model = paxpage.load(tiny_llama_dir)
+    prompts = random_prompts(2, 128, [3, 21], seed=5)
+    want = _tokens(model, prompts, "xla")
+    resolve = EngineConfig.resolve
+    monkeypatch.setattr(EngineConfig, "resolve", lambda self, m, backend=None: resolve(self, m, backend="tpu"))
+    assert _tokens(model, prompts, "pallas-interpret") == want
+    runner = model.engine(EngineConfig(attention_impl="pallas-interpret", **COMMON)).runner
+    assert runner.cfg.backend == "tpu" and runner.kv_layout.name == "tpu"
+    m = runner.step_model_cfg
+    assert runner.kv_cache[0].shape == (32, m.num_kv_heads, 8, 2 * m.head_dim)

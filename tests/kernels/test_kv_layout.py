@@ -1,0 +1,78 @@
+"""The KV pool layouts (pallas_kernels/kv_layout.py): shapes, axes, the canonical round trip, which
+backend's pool gets which, and the engine's pieces that read them (page copy, sharding, dispatch)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels import dispatch, kv_layout
+from paxpage.runner import _copy_pages
+from paxpage.sharding import ShardingPlan, kv_pool_axes
+
+
+def _pool(rng, num_pages=6, page_size=8, num_kv_heads=3, head_dim=64):
+    return jnp.asarray(rng.standard_normal((2, num_pages, page_size, num_kv_heads, head_dim)), jnp.float32)
+
+
+def test_shapes_and_axes():
+    assert kv_layout.CANONICAL.shape(10, 16, 3, 64) == (2, 10, 16, 3, 64)
+    assert kv_layout.TPU.shape(10, 16, 3, 64) == (10, 3, 16, 128)
+    for layout in (kv_layout.CANONICAL, kv_layout.TPU):
+        shape = layout.shape(10, 16, 3, 64)
+        assert shape[layout.page_axis] == 10 and shape[layout.head_axis] == 3
+        assert layout.dims(shape) == (10, 16, 3, 64)
+    with pytest.raises(ValueError, match="canonical layout"):
+        kv_layout.CANONICAL.dims((10, 3, 16, 128))
+    with pytest.raises(ValueError, match="tpu layout"):
+        kv_layout.TPU.dims((2, 10, 16, 3, 64))
+    with pytest.raises(ValueError, match="expected one of"):
+        kv_layout.get("rows")
+
+
+def test_round_trip_puts_k_and_v_side_by_side():
+    pool = _pool(np.random.default_rng(0))
+    tpu = kv_layout.TPU.from_canonical(pool)
+    assert tpu.shape == (6, 3, 8, 128)
+    # page 4, head 2, slot 5: lanes 0..63 the key, 64..127 the value
+    np.testing.assert_array_equal(tpu[4, 2, 5, :64], pool[0, 4, 5, 2])
+    np.testing.assert_array_equal(tpu[4, 2, 5, 64:], pool[1, 4, 5, 2])
+    np.testing.assert_array_equal(kv_layout.TPU.to_canonical(tpu), pool)
+    assert kv_layout.CANONICAL.from_canonical(pool) is pool
+
+
+def test_each_backend_gets_its_layout():
+    assert kv_layout.for_backend("tpu") is kv_layout.TPU
+    for backend in ("gpu", "cpu", None):
+        assert kv_layout.for_backend(backend) is kv_layout.CANONICAL
+    # quantised and latent pools stay canonical everywhere
+    assert kv_layout.for_backend("tpu", quantized=True) is kv_layout.CANONICAL
+    assert kv_layout.for_backend("tpu", latent=True) is kv_layout.CANONICAL
+
+
+def test_page_copy_on_the_tpu_layout_matches_the_canonical_one():
+    pool = _pool(np.random.default_rng(1))
+    src, dst = jnp.array([1, 4], jnp.int32), jnp.array([5, 6], jnp.int32)  # 6: past the pool, dropped
+    want = _copy_pages(pool, src, dst, page_axis=kv_layout.CANONICAL.page_axis)
+    got = _copy_pages(kv_layout.TPU.from_canonical(pool), src, dst, page_axis=kv_layout.TPU.page_axis)
+    np.testing.assert_array_equal(kv_layout.TPU.to_canonical(got), want)
+
+
+def test_tensor_parallel_splits_each_layout_on_its_head_axis():
+    assert kv_pool_axes("canonical") == (None, None, None, "kv_heads", None)
+    assert kv_pool_axes("tpu") == (None, "kv_heads", None, None)
+    plan = ShardingPlan(2, split_heads=True, split_mlp=True, split_vocab=True)
+    assert plan.layout_pool_spec("tpu") == P(None, "model", None, None)
+    assert plan.kv_cache_spec("auto", layout="tpu") == P(None, "model", None, None)
+    assert plan.kv_pool_spec == plan.layout_pool_spec(None) == P(None, None, None, "model", None)
+
+
+def test_dispatch_keeps_the_tpu_layout_off_the_gpu_family():
+    pool = kv_layout.TPU.from_canonical(_pool(np.random.default_rng(2)))
+    q = jnp.zeros((2, 1, 3, 64), jnp.float32)
+    with pytest.raises(ValueError, match="TPU kernels only"):
+        dispatch.paged_attention(q, pool, jnp.zeros((2, 2), jnp.int32), jnp.ones(2, jnp.int32),
+                                 jnp.ones(2, jnp.int32), sm_scale=1.0, impl="pallas-interpret", backend="gpu",
+                                 layout="tpu")
