@@ -14,10 +14,13 @@ Attention (HF DeepseekV3Attention, checked against it on the same weights):
 - RoPE (rope_interleave: on interleaved pairs) with YaRN's cos / sin magnitude; the softmax
   scale is (qk_nope + qk_rope) ** -0.5 times mscale(factor, mscale_all_dim) ** 2 (rope.py).
 - The cache holds [c ; k_rope]: C = kv_lora_rank + qk_rope_head_dim values per token and layer.
-  kv_b_proj's per-head halves W_UK [C_r, N, qk_nope] and W_UV [C_r, N, v] are absorbed: the
-  query becomes [q_nope W_UK ; q_rope] in latent space, scores are taken against the cached
-  latents, and the latent-space output goes through W_UV, then o_proj. Prefill and decode rows
-  run the same absorbed form (equal to HF's expanded keys and values up to rounding).
+  kv_b_proj's per-head halves W_UK [C_r, N, qk_nope] and W_UV [C_r, N, v] are absorbed for decode
+  rows: the query becomes [q_nope W_UK ; q_rope] in latent space, scores are taken against the
+  cached latents, and the latent-space output goes through W_UV, then o_proj. Prefill rows wide
+  enough (latent_attention.prefill_uses_expanded, decided from the step's shapes when it is
+  traced) run HF's expanded form instead: the row's cached latents become per-head keys and
+  values through kv_b_proj, a chunk of pages at a time, and attention has head dims
+  qk_nope + qk_rope and v rather than kv_lora_rank + qk_rope (both equal HF up to rounding).
 MLP: the first `first_k_dense_replace` layers are dense (cfg.dense_mlp_layers); the others route
 each token to its top k experts (models/moe.py route_grouped) and add the shared experts' MLP.
 The multi-token-prediction layers of the checkpoints are not loaded (one token per step).
@@ -28,6 +31,7 @@ Dv v_head_dim, Cr kv_lora_rank, C = Cr + Dr latent width, V vocabulary, R logits
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -40,10 +44,23 @@ from models.layer_stack import run_layers
 from models.layers import Embedding, RMSNorm, dense, paged_attention_rows, sow_pooled
 from models.llama import AttentionFn, WriteKvFn
 from models.moe import route_grouped, routed_experts
+from pallas_kernels import latent_attention
 from models.rope import apply_rope, attention_factor, deinterleave, inverse_frequencies, mla_softmax_scale
+
+# How prefill rows attend: "auto" expands when latent_attention.prefill_uses_expanded says the
+# step's row width pays for it, "expanded" / "absorbed" force one form (decode rows are absorbed).
+PREFILL_FORMS = ("auto", "expanded", "absorbed")
 
 # HF's DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm are built without rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
+
+
+def prefill_uses_expanded(cfg: ModelConfig, row_len: int) -> bool:
+    """Whether "auto" runs prefill rows of `row_len` tokens in the expanded form."""
+    return latent_attention.prefill_uses_expanded(
+        row_len, latent_width=cfg.kv_lora_rank + cfg.qk_rope_head_dim, value_dim=cfg.kv_lora_rank,
+        qk_head_dim=cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        nope_head_dim=cfg.qk_nope_head_dim)
 
 
 class KernelParam(nn.Module):
@@ -104,6 +121,16 @@ class MlaLayer(nn.Module):
     dtype: Any = jnp.float32
     use_moe: bool = False
     moe_impl: str = "auto"
+    prefill_form: str = "auto"  # PREFILL_FORMS
+
+    def _absorbed(self, q_nope, q_rope, latent_pages, batch, w_uk, w_uv, sm_scale):
+        """The absorbed form over every row of `batch`: [T, N, Dv], through W_UV."""
+        dtype = self.dtype
+        q_latent = jnp.einsum("TND,CND->TNC", q_nope, w_uk).astype(dtype)  # [T, N, Cr]
+        q_abs = jnp.concatenate([q_latent, q_rope], axis=-1)  # [T, N, C]
+        attention = functools.partial(self.attention, value_dim=w_uk.shape[0])
+        out = paged_attention_rows(attention, q_abs, latent_pages, batch, sm_scale)  # [T, N, Cr]
+        return jnp.einsum("TNC,CNV->TNV", out.astype(dtype), w_uv).astype(dtype)
 
     @nn.compact
     def __call__(self, x, batch, latent_pages):  # x: [T, H]; latent_pages: [1, P, page_size, 1, C]
@@ -132,11 +159,28 @@ class MlaLayer(nn.Module):
         latent_pages = self.write_latent(latent_pages, latent, batch.slot_mapping)
         kv_b = KernelParam((Cr, N * (Dn + Dv)), dtype, name="kv_b_proj")().reshape(Cr, N, Dn + Dv)
         w_uk, w_uv = kv_b[..., :Dn], kv_b[..., Dn:]  # [Cr, N, Dn], [Cr, N, Dv]
-        q_latent = jnp.einsum("TND,CND->TNC", q_nope, w_uk).astype(dtype)  # [T, N, Cr]
-        q_abs = jnp.concatenate([q_latent, q_rope], axis=-1)  # [T, N, C]
-        attention = functools.partial(self.attention, value_dim=Cr)
-        out = paged_attention_rows(attention, q_abs, latent_pages, batch, mla_softmax_scale(cfg))  # [T, N, Cr]
-        out = jnp.einsum("TNC,CNV->TNV", out.astype(dtype), w_uv).reshape(num_tokens, N * Dv).astype(dtype)
+        sm_scale = mla_softmax_scale(cfg)
+        num_decode, num_prefill = batch.num_decode_rows, batch.num_prefill_rows
+        row_len = (num_tokens - num_decode) // max(1, num_prefill)  # Tq, static
+        expanded = num_prefill > 0 and (self.prefill_form == "expanded" or (
+            self.prefill_form == "auto" and prefill_uses_expanded(cfg, row_len)))
+        if expanded:  # decode rows absorbed, prefill rows expanded
+            outs = []
+            if num_decode:
+                dec_rows = dataclasses.replace(batch, pre_page_indices=batch.pre_page_indices[:0],
+                                               pre_kv_lens=batch.pre_kv_lens[:0], pre_q_lens=batch.pre_q_lens[:0])
+                outs.append(self._absorbed(q_nope[:num_decode], q_rope[:num_decode], latent_pages, dec_rows,
+                                           w_uk, w_uv, sm_scale))
+            q_pre = jnp.concatenate([q_nope[num_decode:], q_rope[num_decode:]], axis=-1)
+            q_pre = q_pre.reshape(num_prefill, row_len, N, Dn + Dr)  # [Bp, Tq, N, Dn + Dr], RoPE applied
+            out = latent_attention.latent_attention_expanded(
+                q_pre, latent_pages, batch.pre_page_indices, batch.pre_kv_lens, batch.pre_q_lens, w_uk, w_uv,
+                sm_scale=sm_scale)  # [Bp, Tq, N, Dv]
+            outs.append(out.reshape(-1, N, Dv).astype(dtype))
+            out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+        else:
+            out = self._absorbed(q_nope, q_rope, latent_pages, batch, w_uk, w_uv, sm_scale)
+        out = out.reshape(num_tokens, N * Dv)
         x = x + dense(cfg.hidden_size, "o_proj", dtype)(out)
         h = RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
         if self.use_moe:
@@ -155,6 +199,12 @@ class DeepseekModel(nn.Module):
     dtype: Any = jnp.float32
     moe_impl: str = "auto"  # models/moe.py
     scan_period: int = 0  # > 0: layers under a scan (models/layer_stack.py)
+    prefill_form: str = "auto"  # PREFILL_FORMS
+
+    def __post_init__(self):
+        if self.prefill_form not in PREFILL_FORMS:
+            raise ValueError(f"prefill_form must be one of {PREFILL_FORMS}, got {self.prefill_form!r}")
+        super().__post_init__()
 
     @nn.compact
     def __call__(self, batch, kv_cache):
@@ -165,7 +215,7 @@ class DeepseekModel(nn.Module):
 
         def make_layer(i: int, name: str) -> MlaLayer:
             return MlaLayer(cfg, self.attention, self.write_latent, self.dtype, cfg.is_moe_layer(i),
-                            self.moe_impl, name=name)
+                            self.moe_impl, self.prefill_form, name=name)
 
         x, new_cache = run_layers(make_layer, cfg.num_layers, self.scan_period, x, batch, kv_cache)
         rows = jnp.concatenate([batch.logits_indices, batch.prompt_logits_indices])

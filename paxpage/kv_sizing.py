@@ -140,11 +140,19 @@ def layer_params(model: Any) -> int:
 def _latent_attention_values(m: Any) -> int:
     """Live values per token of a latent-attention layer (models/deepseek.py): the residual and
     norms (6 H), the query before and after RoPE (N (Dn + Dr)) and its low-rank stage, the latent C
-    a few times, the absorbed query (N C) twice, the latent-space output and its partial sums
-    (N (Cr + 2)) twice, and the per-head values (N Dv)."""
+    a few times, then the larger of its two forms' values:
+    - absorbed: the absorbed query (N C) twice, the latent-space output and its partial sums
+      (N (Cr + 2)) twice, and the per-head values (N Dv);
+    - expanded (prefill rows, pallas_kernels/latent_attention.py): the scaled query (N (Dn + Dr)),
+      one loop step's expanded keys and values (at most N (Dn + Dv) per query token: the loop
+      expands at most max(Tq, page_size) keys of a row at a time), the output and its partial
+      sums (N (Dv + 2)) twice, and the per-head values (N Dv)."""
     n, c = m.num_heads, m.kv_lora_rank + m.qk_rope_head_dim
-    return (6 * m.hidden_size + 2 * n * (m.qk_nope_head_dim + m.qk_rope_head_dim) + 2 * (m.q_lora_rank or 0)
-            + 3 * c + 2 * n * c + 2 * n * (m.kv_lora_rank + 2) + n * m.v_head_dim)
+    dn, dr, dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    absorbed = 2 * n * c + 2 * n * (m.kv_lora_rank + 2) + n * dv
+    expanded = n * (dn + dr) + n * (dn + dv) + 2 * n * (dv + 2) + n * dv
+    return (6 * m.hidden_size + 2 * n * (dn + dr) + 2 * (m.q_lora_rank or 0) + 3 * c
+            + max(absorbed, expanded))
 
 
 def _latent_attention_params(m: Any) -> int:

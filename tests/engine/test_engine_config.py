@@ -247,7 +247,9 @@ LATENT = ModelConfig.from_hf_dict(dict(
     (SMOL2_MOE, dict()),
     (SMOL2_MOE, dict(max_num_seqs=8, max_num_batched_tokens=64, prefill_row_len=16)),
     (LATENT, dict()),
-], ids=["smollm2-2l", "smollm2-2l-wide", "smollm2-2l-small-xla", "moe-2l", "moe-2l-small", "latent-2l"])
+    (LATENT, dict(max_num_seqs=8, max_num_batched_tokens=512, prefill_row_len=128)),  # expanded prefill rows
+], ids=["smollm2-2l", "smollm2-2l-wide", "smollm2-2l-small-xla", "moe-2l", "moe-2l-small", "latent-2l",
+        "latent-2l-expanded"])
 def test_step_bytes_bound_holds_the_compiled_step(model, engine):
     """The bound the pool is sized against on GPU / TPU, against what XLA allocates for the
     largest step (its compiled memory analysis, here on CPU in f32; the TPU compile check

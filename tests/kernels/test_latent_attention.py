@@ -1,6 +1,9 @@
 """Latent attention (DeepSeek-V3's MLA over a latent pool): the jnp reference against hand-computed
 values, and the engine's chunked XLA form against the reference over page sizes, dtypes and lengths
-0 / 1 / page-aligned / unaligned, with permuted page tables and every unused slot NaN."""
+0 / 1 / page-aligned / unaligned, with permuted page tables and every unused slot NaN. The expanded
+form of prefill rows and the absorbed form (with its W_UK / W_UV products) against a float64 numpy
+computation of HF's expanded attention, including rows whose earlier keys are already in the pool;
+and which row widths choose the expanded form."""
 
 from __future__ import annotations
 
@@ -8,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.latent_attention import latent_attention_ref, latent_attention_xla, write_latent
+from pallas_kernels.latent_attention import (latent_attention_expanded, latent_attention_ref, latent_attention_xla,
+                                             prefill_uses_expanded, write_latent)
 
 TOLERANCE = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
@@ -94,3 +98,71 @@ def test_shapes_are_checked():
     with pytest.raises(ValueError, match="value_dim must be in 1..40"):
         latent_attention_ref(q, pool[:1], jnp.zeros((2, 3), jnp.int32), jnp.ones(2, jnp.int32),
                              jnp.ones(2, jnp.int32), sm_scale=1.0, value_dim=41)
+
+
+def _expanded_f64(q, pool, tables, kv_lens, q_lens, w_uk, w_uv, sm_scale):
+    """HF's MLA in float64: per-head keys [c W_UK ; k_rope], values c W_UV, causal softmax by position."""
+    rank, dn = w_uk.shape[0], w_uk.shape[2]
+    batch, num_q, num_heads, _ = q.shape
+    page_size = pool.shape[2]
+    out = np.zeros((batch, num_q, num_heads, w_uv.shape[2]))
+    for b in range(batch):
+        for i in range(q_lens[b]):
+            pos = kv_lens[b] - q_lens[b] + i
+            lat = np.stack([pool[0, tables[b, t // page_size], t % page_size, 0] for t in range(pos + 1)])
+            k = np.concatenate([np.einsum("SR,RND->SND", lat[:, :rank], w_uk),
+                                np.broadcast_to(lat[:, None, rank:], (pos + 1, num_heads, lat.shape[1] - rank))], -1)
+            v = np.einsum("SR,RNV->SNV", lat[:, :rank], w_uv)
+            s = np.einsum("ND,SND->NS", q[b, i], k) * sm_scale
+            p = np.exp(s - s.max(-1, keepdims=True))
+            out[b, i] = np.einsum("NS,SNV->NV", p / p.sum(-1, keepdims=True), v)
+    return out
+
+
+@pytest.mark.parametrize("page_size,chunk_tokens", [(4, 4), (4, 256), (16, 8)],
+                         ids=["page4-chunk4", "page4-chunk256", "page16-chunk8"])
+def test_expanded_and_absorbed_match_float64(page_size, chunk_tokens):
+    """Prefill rows: a fresh prompt, chunks whose earlier keys sit in the pool (a previous chunk or a
+    prefix-cache hit: kv_lens well past q_lens), a one-token row and a padding row; unused slots NaN."""
+    rng = np.random.default_rng(3)
+    rank, rope, dn, dv, heads, sm_scale = 24, 8, 16, 12, 3, 0.3
+    kv_lens, q_lens, num_q = [6, 21, 33, 9, 0], [6, 6, 3, 1, 0], 6
+    _, pool, tables = _pool(rng, kv_lens, page_size, rank + rope, jnp.float32)
+    q = rng.standard_normal((len(kv_lens), num_q, heads, dn + rope)).astype(np.float32)
+    w_uk = rng.standard_normal((rank, heads, dn)).astype(np.float32) / 4
+    w_uv = rng.standard_normal((rank, heads, dv)).astype(np.float32) / 4
+    lens = (jnp.asarray(kv_lens, jnp.int32), jnp.asarray(q_lens, jnp.int32))
+    want = _expanded_f64(q.astype(np.float64), np.asarray(pool, np.float64), np.asarray(tables), kv_lens, q_lens,
+                         w_uk.astype(np.float64), w_uv.astype(np.float64), sm_scale)
+    expanded = latent_attention_expanded(jnp.asarray(q), pool, tables, *lens, jnp.asarray(w_uk), jnp.asarray(w_uv),
+                                         sm_scale=sm_scale, chunk_tokens=chunk_tokens)
+    q_abs = jnp.concatenate([jnp.einsum("BTND,RND->BTNR", q[..., :dn], w_uk, precision="highest"),
+                             jnp.asarray(q[..., dn:])], axis=-1)
+    latent_out = latent_attention_xla(q_abs, pool, tables, *lens, sm_scale=sm_scale, value_dim=rank,
+                                      chunk_tokens=chunk_tokens)
+    absorbed = jnp.einsum("BTNR,RNV->BTNV", latent_out, w_uv, precision="highest")
+    assert expanded.shape == want.shape and np.isfinite(np.asarray(expanded)).all()
+    np.testing.assert_allclose(np.asarray(expanded), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(absorbed), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(expanded), np.asarray(absorbed), rtol=1e-5, atol=1e-5)
+
+
+def test_expanded_form_is_chosen_for_rows_it_makes_cheaper():
+    """At DeepSeek-V3's widths the expanded form costs fewer FLOPs from rows of 171 tokens on: the
+    GPU / TPU default rows of 64 stay absorbed."""
+    v3 = dict(latent_width=576, value_dim=512, qk_head_dim=192, v_head_dim=128, nope_head_dim=128)
+    assert [prefill_uses_expanded(n, **v3) for n in (1, 64, 170, 171, 512)] == [False, False, False, True, True]
+    # the latent no wider than the per-head dims: never expanded
+    assert not prefill_uses_expanded(4096, latent_width=40, value_dim=32, qk_head_dim=48, v_head_dim=32,
+                                     nope_head_dim=40)
+
+
+def test_expanded_shapes_are_checked():
+    pool = jnp.zeros((1, 8, 4, 1, 40))
+    lens = (jnp.zeros((2, 3), jnp.int32), jnp.ones(2, jnp.int32), jnp.ones(2, jnp.int32))
+    with pytest.raises(ValueError, match="do not fit latents of width 40"):
+        latent_attention_expanded(jnp.zeros((2, 4, 3, 30)), pool, *lens, jnp.zeros((32, 3, 16)),
+                                  jnp.zeros((32, 3, 16)), sm_scale=1.0)
+    with pytest.raises(ValueError, match=r"must be \[R, 3, ...\]"):
+        latent_attention_expanded(jnp.zeros((2, 4, 3, 24)), pool, *lens, jnp.zeros((32, 4, 16)),
+                                  jnp.zeros((32, 4, 16)), sm_scale=1.0)

@@ -1,6 +1,7 @@
 """DeepSeek-V3 (multi-head latent attention, grouped sigmoid routing with shared experts) against HF
 transformers on tiny random weights (f32): every prompt token's logprob and the greedy continuation,
-in one prefill, chunked prefill beside decode rows, with prefix-cache hits and under preemption;
+in one prefill, chunked prefill beside decode rows (prefill rows in the absorbed and in the expanded
+form), with prefix-cache hits and under preemption;
 YaRN with mscale; q_lora_rank None; the latent pool's bytes per token; the grouped router against
 HF's. The latent attention itself is tested in tests/kernels/test_latent_attention.py."""
 
@@ -16,6 +17,7 @@ import transformers as tf
 
 import paxpage
 from models.config import ModelConfig
+from models.deepseek import prefill_uses_expanded
 from models.moe import route_grouped
 from models.rope import mla_softmax_scale
 from paxpage.sharding import ShardingPlan
@@ -85,6 +87,20 @@ def test_chunked_prefill_beside_decode_matches_hf(tiny_models):
     for prompt, out in zip(prompts, outs):
         check_prompt_logprobs(hf, prompt, out)
         assert out.token_ids == hf_greedy(hf, prompt, 10)
+
+
+def test_expanded_chunked_prefill_beside_decode_matches_hf(tiny_models):
+    """Rows of 32 tokens, which run the expanded form at these widths: the long prompt prefills in
+    chunks whose rows read the earlier chunks' latents from the pool, while the short one decodes."""
+    hf, model = tiny_models("yarn")
+    assert prefill_uses_expanded(model.config, 32) and not prefill_uses_expanded(model.config, 4)
+    prompts = random_prompts(2, VOCAB, [90, 5], seed=4)
+    outs = paxpage.generate(model, prompts, max_tokens=8, temperature=0, prompt_logprobs=0, ignore_eos=True,
+                            page_size=8, num_pages=64, max_num_batched_tokens=64, prefill_row_len=32,
+                            use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        check_prompt_logprobs(hf, prompt, out)
+        assert out.token_ids == hf_greedy(hf, prompt, 8)
 
 
 def test_prefix_cache_hit_and_preemption_match_hf(tiny_models):
