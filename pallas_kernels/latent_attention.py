@@ -118,47 +118,19 @@ def latent_attention_xla(
     NaN slots never reach the output."""
     batch, num_q, num_heads, width = q.shape
     _check(q, latent_pages, page_indices, kv_lens, q_lens, value_dim)
-    _, num_pages, page_size, _, _ = latent_pages.shape
+    page_size = latent_pages.shape[2]
     pages_per_seq = page_indices.shape[1]
     chunk_pages = pages_per_chunk(batch, page_size * width * latent_pages.dtype.itemsize, page_size,
                                   pages_per_seq, chunk_tokens)
-    chunk_len = chunk_pages * page_size  # S
-    num_chunk_slots = -(-pages_per_seq // chunk_pages)
-    # Whole chunks, clamped into the pool: entries past a row's pages may hold anything (masked).
-    pad = num_chunk_slots * chunk_pages - pages_per_seq
-    page_indices = jnp.clip(jnp.pad(page_indices.astype(jnp.int32), ((0, 0), (0, pad))), 0, num_pages - 1)
-    pool_rows = latent_pages.reshape(num_pages, page_size * width)
-    kv_lens, q_lens = kv_lens.astype(jnp.int32), q_lens.astype(jnp.int32)
-    q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(num_q)[None, :]  # [B, Tq]
     q32 = q.astype(jnp.float32) * sm_scale
     exact = lax.Precision.HIGHEST
-    num_chunks = jnp.minimum((jnp.max(kv_lens) + chunk_len - 1) // chunk_len, num_chunk_slots)
 
-    def body(carry):
-        c, m, l, acc = carry
-        ids = lax.dynamic_slice_in_dim(page_indices, c * chunk_pages, chunk_pages, axis=1)  # [B, pages]
-        keys = pool_rows[ids].reshape(batch, chunk_len, width).astype(jnp.float32)  # [B, S, C]
-        k_pos = c * chunk_len + jnp.arange(chunk_len)  # [S]
-        in_row = k_pos[None, :] < kv_lens[:, None]  # [B, S]
-        keys = jnp.where(in_row[:, :, None], keys, 0.0)
+    def scores_and_values(keys):  # the latents are the keys, and their first R entries the values
         scores = jnp.einsum("BTNC,BSC->BTNS", q32, keys, precision=exact)
-        visible = in_row[:, None, :] & (k_pos[None, None, :] <= q_pos[:, :, None])  # [B, Tq, S]
-        scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))  # [B, Tq, N]
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(scores - m_safe[..., None])  # masked keys: exp(-inf) = 0
-        rescale = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
-        l = l * rescale + jnp.sum(p, axis=-1)
-        acc = acc * rescale[..., None] + jnp.einsum("BTNS,BSR->BTNR", p, keys[:, :, :value_dim], precision=exact)
-        return c + 1, m_new, l, acc
+        return scores, lambda p: jnp.einsum("BTNS,BSR->BTNR", p, keys[:, :, :value_dim], precision=exact)
 
-    init = (jnp.int32(0), jnp.full((batch, num_q, num_heads), -jnp.inf, jnp.float32),
-            jnp.zeros((batch, num_q, num_heads), jnp.float32),
-            jnp.zeros((batch, num_q, num_heads, value_dim), jnp.float32))
-    _, _, l, acc = fold_chunks(body, init, num_chunks, num_chunk_slots, early_exit)
-    valid = (jnp.arange(num_q)[None, :] < q_lens[:, None])[:, :, None]  # [B, Tq, 1]
-    out = acc / jnp.where(valid & (l > 0), l, 1.0)[..., None]
-    return jnp.where(valid[..., None], out, 0.0).astype(q.dtype)
+    return _attend_in_chunks(latent_pages, page_indices, kv_lens, q_lens, num_q, num_heads, value_dim,
+                             chunk_pages, early_exit, scores_and_values, q.dtype)
 
 
 def prefill_uses_expanded(num_q: int, *, latent_width: int, value_dim: int, qk_head_dim: int,
@@ -199,7 +171,7 @@ def latent_attention_expanded(
     (Dn + Dv) values, are at most N (Dn + Dv) per query token of the step (one page per row where
     rows are narrower than a page), however long the rows' contexts are."""
     batch, num_q, num_heads, qk_dim = q.shape
-    _, num_pages, page_size, _, width = latent_pages.shape
+    _, _, page_size, _, width = latent_pages.shape
     rank, nope_dim, v_dim = w_uk.shape[0], w_uk.shape[2], w_uv.shape[2]
     if w_uk.shape[:2] != (rank, num_heads) or w_uv.shape[:2] != (rank, num_heads):
         raise ValueError(f"w_uk {w_uk.shape} and w_uv {w_uv.shape} must be [R, {num_heads}, ...]")
@@ -212,17 +184,41 @@ def latent_attention_expanded(
     expanded_page_bytes = page_size * num_heads * (nope_dim + v_dim) * 4
     chunk_pages = pages_per_chunk(batch, expanded_page_bytes, page_size, pages_per_seq,
                                   min(chunk_tokens, max(num_q, page_size)))
+    q32 = q.astype(jnp.float32) * sm_scale
+    q_nope, q_rope = q32[..., :nope_dim], q32[..., nope_dim:]  # [B, Tq, N, Dn], [B, Tq, N, Dr]
+    w_uk32, w_uv32 = w_uk.astype(jnp.float32), w_uv.astype(jnp.float32)
+    exact = lax.Precision.HIGHEST
+
+    def scores_and_values(latents):  # this chunk's latents expanded to per-head keys and values
+        compressed, k_rope = latents[..., :rank], latents[..., rank:]  # [B, S, R], [B, S, Dr]
+        k_nope = jnp.einsum("BSR,RND->BSND", compressed, w_uk32, precision=exact)
+        values = jnp.einsum("BSR,RNV->BSNV", compressed, w_uv32, precision=exact)
+        scores = (jnp.einsum("BTND,BSND->BTNS", q_nope, k_nope, precision=exact)
+                  + jnp.einsum("BTND,BSD->BTNS", q_rope, k_rope, precision=exact))
+        return scores, lambda p: jnp.einsum("BTNS,BSNV->BTNV", p, values, precision=exact)
+
+    return _attend_in_chunks(latent_pages, page_indices, kv_lens, q_lens, num_q, num_heads, v_dim,
+                             chunk_pages, early_exit, scores_and_values, q.dtype)
+
+
+def _attend_in_chunks(latent_pages, page_indices, kv_lens, q_lens, num_q: int, num_heads: int, out_dim: int,
+                      chunk_pages: int, early_exit, scores_and_values, out_dtype) -> jax.Array:
+    """Causal attention of every row's queries over its cached latents, `chunk_pages` pages of
+    each row per loop step, with a running max / sum / output (xla_attention.fold_chunks).
+    `scores_and_values(latents f32[B, S, C])` gives the chunk's scaled scores f32[B, Tq, N, S]
+    and a function of the probabilities p f32[B, Tq, N, S] to their values' sum f32[B, Tq, N,
+    out_dim]. Keys past a row's length or after a query are masked, and their latents zeroed
+    before any product, so stale or NaN slots never reach the output. -> [B, Tq, N, out_dim]."""
+    batch, pages_per_seq = page_indices.shape
+    _, num_pages, page_size, _, width = latent_pages.shape
     chunk_len = chunk_pages * page_size  # S
     num_chunk_slots = -(-pages_per_seq // chunk_pages)
+    # Whole chunks, clamped into the pool: entries past a row's pages may hold anything (masked).
     pad = num_chunk_slots * chunk_pages - pages_per_seq
     page_indices = jnp.clip(jnp.pad(page_indices.astype(jnp.int32), ((0, 0), (0, pad))), 0, num_pages - 1)
     pool_rows = latent_pages.reshape(num_pages, page_size * width)
     kv_lens, q_lens = kv_lens.astype(jnp.int32), q_lens.astype(jnp.int32)
     q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(num_q)[None, :]  # [B, Tq]
-    q32 = q.astype(jnp.float32) * sm_scale
-    q_nope, q_rope = q32[..., :nope_dim], q32[..., nope_dim:]  # [B, Tq, N, Dn], [B, Tq, N, Dr]
-    w_uk32, w_uv32 = w_uk.astype(jnp.float32), w_uv.astype(jnp.float32)
-    exact = lax.Precision.HIGHEST
     num_chunks = jnp.minimum((jnp.max(kv_lens) + chunk_len - 1) // chunk_len, num_chunk_slots)
 
     def body(carry):
@@ -231,26 +227,21 @@ def latent_attention_expanded(
         latents = pool_rows[ids].reshape(batch, chunk_len, width).astype(jnp.float32)  # [B, S, C]
         k_pos = c * chunk_len + jnp.arange(chunk_len)  # [S]
         in_row = k_pos[None, :] < kv_lens[:, None]  # [B, S]
-        latents = jnp.where(in_row[:, :, None], latents, 0.0)  # stale / NaN slots never reach a product
-        compressed, k_rope = latents[..., :rank], latents[..., rank:]  # [B, S, R], [B, S, Dr]
-        k_nope = jnp.einsum("BSR,RND->BSND", compressed, w_uk32, precision=exact)
-        values = jnp.einsum("BSR,RNV->BSNV", compressed, w_uv32, precision=exact)
-        scores = (jnp.einsum("BTND,BSND->BTNS", q_nope, k_nope, precision=exact)
-                  + jnp.einsum("BTND,BSD->BTNS", q_rope, k_rope, precision=exact))
+        scores, weigh = scores_and_values(jnp.where(in_row[:, :, None], latents, 0.0))
         visible = in_row[:, None, :] & (k_pos[None, None, :] <= q_pos[:, :, None])  # [B, Tq, S]
         scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))  # [B, Tq, N]
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(scores - m_safe[..., None])
+        p = jnp.exp(scores - m_safe[..., None])  # masked keys: exp(-inf) = 0
         rescale = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
         l = l * rescale + jnp.sum(p, axis=-1)
-        acc = acc * rescale[..., None] + jnp.einsum("BTNS,BSNV->BTNV", p, values, precision=exact)
+        acc = acc * rescale[..., None] + weigh(p)
         return c + 1, m_new, l, acc
 
     init = (jnp.int32(0), jnp.full((batch, num_q, num_heads), -jnp.inf, jnp.float32),
             jnp.zeros((batch, num_q, num_heads), jnp.float32),
-            jnp.zeros((batch, num_q, num_heads, v_dim), jnp.float32))
+            jnp.zeros((batch, num_q, num_heads, out_dim), jnp.float32))
     _, _, l, acc = fold_chunks(body, init, num_chunks, num_chunk_slots, early_exit)
     valid = (jnp.arange(num_q)[None, :] < q_lens[:, None])[:, :, None]  # [B, Tq, 1]
     out = acc / jnp.where(valid & (l > 0), l, 1.0)[..., None]
-    return jnp.where(valid[..., None], out, 0.0).astype(q.dtype)
+    return jnp.where(valid[..., None], out, 0.0).astype(out_dtype)
