@@ -85,6 +85,7 @@ def _batch(dec, pre, row_len, pages_per_seq=4, page_size=8):
                      np.arange(n, dtype=np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
 
 
+@pytest.mark.extended  # the kernel test compares the two forms; the HF test runs the expanded one
 def test_expanded_and_absorbed_steps_agree():
     """The same two steps in both forms: two prompts prefilled, then a chunk of the first prompt
     (its earlier keys in the pool) beside the second's decode row. Logits and pools agree to f32
