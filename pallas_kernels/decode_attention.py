@@ -157,19 +157,27 @@ def fold_sink(m, l, acc, sink):
     return alpha * l + jnp.exp(sink - m_all), alpha * acc
 
 
-def combine_splits(acc, m, l, sink=None):
+def combine_splits(acc, m, l, sink=None, *, in_order: bool = False):
     """Exact merge of C partial softmaxes along axis 1: acc f32[B, C, ..., D], m, l f32[B, C, ..., 1].
     sink: f32 logits broadcastable to m[:, 0] (gpt-oss; e.g. [K, G, 1]), one more term of each
-    row's denominator with no value."""
-    m_max = jnp.max(m, axis=1, keepdims=True)
+    row's denominator with no value, added after the partials. in_order: the partials are summed
+    one after another in segment order, an order no reduce can change (the batch-invariant
+    merge); segments a row does not reach (m = MASK_VALUE, l = 0, acc = 0) add exact zeros, so C
+    itself does not matter."""
+    m_max = jnp.max(m, axis=1, keepdims=True)  # a max is exact in any order
     if sink is not None:
         sink = jnp.broadcast_to(sink, m_max.shape)
         m_max = jnp.maximum(m_max, sink)
     w = jnp.exp(m - m_max)  # empty splits have m = MASK_VALUE -> weight 0 (or 1 with l = 0)
-    l_sum = jnp.sum(w * l, axis=1)
+    if in_order:
+        l_sum, acc_sum = w[:, 0] * l[:, 0], w[:, 0] * acc[:, 0]
+        for c in range(1, acc.shape[1]):
+            l_sum = l_sum + w[:, c] * l[:, c]
+            acc_sum = acc_sum + w[:, c] * acc[:, c]
+    else:
+        l_sum, acc_sum = jnp.sum(w * l, axis=1), jnp.sum(w * acc, axis=1)
     if sink is not None:
         l_sum = l_sum + jnp.exp(sink - m_max)[:, 0]
-    acc_sum = jnp.sum(w * acc, axis=1)
     return acc_sum / jnp.where(l_sum == 0.0, 1.0, l_sum)  # rows with no keys -> zeros
 
 

@@ -27,7 +27,7 @@ Work decomposition (grid B x K x Qb x C, one program each):
   else the launch holds, so nothing is derived from the batch, Tq or the table width. Segments
   have a fixed size, SPLIT_TILES tiles counted from key 0 (segment c: tiles c * SPLIT_TILES ..),
   C = enough of them to cover the table, and the partials are merged in segment order
-  (`combine_splits_in_order`); a segment the row does not reach adds exact zeros. Query tiles
+  (`combine_splits(..., in_order=True)`); a segment the row does not reach adds exact zeros. Query tiles
   always hold TILE_ROWS // Gp tokens, so the score and P . V products have one shape.
 * Scores: q . k^T on the tensor cores in q's dtype (bf16 x bf16 -> f32; f32 at full precision).
   The probabilities P are cast to the compute dtype (q's) before P . V, so bf16 pools run both
@@ -278,29 +278,8 @@ def _launch(qw, pool, scales, sink_rows, page_indices, kv_lens, q_lens, *, geome
     if num_splits == 1:
         return out
     acc, m, l = out
-    merge = combine_splits_in_order if geometry.split_tiles else combine_splits
     sink = None if sink_rows is None else sink_rows[:, None]  # [K, 1, R, 1] against [B, K, Qb, R, 1]
-    return merge(acc, m, l, sink).astype(qw.dtype)  # [B, K, Qb, R, D]
-
-
-def combine_splits_in_order(acc, m, l, sink=None):
-    """`combine_splits` with the C partials summed one after another in segment order, an order
-    no reduce can change: acc f32[B, C, ..., D], m, l f32[B, C, ..., 1]. Segments a row does not
-    reach (m = MASK_VALUE, l = 0, acc = 0) add exact zeros, so C itself does not matter.
-    sink: logits broadcastable to m[:, 0], added to the denominator after the last segment."""
-    m_max = jnp.max(m, axis=1, keepdims=True)  # a max is exact in any order
-    if sink is not None:
-        sink = jnp.broadcast_to(sink, m_max.shape)
-        m_max = jnp.maximum(m_max, sink)
-    w = jnp.exp(m - m_max)
-    l_sum = w[:, 0] * l[:, 0]
-    acc_sum = w[:, 0] * acc[:, 0]
-    for c in range(1, acc.shape[1]):
-        l_sum = l_sum + w[:, c] * l[:, c]
-        acc_sum = acc_sum + w[:, c] * acc[:, c]
-    if sink is not None:
-        l_sum = l_sum + jnp.exp(sink - m_max)[:, 0]
-    return acc_sum / jnp.where(l_sum == 0.0, 1.0, l_sum)
+    return combine_splits(acc, m, l, sink, in_order=bool(geometry.split_tiles)).astype(qw.dtype)  # [B, K, Qb, R, D]
 
 
 @functools.partial(
