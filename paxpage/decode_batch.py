@@ -1,16 +1,18 @@
-"""The steady decode step's persistent state (vLLM v1's InputBatch idea, for the common case).
+"""The persistent batch: the decoding rows a step keeps for the next (vLLM v1's InputBatch idea).
 
 Most steps of a busy engine are the same step again: every running sequence decodes one token.
 When the step in flight is such a plain step (every row one sample drawing one token: no beams,
 grammars, prompt logprobs, a fork still to come; see `DecodeBatch.build`), the engine keeps its rows
 here, with their positions, page-table rows, sampling slots and output counts as arrays, and the
 next step is scheduled, packed and booked with numpy over those arrays (`Scheduler.
-schedule_decodes` / `update_decodes`, `Packer.pack_decode`, `OutputProcessor.process_plain`) and
-a few Python operations per sequence. Sequences that finished or were aborted since leave the
-batch (`survivors`, `compacted`): the rows left keep their order and arrays, so a batch whose
-requests end at different steps stays on this step. Anything else (a request joins or is
-preempted, a page the free list cannot give) drops back to the general step, which is equal in
-outputs. Pure Python and numpy (no jax).
+schedule_decodes` / `update_decodes`, `Packer.pack` with `DecodeRows`, `OutputProcessor.
+process_plain`) and a few Python operations per sequence. The step changes the batch by diffs:
+sequences that finished or were aborted since leave it (`survivors`, `compacted`), the rows left
+keeping their order and arrays; fresh plain requests that the scheduler admits join it (only
+their rows are planned, and once their prompt has run they are rows of the batch: `extended`).
+Anything else (a resumed or preempted sequence, a prompt that takes several steps, a page the
+free list cannot give, a request with beams, grammars, prompt logprobs or n > 1 before it forks)
+drops back to the general step, which is equal in outputs. Pure Python and numpy (no jax).
 
 Axis legend: B rows (the running sequences, in the scheduler's order; row i of the step in
 flight is row i of the next, or row j of the compacted batch that keeps it).
@@ -110,6 +112,20 @@ class DecodeBatch:
                             self.lora_slots[index] if self.lora_slots is not None else None)
         batch.prev_rows = index.astype(np.int32)
         return batch
+
+    def extended(self, joined: DecodeBatch) -> DecodeBatch:
+        """This batch with `joined`'s rows after its own (renumbered from len(self)): the rows that
+        joined a step of this batch, whose logits rows in it followed this batch's. Call it after
+        `advance`: every row then reads its own row of that step."""
+        assert self.prev_rows is None and joined.prev_rows is None
+        n = len(self)
+        rows = self.rows + [(request, sample, n + row) for request, sample, row in joined.rows]
+        cat = lambda a, b: np.concatenate([a, b])  # noqa: E731
+        lora = None if self.lora_slots is None else cat(self.lora_slots, joined.lora_slots)
+        return DecodeBatch(rows, self.seqs + joined.seqs, cat(self.positions, joined.positions),
+                           cat(self.table_slots, joined.table_slots), cat(self.sampling_slots, joined.sampling_slots),
+                           cat(self.steps, joined.steps), cat(self.limits, joined.limits),
+                           self.stop_ids + joined.stop_ids, lora)
 
     def page_aligned(self, page_size: int) -> list[int]:
         """Rows whose next token starts a page (the only ones that may need one)."""

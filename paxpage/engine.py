@@ -10,10 +10,7 @@ job (output_processor.py); driving the step for many callers is the engine loop'
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
-import threading
 import time
 from typing import Any, Mapping
 
@@ -22,6 +19,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from paxpage import beam as beam_lib
+from paxpage.admission import Admission
 from paxpage import compile_counter, kv_sizing
 from paxpage import speculative as spec_lib
 from paxpage.booking import StepBooking
@@ -33,12 +31,12 @@ from paxpage.lora_slots import LoraSlots
 from paxpage.launched import PENDING_TOKEN, Launched, fetch
 from paxpage.output_processor import OutputProcessor, Request
 from paxpage.outputs import RequestOutput, StreamDelta
-from paxpage.packing import logprob_bucket
+from paxpage.packing import DecodeRows, logprob_bucket
 from paxpage.runner import ModelRunner
 from paxpage.sampling.batch import SamplingBatch
 from paxpage.sampling.params import SamplingParams
 from paxpage.sampling.sampler import SamplingTensors
-from paxpage.scheduler import Scheduler, SchedulerConfig
+from paxpage.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from paxpage.speculative.coordinator import SpeculationCoordinator
 from paxpage.sequence import Sequence
 from paxpage.step_plan import plan_step
@@ -97,14 +95,14 @@ class LLMEngine:
         self.eos_token_ids = model_cfg.end_token_ids or (
             (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()
         )
-        # the model's recommended sampling fields, for requests that leave them unset (as vLLM)
-        self.sampling_defaults = model_cfg.generation.sampling_defaults()
         self.stats = EngineStats()
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, cfg.max_model_len)
-        self._request_ids = itertools.count()
         self._embeds: dict[int, EmbeddingRequest] = {}  # live embedding requests by request id
-        self._seq_ids = itertools.count()
-        self._beams = beam_lib.BeamCoordinator(self.scheduler, self.outputs, self.new_sequence)
+        self.loras = loras if loras is not None else {}
+        self.admission = Admission(model_cfg, cfg, tokenizer, self.eos_token_ids, self.scheduler, self.outputs,
+                                   self.stats, self._embeds, self.loras)
+        new_sequence = self.admission.new_sequence
+        self._beams = beam_lib.BeamCoordinator(self.scheduler, self.outputs, new_sequence)
         self._inflight: Launched | None = None  # async scheduling: the step still on the device
         proposer = spec_lib.make_proposer(cfg, model_cfg, tokenizer)
         if proposer is not None and jax.process_count() > 1:
@@ -112,14 +110,11 @@ class LLMEngine:
         self._spec = (None if proposer is None else SpeculationCoordinator(
             proposer, cfg.resolved_speculative_max_batch, cfg.max_model_len, PENDING_TOKEN))
         self._booking = StepBooking(self.scheduler, self.outputs, self._beams, self.stats, self._embeds,
-                                    self.new_sequence, tokenizer, cfg.max_model_len, self._spec)
-        self._grammars: GrammarBackend | None = None  # built by the first structured request
-        self._grammars_lock = threading.Lock()
+                                    new_sequence, tokenizer, cfg.max_model_len, self._spec)
         # the running sequences' sampling parameters, one slot each, kept between steps
         self._sampling = SamplingBatch(model_cfg.vocab_size, self.eos_token_ids, token_width=cfg.max_model_len,
                                        pending_token=PENDING_TOKEN)  # token_width caps the penalty-token width
 
-        self.loras = loras if loras is not None else {}
         if cfg.max_loras:
             self.scheduler.lora_slots = LoraSlots(cfg.max_loras, self.runner.load_lora)
 
@@ -179,106 +174,17 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, index: int = 0,
                     prompt: str | None = None, stream: bool = True, lora: str | None = None) -> int:
-        """Queues a prompt; raises ValueError at once if it can never be served. Sampling fields
-        that `params` leaves unset take the model's defaults (`self.sampling_defaults`).
-        stream=False: `step` makes no deltas for it and lists it only in the step it finishes
-        (with none); read its result with `output` (vLLM's FINAL_ONLY). `lora`: the name of a
-        loaded LoRA adapter the request runs (None: the base model)."""
-        adapter = self.lora_adapter(lora)
-        params = params.with_defaults(self.sampling_defaults)
-        params.validate_for(self.model_cfg.vocab_size, self.config.max_model_len, len(prompt_ids),
-                            prompt_token_ids=prompt_ids)
-        self._check_num_samples(params)
-        matcher = self._matcher(params) if params.structured_outputs is not None else None
-        request_id = next(self._request_ids)
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
-        request = Request(request_id, index, prompt, list(prompt_ids), params, [], stream=stream)
-        if params.beam_width > 1:  # rows of its beams sample greedily with top-K logprobs
-            request.beam = beam_lib.BeamSearch(params, len(prompt_ids), self.eos_token_ids,
-                                               self.model_cfg.vocab_size, self.config)
-            request.params = request.beam.row_params
-        seq = self.new_sequence(prompt_ids, request.params.max_tokens, request_id)
-        seq.lora = adapter  # its children (n > 1, beams) inherit it when forked
-        sample = self.outputs.new_sample(request, seq, seed)
-        sample.matcher = matcher
-        try:
-            self.scheduler.add(seq)  # raises ValueError for a request that can never fit
-        except ValueError:
-            self.outputs.drop_sample(seq.seq_id)
-            raise
-        request.samples.append(sample)
-        request.forked = params.n == 1
-        self.outputs.add(request)
-        self.stats.prompt_tokens += len(prompt_ids)
-        return request_id
+        """Queues a prompt and returns its request id (`Admission.add_request`: ValueError at once
+        if it can never be served)."""
+        return self.admission.add_request(prompt_ids, params, index=index, prompt=prompt, stream=stream, lora=lora)
 
     def add_embedding(self, prompt_ids: list[int], pooling: Pooling | str = "last", *, index: int = 0) -> int:
-        """Queues an embedding request (paxpage/embedding.py): the prompt is prefilled like any
-        other, never samples, and once its last chunk ran its pages are freed and the step that
-        ran it lists it, finished; read the vector with `output`. ValueError at once if the
-        prompt can never be served."""
-        pooling = Pooling.parse(pooling)
-        prompt_ids = [int(t) for t in prompt_ids]
-        vocab, max_len = self.model_cfg.vocab_size, self.config.max_model_len
-        if not 1 <= len(prompt_ids) < max_len:
-            raise ValueError(f"input has {len(prompt_ids)} tokens; an embedding input needs 1 to "
-                             f"{max_len - 1} (max_model_len {max_len} less one)")
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is out of range; the vocabulary has {vocab} tokens")
-        request_id = next(self._request_ids)
-        seq = self.new_sequence(prompt_ids, 1, request_id)
-        # mean pooling needs every token's state: no prefix-cache hit may skip one
-        seq.use_prefix_cache = pooling.kind != "mean"
-        self.scheduler.add(seq)  # raises ValueError for a request that can never fit
-        self._embeds[request_id] = EmbeddingRequest(request_id, index, prompt_ids, pooling, seq)
-        self.stats.prompt_tokens += len(prompt_ids)
-        return request_id
-
-    def lora_adapter(self, name: str | None):
-        """The loaded adapter `name` (None for None); ValueError naming the name and the limit
-        when this engine cannot run it."""
-        if name is None:
-            return None
-        if not isinstance(name, str):
-            raise TypeError(f"lora must be an adapter name (str) or None, got {type(name).__name__}")
-        adapter = self.loras.get(name)
-        if adapter is None:
-            raise ValueError(f"unknown LoRA adapter {name!r}; loaded adapters: {sorted(self.loras)}")
-        if not self.config.max_loras:
-            raise ValueError(f"request names LoRA adapter {name!r} but this engine's max_loras is 0; "
-                             "build it with max_loras >= 1")
-        if adapter.rank > self.config.max_lora_rank:
-            raise ValueError(f"LoRA adapter {name!r} has rank {adapter.rank}; max_lora_rank is "
-                             f"{self.config.max_lora_rank}")
-        return adapter
-
-    def _check_num_samples(self, params: SamplingParams) -> None:
-        """The n samples' first tokens are drawn in one step (n rows from the prompt's logits row)
-        and each sample then holds a KV page of its own: n beyond either bound could never run."""
-        limit = min(self.config.max_num_batched_tokens, self.config.num_pages)
-        if params.n > limit:
-            raise ValueError(f"n is {params.n}; this engine runs at most {limit} samples of one prompt "
-                             f"(max_num_batched_tokens {self.config.max_num_batched_tokens}, "
-                             f"num_pages {self.config.num_pages})")
-
-    def _matcher(self, params: SamplingParams):
-        """A fresh llguidance matcher for the request's structured_outputs (ValueError when the
-        model has no usable tokenizer or the grammar does not compile against it)."""
-        return self.grammars().matcher(params.structured_outputs)
+        """Queues an embedding request and returns its id (`Admission.add_embedding`)."""
+        return self.admission.add_embedding(prompt_ids, pooling, index=index)
 
     def grammars(self) -> GrammarBackend:
-        """The engine's grammar backend, built on first use; any thread may call it (and its
-        `compile`), e.g. to compile a request's grammar before submitting it."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                if self.tokenizer is None:
-                    raise ValueError("structured_outputs needs the model's tokenizer; this model has none")
-                self._grammars = GrammarBackend(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids)
-            return self._grammars
-
-    def new_sequence(self, prompt_ids: list[int], max_tokens: int, request_id: int) -> Sequence:
-        return Sequence(prompt_ids, max_tokens, seq_id=next(self._seq_ids), group_id=request_id)
+        """The engine's grammar backend (`Admission.grammars`); any thread may call it."""
+        return self.admission.grammars()
 
     def abort(self, request_id: int) -> None:
         embed = self._embeds.pop(request_id, None)
@@ -359,11 +265,12 @@ class LLMEngine:
         return deltas
 
     def _decode_step(self) -> list[tuple[Request, list[StreamDelta]]] | None:
-        """The steady decode step (decode_batch.py): when the step in flight is a plain decode
-        batch and since then sequences only finished or were aborted, this step's rows are its
-        rows still running, one token later. Does what the general step would (schedule, launch,
-        read the previous tokens, book this step's as pending), in numpy over the batch's arrays.
-        None, having changed nothing, otherwise."""
+        """The persistent batch's step (decode_batch.py): when the step in flight is a plain
+        decode batch and since then sequences only finished or were aborted, this step's rows are
+        its rows still running, one token later, and the fresh plain requests the scheduler
+        admits beside them (`_joins_batch`), the only rows planned. Does what the general step
+        would (schedule, launch, read the previous tokens, book this step's as pending), in numpy
+        over the batch's arrays. None, having changed nothing, otherwise."""
         previous = self._inflight
         batch = previous.decode if previous is not None else None
         if batch is None or self._spec is not None:
@@ -374,31 +281,43 @@ class LLMEngine:
         resolved = batch  # the rows of the step in flight, whose tokens this step reads
         if len(keep) < len(batch):
             batch = batch.compacted(keep)
-        scheduled = self.scheduler.schedule_decodes(batch.seqs, batch.page_aligned(self.config.page_size))
+        scheduled = self.scheduler.schedule_decodes(batch.seqs, batch.page_aligned(self.config.page_size),
+                                                    self._joins_batch)
         if scheduled is None:
             return None
-        grown, copies = scheduled
+        grown, copies, admitted = scheduled
         self.runner.copy_pages(copies)
         tables, seqs = self.runner.tables, batch.seqs
-        self._forget_ended(seqs)  # seqs are the running queue (schedule_decodes checked)
+        self._forget_ended(self.scheduler.running)  # the batch's rows and the admitted ones
         if grown:  # their new pages: the one changed entry of each table row
             tables.sync_many([seqs[i].seq_id for i in grown], [seqs[i].num_preemptions for i in grown],
                              [seqs[i].page_table for i in grown], [int(batch.positions[i]) for i in grown])
-        step_batch, prev_rows = self.runner.packer.pack_decode(batch.table_slots, batch.positions, batch.lora_slots,
-                                                               batch.prev_rows)
-        tensors = self._sampling.tensors(  # penalised rows: their outputs end in the pending token
-            batch.sampling_slots, np.zeros(len(seqs), np.int64), batch.steps,
-            lambda r: (batch.rows[r][0].prompt_ids, seqs[r].output_token_ids),
-            pad_rows_to=len(step_batch.logits_indices))
+        held = DecodeRows(batch.table_slots, batch.positions, batch.prev_rows, batch.lora_slots)
+        n = len(seqs)
+        joined = SchedulerOutput(admitted, [], [], sum(s.num_new_tokens for s in admitted))
+        plan = plan_step(joined, self.outputs.lookup, self._embeds, self._sampling, {}) if admitted else None
+        step_batch, _, _, prev_rows = self.runner.packer.pack(plan.plans if plan else [], held)
+
+        def row_tokens(r):  # penalised rows: their outputs end in the pending token
+            return (batch.rows[r][0].prompt_ids, seqs[r].output_token_ids) if r < n else plan.row_tokens(r - n)
+
+        slots, offsets, steps = batch.sampling_slots, np.zeros(n, np.int64), batch.steps
+        num_logprobs = batch.num_logprobs
+        if plan is not None:
+            slots, offsets, steps = (np.concatenate(pair) for pair in
+                                     ((slots, plan.slots), (offsets, plan.offsets), (steps, plan.steps)))
+            num_logprobs = max(num_logprobs, logprob_bucket(plan.num_logprobs))
+        tensors = self._sampling.tensors(slots, offsets, steps, row_tokens, pad_rows_to=len(step_batch.logits_indices))
         logits = self.runner.forward(step_batch, prev_rows, previous.next_tokens)
-        if batch is resolved:
+        if batch is resolved and plan is None:
             step = Launched(None, batch.rows, previous.counts, [], None, None, None, previous.row_of_seq,
                             drafts=previous.drafts)
         else:
-            step = Launched(None, batch.rows, [1] * len(seqs), [], None, None, None,
-                            {seq.seq_id: j for j, seq in enumerate(seqs)}, drafts=[()] * len(seqs))
+            rows = batch.rows if plan is None else batch.rows + [(r, s, n + i) for r, s, i in plan.rows]
+            step = Launched(None, rows, [1] * len(rows), [], None, None, None,
+                            {sample.seq.seq_id: i for _, sample, i in rows}, drafts=[()] * len(rows))
         step.result, step.prompt_result, step.next_tokens = self.runner.sample(
-            step_batch, logits, tensors, batch.num_logprobs, prev_rows=prev_rows, prev_tokens=previous.next_tokens)
+            step_batch, logits, tensors, num_logprobs, prev_rows=prev_rows, prev_tokens=previous.next_tokens)
         # the previous step's tokens
         self._inflight = None
         t = time.perf_counter()
@@ -406,25 +325,45 @@ class LLMEngine:
         top = (result.top_ids, result.top_logprobs) if resolved.with_logprobs else (None, None)
         token_ids, logprobs, top_ids, top_logprobs = fetch((result.token_ids, result.logprobs) + top)
         self.stats.device_seconds += time.perf_counter() - t
-        n = len(resolved)
+        m = len(resolved)
         deltas, to_finish, num_tokens = self.outputs.process_plain(
-            resolved.rows, token_ids[:n].tolist(), logprobs[:n].tolist(), resolved.stop_ids,
+            resolved.rows, token_ids[:m].tolist(), logprobs[:m].tolist(), resolved.stop_ids,
             resolved.limit_list, PENDING_TOKEN, top_ids, top_logprobs)
         self._booking.finish(to_finish)
         self.stats.generated_tokens += num_tokens
         # this step's tokens, pending (as StepBooking.advance)
         self.scheduler.update_decodes(seqs, PENDING_TOKEN)
+        if admitted:  # the admitted prompts' chunks are computed; those that end sample a token
+            self.scheduler.update(joined, {s.seq.seq_id: PENDING_TOKEN for s in admitted if s.samples})
         self._booking.sample_kv_utilisation()
         batch.advance()
-        for i in batch.finished_by_length():
-            if not seqs[i].is_finished:
-                self.scheduler.finish(seqs[i], "length")
+        joining = None if plan is None else DecodeBatch.build(
+            admitted, plan.rows, plan.counts, plan.slots, plan.steps, tables.slot, self.eos_token_ids,
+            self.config.max_model_len, lora=bool(self.config.max_loras))
+        for part in (batch, joining):  # rows whose next token is their last by length leave now
+            for i in (part.finished_by_length() if part is not None else ()):
+                if not part.seqs[i].is_finished:
+                    self.scheduler.finish(part.seqs[i], "length")
+        if plan is not None:
+            # a prompt that takes more steps than this one: the general step runs its next chunk
+            batch = batch.extended(joining) if joining is not None else None
+            self.stats.joined_rows += len(admitted)
         step.decode = batch
         self._inflight = step
         self.stats.overlapped_steps += 1
         self.stats.decode_batch_steps += 1
         self.stats.steps += 1
         return deltas
+
+    def _joins_batch(self, seq: Sequence) -> bool:
+        """Whether waiting `seq` may join the persistent batch's step: the fresh prompt of a plain
+        request (no embedding, beams, n > 1, grammar or prompt logprobs). Any other waits for the
+        general step."""
+        if seq.num_output_tokens or seq.num_preemptions or seq.group_id in self._embeds:
+            return False
+        request, sample = self.outputs.lookup(seq.seq_id)
+        return (request.forked and request.beam is None and sample.matcher is None
+                and sample.prompt_logprobs is None)
 
     def has_unfinished(self) -> bool:
         # An in-flight step with no live request left carries only tokens to discard.
@@ -479,7 +418,7 @@ class LLMEngine:
         allowed = None
         if step.constrained:
             num_rows = len(batch.logits_indices)
-            allowed = self._grammars.bitmask([(m, row) for m, row, _ in step.constrained], num_rows)
+            allowed = self.admission.grammars().bitmask([(m, row) for m, row, _ in step.constrained], num_rows)
             for _, row, count in step.constrained:  # a forking request's n rows share one state
                 allowed[row + 1:row + count] = allowed[row]
         if step.speculates:

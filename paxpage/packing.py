@@ -5,8 +5,9 @@ tokens and the logits rows it wants) and lays them out in the step's fixed shape
 of one token first, then prefill rows of `prefill_row_len` tokens, every count bucketed so a
 steady phase never meets a new shape. Page tables persist across steps (paxpage/page_tables.py):
 a row's table is synced by its changed entries, and decode rows are laid out with array
-operations over them, so the host's work per step does not grow with the context. `pack_decode`
-is the same layout for a step of decode rows only, built from arrays the engine keeps per row.
+operations over them, so the host's work per step does not grow with the context. The decode
+rows of the engine's persistent batch come as arrays (`DecodeRows`), laid out first: a step
+plans only the rows that joined it.
 
 Axis legend: T flat tokens, Bd decode rows, Bp prefill rows, P pages per sequence, R logits rows.
 """
@@ -93,6 +94,22 @@ class RowPlan:
     lora_slot: int = -1  # the sequence's LoRA slab slot; -1: the base model
 
 
+@dataclasses.dataclass
+class DecodeRows:
+    """Decode rows held as arrays (the persistent batch's, decode_batch.py), laid out before the
+    step's planned rows: no RowPlan, no per-row Python."""
+
+    table_slots: np.ndarray  # integer[B] the rows' PageTables rows (already synced)
+    positions: np.ndarray  # integer[B] the position of the token each row writes
+    # integer[B] the previous (still running) step's logits row whose sampled token each row
+    # writes; None: row r reads row r
+    prev_rows: np.ndarray | None = None
+    lora_slots: np.ndarray | None = None  # integer[B] the rows' LoRA slab slots (with LoRA)
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+
 class Packer:
     """Lays out a step's rows (RowPlan) into a StepBatch, over the persistent page tables.
 
@@ -121,14 +138,20 @@ class Packer:
         out[num_dec:num_dec + len(pre_slots)] = pre_slots
         return out
 
-    def pack(self, rows: Sequence[RowPlan]
+    def pack(self, rows: Sequence[RowPlan], held: DecodeRows | None = None
              ) -> tuple[StepBatch, list[int], list[tuple[int, int]], np.ndarray]:
-        """Lays out the rows' tokens. Returns the batch, the plan index of each sampling row,
-        (plan index, position) of each prompt-logprob row, and i32[T] `prev_rows` (the previous
-        step's sampled-token row for each flat token whose id the host does not have yet, else -1).
+        """Lays out the step's rows: `held` decode rows first (their logits rows are 0..B-1, in
+        order), then the planned rows. Returns the batch, the plan index of each of the planned
+        rows' sampling rows (which follow the held rows'), (plan index, position) of each
+        prompt-logprob row, and i32[T] `prev_rows` (the previous step's sampled-token row for each
+        flat token whose id the host does not have yet, else -1).
 
         Decode rows (one token) are laid out with array operations over the persistent page
         tables, so their host cost does not grow with context length."""
+        if held is not None and not rows:
+            batch, prev_rows = self._pack_held(held)
+            return batch, [], [], prev_rows
+        num_held = len(held) if held is not None else 0
         page_size, row_len = self.cfg.page_size, self.cfg.prefill_row_len
         pages_per_seq = self.cfg.pages_per_seq
         keys = [r.table_key for r in rows]
@@ -149,7 +172,7 @@ class Packer:
         pre_rows = [(i, a, min(a + row_len, rows[i].start + rows[i].num_new))
                     for i in prefill
                     for a in range(rows[i].start, rows[i].start + rows[i].num_new, row_len)]
-        num_dec = decode_rows(len(decode), len(pre_rows), self.single_row_decode)
+        num_dec = decode_rows(num_held + len(decode), len(pre_rows), self.single_row_decode)
         num_pre = bucket(len(pre_rows))
         total = num_dec + num_pre * row_len
         token_ids = np.zeros(total, np.int32)
@@ -166,12 +189,18 @@ class Packer:
 
         prev_rows = np.full(total, -1, np.int32)
         n = len(decode)
-        if n:
+        if n or num_held:
             pos = np.fromiter((rows[i].start for i in decode), np.int32, n)
-            self._lay_out_decodes([slot_of[i] for i in decode], pos, positions, slots, dec_pages, dec_lens)
-            token_ids[:n] = [rows[i].token_ids[rows[i].start] for i in decode]
-            prev_rows[:n] = [rows[i].prev_row for i in decode]
-            for row, i in enumerate(decode):
+            table_slots = np.fromiter((slot_of[i] for i in decode), np.int64, n)
+            if num_held:  # their token ids stay 0: every one is read from the device (prev_rows)
+                pos = np.concatenate([np.asarray(held.positions, np.int32), pos])
+                table_slots = np.concatenate([np.asarray(held.table_slots, np.int64), table_slots])
+                prev_rows[:num_held] = (held.prev_rows if held.prev_rows is not None
+                                        else np.arange(num_held, dtype=np.int32))
+            self._lay_out_decodes(table_slots, pos, positions, slots, dec_pages, dec_lens)
+            token_ids[num_held:num_held + n] = [rows[i].token_ids[rows[i].start] for i in decode]
+            prev_rows[num_held:num_held + n] = [rows[i].prev_row for i in decode]
+            for row, i in enumerate(decode, num_held):
                 last_token_index[i] = row
                 if rows[i].num_prompt_tokens - 1 > rows[i].start:  # a 1-token prompt chunk
                     prompt_rows.append((i, rows[i].start, row, rows[i].token_ids[rows[i].start + 1]))
@@ -199,9 +228,10 @@ class Packer:
         logits_plan = [i for i, r in enumerate(rows) for _ in range(r.num_samples)]
         # R follows from (Bd, Bp) rather than being a third bucket (only n > 1 parallel
         # samples can need more), and stays a power of two so the sampler is shared.
-        num_logits = bucket(max(num_dec + num_pre, len(logits_plan)))
+        num_logits = bucket(max(num_dec + num_pre, num_held + len(logits_plan)))
         logits_indices = np.zeros(num_logits, np.int32)
-        logits_indices[:len(logits_plan)] = [
+        logits_indices[:num_held] = np.arange(num_held, dtype=np.int32)
+        logits_indices[num_held:num_held + len(logits_plan)] = [
             j for i, r in enumerate(rows)
             for j in (verify_index[i] if r.num_drafts else [last_token_index[i]] * r.num_samples)]
         num_prompt_rows = bucket(len(prompt_rows))
@@ -209,22 +239,25 @@ class Packer:
         prompt_targets = np.zeros(num_prompt_rows, np.int32)
         for j, (_, _, flat, target) in enumerate(prompt_rows):
             prompt_indices[j], prompt_targets[j] = flat, target
-        lora = self.lora_rows([rows[i].lora_slot for i in decode], num_dec,
-                               [rows[i].lora_slot for i, _, _ in pre_rows], num_pre)
+        dec_lora = [rows[i].lora_slot for i in decode]
+        if num_held and self.with_lora:
+            dec_lora = np.concatenate([np.asarray(held.lora_slots, np.int32), np.asarray(dec_lora, np.int32)])
+        lora = self.lora_rows(dec_lora, num_dec, [rows[i].lora_slot for i, _, _ in pre_rows], num_pre)
         batch = StepBatch(token_ids, positions, slots, dec_pages, dec_lens, pre_pages, pre_lens,
                           pre_q, logits_indices, prompt_indices, prompt_targets,
-                          self._pool_rows(rows, decode, pre_rows, num_dec, row_len, total, num_logits), lora)
+                          self._pool_rows(rows, decode, num_held, pre_rows, num_dec, row_len, total, num_logits),
+                          lora)
         return batch, logits_plan, [(plan, pos) for plan, pos, _, _ in prompt_rows], prev_rows
 
     @staticmethod
-    def _pool_rows(rows: Sequence[RowPlan], decode: list[int], pre_rows: list[tuple[int, int, int]], num_dec: int,
-                   row_len: int, total: int, num_logits: int) -> np.ndarray | None:
-        """StepBatch.pool_rows i32[T] for `pack`'s layout (decode rows, then prefill rows of
-        row_len tokens); None when no row pools."""
+    def _pool_rows(rows: Sequence[RowPlan], decode: list[int], num_held: int, pre_rows: list[tuple[int, int, int]],
+                   num_dec: int, row_len: int, total: int, num_logits: int) -> np.ndarray | None:
+        """StepBatch.pool_rows i32[T] for `pack`'s layout (held decode rows, which never pool,
+        the planned decode rows, then prefill rows of row_len tokens); None when no row pools."""
         if all(r.pool_row < 0 for r in rows):
             return None
         pool_rows = np.full(total, num_logits, np.int32)
-        for flat, i in enumerate(decode):
+        for flat, i in enumerate(decode, num_held):
             if rows[i].pool_row >= 0 and rows[i].start >= rows[i].pool_from:
                 pool_rows[flat] = rows[i].pool_row
         for row, (i, lo, hi) in enumerate(pre_rows):
@@ -235,26 +268,22 @@ class Packer:
                 pool_rows[flat + max(lo, plan.pool_from) - lo:flat + hi - lo] = plan.pool_row
         return pool_rows
 
-    def pack_decode(self, table_slots: np.ndarray, positions: np.ndarray, lora_slots: np.ndarray | None = None,
-                    prev_rows: np.ndarray | None = None) -> tuple[StepBatch, np.ndarray]:
-        """`pack` for a step of decode rows only, each writing the token that row prev_rows[r]
-        (by default row r) of the previous (still running) step samples: table_slots integer[B]
-        (rows of `self.tables`, already synced), positions integer[B], lora_slots integer[B] (with
-        LoRA), prev_rows integer[B]. Returns the batch and its i32[T] prev_rows; equal to what
-        `pack` returns for the same rows, in numpy operations over the rows."""
-        n = table_slots.shape[0]
+    def _pack_held(self, held: DecodeRows) -> tuple[StepBatch, np.ndarray]:
+        """`pack` of held decode rows alone, the steady decode step: the arrays that depend on
+        the padded row count alone come from `_decode_constants`."""
+        n = len(held)
         num_dec = decode_rows(n, 0, self.single_row_decode)
         pos = np.zeros(num_dec, np.int32)
         slots = np.full(num_dec, -1, np.int32)
         dec_pages = np.zeros((num_dec, self.cfg.pages_per_seq), np.int32)
         dec_lens = np.zeros(num_dec, np.int32)
-        self._lay_out_decodes(table_slots, positions, pos, slots, dec_pages, dec_lens)
+        self._lay_out_decodes(held.table_slots, held.positions, pos, slots, dec_pages, dec_lens)
         token_ids, constant_prev_rows, logits_indices, empty, rows0 = self._decode_constants(num_dec)
-        if prev_rows is None:
+        if held.prev_rows is None:
             prev_rows = constant_prev_rows
         else:  # rows left after others finished: each reads its own row of the previous step
-            prev_rows = np.concatenate([np.asarray(prev_rows, np.int32), np.arange(n, num_dec, dtype=np.int32)])
-        lora = self.lora_rows(lora_slots if lora_slots is not None else [], num_dec, [], 0)
+            prev_rows = np.concatenate([np.asarray(held.prev_rows, np.int32), np.arange(n, num_dec, dtype=np.int32)])
+        lora = self.lora_rows(held.lora_slots if held.lora_slots is not None else [], num_dec, [], 0)
         batch = StepBatch(token_ids, pos, slots, dec_pages, dec_lens, rows0, empty, empty,
                           logits_indices, empty, empty, lora_slots=lora)
         return batch, prev_rows
@@ -281,7 +310,7 @@ class Packer:
 
     def _lay_out_decodes(self, table_slots, pos: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                          dec_pages: np.ndarray, dec_lens: np.ndarray) -> None:
-        """Rows [:n] of a batch's decode arrays for n decode rows (pack and pack_decode): each
+        """Rows [:n] of a batch's decode arrays for n decode rows: each
         row's table (table_slots integer[n], rows of `self.tables`), position (pos integer[n], the
         token it writes), KV slot and length."""
         n, page_size = len(pos), self.cfg.page_size

@@ -62,7 +62,12 @@ class PageManager:
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self._refcount: list[int] = [0] * num_pages
-        self._num_shared = 0  # pages with refcount > 1 (prefix hits, forks)
+        # Pages with refcount > 1 (prefix hits, forks) -> the tokens each holder has in it. Every
+        # holder has the same (a prefix hit shares full pages; a fork shares its parent's pages
+        # at the parent's computed count), and no holder writes a shared page (it copies it
+        # first), so the count is fixed while the page is shared.
+        self._shared_fill: dict[int, int] = {}
+        self._excess_tokens = 0  # sum over shared pages of (refcount - 1) * fill
         self._free: list[int] = list(range(num_pages))  # min-heap of free page ids (a sorted list is a heap)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU order: first = evicted first
         self._key_to_page: dict[int, int] = {}
@@ -101,7 +106,13 @@ class PageManager:
     @property
     def num_shared_pages(self) -> int:
         """Pages that more than one page table holds."""
-        return self._num_shared
+        return len(self._shared_fill)
+
+    @property
+    def num_excess_tokens(self) -> int:
+        """Tokens that the page tables count more than once: the sum of the holders' token counts
+        in each page less the page's own (a sequence's tokens less this are the pool's)."""
+        return self._excess_tokens
 
     def refcount(self, page: int) -> int:
         return self._refcount[page]
@@ -139,16 +150,19 @@ class PageManager:
             pages.append(page)
         return pages
 
-    def incref(self, pages: Iterable[int]) -> None:
-        """Add a reference to used pages, or revive evictable cached pages (refcount 0 -> 1)."""
-        for page in pages:
+    def incref(self, pages: Iterable[int], fills: Iterable[int] | None = None) -> None:
+        """Add a reference to used pages, or revive evictable cached pages (refcount 0 -> 1).
+        fills: the tokens the new holder has in each page (default: full pages)."""
+        pages = list(pages)
+        for page, fill in zip(pages, [self.page_size] * len(pages) if fills is None else fills):
             if self._refcount[page] == 0:
                 if page not in self._evictable:
                     raise ValueError(f"page {page} is free; only used or cached pages can be incref'ed")
                 del self._evictable[page]
             self._refcount[page] += 1
-            if self._refcount[page] == 2:
-                self._num_shared += 1
+            if self._refcount[page] >= 2:
+                fill = self._shared_fill.setdefault(page, fill)
+                self._excess_tokens += fill
 
     def free(self, pages: Iterable[int]) -> None:
         """Drop one reference per page, in the given order. At refcount 0 a cached page becomes evictable
@@ -157,8 +171,10 @@ class PageManager:
             if self._refcount[page] <= 0:
                 raise ValueError(f"page {page} has refcount {self._refcount[page]}; double free")
             self._refcount[page] -= 1
-            if self._refcount[page] == 1:
-                self._num_shared -= 1
+            if self._refcount[page] >= 1 and page in self._shared_fill:
+                self._excess_tokens -= self._shared_fill[page]
+                if self._refcount[page] == 1:
+                    del self._shared_fill[page]
             elif self._refcount[page] == 0:
                 if page in self._page_key:
                     self._evictable[page] = None
@@ -179,7 +195,9 @@ class PageManager:
         if child.page_table:
             raise ValueError(f"fork child {child.seq_id} already holds pages {child.page_table}")
         child.page_table = list(parent.page_table)
-        self.incref(held(child.page_table))
+        ps, nc = self.page_size, parent.num_computed_tokens
+        self.incref(held(child.page_table),
+                    [min(ps, max(0, nc - i * ps)) for i, page in enumerate(child.page_table) if page != RELEASED])
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_released_pages = parent.num_released_pages
         num_full = parent.num_computed_tokens // self.page_size
@@ -351,7 +369,9 @@ class PageManager:
         _check(not free & used, f"pages both free and used: {sorted(free & used)}")
         _check(not evictable & used, f"pages both evictable and used: {sorted(evictable & used)}")
         _check(len(free) + len(evictable) + len(used) == self.num_pages, "pages lost or duplicated")
-        _check(self._num_shared == sum(1 for r in self._refcount if r > 1), "shared page count is off")
+        _check(set(self._shared_fill) == {p for p, r in enumerate(self._refcount) if r > 1}, "shared pages are off")
+        _check(self._excess_tokens == sum((self._refcount[p] - 1) * f for p, f in self._shared_fill.items()),
+               "excess token count is off")
         for page in range(self.num_pages):
             _check(
                 self._refcount[page] == holders[page],

@@ -46,10 +46,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import deque
-from collections.abc import Mapping, Sequence as Seq
+from collections.abc import Callable, Mapping, Sequence as Seq
 from typing import NamedTuple
 
-from paxpage.page_manager import RELEASED, PageManager, cdiv
+from paxpage.page_manager import PageManager, cdiv
 from paxpage.sequence import Sequence, SequenceStatus
 
 _POSITIVE_FIELDS = ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
@@ -182,19 +182,12 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         pm, ps = self.page_manager, self.config.page_size
-        if pm.num_shared_pages == 0:
-            # Every held page has one holder: a sequence's pages hold its computed tokens past
-            # the released ones (its table covers them, and released entries are its first ones),
-            # so the count costs O(1) per sequence, not O(pages).
-            total = sum(max(0, seq.num_computed_tokens - seq.num_released_pages * ps) for seq in self.running)
-        else:  # shared pages count once
-            fill: dict[int, int] = {}
-            for seq in self.running:
-                for i, page in enumerate(seq.page_table):
-                    if page == RELEASED:
-                        continue
-                    fill[page] = max(fill.get(page, 0), min(ps, max(0, seq.num_computed_tokens - i * ps)))
-            total = sum(fill.values())
+        # A sequence's pages hold its computed tokens past the released ones (its table covers
+        # them, and released entries are its first ones); a shared page counts once, so the
+        # tokens its other holders count are taken off (PageManager.num_excess_tokens): O(1) per
+        # sequence, not O(pages).
+        total = sum(max(0, seq.num_computed_tokens - seq.num_released_pages * ps) for seq in self.running)
+        total -= pm.num_excess_tokens
         used = pm.num_used_pages
         return SchedulerStats(
             num_running=len(self.running),
@@ -372,8 +365,24 @@ class Scheduler:
             rows_left -= self._rows(q)
             i += 1
 
-        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        if not preempted:
+            self._admit(budget, rows_left, scheduled, copies)
+
+        if not scheduled and not preempted and self.has_unfinished():
+            raise RuntimeError(f"scheduler made no progress: {self._describe()}")
+        num_tokens = sum(s.num_new_tokens for s in scheduled)
+        return SchedulerOutput(scheduled, copies, preempted, num_tokens)
+
+    def _admit(self, budget: int, rows_left: int, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]],
+               admits: Callable[[Sequence], bool] | None = None) -> None:
+        """Admits waiting sequences in FIFO order while the token budget, the prefill rows, the
+        pages and the LoRA slots allow, appending each one's first chunk to `scheduled` (and its
+        page writes to `copies`). `admits(seq)` False stops admission at seq."""
+        cfg, pm = self.config, self.page_manager
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
+            if admits is not None and not admits(seq):
+                break
             hits = pm.match_prefix(seq)
             num_hit = len(hits) * cfg.page_size
             q = seq.num_tokens - num_hit
@@ -400,10 +409,6 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, q, num_hit, q == seq.num_uncomputed_tokens))
             budget -= q
             rows_left -= self._rows(q)
-
-        if not scheduled and not preempted and self.has_unfinished():
-            raise RuntimeError(f"scheduler made no progress: {self._describe()}")
-        return SchedulerOutput(scheduled, copies, preempted, cfg.max_num_batched_tokens - budget)
 
     def update(self, output: SchedulerOutput, sampled_tokens: Mapping[int, int | Seq[int]]) -> None:
         """After the device step: advance num_computed_tokens, cache newly full pages, and append the sampled
@@ -453,14 +458,18 @@ class Scheduler:
                 pm.release_outside_window(seq, self.config.sliding_window)
 
     # ---- the steady decode step, batched ----------------------------------------------------------------
-    def schedule_decodes(self, seqs: list[Sequence], aligned: Seq[int]
-                         ) -> tuple[list[int], list[tuple[int, int]]] | None:
-        """`schedule()` for the common steady step, in O(1) Python per sequence that needs no page:
-        when `seqs` is exactly the running queue (same objects, same order), nothing waits, every
-        sequence decodes one token and the pages those tokens need are free, it gives each the
-        page it writes (in queue order, as schedule() would) and returns (indices of the
-        sequences whose table changed, CoW copies). Returns None, changing nothing, when
-        schedule() could decide otherwise (admit, preempt, chunk).
+    def schedule_decodes(self, seqs: list[Sequence], aligned: Seq[int],
+                         admits: Callable[[Sequence], bool] | None = None
+                         ) -> tuple[list[int], list[tuple[int, int]], list[ScheduledSeq]] | None:
+        """`schedule()` for the persistent batch's step, in O(1) Python per sequence that needs no
+        page: when `seqs` is exactly the running queue (same objects, same order), every sequence
+        decodes one token and the pages those tokens need are free, it gives each the page it
+        writes (in queue order, as schedule() would), then admits waiting sequences with the
+        tokens left, as schedule() would. Returns (indices of the sequences whose table changed,
+        CoW copies, the admitted sequences' first chunks). Returns None, changing nothing, when
+        schedule() could decide otherwise (preempt, chunk a running prefill), and when a
+        sequence waits that `admits` refuses (None: any waiting sequence), which the general
+        step then schedules.
 
         aligned: the indices of the sequences whose next token starts a page (num_computed_tokens
         a multiple of page_size); the caller tracks positions in arrays. Every other sequence
@@ -468,8 +477,10 @@ class Scheduler:
         the queue, shares a page that is not full), so only the aligned ones are looked at."""
         cfg, pm = self.config, self.page_manager
         n = len(seqs)
-        if self.waiting or n != len(self.running) or n > cfg.max_num_batched_tokens or n > cfg.max_num_seqs \
+        if n != len(self.running) or n > cfg.max_num_batched_tokens or n > cfg.max_num_seqs \
                 or cfg.releases_pages or self.running != seqs:  # Sequence compares by identity
+            return None
+        if self.waiting and (admits is None or not admits(self.waiting[0])):
             return None
         grow = [i for i in aligned if not pm.writes_in_place(seqs[i])]
         if sum(pm.num_pages_to_write(seqs[i], 1) for i in grow) > pm.num_free_pages:
@@ -477,7 +488,10 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         for i in grow:
             copies += pm.prepare_write(seqs[i], 1)
-        return grow, copies
+        admitted: list[ScheduledSeq] = []
+        if self.waiting:
+            self._admit(cfg.max_num_batched_tokens - n, cfg.max_prefill_rows or 0, admitted, copies, admits)
+        return grow, copies, admitted
 
     def update_decodes(self, seqs: Seq[Sequence], token: int) -> None:
         """`update()` after a `schedule_decodes` step: each sequence still running computed its

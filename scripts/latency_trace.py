@@ -11,7 +11,7 @@ What is recorded (wrapping methods of the engine's classes; no engine code chang
   steps    one entry per engine-loop iteration that stepped (`EngineLoop._step`): begin and
            end, and the seconds of each phase in it, exclusive of nested phases:
                schedule      Scheduler.schedule / schedule_decodes
-               pack          Packer.pack / pack_decode, sampling tensors, DecodeBatch.build
+               pack          Packer.pack, sampling tensors, DecodeBatch.build
                dispatch      ModelRunner.forward / sample / copy_pages (enqueueing device work)
                device_wait   fetch: waiting for the device's tokens (what the host could not overlap)
                detokenise    IncrementalDetokenizer.add
@@ -90,7 +90,7 @@ class Trace:
         return step
 
     def packed(self, fn):
-        """Packer.pack / pack_decode: also notes the step's real and padded sizes."""
+        """Packer.pack: also notes the step's real and padded sizes."""
         trace = self
 
         def pack(*args, **kwargs):
@@ -139,8 +139,7 @@ def install() -> Trace:
             (engine.LLMEngine, ("step",), "engine_other")):
         for name in names:
             _patch(cls, name, lambda fn, phase=phase: trace.phase(phase, fn))
-    for name in ("pack", "pack_decode"):
-        _patch(Packer, name, lambda fn: trace.phase("pack", trace.packed(fn)))
+    _patch(Packer, "pack", lambda fn: trace.phase("pack", trace.packed(fn)))
     engine.fetch = trace.phase("device_wait", engine.fetch)
     _patch(engine_loop.EngineLoop, "_step", trace.loop_step)
 

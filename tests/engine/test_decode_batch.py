@@ -18,7 +18,7 @@ from paxpage import EngineConfig, SamplingParams as SP
 from paxpage.decode_batch import DecodeBatch
 from paxpage.engine import LLMEngine
 from paxpage.outputs import StreamDelta
-from paxpage.scheduler import Scheduler, SchedulerConfig
+from paxpage.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from paxpage.sequence import Sequence
 from tests.conftest import random_prompts
 
@@ -57,8 +57,8 @@ def test_schedule_decodes_equals_schedule_and_update(seed, prefix_caching):
         out = general.schedule()
         seqs = list(fast.running)
         aligned = [i for i, s in enumerate(seqs) if s.num_computed_tokens % 4 == 0]
-        grown, copies = fast.schedule_decodes(seqs, aligned)
-        assert copies == out.copies
+        grown, copies, admitted = fast.schedule_decodes(seqs, aligned)
+        assert copies == out.copies and admitted == []
         assert [s.seq.seq_id for s in out.scheduled] == [s.seq_id for s in seqs]
         assert all((s.num_new_tokens, s.samples) == (1, True) for s in out.scheduled)
         token = int(rng.integers(0, 50))
@@ -67,6 +67,59 @@ def test_schedule_decodes_equals_schedule_and_update(seed, prefix_caching):
         assert _state(fast) == _state(general), step
         assert set(grown) <= set(aligned)
         fast.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_schedule_decodes_admits_as_schedule_does(seed, prefix_caching):
+    # Requests arrive while every running sequence decodes: the batch's step admits what
+    # schedule() admits (same chunks, prefix hits, pages, copies), and refuses, changing
+    # nothing, when the first waiting one is refused.
+    fast, rng = _decoding_scheduler(seed, 64, prefix_caching)
+    shared = list(fast.running[0].prompt_token_ids)
+    next_id, num_admitted = 100, 0
+
+    def finish_done(sched):
+        for seq in [s for s in sched.running if s.num_output_tokens >= s.max_tokens]:
+            sched.finish(seq, "length")
+
+    for step in range(10):
+        finish_done(fast)
+        for _ in range(int(rng.integers(0, 3))):
+            prompt = (shared if rng.random() < 0.5 else []) + rng.integers(0, 50, int(rng.integers(1, 30))).tolist()
+            fast.add(Sequence(prompt, 8, seq_id=next_id))
+            next_id += 1
+        if any(s.num_uncomputed_tokens != 1 for s in fast.running):
+            out = fast.schedule()  # a chunked prompt runs on: the general step's
+            fast.update(out, {s.seq.seq_id: 1 for s in out.scheduled if s.samples})
+            continue
+        general = copy.deepcopy(fast)
+        out = general.schedule()
+        seqs = list(fast.running)
+        aligned = [i for i, s in enumerate(seqs) if s.num_computed_tokens % 4 == 0]
+        if fast.waiting:
+            before = _state(fast)
+            assert fast.schedule_decodes(seqs, aligned, lambda seq: False) is None
+            assert _state(fast) == before
+        scheduled = fast.schedule_decodes(seqs, aligned, lambda seq: True)
+        if out.preempted:
+            assert scheduled is None
+            fast = general
+            fast.update(out, {s.seq.seq_id: 1 for s in out.scheduled if s.samples})
+            continue
+        grown, copies, admitted = scheduled
+        assert copies == out.copies
+        expect = [(s.seq.seq_id, s.num_new_tokens, s.start, s.samples) for s in out.scheduled]
+        assert [(s.seq_id, 1, s.num_computed_tokens, True) for s in seqs] + [
+            (s.seq.seq_id, s.num_new_tokens, s.start, s.samples) for s in admitted] == expect
+        token = int(rng.integers(0, 50))
+        general.update(out, {s.seq.seq_id: token for s in out.scheduled if s.samples})
+        fast.update_decodes(seqs, token)
+        fast.update(SchedulerOutput(admitted, [], [], 0), {s.seq.seq_id: token for s in admitted if s.samples})
+        assert _state(fast) == _state(general), step
+        num_admitted += len(admitted)
+        fast.check_invariants()
+    assert num_admitted >= 2
 
 
 def test_schedule_decodes_declines_what_schedule_decides_otherwise():
@@ -208,6 +261,7 @@ def test_fast_path_equals_general_path_on_a_mixed_workload(text_model, monkeypat
     assert fast[3][0] > 10 and fast[3][1] > 3  # decode batches checked against a rebuild (penalised too)
     assert fast[3][2] > 3  # ... and with the rows of a request's n = 2 samples
     assert len(compactions) > 3  # rows finished, aborted or stopped under the steady step
+    assert stats.joined_rows >= 2  # the late plain requests joined a step of the batch
     assert stats.steps == general[2].steps and stats.generated_tokens == general[2].generated_tokens
     assert fast[4] > 0  # preemptions happened
 
@@ -243,6 +297,28 @@ def test_steady_step_keeps_its_batch_as_requests_end_and_takes_logprobs_and_fork
     assert len(compactions) >= 3 and fast[2].decode_batch_steps >= 10
     assert fast[3][2] >= 5  # batches holding the n = 2 request's rows (and the logprobs row)
     assert len(fast[1][2][0][4]) == 11  # the logprobs request: an entry per token
+
+
+def test_requests_that_arrive_during_decode_join_the_steady_batch(text_model):
+    # Requests arrive, one a step, while others decode and finish at different steps: fresh
+    # prompts, one sharing an earlier prompt's pages (a prefix-cache hit), one with max_tokens 1
+    # (done when its prompt runs), one with logprobs, one longer than a step's token budget (its
+    # chunks run on the general step), and n = 2 (forks on the general step). Each step's deltas
+    # and every output equal the general step's.
+    prompts = random_prompts(11, 320, [6, 9, 5, 7, 8, 4, 40, 6, 5, 7, 6], seed=7)
+    prompts[4] = prompts[0][:4] + prompts[4]  # shares prompt 0's first page
+    sampled = [dict(temperature=0.8, seed=i) for i in range(11)]
+    limits = [30, 5, 7, 9, 12, 1, 8, 6, 11, 4, 10]
+    params = [SP(max_tokens=limit, ignore_eos=True, **kind) for limit, kind in zip(limits, sampled)]
+    params[2] = SP(temperature=0, max_tokens=7, logprobs=2, ignore_eos=True)
+    params[7] = SP(temperature=1.0, seed=5, n=2, max_tokens=6, ignore_eos=True)
+    joins, no_abort = [0, 0, 0, 3, 4, 5, 6, 7, 8, 9, 10], (-1, 0)
+    general = _run(text_model, False, prompts, params, joins, no_abort)
+    fast = _run(text_model, True, prompts, params, joins, no_abort)
+    assert fast[0] == general[0] and fast[1] == general[1]
+    assert sorted(fast[1]) == list(range(11))
+    assert fast[2].joined_rows >= 5 and general[2].joined_rows == 0
+    assert fast[2].steps == general[2].steps
 
 
 def _python_work_per_step(model, context: int, steps: int = 16) -> tuple[float, float]:
