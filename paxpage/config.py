@@ -80,7 +80,7 @@ class EngineConfig:
     prefill_row_len: int | None = None  # Tq: prefill tokens are packed in rows of this width
     # Prefill rows per step; None: max_num_batched_tokens // prefill_row_len (at least 1). A cap
     # keeps the step shapes few: without one every admitted short prompt is a row of its own, so
-    # a step could hold max_num_seqs + tokens // Tq mostly empty rows (runner.step_shapes).
+    # a step could hold max_num_seqs + tokens // Tq mostly empty rows (compile_plan.step_shapes).
     max_prefill_rows: int | None = None
     dtype: str | None = None  # "float32" on CPU, "bfloat16" on GPU/TPU when None
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES

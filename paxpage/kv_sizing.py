@@ -174,6 +174,24 @@ def device_memory_stats(device: Any = None) -> Mapping[str, int] | None:
         return None
 
 
+NO_STATS_SOURCE = "fixed default: no device memory statistics"  # kv_source when the device reports none
+
+
+def pages_from_device(page_bytes: int, step_bytes: int, utilization: float,
+                      platform: str) -> tuple[int, MemoryBudget | None]:
+    """(num_pages, the budget they came from) from the first device's memory statistics, taken
+    once the weights are placed. A backend without statistics gets DEFAULT_KV_CACHE_BYTES and no
+    budget (kv_source NO_STATS_SOURCE)."""
+    stats = device_memory_stats()
+    if not stats or not stats.get("bytes_limit"):
+        log.warning("paxpage: the device reports no memory statistics; the KV cache gets %d bytes",
+                    DEFAULT_KV_CACHE_BYTES)
+        return max(1, DEFAULT_KV_CACHE_BYTES // page_bytes), None
+    limit = int(stats["bytes_limit"])
+    budget = MemoryBudget(limit, int(stats["bytes_in_use"]), step_bytes, utilization, device_bytes(limit, platform))
+    return num_pages_from_memory(budget, page_bytes), budget
+
+
 MB = 1e6
 
 

@@ -1,6 +1,8 @@
 """Model runner: the device state (weights, KV pool, LoRA slab) and the jitted calls of a step.
 
-Its packer (paxpage/packing.py) lays the scheduler's rows out as a StepBatch.
+Its packer (paxpage/packing.py) lays the scheduler's rows out as a StepBatch; its compile plan
+(paxpage/compile_plan.py) holds the step shapes and compiles them; its pool spec
+(paxpage/kv_pool.py) makes the KV pool, sized by paxpage/kv_sizing.py when num_pages is not given.
 
 The step is one pure function of (params, kv_cache, batch, sampling tensors): the model
 writes the step's K/V into the donated cache, computes logits for the rows that sample,
@@ -14,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import time
 from typing import Sequence
 
@@ -25,12 +26,13 @@ import numpy as np
 from models.config import ModelConfig
 from models import layer_stack, lora_ops, param_forms
 from models.families import build_model
-from pallas_kernels import kv_layout, kv_quant
-from paxpage import attention_impl, kv_sizing, lora_slab
+from pallas_kernels import kv_layout
+from paxpage import attention_impl, kv_pool, kv_sizing, lora_slab
 from paxpage.sampling import sampler as sampler_lib
 from paxpage.batch import StepBatch
+from paxpage.compile_plan import CompilePlan
 from paxpage.config import ResolvedConfig
-from paxpage.packing import Packer, bucket, decode_rows
+from paxpage.packing import Packer, bucket
 
 
 log = logging.getLogger("paxpage")
@@ -76,7 +78,7 @@ class ModelRunner:
             quantized=cfg.kv_cache_dtype != "auto", latent=model_cfg.is_mla)
         attention, write_kv = attention_impl.functions(impl, backend, cfg.batch_invariant, latent=model_cfg.is_mla,
                                                        layout=self.kv_layout.name)
-        self._pool_sharding = None  # None: the default device
+        pool_sharding = None  # None: the default device
         num_layers = model_cfg.num_layers
         if mesh is None and abstract:
             self.params = jax.eval_shape(functools.partial(param_forms.make_form, num_layers=num_layers,
@@ -95,11 +97,13 @@ class ModelRunner:
             if self.scanned:
                 params = (layer_stack.stack_layers(params, num_layers, cfg.scan_period, stack=_stack_abstract)
                           if abstract else layer_stack.host_stack(params, num_layers, cfg.scan_period))
-            (model_cfg, self.plan, self.params, self._pool_sharding, attention, write_kv, step_shardings,
+            (model_cfg, self.plan, self.params, pool_sharding, attention, write_kv, step_shardings,
              copy_shardings) = mesh_lib.shard_runner_state(model_cfg, params, dtype, mesh, attention, write_kv,
                                                            cfg.kv_cache_dtype, stacked_pool=self.scanned,
                                                            abstract=abstract, layout=self.kv_layout)
         self.step_model_cfg = model_cfg  # the config the step runs (sharded: KV heads maybe replicated)
+        self.pool_spec = kv_pool.KVPoolSpec(model_cfg, cfg.page_size, cfg.kv_cache_dtype, dtype, self.kv_layout,
+                                            self.scanned, pool_sharding)
         # On CPU with native kernels, one device, the LoRA delta runs as the native kernel; under a
         # mesh the slab is sharded and the delta stays in XLA ops (GSPMD partitions them).
         self.lora_impl = lora_ops.resolve_lora_impl(bool(cfg.max_loras) and impl == "native" and mesh is None,
@@ -111,14 +115,14 @@ class ModelRunner:
         # sampler. Logits stay on device between the two calls.
         self.packer = Packer(cfg, with_lora=bool(cfg.max_loras), single_row_decode=self.single_row_decode,
                              keep_on_device=mesh is None and jax.process_count() == 1)
-        # The most sampling rows a step that can stay in flight has (one per sequence row).
-        self.max_logits_rows = max(bucket(dec + pre) for dec, pre in self.step_shapes())
+        self.compile_plan = CompilePlan.for_config(cfg, self.single_row_decode)
+        self.max_logits_rows = self.compile_plan.max_logits_rows
         self._no_prev_tokens = (jax.ShapeDtypeStruct((self.max_logits_rows,), jnp.int32) if abstract
                                 else jnp.zeros(self.max_logits_rows, jnp.int32))
         # Sharded: the pool keeps its sharding across steps (out_shardings), so a step never
         # reshards it or recompiles; logits come back replicated for the sampler.
         self._step = jax.jit(self._forward, donate_argnums=(1,), **step_shardings)
-        self._copy = jax.jit(functools.partial(_copy_pages, page_axis=2 if self.scanned else self.kv_layout.page_axis),
+        self._copy = jax.jit(functools.partial(kv_pool.copy_pages, page_axis=self.pool_spec.page_axis),
                              donate_argnums=(0,), **copy_shardings)
         # The sampler and the fixed-width copy of its tokens are one executable per logits-row count.
         # On CPU with native kernels, sampled rows draw through the native proposal kernel.
@@ -170,17 +174,19 @@ class ModelRunner:
                          {"out_shardings": jax.tree.map(lambda x: x.sharding, self.lora_slab)})
             self._write_lora = jax.jit(lora_slab.write_slot, donate_argnums=(0,), **shardings)
         self.memory_budget: kv_sizing.MemoryBudget | None = None  # when sized from device memory
-        if cfg.num_pages is None:
-            num_pages = self._pages_from_memory()
-            self.cfg = cfg = dataclasses.replace(self.cfg, num_pages=num_pages)
-        self.kv_cache = self._pool(cfg.num_pages, dtype, self._abstract_cache if abstract else None)
+        if cfg.num_pages is None:  # now that the weights are placed
+            num_pages, self.memory_budget = kv_sizing.pages_from_device(
+                cfg.page_bytes, self.step_bytes_bound(), cfg.gpu_memory_utilization, cfg.backend)
+            sized = {} if self.memory_budget is not None else {"kv_source": kv_sizing.NO_STATS_SOURCE}
+            self.cfg = cfg = dataclasses.replace(cfg, num_pages=num_pages, **sized)
+        self.kv_cache = (self.pool_spec.abstract if abstract else self.pool_spec.zeros)(cfg.num_pages)
 
     def reset_state(self) -> None:
         """A fresh, empty KV pool and page tables in place of the current ones (a failed step may
         have consumed the pool: it is donated to each step). The old pool is released first, so
         a pool that fitted once fits again."""
         self.kv_cache = None
-        self.kv_cache = self._pool(self.cfg.num_pages, jnp.dtype(self.cfg.dtype))
+        self.kv_cache = self.pool_spec.zeros(self.cfg.num_pages)
         self.packer.reset()
 
     @property
@@ -188,63 +194,17 @@ class ModelRunner:
         """The persistent page tables (paxpage/page_tables.py) the packer lays rows out over."""
         return self.packer.tables
 
-    def _pool(self, num_pages: int, dtype, make=None):
-        """The KV cache of num_pages pages per layer: a list of L caches (each a [2, P, page_size, K, D]
-        array, or in the tpu layout [P, K, page_size, 2D] (self.kv_layout), or
-        kv_quant.QuantizedKV(pages, scales) for an int8 / fp8 cache, or a latent-attention
-        model's [1, P, page_size, 1, C] latent pool), or when scanning one
-        stacked cache of [2, L, P, ...] leaves. Code that moves pages maps over the pytree
-        (jax.tree.map). `make(shape, dtype)` builds one cache (default: zeros where the step expects them)."""
-        m = self.step_model_cfg
-        make = make or self._zeros
-        halves, heads, width = m.kv_pool_dims  # (2, K, D); latent attention (1, 1, C)
-        shape = (halves, num_pages, self.cfg.page_size, heads, width)
-        if self.kv_layout.name != "canonical":
-            shape = self.kv_layout.shape(num_pages, self.cfg.page_size, heads, width)
-        if self.scanned:
-            return make(layer_stack.stacked_pool_shape(shape, m.num_layers), dtype)
-        return [make(shape, dtype) for _ in range(m.num_layers)]
-
-    def _zeros(self, shape, dtype):
-        """One layer's empty cache, created where (and split as) the step expects it."""
-        if self._pool_sharding is None:
-            return kv_quant.zeros(shape, self.cfg.kv_cache_dtype, dtype)
-        from paxpage import mesh as mesh_lib
-
-        return mesh_lib.cache_zeros(shape, self.cfg.kv_cache_dtype, dtype, self._pool_sharding)
-
-    def _pages_from_memory(self) -> int:
-        """Pool size from the device's memory statistics, now that the weights are placed (see
-        kv_sizing.py). A backend without statistics gets the fixed default size."""
-        stats = kv_sizing.device_memory_stats()
-        if not stats or not stats.get("bytes_limit"):
-            log.warning("paxpage: the device reports no memory statistics; the KV cache gets %d bytes",
-                        kv_sizing.DEFAULT_KV_CACHE_BYTES)
-            self.cfg = dataclasses.replace(self.cfg, kv_source="fixed default: no device memory statistics")
-            return max(1, kv_sizing.DEFAULT_KV_CACHE_BYTES // self.cfg.page_bytes)
-        limit = int(stats["bytes_limit"])
-        self.memory_budget = kv_sizing.MemoryBudget(
-            limit, int(stats["bytes_in_use"]), self.step_bytes_bound(), self.cfg.gpu_memory_utilization,
-            kv_sizing.device_bytes(limit, self.cfg.backend))
-        return kv_sizing.num_pages_from_memory(self.memory_budget, self.cfg.page_bytes)
-
-    def _largest_step(self) -> tuple[int, int]:
-        row_len = self.cfg.prefill_row_len
-        return max(self.step_shapes(), key=lambda s: (s[0] + s[1] * row_len, s[0] + s[1]))
-
     def step_bytes_bound(self) -> int:
         """kv_sizing.step_bytes_bound for this config's step with the most tokens: what the pool
         is sized against, with no compile."""
-        dec, pre = self._largest_step()
-        num_logits = bucket(max(dec + pre, self.cfg.max_num_seqs))  # n > 1 samples add rows
-        return kv_sizing.step_bytes_bound(self.step_model_cfg, dec + pre * self.cfg.prefill_row_len, num_logits)
+        return kv_sizing.step_bytes_bound(self.step_model_cfg, *self.compile_plan.largest_step_tokens())
 
     def step_memory_bytes(self) -> int:
         """Working memory (temporaries and outputs beside the donated pool) of the step with the
         most tokens, from its compiled executable: what step_bytes_bound bounds. It is compiled
         against a small abstract pool (nothing is allocated): what the step allocates besides the
         pool does not depend on the pool's size. Where the backend gives no figures, the bound."""
-        dec, pre = self._largest_step()
+        dec, pre = self.compile_plan.largest_step
         estimate = self.step_bytes_bound()
         try:
             compiled = self.lower_step(dec, pre, self.cfg.pages_per_seq + 1).compile()
@@ -258,22 +218,12 @@ class ModelRunner:
         return max(0, int(stats.temp_size_in_bytes) + int(stats.output_size_in_bytes)
                    - int(stats.alias_size_in_bytes))
 
-    def _abstract_cache(self, shape, dtype):
-        """One layer's cache as jax.ShapeDtypeStructs, split as the step expects it."""
-        cache = jax.eval_shape(lambda: kv_quant.zeros(shape, self.cfg.kv_cache_dtype, dtype))
-        if self._pool_sharding is None:
-            return cache
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache,
-                            self._pool_sharding)
-
     def lower_step(self, dec: int, pre: int, num_pages: int | None = None):
         """The step of `dec` decode rows and `pre` prefill rows (a `step_shapes()` pair), lowered
         (jax.stages.Lowered) against an abstract pool of num_pages pages (default: the runner's)
         and the runner's params: `.compile()` it for its memory and cost analyses. Nothing runs."""
         batch = self.packer.padding_batch(dec, pre)
-        pool = self._pool(num_pages or self.cfg.num_pages, jnp.dtype(self.cfg.dtype), self._abstract_cache)
-        return self._step.lower(self._step_params, pool, batch, np.full(batch.token_ids.shape[0], -1, np.int32),
-                                self._no_prev_tokens)
+        return self._step.lower(*self._step_args(batch, self.pool_spec.abstract(num_pages or self.cfg.num_pages)))
 
     def export_step(self, dec: int, pre: int, platform: str):
         """`lower_step`'s step exported (jax.export.Exported) for `platform` ("cuda", "rocm",
@@ -284,10 +234,14 @@ class ModelRunner:
         from pallas_kernels.gpu_launches import KERNEL_CALLS
 
         batch = self.packer.padding_batch(dec, pre)
-        pool = self._pool(self.cfg.num_pages, jnp.dtype(self.cfg.dtype), self._abstract_cache)
         checks = [export.DisabledSafetyCheck.custom_call(name) for name in KERNEL_CALLS]
         return export.export(self._step, platforms=[platform], disabled_checks=checks)(
-            self._step_params, pool, batch, np.full(batch.token_ids.shape[0], -1, np.int32), self._no_prev_tokens)
+            *self._step_args(batch, self.pool_spec.abstract(self.cfg.num_pages)))
+
+    def _step_args(self, batch: StepBatch, kv_cache):
+        """The step's positional arguments for `batch` with no tokens pending on device."""
+        return (self._step_params, kv_cache, batch, np.full(batch.token_ids.shape[0], -1, np.int32),
+                self._no_prev_tokens)
 
     def _forward(self, params, kv_cache, batch: StepBatch, prev_rows, prev_tokens, pooled: bool = False):
         # prev_rows i32[T], prev_tokens i32[R_max]: async scheduling's tokens that are still on
@@ -322,65 +276,32 @@ class ModelRunner:
     def step_shapes(self) -> list[tuple[int, int]]:
         """Every (decode rows, prefill rows) bucket pair a step of this config can have: the
         step's shape depends on nothing else (the logits rows follow from the two)."""
-        return step_shapes(self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.cfg.prefill_row_len,
-                           self.cfg.prefill_rows, self.single_row_decode)
+        return list(self.compile_plan.shapes)
 
     def precompile(self, sampling_for_rows, num_mask_words: int = 0) -> int:
-        """Compiles (by running it on an all-padding batch, whose K/V writes are dropped) the
-        step for every shape in `step_shapes()`, and for each logits-row count R the sampler's
-        variants: all-greedy rows (`sampling_for_rows(R)`, padding SamplingTensors of R rows),
-        unpenalised rows and any rows (sampler.sampler_variants). num_mask_words > 0: also each
-        with a structured-outputs bitmask i32[R, num_mask_words]. Returns the number of shapes."""
-        shapes = self.step_shapes()
-        if self.exec_cache is not None and self._prepare(shapes, sampling_for_rows, num_mask_words):
-            return len(shapes)
-        sampled: set[int] = set()  # the sampler's shape is R alone
-        for dec, pre in shapes:
-            batch = self.packer.padding_batch(dec, pre)
-            num_logits = batch.logits_indices.shape[0]
-            logits = self.forward(batch)
-            results = [logits]
-            if num_logits not in sampled:
-                sampled.add(num_logits)
-                variants = sampler_lib.sampler_variants(sampling_for_rows, num_logits, num_mask_words)
-                results += [self.sample(batch, logits, sampling, allowed=allowed)[2] for sampling, allowed in variants]
-            jax.block_until_ready(results)
-        return len(shapes)
+        """Compiles the step for every shape in `step_shapes()`, and for each logits-row count R
+        the sampler's variants: all-greedy rows (`sampling_for_rows(R)`, padding SamplingTensors
+        of R rows), unpenalised rows and any rows (sampler.sampler_variants). num_mask_words > 0:
+        also each with a structured-outputs bitmask i32[R, num_mask_words]. With the executable
+        cache the executables are loaded without running. Returns the number of shapes."""
+        plan = self.compile_plan
+        if self.exec_cache is None or not plan.load_executables(self, sampling_for_rows, num_mask_words):
+            plan.warm_up(self, sampling_for_rows, num_mask_words)
+        return len(plan.shapes)
 
-    def _prepare(self, shapes, sampling_for_rows, num_mask_words: int) -> bool:
-        """precompile() with the executable cache: each executable loaded (or compiled and stored)
-        without running it; a warm start then costs the loads alone (running every shape once
-        on a padding batch took as long again on CPU). Compiles run on a few threads (XLA's
-        compile releases the GIL; tracing does not). False if some executable took the plain
-        jit path (it must run to be compiled): precompile() then runs them all."""
-        from concurrent.futures import ThreadPoolExecutor
+    def prepare_step(self, batch: StepBatch):
+        """With the executable cache: loads (or compiles and stores) the step's executable for
+        `batch`'s shape without running it. Its jax.stages.Compiled, or None on the plain jit path."""
+        return self._calls["step"].prepare(*self._step_args(batch, self.kv_cache))
 
-        prev = {}
-        calls = []
-        for dec, pre in shapes:
-            batch = self.packer.padding_batch(dec, pre)
-            calls.append((self._step_params, self.kv_cache, batch, np.full(batch.token_ids.shape[0], -1, np.int32),
-                          self._no_prev_tokens))
-            prev.setdefault(batch.logits_indices.shape[0], len(calls) - 1)  # a step with R logits rows
-        workers = max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1, 8))
-        with ThreadPoolExecutor(workers) as pool:
-            steps = list(pool.map(lambda args: self._calls["step"].prepare(*args), calls))
-            if any(step is None for step in steps):
-                return False
-            samplers = []
-            for num_logits, i in sorted(prev.items()):
-                info = steps[i].out_info[1]
-                logits = jnp.zeros(info.shape, info.dtype)
-                no_pending = (np.full(num_logits, -1, np.int32), self._no_prev_tokens)  # as sample() passes
-                variants = sampler_lib.sampler_variants(sampling_for_rows, num_logits, num_mask_words)
-                samplers += [(logits, sampling, allowed, no_pending if sampling.penalised else None, 0,
-                              self.max_logits_rows) for sampling, allowed in variants]
-            # The full sampler (draws, penalties; 1 MB and ~0.5 s to load per R on CPU, ~12 s to
-            # compile) is only made sure of on disk: a first sampled batch loads it, no compile.
-            sample = self._calls["sample"]
-            done = list(pool.map(lambda args: sample.prepare(*args) is not None if args[1].greedy_only
-                                 else sample.ensure_stored(*args), samplers))
-        return all(done)
+    def prepare_sample(self, batch: StepBatch, logits, sampling, allowed: np.ndarray | None = None, *,
+                       load: bool = True) -> bool:
+        """`prepare_step` for the sampler on `batch`'s logits f32[R, V] (no logprobs, no tokens
+        pending on device); load False: only makes sure it is on disk, for its first call to load.
+        False on the plain jit path."""
+        args = (logits, sampling, allowed, self._pending(batch, sampling, None, None), 0, self.max_logits_rows)
+        sample = self._calls["sample"]
+        return sample.prepare(*args) is not None if load else sample.ensure_stored(*args)
 
     # ------------------------------------------------------------------ device calls
     def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
@@ -499,21 +420,6 @@ class ModelRunner:
         return jax.device_get(self.launch(batch, sampling, num_logprobs, num_prompt_logprobs)[:2])
 
 
-def step_shapes(max_num_seqs: int, max_num_batched_tokens: int, prefill_row_len: int,
-                max_prefill_rows: int, single_row_decode: bool = False) -> list[tuple[int, int]]:
-    """The (decode rows, prefill rows) bucket pairs of a config (see ModelRunner.step_shapes)."""
-    seqs, tokens = max_num_seqs, max_num_batched_tokens
-    # each prefill row holds >= 1 token; a sequence's chunk adds at most one partial row; the
-    # scheduler never schedules more than max_prefill_rows
-    max_pre = min(tokens, seqs + tokens // prefill_row_len, max_prefill_rows)
-    shapes = set()
-    for dec in range(seqs + 1):
-        for pre in range(max_pre + 1):
-            if (dec or pre) and dec + pre <= tokens and dec + (1 if pre else 0) <= seqs:
-                shapes.add((decode_rows(dec, pre, single_row_decode), bucket(pre)))
-    return sorted(shapes)
-
-
 def _sharded_zeros(x, sharding):
     """mesh.place_params' `place_fn` for an empty slab: zeros of x's shape, made split."""
     from paxpage import mesh as mesh_lib
@@ -524,15 +430,6 @@ def _sharded_zeros(x, sharding):
 def _stack_abstract(xs):
     """layer_stack.stack_layers' `stack` on jax.ShapeDtypeStructs (abstract runners)."""
     return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
-
-
-def _copy_pages(kv_cache, src, dst, page_axis: int):  # src, dst: i32[C]
-    """Copies pages src -> dst in every array of the cache: per-layer caches [2, P, ...]
-    (page_axis 1; the tpu layout's [P, ...]: 0) or the scanned layers' stacked cache
-    [2, L, P, ...] (page_axis 2). A quantised
-    cache's scales have the same leading axes, so one map copies a page's values and scales."""
-    lead = (slice(None),) * page_axis
-    return jax.tree.map(lambda pages: pages.at[lead + (dst,)].set(pages[lead + (src,)], mode="drop"), kv_cache)
 
 
 def _score_prompt(logits, targets, num_top: int):  # positional, so the executable cache can wrap it

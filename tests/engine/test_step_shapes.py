@@ -1,11 +1,11 @@
-"""The step shapes a config compiles, against hand-counted sets (runner.step_shapes)."""
+"""The step shapes a config compiles, against hand-counted sets (compile_plan.step_shapes)."""
 
 from __future__ import annotations
 
 import pytest
 
 from paxpage.packing import bucket
-from paxpage.runner import step_shapes
+from paxpage.compile_plan import step_shapes
 
 
 def test_small_config_shapes_by_hand():

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import dispatch, kv_layout
-from paxpage.runner import _copy_pages
+from paxpage.kv_pool import copy_pages
 from paxpage.sharding import ShardingPlan, kv_pool_axes
 
 
@@ -55,8 +55,8 @@ def test_each_backend_gets_its_layout():
 def test_page_copy_on_the_tpu_layout_matches_the_canonical_one():
     pool = _pool(np.random.default_rng(1))
     src, dst = jnp.array([1, 4], jnp.int32), jnp.array([5, 6], jnp.int32)  # 6: past the pool, dropped
-    want = _copy_pages(pool, src, dst, page_axis=kv_layout.CANONICAL.page_axis)
-    got = _copy_pages(kv_layout.TPU.from_canonical(pool), src, dst, page_axis=kv_layout.TPU.page_axis)
+    want = copy_pages(pool, src, dst, page_axis=kv_layout.CANONICAL.page_axis)
+    got = copy_pages(kv_layout.TPU.from_canonical(pool), src, dst, page_axis=kv_layout.TPU.page_axis)
     np.testing.assert_array_equal(kv_layout.TPU.to_canonical(got), want)
 
 

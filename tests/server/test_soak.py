@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.test_scripts import _load_script
+from tests.scripts.conftest import _load_script
 
 NUM_REQUESTS = 200
 # Every step shape is compiled before the load (the soak precompiles), so RSS growth after the

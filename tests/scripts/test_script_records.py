@@ -2,7 +2,7 @@
 doc_charts) turns a result into the rows its docs page shows, with the committed record's columns,
 and write_record stores them with the provenance the pages print. Inputs are the figures of the
 transcribed records where a script reproduces them, so the expected rows are the committed ones;
-the rest are worked by hand. No model runs here (the smoke runs are in tests/test_scripts.py)."""
+the rest are worked by hand. No model runs here (the smoke runs are the other tests/scripts/ files)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.test_scripts import SCRIPTS, _load_script
+from tests.scripts.conftest import SCRIPTS, _load_script
 
 sys.path.insert(0, SCRIPTS)
 

@@ -1,0 +1,79 @@
+"""Smoke tests of the throughput comparison's scripts on a tiny random HF llama with tiny workloads:
+the workload's lengths, bench_throughput end to end (paxpage, HF baseline, profile), and the vLLM
+peer skipped when it cannot run. The figures themselves mean nothing at this size."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import pytest
+
+from tests.scripts.conftest import TINY_WORKLOAD, _check_record, _load_script
+
+
+def test_workload_lengths_are_seeded_and_clipped(tmp_path):
+    workload = _load_script("workload")
+    a = workload.sharegpt_lengths(200, 3, (16, 128), (8, 64))
+    assert a == workload.sharegpt_lengths(200, 3, (16, 128), (8, 64))
+    assert a != workload.sharegpt_lengths(200, 4, (16, 128), (8, 64))
+    assert all(16 <= p <= 128 and 8 <= o <= 64 for p, o in a)
+    path = tmp_path / "lengths.json"
+    path.write_text("[[5, 3], [7, 1]]")
+    work = workload.make_workload(workload.read_lengths(str(path)), 100, 0)
+    assert work.prompt_lens == [5, 7] and work.output_lens == [3, 1]
+    path.write_text("[[5, 0]]")
+    with pytest.raises(ValueError, match="entry 0"):
+        workload.read_lengths(str(path))
+
+
+def test_bench_throughput_smoke(tiny_model_dir, tmp_path, capsys):
+    bench = _load_script("bench_throughput")
+    out = tmp_path / "throughput.json"
+    rc = bench.main(["--model", tiny_model_dir, *TINY_WORKLOAD, "--max-num-seqs", "4",
+                     "--max-num-batched-tokens", "32", "--page-size", "4", "--num-pages", "64",
+                     "--hf-batch-sizes", "2", "4", "--profile-iters", "1", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["compiles_after_warmup"] == 0
+    assert data["ratio"] > 0
+    assert data["hf"]["best_batch_size"] in (2, 4)
+    for key in ("requests_per_s", "output_tok_per_s", "total_tok_per_s", "host_share"):
+        assert data["paxpage"][key] > 0
+    assert set(data["paxpage"]["ttft_s"]) == {"p50", "p90", "p99"}
+    assert set(data["paxpage"]["tpot_s"]) == {"p50", "p90", "p99"}
+    assert set(data["profile"]["shares"]) == {"matmuls_and_rest", "attention_and_kv_write", "sampling",
+                                              "host_packing"}
+    assert "ratio paxpage / HF" in capsys.readouterr().out
+    rows = _check_record(data, "throughput")
+    assert rows[0][:3] == ["paxpage", round(data["paxpage"]["requests_per_s"], 2),
+                           round(data["paxpage"]["output_tok_per_s"], 1)]
+    assert rows[1][2] == round(data["hf"]["output_tok_per_s"], 1)
+
+
+def test_vllm_peer_skipped_without_its_venv(tmp_path, capsys, monkeypatch):
+    """Without a vLLM venv both scripts go on without the peer and say why."""
+    monkeypatch.delenv("PAXPAGE_VLLM_PYTHON", raising=False)
+    peer = _load_script("vllm_peer")
+    assert peer.find_python(None)[0] is None and "PAXPAGE_VLLM_PYTHON" in peer.find_python(None)[1]
+    missing = str(tmp_path / "no-venv" / "python")
+    assert peer.find_python(missing) == (None, f"--vllm-python {missing!r} is not an executable file")
+    python, why = peer.find_python(sys.executable)  # this python has no vllm
+    assert python is None and why.endswith("cannot run vLLM: it has no vllm module")
+    env = peer.environment("/v/bin/python", 0.5)
+    assert (env["VLLM_CPU_NUM_OF_RESERVED_CPU"], env["VLLM_CPU_KVCACHE_SPACE"]) == ("0", "0.5")
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, sorted(os.sched_getaffinity(0))))
+
+    throughput = _load_script("bench_throughput")
+    args = argparse.Namespace(no_vllm=False, vllm_python=missing, vllm_model=None)
+    assert throughput.start_vllm(args, None, None) == (None, None)
+    assert f"vLLM peer skipped: --vllm-python {missing!r}" in capsys.readouterr().err
+    serving = _load_script("bench_serving")
+    args = serving.parse_args(["--systems", "paxpage,vllm", "--vllm-python", missing])
+    assert args.systems == ["paxpage"]
+    assert "vLLM peer skipped" in capsys.readouterr().err
+    rows = serving.rate_ratios([dict(rate=1, requests_per_s=2.0, normalised_latency_s=0.05, ttft_s={"p99": 0.4})],
+                               [dict(rate=1, requests_per_s=1.0, normalised_latency_s=0.1, ttft_s={"p99": 0.2})])
+    assert rows == [{"rate": 1, "requests_per_s": 2.0, "normalised_latency_s": 0.5, "ttft_p99_s": 2.0}]
