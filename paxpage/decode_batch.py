@@ -9,10 +9,11 @@ schedule_decodes` / `update_decodes`, `Packer.pack` with `DecodeRows`, `OutputPr
 process_plain`) and a few Python operations per sequence. The step changes the batch by diffs:
 sequences that finished or were aborted since leave it (`survivors`, `compacted`), the rows left
 keeping their order and arrays; fresh plain requests that the scheduler admits join it (only
-their rows are planned, and once their prompt has run they are rows of the batch: `extended`).
-Anything else (a resumed or preempted sequence, a prompt that takes several steps, a page the
-free list cannot give, a request with beams, grammars, prompt logprobs or n > 1 before it forks)
-drops back to the general step, which is equal in outputs. Pure Python and numpy (no jax).
+their rows are planned; a prompt longer than a step's tokens runs its chunks behind the rows,
+`prefilling`, and once it has run it is a row of the batch: `extended`). Anything else (a
+resumed or preempted sequence, a page the free list cannot give, a request with beams,
+grammars, prompt logprobs or n > 1 before it forks) drops back to the general step, which is
+equal in outputs. Pure Python and numpy (no jax).
 
 Axis legend: B rows (the running sequences, in the scheduler's order; row i of the step in
 flight is row i of the next, or row j of the compacted batch that keeps it).
@@ -49,6 +50,10 @@ class DecodeBatch:
         # i32[B] the previous step's logits row each row reads its input token from (None: row i
         # reads row i, the packer's constant)
         self.prev_rows: np.ndarray | None = None
+        # the sequences after the rows in the running queue, part way through their prompts:
+        # fresh plain requests that joined a step of this batch and need more steps for their
+        # prompt (a row of the batch once it has run)
+        self.prefilling: list[Sequence] = []
 
     @classmethod
     def build(cls, scheduled: Seq, rows: list, counts: Seq[int], sampling_slots: Seq[int], steps: Seq[int],
@@ -89,8 +94,15 @@ class DecodeBatch:
 
     def survivors(self, running: Seq[Sequence]) -> list[int] | None:
         """The rows whose sequences are still `running` (the scheduler's queue), when the queue is
-        exactly those sequences in the batch's order (others only finished or were aborted);
-        None otherwise (one joined, was preempted or resumed)."""
+        exactly those sequences in the batch's order (others only finished or were aborted), then
+        the `prefilling` ones still running; None otherwise (one joined, was preempted or resumed).
+        Drops the prefilling sequences that finished from `prefilling`."""
+        if self.prefilling:
+            self.prefilling = [seq for seq in self.prefilling if not seq.is_finished]
+            tail = len(running) - len(self.prefilling)
+            if tail < 0 or any(a is not b for a, b in zip(running[tail:], self.prefilling)):
+                return None
+            running = running[:tail]
         seqs = self.seqs
         if len(running) > len(seqs):
             return None
@@ -111,21 +123,25 @@ class DecodeBatch:
                             [self.stop_ids[i] for i in keep],
                             self.lora_slots[index] if self.lora_slots is not None else None)
         batch.prev_rows = index.astype(np.int32)
+        batch.prefilling = self.prefilling
         return batch
 
-    def extended(self, joined: DecodeBatch) -> DecodeBatch:
-        """This batch with `joined`'s rows after its own (renumbered from len(self)): the rows that
-        joined a step of this batch, whose logits rows in it followed this batch's. Call it after
-        `advance`: every row then reads its own row of that step."""
+    def extended(self, joined: DecodeBatch, prefilling: list[Sequence]) -> DecodeBatch:
+        """This batch with `joined`'s rows after its own (renumbered from len(self)), the rows
+        whose prompts ended in a step of this batch (their logits rows in it followed this
+        batch's), and `prefilling` after them. Call it after `advance`: every row then reads its
+        own row of that step."""
         assert self.prev_rows is None and joined.prev_rows is None
         n = len(self)
         rows = self.rows + [(request, sample, n + row) for request, sample, row in joined.rows]
         cat = lambda a, b: np.concatenate([a, b])  # noqa: E731
         lora = None if self.lora_slots is None else cat(self.lora_slots, joined.lora_slots)
-        return DecodeBatch(rows, self.seqs + joined.seqs, cat(self.positions, joined.positions),
-                           cat(self.table_slots, joined.table_slots), cat(self.sampling_slots, joined.sampling_slots),
-                           cat(self.steps, joined.steps), cat(self.limits, joined.limits),
-                           self.stop_ids + joined.stop_ids, lora)
+        batch = DecodeBatch(rows, self.seqs + joined.seqs, cat(self.positions, joined.positions),
+                            cat(self.table_slots, joined.table_slots), cat(self.sampling_slots, joined.sampling_slots),
+                            cat(self.steps, joined.steps), cat(self.limits, joined.limits),
+                            self.stop_ids + joined.stop_ids, lora)
+        batch.prefilling = prefilling
+        return batch
 
     def page_aligned(self, page_size: int) -> list[int]:
         """Rows whose next token starts a page (the only ones that may need one)."""

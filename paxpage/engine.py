@@ -267,8 +267,9 @@ class LLMEngine:
     def _decode_step(self) -> list[tuple[Request, list[StreamDelta]]] | None:
         """The persistent batch's step (decode_batch.py): when the step in flight is a plain
         decode batch and since then sequences only finished or were aborted, this step's rows are
-        its rows still running, one token later, and the fresh plain requests the scheduler
-        admits beside them (`_joins_batch`), the only rows planned. Does what the general step
+        its rows still running, one token later, beside the next chunks of the prompts that
+        joined it part way (`DecodeBatch.prefilling`) and the fresh plain requests the scheduler
+        admits (`_joins_batch`): only those prompts' rows are planned. Does what the general step
         would (schedule, launch, read the previous tokens, book this step's as pending), in numpy
         over the batch's arrays. None, having changed nothing, otherwise."""
         previous = self._inflight
@@ -282,10 +283,11 @@ class LLMEngine:
         if len(keep) < len(batch):
             batch = batch.compacted(keep)
         scheduled = self.scheduler.schedule_decodes(batch.seqs, batch.page_aligned(self.config.page_size),
-                                                    self._joins_batch)
+                                                    self._joins_batch, batch.prefilling)
         if scheduled is None:
             return None
-        grown, copies, admitted = scheduled
+        grown, copies, chunks = scheduled  # chunks: of the prefilling and the admitted prompts
+        tail = self.scheduler.running[len(batch):]  # the prefilling and the admitted sequences, in order
         self.runner.copy_pages(copies)
         tables, seqs = self.runner.tables, batch.seqs
         self._forget_ended(self.scheduler.running)  # the batch's rows and the admitted ones
@@ -294,8 +296,8 @@ class LLMEngine:
                              [seqs[i].page_table for i in grown], [int(batch.positions[i]) for i in grown])
         held = DecodeRows(batch.table_slots, batch.positions, batch.prev_rows, batch.lora_slots)
         n = len(seqs)
-        joined = SchedulerOutput(admitted, [], [], sum(s.num_new_tokens for s in admitted))
-        plan = plan_step(joined, self.outputs.lookup, self._embeds, self._sampling, {}) if admitted else None
+        joined = SchedulerOutput(chunks, [], [], sum(s.num_new_tokens for s in chunks))
+        plan = plan_step(joined, self.outputs.lookup, self._embeds, self._sampling, {}) if chunks else None
         step_batch, _, _, prev_rows = self.runner.packer.pack(plan.plans if plan else [], held)
 
         def row_tokens(r):  # penalised rows: their outputs end in the pending token
@@ -333,21 +335,35 @@ class LLMEngine:
         self.stats.generated_tokens += num_tokens
         # this step's tokens, pending (as StepBooking.advance)
         self.scheduler.update_decodes(seqs, PENDING_TOKEN)
-        if admitted:  # the admitted prompts' chunks are computed; those that end sample a token
-            self.scheduler.update(joined, {s.seq.seq_id: PENDING_TOKEN for s in admitted if s.samples})
+        if chunks:  # the prompts' chunks are computed; those that end sample a token
+            self.scheduler.update(joined, {s.seq.seq_id: PENDING_TOKEN for s in chunks if s.samples})
         self._booking.sample_kv_utilisation()
         batch.advance()
-        joining = None if plan is None else DecodeBatch.build(
-            admitted, plan.rows, plan.counts, plan.slots, plan.steps, tables.slot, self.eos_token_ids,
-            self.config.max_model_len, lora=bool(self.config.max_loras))
-        for part in (batch, joining):  # rows whose next token is their last by length leave now
-            for i in (part.finished_by_length() if part is not None else ()):
-                if not part.seqs[i].is_finished:
-                    self.scheduler.finish(part.seqs[i], "length")
+        joining = None
         if plan is not None:
-            # a prompt that takes more steps than this one: the general step runs its next chunk
-            batch = batch.extended(joining) if joining is not None else None
-            self.stats.joined_rows += len(admitted)
+            # The prompts that ended join the batch, in queue order; those part way stay after it.
+            sampled = {s.seq.seq_id for s in chunks if s.samples}
+            k = next((i for i, seq in enumerate(tail) if seq.seq_id not in sampled), len(tail))
+            if k and not any(seq.seq_id in sampled for seq in tail[k:]):
+                joining = DecodeBatch.build([s for s in chunks if s.samples], plan.rows, plan.counts, plan.slots,
+                                            plan.steps, tables.slot, self.eos_token_ids, self.config.max_model_len,
+                                            lora=bool(self.config.max_loras))
+        # rows whose next token is their last by length leave now (as StepBooking.advance)
+        for i in batch.finished_by_length():
+            if not seqs[i].is_finished:
+                self.scheduler.finish(seqs[i], "length")
+        for seq in (s.seq for s in chunks if s.samples):
+            if not seq.is_finished and (seq.num_output_tokens >= seq.max_tokens
+                                        or seq.num_tokens >= self.config.max_model_len):
+                self.scheduler.finish(seq, "length")
+        if plan is not None:
+            if joining is not None:
+                batch = batch.extended(joining, tail[k:])
+                self.stats.joined_rows += k
+            elif sampled:  # a prompt ended behind one that did not: the general step's to order
+                batch = None
+            else:
+                batch.prefilling = tail
         step.decode = batch
         self._inflight = step
         self.stats.overlapped_steps += 1

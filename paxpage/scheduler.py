@@ -459,17 +459,18 @@ class Scheduler:
 
     # ---- the steady decode step, batched ----------------------------------------------------------------
     def schedule_decodes(self, seqs: list[Sequence], aligned: Seq[int],
-                         admits: Callable[[Sequence], bool] | None = None
+                         admits: Callable[[Sequence], bool] | None = None, prefilling: Seq[Sequence] = ()
                          ) -> tuple[list[int], list[tuple[int, int]], list[ScheduledSeq]] | None:
-        """`schedule()` for the persistent batch's step, in O(1) Python per sequence that needs no
-        page: when `seqs` is exactly the running queue (same objects, same order), every sequence
-        decodes one token and the pages those tokens need are free, it gives each the page it
-        writes (in queue order, as schedule() would), then admits waiting sequences with the
-        tokens left, as schedule() would. Returns (indices of the sequences whose table changed,
-        CoW copies, the admitted sequences' first chunks). Returns None, changing nothing, when
-        schedule() could decide otherwise (preempt, chunk a running prefill), and when a
-        sequence waits that `admits` refuses (None: any waiting sequence), which the general
-        step then schedules.
+        """`schedule()` for the persistent batch's step, in O(1) Python per decoding sequence that
+        needs no page: when the running queue is exactly `seqs` (same objects, same order), each
+        decoding one token, then `prefilling` (sequences part way through their prompts), and
+        the pages all of them need are free, it gives each decoding sequence the page it writes
+        (in queue order, as schedule() would), the prefilling ones their next chunks, then admits
+        waiting sequences with the tokens left, as schedule() would. Returns (indices of the
+        decoding sequences whose table changed, CoW copies, the chunks of the prefilling and
+        the admitted sequences, in queue order). Returns None, changing nothing, when schedule()
+        would preempt, and when a sequence waits that `admits` refuses (None: any waiting
+        sequence), which the general step then schedules.
 
         aligned: the indices of the sequences whose next token starts a page (num_computed_tokens
         a multiple of page_size); the caller tracks positions in arrays. Every other sequence
@@ -477,21 +478,41 @@ class Scheduler:
         the queue, shares a page that is not full), so only the aligned ones are looked at."""
         cfg, pm = self.config, self.page_manager
         n = len(seqs)
-        if n != len(self.running) or n > cfg.max_num_batched_tokens or n > cfg.max_num_seqs \
-                or cfg.releases_pages or self.running != seqs:  # Sequence compares by identity
-            return None
+        if n + len(prefilling) != len(self.running) or n > cfg.max_num_batched_tokens or n > cfg.max_num_seqs \
+                or cfg.releases_pages or self.running[:n] != seqs or self.running[n:] != list(prefilling):
+            return None  # (Sequence compares by identity)
         if self.waiting and (admits is None or not admits(self.waiting[0])):
             return None
         grow = [i for i in aligned if not pm.writes_in_place(seqs[i])]
-        if sum(pm.num_pages_to_write(seqs[i], 1) for i in grow) > pm.num_free_pages:
+        budget, rows_left = cfg.max_num_batched_tokens - n, cfg.max_prefill_rows or 0
+        chunks = []  # (sequence, tokens) of the prefilling ones, as schedule()'s loop over them
+        for seq in prefilling:
+            if budget <= 0 or n + len(chunks) >= cfg.max_num_seqs:
+                break
+            q = seq.num_uncomputed_tokens
+            if q > budget:
+                if not cfg.enable_chunked_prefill:
+                    continue  # runs whole in a later step
+                q = budget
+            q = self._fit_rows(q, rows_left)
+            if q == 0:
+                continue
+            chunks.append((seq, q))
+            budget -= q
+            rows_left -= self._rows(q)
+        need = sum(pm.num_pages_to_write(seqs[i], 1) for i in grow)
+        if need + sum(pm.num_pages_to_write(seq, q) for seq, q in chunks) > pm.num_free_pages:
             return None  # schedule() preempts
         copies: list[tuple[int, int]] = []
         for i in grow:
             copies += pm.prepare_write(seqs[i], 1)
-        admitted: list[ScheduledSeq] = []
+        scheduled: list[ScheduledSeq] = []
+        for seq, q in chunks:
+            copies += pm.prepare_write(seq, q)
+            scheduled.append(ScheduledSeq(seq, q, seq.num_computed_tokens, q == seq.num_uncomputed_tokens))
         if self.waiting:
-            self._admit(cfg.max_num_batched_tokens - n, cfg.max_prefill_rows or 0, admitted, copies, admits)
-        return grow, copies, admitted
+            self._admit(budget, rows_left, scheduled, copies, admits)
+        return grow, copies, scheduled
 
     def update_decodes(self, seqs: Seq[Sequence], token: int) -> None:
         """`update()` after a `schedule_decodes` step: each sequence still running computed its

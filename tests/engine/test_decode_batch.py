@@ -24,12 +24,13 @@ from tests.conftest import random_prompts
 
 
 # ---------------------------------------------------------------- scheduler, pure Python
-def _decoding_scheduler(seed: int, num_pages: int, prefix_caching: bool, allocation: str = "paged"):
+def _decoding_scheduler(seed: int, num_pages: int, prefix_caching: bool, allocation: str = "paged",
+                        max_num_batched_tokens: int = 256):
     """A scheduler whose running sequences all decode (one pending token each), with random
     lengths, after general steps (so some pages are shared through the prefix cache)."""
     rng = np.random.default_rng(seed)
     sched = Scheduler(SchedulerConfig(num_pages=num_pages, page_size=4, max_num_seqs=16,
-                                      max_num_batched_tokens=256, max_model_len=64,
+                                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=64,
                                       enable_prefix_caching=prefix_caching, allocation=allocation))
     shared = rng.integers(0, 50, 8).tolist()
     for i in range(6):
@@ -72,12 +73,13 @@ def test_schedule_decodes_equals_schedule_and_update(seed, prefix_caching):
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_schedule_decodes_admits_as_schedule_does(seed, prefix_caching):
-    # Requests arrive while every running sequence decodes: the batch's step admits what
-    # schedule() admits (same chunks, prefix hits, pages, copies), and refuses, changing
-    # nothing, when the first waiting one is refused.
-    fast, rng = _decoding_scheduler(seed, 64, prefix_caching)
+    # Requests arrive while the running sequences decode, prompts longer than a step's 24
+    # tokens run in chunks: the batch's step gives the prompts part way their next chunks and
+    # admits what schedule() admits (same chunks, prefix hits, pages, copies), and refuses,
+    # changing nothing, when the first waiting one is refused.
+    fast, rng = _decoding_scheduler(seed, 64, prefix_caching, max_num_batched_tokens=24)
     shared = list(fast.running[0].prompt_token_ids)
-    next_id, num_admitted = 100, 0
+    next_id, num_admitted, num_prefilling = 100, 0, 0
 
     def finish_done(sched):
         for seq in [s for s in sched.running if s.num_output_tokens >= s.max_tokens]:
@@ -85,23 +87,30 @@ def test_schedule_decodes_admits_as_schedule_does(seed, prefix_caching):
 
     for step in range(10):
         finish_done(fast)
-        for _ in range(int(rng.integers(0, 3))):
-            prompt = (shared if rng.random() < 0.5 else []) + rng.integers(0, 50, int(rng.integers(1, 30))).tolist()
+        for k in range(int(rng.integers(0, 3)) if step else 2):  # first a prompt longer than a step
+            length = 30 if step == k == 0 else int(rng.integers(1, 30))
+            prompt = (shared if rng.random() < 0.5 else []) + rng.integers(0, 50, length).tolist()
             fast.add(Sequence(prompt, 8, seq_id=next_id))
             next_id += 1
-        if any(s.num_uncomputed_tokens != 1 for s in fast.running):
-            out = fast.schedule()  # a chunked prompt runs on: the general step's
+        # the decoding sequences, then those part way through their prompts (chunked)
+        num_decoding = next((i for i, s in enumerate(fast.running) if s.num_uncomputed_tokens > 1),
+                            len(fast.running))
+        seqs, prefilling = list(fast.running[:num_decoding]), list(fast.running[num_decoding:])
+        if any(s.num_uncomputed_tokens == 1 for s in prefilling):
+            out = fast.schedule()  # a decoding sequence behind a prompt: the general step's
             fast.update(out, {s.seq.seq_id: 1 for s in out.scheduled if s.samples})
             continue
+        num_prefilling += bool(prefilling)
         general = copy.deepcopy(fast)
         out = general.schedule()
-        seqs = list(fast.running)
         aligned = [i for i, s in enumerate(seqs) if s.num_computed_tokens % 4 == 0]
         if fast.waiting:
             before = _state(fast)
-            assert fast.schedule_decodes(seqs, aligned, lambda seq: False) is None
+            assert fast.schedule_decodes(seqs, aligned, lambda seq: False, prefilling) is None
             assert _state(fast) == before
-        scheduled = fast.schedule_decodes(seqs, aligned, lambda seq: True)
+        if prefilling:
+            assert fast.schedule_decodes(seqs, aligned, lambda seq: True) is None  # not the running queue
+        scheduled = fast.schedule_decodes(seqs, aligned, lambda seq: True, prefilling)
         if out.preempted:
             assert scheduled is None
             fast = general
@@ -119,7 +128,7 @@ def test_schedule_decodes_admits_as_schedule_does(seed, prefix_caching):
         assert _state(fast) == _state(general), step
         num_admitted += len(admitted)
         fast.check_invariants()
-    assert num_admitted >= 2
+    assert num_admitted >= 2 and num_prefilling >= 1
 
 
 def test_schedule_decodes_declines_what_schedule_decides_otherwise():
@@ -196,8 +205,9 @@ def _run(model, fast: bool, prompts, params, joins, abort_at, stream: bool = Tru
     engine = LLMEngine(model.config, model.params, model.tokenizer, config)  # fresh: no cached prefix
     if not fast:
         engine._decode_step = lambda: None
-    # decode batches checked, with a penalised row, with a row of a forked request
-    ids, steps, finals, batches = {}, [], {}, [0, 0, 0]
+    # decode batches checked, with a penalised row, with a row of a forked request, with a
+    # prompt part way (a chunked prefill) behind its rows
+    ids, steps, finals, batches = {}, [], {}, [0, 0, 0, 0]
     step = 0
     while step == 0 or engine.has_unfinished() or len(ids) < len(prompts):
         for i, at in enumerate(joins):
@@ -217,6 +227,7 @@ def _run(model, fast: bool, prompts, params, joins, abort_at, stream: bool = Tru
             batches[0] += checked > 0
             batches[1] += checked == 2
             batches[2] += checked == 3
+            batches[3] += checked > 0 and bool(engine._inflight.decode.prefilling)
             engine.scheduler.check_invariants()
         step += 1
         assert step < 400
@@ -318,6 +329,7 @@ def test_requests_that_arrive_during_decode_join_the_steady_batch(text_model):
     assert fast[0] == general[0] and fast[1] == general[1]
     assert sorted(fast[1]) == list(range(11))
     assert fast[2].joined_rows >= 5 and general[2].joined_rows == 0
+    assert fast[3][3] >= 1  # the long prompt's chunks ran beside the batch's rows
     assert fast[2].steps == general[2].steps
 
 
