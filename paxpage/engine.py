@@ -274,8 +274,8 @@ class LLMEngine:
         over the batch's arrays. None, having changed nothing, otherwise."""
         previous = self._inflight
         batch = previous.decode if previous is not None else None
-        if batch is None or self._spec is not None:
-            return None
+        if batch is None or (self._spec is not None and self._spec.active(self.scheduler.num_running)):
+            return None  # a speculating step is the general step's
         keep = batch.survivors(self.scheduler.running)
         if not keep:
             return None
@@ -289,6 +289,8 @@ class LLMEngine:
         grown, copies, chunks = scheduled  # chunks: of the prefilling and the admitted prompts
         tail = self.scheduler.running[len(batch):]  # the prefilling and the admitted sequences, in order
         self.runner.copy_pages(copies)
+        if self._spec is not None:  # a draft model's pool follows the target's
+            self._spec.on_copy_pages(copies)
         tables, seqs = self.runner.tables, batch.seqs
         self._forget_ended(self.scheduler.running)  # the batch's rows and the admitted ones
         if grown:  # their new pages: the one changed entry of each table row
@@ -311,6 +313,8 @@ class LLMEngine:
             num_logprobs = max(num_logprobs, logprob_bucket(plan.num_logprobs))
         tensors = self._sampling.tensors(slots, offsets, steps, row_tokens, pad_rows_to=len(step_batch.logits_indices))
         logits = self.runner.forward(step_batch, prev_rows, previous.next_tokens)
+        if self._spec is not None:
+            self._spec.on_step(step_batch, prev_rows, previous.next_tokens)
         if batch is resolved and plan is None:
             step = Launched(None, batch.rows, previous.counts, [], None, None, None, previous.row_of_seq,
                             drafts=previous.drafts)
@@ -349,13 +353,10 @@ class LLMEngine:
                                             plan.steps, tables.slot, self.eos_token_ids, self.config.max_model_len,
                                             lora=bool(self.config.max_loras))
         # rows whose next token is their last by length leave now (as StepBooking.advance)
-        for i in batch.finished_by_length():
-            if not seqs[i].is_finished:
-                self.scheduler.finish(seqs[i], "length")
-        for seq in (s.seq for s in chunks if s.samples):
-            if not seq.is_finished and (seq.num_output_tokens >= seq.max_tokens
-                                        or seq.num_tokens >= self.config.max_model_len):
-                self.scheduler.finish(seq, "length")
+        by_length = [seqs[i] for i in batch.finished_by_length()] + [
+            s.seq for s in chunks if s.samples and (s.seq.num_output_tokens >= s.seq.max_tokens
+                                                    or s.seq.num_tokens >= self.config.max_model_len)]
+        self._booking.finish([(seq, "length") for seq in by_length])
         if plan is not None:
             if joining is not None:
                 batch = batch.extended(joining, tail[k:])

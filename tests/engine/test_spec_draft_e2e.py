@@ -90,3 +90,22 @@ distribution is checked at unit level: test_spec_verify.py, test_spec_draft_runn
     assert 0.5 < stats.acceptance_rate < 1.0, stats
     assert 1.5 < stats.mean_accepted_length <= K + 1, stats
     assert sched.prefix_hit_rate > 0 and sched.num_preemptions > 0, sched
+
+
+@pytest.mark.extended
+def test_draft_pool_follows_the_persistent_batch_steps(models):
+    """Four requests with speculative_max_batch 2: while more than two run, steps are the
+    persistent batch's (no drafts) and must still fill the draft's pool; once the short ones end,
+    the long ones speculate from it. Acceptance stays as high as with speculation throughout."""
+    from paxpage import SamplingParams
+
+    target, draft, hf = models
+    prompts = _prompts()[1:]
+    max_tokens = [6, 8, 40, 40]
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
+    outputs, engine = _run(target, prompts, params, num_pages=64, max_num_seqs=4, speculative_method="draft",
+                           draft_model=draft, num_speculative_tokens=K, speculative_max_batch=2)
+    assert outputs == [[hf_greedy(hf, p, m)] for p, m in zip(prompts, max_tokens)]
+    stats = engine.stats
+    assert stats.decode_batch_steps > 3 and stats.spec_steps > 5, stats
+    assert stats.acceptance_rate > 0.5, stats

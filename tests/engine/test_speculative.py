@@ -6,6 +6,8 @@ turns speculation off for large batches."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -101,6 +103,22 @@ def test_stop_strings_cut_inside_accepted_drafts(tiny_text_dir):
         assert results[0][0][2] == stops[0]
     finally:
         model.close()
+
+
+def test_many_sequences_decode_on_the_persistent_batch_then_speculate_as_they_finish(tiny):
+    # speculative_max_batch 2, four requests ending at different steps: while more than two run,
+    # steps are the persistent batch's (no drafts); once two are left they speculate. Greedy
+    # tokens equal a run without speculation.
+    prompts = _repetitive_prompts(4, seed=5)
+    params = [SP(temperature=0, max_tokens=m, ignore_eos=True) for m in (5, 8, 30, 30)]
+    base, _ = _run(tiny, prompts, params)
+    config = dict(speculative_method="ngram", speculative_max_batch=2, num_speculative_tokens=3)
+    engine = tiny.engine(EngineConfig(**TIGHT, **config))
+    before = dataclasses.replace(engine.stats)
+    spec, _ = _run(tiny, prompts, params, **config)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
+    assert engine.stats.decode_batch_steps > before.decode_batch_steps
+    assert engine.stats.spec_steps > before.spec_steps
 
 
 def test_adaptive_threshold_turns_speculation_off(tiny):
