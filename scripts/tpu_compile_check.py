@@ -199,7 +199,7 @@ def pool_ratio(device, heads, kv_dtype: str, layout: str = "canonical") -> tuple
     for kind, rows in (("ragged", 256), ("write", 256)):
         hlo = compile_kernel(("layout", heads, kind, rows, 2048, kv_dtype, None, None, layout), device,
                              large).as_text()
-        copies = [a + b for a, b in zip(copies, leaf_copies(hlo, pool))]
+        copies = [x + y for x, y in zip(copies, leaf_copies(hlo, pool))]
     return (b - a) / extra, copies[0], sum(copies[1:])
 
 
