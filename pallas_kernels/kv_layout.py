@@ -16,7 +16,9 @@ Axis legend: P pages, page_size slots per page, K kv heads, D head dim.
 Which layout a pool gets is decided where the pool is made (`for_backend`), and every reader
 (kernels, page copies, sharding, sizing) asks the layout for shapes and axes instead of
 hard-coding them. The quantised pool (kv_quant.QuantizedKV) keeps the canonical layout on every
-backend: its per-(token, head) scales have no tiling-friendly TPU layout yet.
+backend: its per-(token, head) scales have no tiling-friendly TPU layout yet, so on TPU the
+kernels relay out its scales at every shape and its values where K < 8
+(scripts/tpu_compile_check.py measures it; docs/gpu-tpu.md has the figures).
 """
 
 from __future__ import annotations

@@ -12,11 +12,12 @@ compile; the other checks print FINDING lines, fatal with --strict:
    Llama-3-8B (32 / 8, D = 128) shapes, bf16 / int8 / fp8 pools, sliding window, soft cap, each
    for v5e and v6e;
 2. page layout: the pool's compiled argument bytes over its logical bytes (values and scales) at
-   K = 3 / D = 64, K = 1 / D = 128 and K = 8 / D = 128, bf16 and int8, in the canonical and the
-   tpu layout (pallas_kernels/kv_layout.py), measured as the difference between pools of P and 2P
-   pages so the other arguments cancel, and the pool-sized copies (relayouts) the decode, mixed
-   and KV write kernels make of it; the layout the TPU backend's pool gets must be <= 1.1x and
-   never copied;
+   K = 3 / D = 64, K = 1 / D = 128 and K = 8 / D = 128, bf16, int8 and fp8, in the canonical and
+   the tpu layout (pallas_kernels/kv_layout.py; a quantised pool has only the canonical one),
+   measured as the difference between pools of P and 2P pages so the other arguments cancel, and
+   the pool-sized copies (relayouts) the decode, mixed and KV write kernels make of its values
+   and of its scales; the layout the TPU backend's pool gets must be <= 1.1x and never copied
+   (a FINDING otherwise: the quantised pools are copied today, see docs/gpu-tpu.md);
 3. the engine step (paxpage.runner.ModelRunner's own jitted step, built from abstract params:
    no weights are made) for SmolLM2 and a Llama-3-8B-shaped config, on one chip and tensor
    parallel over v5e:2x4, decode and mixed shapes: argument, output, temp and alias bytes; no
@@ -182,9 +183,10 @@ def check_kernels(quick: bool, report: dict) -> list[str]:
 LAYOUT_HEADS = ((9, 3, 64), (8, 1, 128), (32, 8, 128))  # SmolLM2, one kv head, Llama-3-8B
 
 
-def pool_ratio(device, heads, kv_dtype: str, layout: str = "canonical") -> tuple[float, int]:
+def pool_ratio(device, heads, kv_dtype: str, layout: str = "canonical") -> tuple[float, int, int]:
     """(compiled argument bytes per logical byte of the pool, from pools of P and 2P pages; how
-    many pool-sized copies (relayouts) the decode, mixed and KV write kernels make of it)."""
+    many pool-sized copies (relayouts) the decode, mixed and KV write kernels make of its values,
+    and of its scales: 0 for a plain pool)."""
     n, k, d = heads
     small, large = 1024, 2048
     case = ("layout", heads, "decode", 8, 2048, kv_dtype, None, None, layout)
@@ -193,37 +195,41 @@ def pool_ratio(device, heads, kv_dtype: str, layout: str = "canonical") -> tuple
     b = compiled.memory_analysis().argument_size_in_bytes
     pool = abstract_pool(large, k, d, kv_dtype, layout)
     extra = logical_bytes(pool) - logical_bytes(abstract_pool(small, k, d, kv_dtype, layout))
-    copies = pool_copies(compiled.as_text(), pool)
+    copies = leaf_copies(compiled.as_text(), pool)
     for kind, rows in (("ragged", 256), ("write", 256)):
         hlo = compile_kernel(("layout", heads, kind, rows, 2048, kv_dtype, None, None, layout), device,
                              large).as_text()
-        copies += pool_copies(hlo, pool)
-    return (b - a) / extra, copies
+        copies = [x + y for x, y in zip(copies, leaf_copies(hlo, pool))]
+    return (b - a) / extra, copies[0], sum(copies[1:])
 
 
 def check_layout(quick: bool, report: dict) -> list[str]:
-    """Both layouts measured; the one the TPU backend's pool gets (kv_layout.for_backend) must
-    be <= MAX_POOL_RATIO and never copied."""
-    failures = []
+    """Both layouts of the plain pool and the quantised pools' (canonical) layout measured; the
+    one the TPU backend's pool gets (kv_layout.for_backend) must be <= MAX_POOL_RATIO and never
+    copied, its scales included."""
+    findings = []
     for chip, (topology, _, _) in list(CHIPS.items())[:1 if quick else None]:
         device = devices(topology)[0]
         for heads in LAYOUT_HEADS:
-            for kv_dtype in ("auto", "int8"):
+            for kv_dtype in ("auto", "int8", "fp8"):
                 for layout in kv_layout.LAYOUTS:
                     if kv_dtype != "auto" and layout != "canonical":
                         continue  # a quantised pool has the canonical layout (kv_layout.py)
-                    ratio, copies = pool_ratio(device, heads, kv_dtype, layout)
+                    ratio, copies, scale_copies = pool_ratio(device, heads, kv_dtype, layout)
                     chosen = kv_layout.for_backend("tpu", quantized=kv_dtype != "auto").name == layout
                     label = f"K={heads[1]} D={heads[2]} {'bf16' if kv_dtype == 'auto' else kv_dtype} {layout}"
-                    print(f"  {chip:4} pool {label:28} compiled / logical bytes {ratio:.3f}x, copied {copies} "
-                          f"times by the decode, mixed and write kernels{'' if chosen else ' (not the TPU pool)'}")
+                    scales = "" if kv_dtype == "auto" else f", scales {scale_copies} times"
+                    print(f"  {chip:4} pool {label:28} compiled / logical bytes {ratio:.3f}x, values copied "
+                          f"{copies} times{scales} by the decode, mixed and write kernels"
+                          f"{'' if chosen else ' (not the TPU pool)'}")
                     report.setdefault("pool_layout", []).append({
-                        "chip": chip, "pool": label, "layout": layout, "tpu_pool": chosen, "ratio": round(ratio, 4),
-                        "pool_copies": copies})
-                    if chosen and (ratio > MAX_POOL_RATIO or copies):
-                        failures.append(f"pool {label} on {chip}: {ratio:.3f}x logical bytes (limit "
-                                        f"{MAX_POOL_RATIO}x), {copies} pool-sized copies")
-    return failures
+                        "chip": chip, "pool": label, "layout": layout, "kv_dtype": kv_dtype, "tpu_pool": chosen,
+                        "ratio": round(ratio, 4), "pool_copies": copies, "scale_copies": scale_copies})
+                    if chosen and (ratio > MAX_POOL_RATIO or copies or scale_copies):
+                        findings.append(f"pool {label} on {chip}: {ratio:.3f}x logical bytes (limit "
+                                        f"{MAX_POOL_RATIO}x), {copies} pool-sized copies of its values, "
+                                        f"{scale_copies} of its scales")
+    return findings
 
 
 # ---------------------------------------------------------------- 3. engine step
@@ -282,13 +288,22 @@ def step_cases(quick: bool):
     return cases
 
 
+def leaf_copies(hlo: str, cache) -> list[int]:
+    """Per leaf of one layer's cache (a plain pool's one array; a quantised pool's values, then
+    its scales): the compiled program's instructions that copy the whole leaf (a relayout)."""
+    counts = []
+    for leaf in jax.tree.leaves(cache):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+        name = {"bfloat16": "bf16", "int8": "s8", "float8_e4m3fn": "f8e4m3fn",
+                "float32": "f32"}[jnp.dtype(leaf.dtype).name]
+        pattern = re.compile(re.escape(f"{name}[{','.join(map(str, shape))}]") + r"\{[^}]*\} copy\(")
+        counts.append(len(pattern.findall(hlo)))
+    return counts
+
+
 def pool_copies(hlo: str, cache) -> int:
-    """Instructions of the compiled program that copy a whole layer's pool (a relayout)."""
-    leaf = jax.tree.leaves(cache)[0]
-    shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
-    name = {"bfloat16": "bf16", "int8": "s8", "float8_e4m3fn": "f8e4m3fn", "float32": "f32"}[jnp.dtype(leaf.dtype).name]
-    pattern = re.compile(re.escape(f"{name}[{','.join(map(str, shape))}]") + r"\{[^}]*\} copy\(")
-    return len(pattern.findall(hlo))
+    """Instructions of the compiled program that copy a whole leaf of a layer's pool (a relayout)."""
+    return sum(leaf_copies(hlo, cache))
 
 
 def pool_staging(hlo: str, cache) -> int:
@@ -390,6 +405,19 @@ def roofline(costs: dict, report: dict) -> None:
                     "tokens_per_second_as_compiled": round(batch / compiled_s)})
 
 
+def doc_tables(report: dict) -> dict:
+    """docs/gpu-tpu.md's pool layout table (scripts/docs_figures.py renders it): one row per chip
+    and pool, compiled, not run."""
+    if "pool_layout" not in report:
+        return {}
+    rows = [[r["chip"], r["pool"].rsplit(" ", 1)[0], r["layout"], "yes" if r["tpu_pool"] else "no",
+             f"{r['ratio']:.2f}x", r["pool_copies"], "-" if r["kv_dtype"] == "auto" else r["scale_copies"]]
+            for r in report["pool_layout"]]
+    columns = ["chip", "pool", "layout", "the TPU pool", "compiled / logical bytes",
+               "value copies (decode + mixed + write)", "scale copies"]
+    return {"pool_layout": {"columns": columns, "rows": rows}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a third of the kernel cases and two engine configs")
@@ -429,7 +457,7 @@ def main(argv=None) -> int:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from provenance import write_record  # the figures with machine, versions, date, command, commit
 
-        write_record(args.json, report)
+        write_record(args.json, report, tables=doc_tables(report))
     for finding in findings:
         print("FINDING:", finding)
     for failure in failures:

@@ -99,8 +99,24 @@ def test_engine_step_compiles_on_one_chip_and_tp8(report):
 @pytest.mark.slow
 def test_the_tpu_pool_is_its_logical_bytes_and_never_copied(report):
     rows = {row["pool"]: row for row in report["pool_layout"]}
-    # K = 3 / D = 64, K = 1 / D = 128, K = 8 / D = 128: bf16 in both layouts, int8 (canonical)
-    assert len(rows) == 9
+    # K = 3 / D = 64, K = 1 / D = 128, K = 8 / D = 128: bf16 in both layouts, int8 and fp8 (canonical)
+    assert len(rows) == 12
     plain = [row for row in rows.values() if row["tpu_pool"] and row["layout"] == "tpu"]
     assert len(plain) == 3
     assert all(row["ratio"] <= 1.1 and row["pool_copies"] == 0 for row in plain), plain
+
+
+@pytest.mark.slow
+def test_the_quantised_pools_copies_are_counted_and_reported(report):
+    quantised = [row for row in report["pool_layout"] if row["kv_dtype"] != "auto"]
+    assert len(quantised) == 6
+    assert all(row["tpu_pool"] and row["layout"] == "canonical" for row in quantised), quantised
+    # Their bytes are their logical bytes, but the kernels relay out the scales at every shape
+    # (bf16 [2, P, page_size, K]: K on the lanes) and the values wherever K < 8
+    # (docs/gpu-tpu.md). A layout that ends the copies must change these figures and the docs.
+    assert all(row["ratio"] <= 1.1 and row["scale_copies"] > 0 for row in quantised), quantised
+    assert all(row["pool_copies"] > 0 for row in quantised if not row["pool"].startswith("K=8")), quantised
+    # Every copied pool the TPU backend makes is a finding, none is hidden.
+    copied = {row["pool"] for row in quantised}
+    found = {f.split(" on ")[0].removeprefix("pool ") for f in report["findings"] if f.startswith("pool ")}
+    assert copied == found, (copied, found)
