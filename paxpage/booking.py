@@ -47,14 +47,19 @@ class StepBooking:
         next token is its last by length leaves the scheduler now (its token still comes)."""
         self.scheduler.update(step.sched, {sample.seq.seq_id: PENDING_TOKEN for _, sample, _ in step.rows})
         self.sample_kv_utilisation()
-        for request, sample, row in step.rows:
+        for _, sample, row in step.rows:
             seq = sample.seq
             step.row_of_seq[seq.seq_id] = row
             if seq.is_finished:  # stopped when the previous step's tokens were read
                 continue
-            if seq.num_output_tokens >= request.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            if self.ends_by_length(seq):
                 self.scheduler.finish(seq, "length")
                 self._freed(seq.seq_id)
+
+    def ends_by_length(self, seq) -> bool:
+        """Whether the token `seq` was just booked (pending) is its last by length: its
+        max_tokens-th output, or its max_model_len-th token."""
+        return seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len
 
     def resolve(self, step: Launched) -> Deltas:
         """Reads an in-flight step's tokens and hands them to the output processor."""

@@ -29,6 +29,12 @@ from paxpage.packing import logprob_bucket
 from paxpage.sequence import Sequence
 
 
+def plain_sample(request, sample) -> bool:
+    """Whether a request's sample may be a row of the batch: the request's samples are forked
+    (n > 1 forks on its first token), it has no beams and the sample no grammar."""
+    return request.forked and request.beam is None and sample.matcher is None
+
+
 class DecodeBatch:
     def __init__(self, rows: list, seqs: list[Sequence], positions: np.ndarray, table_slots: np.ndarray,
                  sampling_slots: np.ndarray, steps: np.ndarray, limits: np.ndarray,
@@ -73,8 +79,7 @@ class DecodeBatch:
         for item, (request, sample, row), count in zip(scheduled, rows, counts):
             p, seq = request.params, sample.seq
             if item.seq is not seq or not item.samples or item.draft_token_ids or count != 1 \
-                    or not request.forked or request.beam is not None or sample.matcher is not None \
-                    or sample.finish_reason is not None or row != len(seqs):
+                    or not plain_sample(request, sample) or sample.finish_reason is not None or row != len(seqs):
                 return None
             slot = table_slot(seq.seq_id)
             if slot is None:

@@ -15,30 +15,29 @@ import time
 from typing import Any, Mapping
 
 import jax
-import numpy as np
 
 from models.config import ModelConfig
 from paxpage import beam as beam_lib
 from paxpage.admission import Admission
 from paxpage import compile_counter, kv_sizing
 from paxpage import speculative as spec_lib
+from paxpage.batch_step import BatchStep
 from paxpage.booking import StepBooking
 from paxpage.config import EngineConfig
 from paxpage.decode_batch import DecodeBatch
 from paxpage.embedding import EmbeddingOutput, EmbeddingRequest, Pooling
 from paxpage.engine_stats import EngineStats
 from paxpage.lora_slots import LoraSlots
-from paxpage.launched import PENDING_TOKEN, Launched, fetch
+from paxpage.launched import PENDING_TOKEN, Launched
 from paxpage.output_processor import OutputProcessor, Request
 from paxpage.outputs import RequestOutput, StreamDelta
-from paxpage.packing import DecodeRows, logprob_bucket
+from paxpage.packing import logprob_bucket
 from paxpage.runner import ModelRunner
 from paxpage.sampling.batch import SamplingBatch
 from paxpage.sampling.params import SamplingParams
 from paxpage.sampling.sampler import SamplingTensors
-from paxpage.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from paxpage.scheduler import Scheduler, SchedulerConfig
 from paxpage.speculative.coordinator import SpeculationCoordinator
-from paxpage.sequence import Sequence
 from paxpage.step_plan import plan_step
 from paxpage.structured_backend import GrammarBackend, bitmask_words
 
@@ -114,6 +113,10 @@ class LLMEngine:
         # the running sequences' sampling parameters, one slot each, kept between steps
         self._sampling = SamplingBatch(model_cfg.vocab_size, self.eos_token_ids, token_width=cfg.max_model_len,
                                        pending_token=PENDING_TOKEN)  # token_width caps the penalty-token width
+
+        self._batch_step = BatchStep(self.scheduler, self.runner, self.outputs, self._sampling, self._booking,
+                                     self.stats, self._embeds, self.eos_token_ids, cfg, self._spec,
+                                     self._forget_ended)
 
         if cfg.max_loras:
             self.scheduler.lora_slots = LoraSlots(cfg.max_loras, self.runner.load_lora)
@@ -265,122 +268,13 @@ class LLMEngine:
         return deltas
 
     def _decode_step(self) -> list[tuple[Request, list[StreamDelta]]] | None:
-        """The persistent batch's step (decode_batch.py): when the step in flight is a plain
-        decode batch and since then sequences only finished or were aborted, this step's rows are
-        its rows still running, one token later, beside the next chunks of the prompts that
-        joined it part way (`DecodeBatch.prefilling`) and the fresh plain requests the scheduler
-        admits (`_joins_batch`): only those prompts' rows are planned. Does what the general step
-        would (schedule, launch, read the previous tokens, book this step's as pending), in numpy
-        over the batch's arrays. None, having changed nothing, otherwise."""
-        previous = self._inflight
-        batch = previous.decode if previous is not None else None
-        if batch is None or (self._spec is not None and self._spec.active(self.scheduler.num_running)):
-            return None  # a speculating step is the general step's
-        keep = batch.survivors(self.scheduler.running)
-        if not keep:
+        """The persistent batch's step (batch_step.py) after the step in flight; None, having
+        changed nothing, when the general step must run."""
+        ran = self._batch_step.run(self._inflight)
+        if ran is None:
             return None
-        resolved = batch  # the rows of the step in flight, whose tokens this step reads
-        if len(keep) < len(batch):
-            batch = batch.compacted(keep)
-        scheduled = self.scheduler.schedule_decodes(batch.seqs, batch.page_aligned(self.config.page_size),
-                                                    self._joins_batch, batch.prefilling)
-        if scheduled is None:
-            return None
-        grown, copies, chunks = scheduled  # chunks: of the prefilling and the admitted prompts
-        tail = self.scheduler.running[len(batch):]  # the prefilling and the admitted sequences, in order
-        self.runner.copy_pages(copies)
-        if self._spec is not None:  # a draft model's pool follows the target's
-            self._spec.on_copy_pages(copies)
-        tables, seqs = self.runner.tables, batch.seqs
-        self._forget_ended(self.scheduler.running)  # the batch's rows and the admitted ones
-        if grown:  # their new pages: the one changed entry of each table row
-            tables.sync_many([seqs[i].seq_id for i in grown], [seqs[i].num_preemptions for i in grown],
-                             [seqs[i].page_table for i in grown], [int(batch.positions[i]) for i in grown])
-        held = DecodeRows(batch.table_slots, batch.positions, batch.prev_rows, batch.lora_slots)
-        n = len(seqs)
-        joined = SchedulerOutput(chunks, [], [], sum(s.num_new_tokens for s in chunks))
-        plan = plan_step(joined, self.outputs.lookup, self._embeds, self._sampling, {}) if chunks else None
-        step_batch, _, _, prev_rows = self.runner.packer.pack(plan.plans if plan else [], held)
-
-        def row_tokens(r):  # penalised rows: their outputs end in the pending token
-            return (batch.rows[r][0].prompt_ids, seqs[r].output_token_ids) if r < n else plan.row_tokens(r - n)
-
-        slots, offsets, steps = batch.sampling_slots, np.zeros(n, np.int64), batch.steps
-        num_logprobs = batch.num_logprobs
-        if plan is not None:
-            slots, offsets, steps = (np.concatenate(pair) for pair in
-                                     ((slots, plan.slots), (offsets, plan.offsets), (steps, plan.steps)))
-            num_logprobs = max(num_logprobs, logprob_bucket(plan.num_logprobs))
-        tensors = self._sampling.tensors(slots, offsets, steps, row_tokens, pad_rows_to=len(step_batch.logits_indices))
-        logits = self.runner.forward(step_batch, prev_rows, previous.next_tokens)
-        if self._spec is not None:
-            self._spec.on_step(step_batch, prev_rows, previous.next_tokens)
-        if batch is resolved and plan is None:
-            step = Launched(None, batch.rows, previous.counts, [], None, None, None, previous.row_of_seq,
-                            drafts=previous.drafts)
-        else:
-            rows = batch.rows if plan is None else batch.rows + [(r, s, n + i) for r, s, i in plan.rows]
-            step = Launched(None, rows, [1] * len(rows), [], None, None, None,
-                            {sample.seq.seq_id: i for _, sample, i in rows}, drafts=[()] * len(rows))
-        step.result, step.prompt_result, step.next_tokens = self.runner.sample(
-            step_batch, logits, tensors, num_logprobs, prev_rows=prev_rows, prev_tokens=previous.next_tokens)
-        # the previous step's tokens
-        self._inflight = None
-        t = time.perf_counter()
-        result = previous.result
-        top = (result.top_ids, result.top_logprobs) if resolved.with_logprobs else (None, None)
-        token_ids, logprobs, top_ids, top_logprobs = fetch((result.token_ids, result.logprobs) + top)
-        self.stats.device_seconds += time.perf_counter() - t
-        m = len(resolved)
-        deltas, to_finish, num_tokens = self.outputs.process_plain(
-            resolved.rows, token_ids[:m].tolist(), logprobs[:m].tolist(), resolved.stop_ids,
-            resolved.limit_list, PENDING_TOKEN, top_ids, top_logprobs)
-        self._booking.finish(to_finish)
-        self.stats.generated_tokens += num_tokens
-        # this step's tokens, pending (as StepBooking.advance)
-        self.scheduler.update_decodes(seqs, PENDING_TOKEN)
-        if chunks:  # the prompts' chunks are computed; those that end sample a token
-            self.scheduler.update(joined, {s.seq.seq_id: PENDING_TOKEN for s in chunks if s.samples})
-        self._booking.sample_kv_utilisation()
-        batch.advance()
-        joining = None
-        if plan is not None:
-            # The prompts that ended join the batch, in queue order; those part way stay after it.
-            sampled = {s.seq.seq_id for s in chunks if s.samples}
-            k = next((i for i, seq in enumerate(tail) if seq.seq_id not in sampled), len(tail))
-            if k and not any(seq.seq_id in sampled for seq in tail[k:]):
-                joining = DecodeBatch.build([s for s in chunks if s.samples], plan.rows, plan.counts, plan.slots,
-                                            plan.steps, tables.slot, self.eos_token_ids, self.config.max_model_len,
-                                            lora=bool(self.config.max_loras))
-        # rows whose next token is their last by length leave now (as StepBooking.advance)
-        by_length = [seqs[i] for i in batch.finished_by_length()] + [
-            s.seq for s in chunks if s.samples and (s.seq.num_output_tokens >= s.seq.max_tokens
-                                                    or s.seq.num_tokens >= self.config.max_model_len)]
-        self._booking.finish([(seq, "length") for seq in by_length])
-        if plan is not None:
-            if joining is not None:
-                batch = batch.extended(joining, tail[k:])
-                self.stats.joined_rows += k
-            elif sampled:  # a prompt ended behind one that did not: the general step's to order
-                batch = None
-            else:
-                batch.prefilling = tail
-        step.decode = batch
-        self._inflight = step
-        self.stats.overlapped_steps += 1
-        self.stats.decode_batch_steps += 1
-        self.stats.steps += 1
+        self._inflight, deltas = ran
         return deltas
-
-    def _joins_batch(self, seq: Sequence) -> bool:
-        """Whether waiting `seq` may join the persistent batch's step: the fresh prompt of a plain
-        request (no embedding, beams, n > 1, grammar or prompt logprobs). Any other waits for the
-        general step."""
-        if seq.num_output_tokens or seq.num_preemptions or seq.group_id in self._embeds:
-            return False
-        request, sample = self.outputs.lookup(seq.seq_id)
-        return (request.forked and request.beam is None and sample.matcher is None
-                and sample.prompt_logprobs is None)
 
     def has_unfinished(self) -> bool:
         # An in-flight step with no live request left carries only tokens to discard.

@@ -144,8 +144,9 @@ class OutputProcessor:
                                top_ids: Seq[int], top_logprobs: Seq[float]) -> None:
         request, sample = self._by_seq[seq.seq_id]
         # a recompute after preemption overwrites
-        sample.prompt_logprobs[position] = _entry(seq.prompt_token_ids[position + 1], target_logprob,
-                                                  top_ids, top_logprobs, request.params.prompt_logprobs)
+        sample.prompt_logprobs[position] = _entry(seq.prompt_token_ids[position + 1], float(target_logprob),
+                                                  _as_list(top_ids), _as_list(top_logprobs),
+                                                  request.params.prompt_logprobs)
 
     def process(self, new_tokens: Seq[NewToken], result
                 ) -> tuple[list[tuple[Request, list[StreamDelta]]], list[tuple[Sequence, str]]]:
@@ -164,8 +165,8 @@ class OutputProcessor:
             if request.first_token_time is None:
                 request.first_token_time = now
             if sample.logprobs is not None:
-                sample.logprobs.append(_entry(token, result.logprobs[row], result.top_ids[row],
-                                              result.top_logprobs[row], request.params.logprobs))
+                sample.logprobs.append(_entry(token, logprobs[row], result.top_ids[row].tolist(),
+                                              result.top_logprobs[row].tolist(), request.params.logprobs))
             sample.cumulative_logprob += logprobs[row]
             if sample.detok is not None:
                 sample.detok.add(token)
@@ -201,6 +202,8 @@ class OutputProcessor:
         length limit, so the full stop check runs only where one may apply. Returns what `process`
         does, and the number of tokens taken (rows aborted or stopped meanwhile take none)."""
         now, new_delta = time.monotonic(), StreamDelta.fast
+        if top_ids is not None:  # Python ints and floats: one conversion, not one per entry
+            top_ids, top_logprobs = top_ids.tolist(), top_logprobs.tolist()
         deltas: list[tuple[Request, list[StreamDelta]]] = []
         multi: dict[int, list[StreamDelta]] = {}  # n > 1: the deltas of each request's samples, one entry
         to_finish: list[tuple[Sequence, str]] = []
@@ -321,9 +324,16 @@ def prompt_logprobs_list(by_position: dict[int, dict[int, float]] | None, num_pr
     return [None] + [by_position.get(p) for p in range(num_prompt_tokens - 1)]
 
 
-def _entry(token: int, logprob: float, top_ids, top_logprobs, k: int | None) -> dict[int, float]:
-    """{token: logprob} with the chosen token first, then up to k alternatives."""
-    entry = {token: float(logprob)}
+def _entry(token: int, logprob: float, top_ids: list[int], top_logprobs: list[float], k: int | None
+           ) -> dict[int, float]:
+    """{token: logprob} with the chosen token first, then up to k alternatives (Python ints and
+    floats: the caller converts a step's arrays once)."""
+    entry = {token: logprob}
     for tid, lp in zip(top_ids[:k], top_logprobs[:k]):
-        entry.setdefault(int(tid), float(lp))
+        if tid not in entry:
+            entry[tid] = lp
     return entry
+
+
+def _as_list(values) -> list:
+    return values.tolist() if hasattr(values, "tolist") else list(values)

@@ -43,113 +43,15 @@ Decisions (see tests/engine/test_scheduler.py):
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence as Seq
-from typing import NamedTuple
 
 from paxpage.page_manager import PageManager, cdiv
+from paxpage.scheduler_types import ScheduledSeq, SchedulerConfig, SchedulerOutput, SchedulerStats
 from paxpage.sequence import Sequence, SequenceStatus
 
-_POSITIVE_FIELDS = ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    num_pages: int  # P: KV pages in the pool
-    page_size: int  # tokens per page
-    max_num_seqs: int  # max sequences scheduled in one step (batch rows)
-    max_num_batched_tokens: int  # token budget of one step
-    max_model_len: int  # max prompt + output tokens of one sequence
-    enable_prefix_caching: bool = False
-    enable_chunked_prefill: bool = True
-    allocation: str = "paged"  # "paged" | "contiguous" (reserve max_model_len tokens at admission)
-    # W when every model layer attends only to its last W keys: pages before it are released.
-    sliding_window: int | None = None
-    # Prefill rows per step (None: no limit); a chunk of q > 1 tokens takes cdiv(q, prefill_row_len).
-    max_prefill_rows: int | None = None
-    prefill_row_len: int = 1
-
-    def __post_init__(self):
-        for name in _POSITIVE_FIELDS:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} is {value!r}; must be an int >= 1")
-        rows = self.max_prefill_rows
-        if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
-            raise ValueError(f"max_prefill_rows is {rows!r}; must be None or an int >= 1")
-        if not isinstance(self.prefill_row_len, int) or self.prefill_row_len < 1:
-            raise ValueError(f"prefill_row_len is {self.prefill_row_len!r}; must be an int >= 1")
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
-            raise ValueError(f"sliding_window is {self.sliding_window!r}; must be None or an int >= 1")
-        if self.allocation not in ("paged", "contiguous"):
-            raise ValueError(f"allocation is {self.allocation!r}; must be 'paged' or 'contiguous'")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens is {self.max_num_batched_tokens}; without chunked prefill it must be "
-                f">= max_model_len ({self.max_model_len}) so every sequence can be prefilled in one step"
-            )
-        if self.allocation == "contiguous" and self.num_pages < self.max_pages_per_seq:
-            raise ValueError(
-                f"num_pages is {self.num_pages}; contiguous allocation needs >= {self.max_pages_per_seq} "
-                f"(max_model_len {self.max_model_len} / page_size {self.page_size})"
-            )
-
-    @property
-    def max_pages_per_seq(self) -> int:
-        """Width of a page table: no sequence ever holds more pages."""
-        return cdiv(self.max_model_len, self.page_size)
-
-    @property
-    def releases_pages(self) -> bool:
-        return self.sliding_window is not None and self.allocation == "paged"
-
-    def max_held_pages(self, num_tokens: int) -> int:
-        """Most pages a sequence of num_tokens tokens holds at once: with window release, the
-        window before a step's first token plus the step's chunk (and one for misalignment)."""
-        pages = cdiv(num_tokens, self.page_size)
-        if self.releases_pages:
-            pages = min(pages, cdiv(self.sliding_window - 1 + self.max_num_batched_tokens, self.page_size) + 1)
-        return pages
-
-
-class ScheduledSeq(NamedTuple):  # immutable; a NamedTuple builds ~5x faster than a frozen dataclass
-    seq: Sequence
-    num_new_tokens: int  # q_len: tokens computed this step, positions [start, start + num_new_tokens)
-    start: int  # seq.num_computed_tokens before this step
-    samples: bool  # this chunk reaches the end of seq's tokens: sample the next token from its last row
-    # speculative decoding: draft tokens computed after seq's last token (positions num_tokens ...)
-    draft_token_ids: tuple[int, ...] = ()
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_new_tokens
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq]
-    copies: list[tuple[int, int]]  # CoW (src_page, dst_page), to run on device BEFORE the step, in order
-    preempted: list[Sequence]
-    num_batched_tokens: int
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    prefix_hit_rate: float  # hit tokens / looked-up tokens over all admissions
-    kv_utilization: float  # computed tokens held / (used pages * page_size); shared pages counted once
-    num_used_pages: int
-    num_free_pages: int  # free + evictable cached
-    num_cached_pages: int  # registered in the prefix cache
-
+__all__ = ["Scheduler", "ScheduledSeq", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
@@ -302,11 +204,18 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _fit_rows(self, q: int, rows_left: int) -> int:
-        """q cut to the prefill rows left (0: it needs a row and none is left); 1 takes none."""
-        if q == 1 or self.config.max_prefill_rows is None:
+    def _chunk(self, q: int, budget: int, rows_left: int) -> int:
+        """How many of a sequence's q uncomputed tokens run this step: cut to the token budget
+        left (without chunked prefill a prefill that does not fit runs whole later) and to the
+        prefill rows left (a decode, q = 1, takes none). 0: it waits for a later step."""
+        cfg = self.config
+        if q > budget:
+            if not cfg.enable_chunked_prefill:
+                return 0
+            q = budget
+        if q == 1 or cfg.max_prefill_rows is None:
             return q
-        return min(q, rows_left * self.config.prefill_row_len)
+        return min(q, rows_left * cfg.prefill_row_len)
 
     def _rows(self, q: int) -> int:
         return cdiv(q, self.config.prefill_row_len) if q > 1 else 0
@@ -342,14 +251,9 @@ class Scheduler:
                 rows_left -= self._rows(1 + len(draft))
                 i += 1
                 continue
-            if q > budget:
-                if not cfg.enable_chunked_prefill:
-                    i += 1  # runs whole in a later step
-                    continue
-                q = budget
-            q = self._fit_rows(q, rows_left)
+            q = self._chunk(q, budget, rows_left)
             if q == 0:
-                i += 1  # no prefill row left: continues in a later step
+                i += 1  # continues in a later step
                 continue
             while not pm.can_allocate(pm.num_pages_to_write(seq, q)):
                 victim = self.running[-1]  # most recently admitted; index >= i, so not yet scheduled
@@ -386,11 +290,7 @@ class Scheduler:
             hits = pm.match_prefix(seq)
             num_hit = len(hits) * cfg.page_size
             q = seq.num_tokens - num_hit
-            if q > budget:
-                if not cfg.enable_chunked_prefill:
-                    break
-                q = budget
-            q = self._fit_rows(q, rows_left)
+            q = self._chunk(q, budget, rows_left)
             if q == 0:
                 break
             num_new = max(0, pm.num_pages_for(max(num_hit + q, self._reserve_tokens)) - len(hits))
@@ -489,14 +389,9 @@ class Scheduler:
         for seq in prefilling:
             if budget <= 0 or n + len(chunks) >= cfg.max_num_seqs:
                 break
-            q = seq.num_uncomputed_tokens
-            if q > budget:
-                if not cfg.enable_chunked_prefill:
-                    continue  # runs whole in a later step
-                q = budget
-            q = self._fit_rows(q, rows_left)
+            q = self._chunk(seq.num_uncomputed_tokens, budget, rows_left)
             if q == 0:
-                continue
+                continue  # continues in a later step
             chunks.append((seq, q))
             budget -= q
             rows_left -= self._rows(q)
