@@ -453,7 +453,10 @@ def main(argv=None) -> int:
 
 
 def doc_tables(data: dict) -> dict:
-    """The docs' table (docs/benchmarks.md): one row per allocation scheme."""
+    """The docs' table (docs/benchmarks.md): one row per allocation scheme (per attention form for
+    an --mla record)."""
+    if "mla" in data:
+        return mla_tables(data)
     rows = [[name, data[name]["max_running"], round(data[name]["mean_running"], 1),
              f"{data[name]['mean_kv_utilisation']:.1%}", round(data[name]["output_tok_per_s"], 1)] for name in SCHEMES]
     paged = data["paged"]
