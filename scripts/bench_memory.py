@@ -328,7 +328,8 @@ def compare_mla(models: dict, work: wl.Workload, args) -> dict:
 def mla_tables(data: dict) -> dict:
     """--mla's table: one row per attention form at one byte budget."""
     rows = [[f"{name} ({r['model']})", r["values_per_token_layer"], round(r["bytes_per_token_layer"], 1),
-             r["num_pages"], r["max_running"], round(r["mean_running"], 1)] for name, r in data["mla"].items()]
+             r["num_pages"], r["max_running"], round(r["mean_running"], 1)]
+            for name, r in ((name, data["mla"][name]) for name in MLA_PRESETS)]
     caption = (f"random weights, {data['mla_sizes']} sizes, hidden {data['mla']['mla']['hidden_size']}, "
                f"{data['mla']['mla']['num_layers']} layers each, float32; {data['workload']['num_requests']} "
                f"requests on one KV budget of {data['kv_cache_bytes'] / 2**20:.1f} MiB, {data['page_size']}-token pages")
