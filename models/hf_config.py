@@ -193,7 +193,7 @@ def _deepseek_from_hf(d: dict[str, Any], model_type: str, rope_theta: float, sca
     else:
         # HF's DeepseekV2TopkRouter ignores norm_topk_prob; DeepSeek's own code renormalises when it
         # is set, so a checkpoint that sets it has no single meaning to follow.
-        fixed.update(mlp_bias=False, norm_topk_prob=False)
+        fixed.update(scoring_func="softmax", mlp_bias=False, norm_topk_prob=False)
     for name, supported in fixed.items():
         value = d.get(name, supported)
         if value != supported:

@@ -160,7 +160,8 @@ def test_unsupported_deepseek_v2_settings():
     base = tf.DeepseekV2Config(**dict(BASE, **V2, topk_method="group_limited_greedy", n_group=2, topk_group=1))
     d = base.to_dict()
     assert ModelConfig.from_hf_dict(d).topk_method == "group_limited_greedy"
-    for name, value in (("norm_topk_prob", True), ("mlp_bias", True), ("attention_bias", True)):
+    for name, value in (("norm_topk_prob", True), ("mlp_bias", True), ("attention_bias", True),
+                        ("scoring_func", "sigmoid")):
         with pytest.raises(ValueError, match=f"deepseek_v2 with {name}={value!r} is not supported"):
             ModelConfig.from_hf_dict(dict(d, **{name: value}))
     with pytest.raises(ValueError, match="topk_method='noaux_tc' is not supported"):
