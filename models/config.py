@@ -1,6 +1,6 @@
 """Model configuration: one frozen dataclass for the Llama family (Llama, Mistral, Qwen2, Qwen3),
 its mixture-of-experts variants (Qwen3-MoE, Mixtral: `num_experts` > 0), the Gemma family
-(Gemma 2, Gemma 3 text) and DeepSeek-V3 (multi-head latent attention: `kv_lora_rank` > 0).
+(Gemma 2, Gemma 3 text), DeepSeek-V2 and DeepSeek-V3 (multi-head latent attention: `kv_lora_rank` > 0).
 
 Axis legend used across models/: T tokens in a step, H hidden size, N query heads,
 K kv heads, D head dim, F MLP width, V vocabulary, E experts, C latent width.
@@ -20,7 +20,7 @@ from models.generation_config import GenerationConfig
 
 # HF `model_type` values this model family covers.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text",
-                         "deepseek_v3", "gpt_oss")
+                         "deepseek_v2", "deepseek_v3", "gpt_oss")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -69,6 +69,8 @@ class RopeScaling:
 
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")
 ROUTER_SCORINGS = ("softmax", "sigmoid")
+# How DeepSeek routers pick the k experts from the scores (HF `topk_method`; models/moe.py route_grouped).
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,15 +111,19 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # one expert's MLP width
     norm_topk_prob: bool = False  # rescale the k routing probabilities to sum to 1 (Mixtral: always)
     dense_mlp_layers: tuple[int, ...] = ()  # layers that keep a dense MLP (Qwen3-MoE mlp_only_layers)
-    # DeepSeek-V3 routing (models/moe.py route_grouped): sigmoid scores plus a per-expert bias pick
-    # the experts (the bias for choosing only), within the `topk_groups` best of `num_expert_groups`
-    # groups; the chosen weights are scaled by routed_scaling_factor. Shared experts run on every token.
+    # DeepSeek routing (models/moe.py route_grouped): the router's scores (router_scoring) choose the
+    # experts by `topk_method`: "greedy" the top k of all; "group_limited_greedy" (DeepSeek-V2) the
+    # top k within the `topk_groups` of `num_expert_groups` groups with the highest best score;
+    # "noaux_tc" (DeepSeek-V3) scores plus a per-expert correction bias choose (the bias for choosing
+    # only), within the groups with the highest sum of their two best. The chosen weights are scaled
+    # by routed_scaling_factor. Shared experts run on every token.
     router_scoring: str = "softmax"  # one of ROUTER_SCORINGS
+    topk_method: str = "greedy"  # one of TOPK_METHODS
     num_expert_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     num_shared_experts: int = 0  # their MLP width is num_shared_experts * moe_intermediate_size
-    # Multi-head latent attention (DeepSeek-V3, models/deepseek.py). kv_lora_rank > 0 turns it on:
+    # Multi-head latent attention (DeepSeek-V2 / V3, models/deepseek.py). kv_lora_rank > 0 turns it on:
     # the pool caches one latent "head" of C = kv_lora_rank + qk_rope_head_dim values per token, and
     # head_dim is qk_rope_head_dim (the RoPE width), num_kv_heads 1 (the latent is shared by all heads).
     kv_lora_rank: int = 0
@@ -193,14 +199,19 @@ class ModelConfig:
         if self.router_scoring not in ROUTER_SCORINGS:
             raise ValueError(f"router_scoring {self.router_scoring!r} is not supported; expected one of "
                              f"{ROUTER_SCORINGS}")
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"topk_method {self.topk_method!r} is not supported; expected one of {TOPK_METHODS}")
         groups, top_groups = self.num_expert_groups, self.topk_groups
         if groups < 1 or not 1 <= top_groups <= groups:
             raise ValueError(f"topk_groups ({top_groups}) must be in 1..num_expert_groups ({groups})")
+        if groups > 1 and self.topk_method == "greedy":
+            raise ValueError(f"topk_method 'greedy' ignores groups; got num_expert_groups={groups}")
         if groups > 1:
-            # each group is ranked by the sum of its two best scores (HF's DeepseekV3TopkRouter)
-            if self.num_experts % groups or self.num_experts // groups < 2:
+            # noaux_tc ranks each group by the sum of its two best scores (HF's DeepseekV3TopkRouter)
+            smallest = 2 if self.topk_method == "noaux_tc" else 1
+            if self.num_experts % groups or self.num_experts // groups < smallest:
                 raise ValueError(f"num_expert_groups {groups} must divide num_experts ({self.num_experts}) "
-                                 "into groups of at least 2")
+                                 f"into groups of at least {smallest}")
             if self.num_experts_per_tok > top_groups * (self.num_experts // groups):
                 raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds the "
                                  f"{top_groups * (self.num_experts // groups)} experts of {top_groups} groups")

@@ -1,5 +1,6 @@
-"""Functional Flax model for DeepSeek-V3 (HF `DeepseekV3ForCausalLM`): multi-head latent attention
-(MLA) over a latent KV pool, and a mixture of experts with shared experts and group-limited routing.
+"""Functional Flax model for DeepSeek-V3 and DeepSeek-V2 (HF `DeepseekV3ForCausalLM`,
+`DeepseekV2ForCausalLM`): multi-head latent attention (MLA) over a latent KV pool, and a mixture of
+experts with shared experts and group-limited routing.
 
 `DeepseekModel(cfg, attention, write_latent).apply({"params": params}, batch, kv_cache)` has the
 contract of `LlamaModel`, with `attention` / `write_latent` those of
@@ -11,7 +12,9 @@ Attention (HF DeepseekV3Attention, checked against it on the same weights):
 - kv_a_proj_with_mqa(h) = [c (kv_lora_rank) ; k_rope (qk_rope_head_dim)]; c is normed
   (kv_a_layernorm); k_rope is one RoPE key shared by every head. HF's two small norms keep
   their default eps 1e-6 whatever rms_norm_eps is.
-- RoPE (rope_interleave: on interleaved pairs) with YaRN's cos / sin magnitude; the softmax
+- RoPE (rope_interleave: on interleaved pairs) with YaRN's cos / sin magnitude. DeepSeek-V2 rotates
+  the pairs in place (HF's complex product) where V3 deinterleaves them first: the two differ by
+  one fixed permutation of q_rope's and k_rope's dims, which leaves every q.k unchanged. The softmax
   scale is (qk_nope + qk_rope) ** -0.5 times mscale(factor, mscale_all_dim) ** 2 (rope.py).
 - The cache holds [c ; k_rope]: C = kv_lora_rank + qk_rope_head_dim values per token and layer.
   kv_b_proj's per-head halves W_UK [C_r, N, qk_nope] and W_UV [C_r, N, v] are absorbed for decode
@@ -22,7 +25,8 @@ Attention (HF DeepseekV3Attention, checked against it on the same weights):
   values through kv_b_proj, a chunk of pages at a time, and attention has head dims
   qk_nope + qk_rope and v rather than kv_lora_rank + qk_rope (both equal HF up to rounding).
 MLP: the first `first_k_dense_replace` layers are dense (cfg.dense_mlp_layers); the others route
-each token to its top k experts (models/moe.py route_grouped) and add the shared experts' MLP.
+each token to its top k experts (models/moe.py route_grouped: V3's sigmoid scores with a correction
+bias, V2's softmax, greedy or group-limited) and add the shared experts' MLP.
 The multi-token-prediction layers of the checkpoints are not loaded (one token per step).
 
 Axis legend: T flat tokens, H hidden, N query heads, Dn qk_nope_head_dim, Dr qk_rope_head_dim,
@@ -93,8 +97,9 @@ class GatedMlp(nn.Module):
 
 
 class DeepseekMoe(nn.Module):
-    """Routed experts (router [H, E], e_score_correction_bias f32[E], gate_up_proj [E, H, 2F],
-    down_proj [E, F, H]) plus the shared experts' MLP (a sibling `shared_experts` module)."""
+    """Routed experts (router [H, E], e_score_correction_bias f32[E] with topk_method "noaux_tc",
+    gate_up_proj [E, H, 2F], down_proj [E, F, H]); the shared experts' MLP is a sibling
+    `shared_experts` module."""
     cfg: ModelConfig
     impl: str = "auto"
     dtype: Any = jnp.float32
@@ -105,12 +110,15 @@ class DeepseekMoe(nn.Module):
         E, F, H = cfg.num_experts, cfg.moe_intermediate_size, x.shape[-1]
         init = nn.initializers.lecun_normal()
         router = self.param("router", init, (H, E), self.dtype)
-        bias = self.param("e_score_correction_bias", nn.initializers.zeros, (E,), self.dtype)
+        bias = None
+        if cfg.topk_method == "noaux_tc":
+            bias = self.param("e_score_correction_bias", nn.initializers.zeros, (E,), self.dtype)
         gate_up = self.param("gate_up_proj", init, (E, H, 2 * F), self.dtype)
         down = self.param("down_proj", init, (E, F, H), self.dtype)
         weights, experts = route_grouped(x, router, bias, cfg.num_experts_per_tok,
                                          num_groups=cfg.num_expert_groups, topk_groups=cfg.topk_groups,
-                                         renormalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
+                                         renormalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
+                                         scoring=cfg.router_scoring, method=cfg.topk_method)
         return routed_experts(x, weights, experts, gate_up, down, impl=self.impl)
 
 

@@ -54,8 +54,8 @@ def config_from_hf_dict(d: dict[str, Any]) -> ModelConfig:
     scaling = rope_scaling_from_hf(rope, d.get("max_position_embeddings"))
     eos = d.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-    if model_type == "deepseek_v3":
-        return _deepseek_from_hf(d, float(rope_theta), scaling, eos_ids)
+    if model_type in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_from_hf(d, model_type, float(rope_theta), scaling, eos_ids)
     gemma = model_type in GEMMA_MODEL_TYPES
     if gemma and d.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention (Gemma embedding models) is not supported; "
@@ -178,15 +178,31 @@ def _gpt_oss_fields_from_hf(d: dict[str, Any], model_type: str) -> dict[str, Any
                 swiglu_limit=float(d.get("swiglu_limit", 7.0)), swiglu_alpha=float(d.get("swiglu_alpha", 1.702)))
 
 
-def _deepseek_from_hf(d: dict[str, Any], rope_theta: float, scaling: RopeScaling,
+def _deepseek_from_hf(d: dict[str, Any], model_type: str, rope_theta: float, scaling: RopeScaling,
                       eos_ids: tuple[int, ...]) -> ModelConfig:
-    """A HF deepseek_v3 config.json. The multi-token-prediction layers (num_nextn_predict_layers,
-    stored as extra decoder layers after the last) are not loaded: the model predicts one token."""
-    for name, supported in (("attention_bias", False), ("hidden_act", "silu"), ("scoring_func", "sigmoid"),
-                            ("topk_method", "noaux_tc")):
+    """A HF deepseek_v2 / deepseek_v3 config.json. They share latent attention and shared experts;
+    they differ in the router (DeepSeek-V3: sigmoid scores, topk_method "noaux_tc" with a correction
+    bias; DeepSeek-V2: softmax scores, "greedy" or "group_limited_greedy", and HF's DeepseekV2 never
+    renormalises the top k) and in RoPE's layout (V2 always rotates interleaved pairs; V3 says so in
+    rope_interleave). The multi-token-prediction layers of V3 (num_nextn_predict_layers, stored as
+    extra decoder layers after the last) are not loaded: the model predicts one token."""
+    v3 = model_type == "deepseek_v3"
+    fixed = {"attention_bias": False, "hidden_act": "silu"}
+    if v3:
+        fixed.update(scoring_func="sigmoid", topk_method="noaux_tc")
+    else:
+        # HF's DeepseekV2TopkRouter ignores norm_topk_prob; DeepSeek's own code renormalises when it
+        # is set, so a checkpoint that sets it has no single meaning to follow.
+        fixed.update(scoring_func="softmax", mlp_bias=False, norm_topk_prob=False)
+    for name, supported in fixed.items():
         value = d.get(name, supported)
         if value != supported:
-            raise ValueError(f"deepseek_v3 with {name}={value!r} is not supported; expected {supported!r}")
+            raise ValueError(f"{model_type} with {name}={value!r} is not supported; expected {supported!r}")
+    method = "noaux_tc" if v3 else (d.get("topk_method") or "greedy")
+    if not v3 and method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"deepseek_v2 with topk_method={method!r} is not supported; "
+                         "expected 'greedy' or 'group_limited_greedy'")
+    groups = (d.get("n_group") or 1) if method != "greedy" else 1  # greedy ignores the groups
     num_layers = d["num_hidden_layers"]
     rope_dim = d["qk_rope_head_dim"]
     first_dense = d.get("first_k_dense_replace") or 0
@@ -205,15 +221,16 @@ def _deepseek_from_hf(d: dict[str, Any], rope_theta: float, scaling: RopeScaling
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=eos_ids,
-        model_type="deepseek_v3",
+        model_type=model_type,
         num_experts=d["n_routed_experts"],
         num_experts_per_tok=d["num_experts_per_tok"],
         moe_intermediate_size=d["moe_intermediate_size"],
-        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)) if v3 else False,
         dense_mlp_layers=tuple(range(min(first_dense, num_layers))),
-        router_scoring="sigmoid",
-        num_expert_groups=d.get("n_group") or 1,
-        topk_groups=d.get("topk_group") or 1,
+        router_scoring="sigmoid" if v3 else "softmax",
+        topk_method=method,
+        num_expert_groups=groups,
+        topk_groups=(d.get("topk_group") or 1) if groups > 1 else 1,
         routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
         num_shared_experts=d.get("n_shared_experts") or 0,
         kv_lora_rank=d["kv_lora_rank"],
@@ -221,5 +238,5 @@ def _deepseek_from_hf(d: dict[str, Any], rope_theta: float, scaling: RopeScaling
         qk_nope_head_dim=d["qk_nope_head_dim"],
         qk_rope_head_dim=rope_dim,
         v_head_dim=d["v_head_dim"],
-        rope_interleave=bool(d.get("rope_interleave", True)),
+        rope_interleave=bool(d.get("rope_interleave", True)) if v3 else True,
     )

@@ -1,8 +1,9 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, DeepSeek-V3): top-k routing and grouped
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, DeepSeek-V2 / V3): top-k routing and grouped
 expert matmuls.
 
-Routing: `route` (a softmax over all experts, then the top k) or `route_grouped` (DeepSeek-V3:
-sigmoid scores, experts chosen within the best groups by scores plus a correction bias).
+Routing: `route` (a softmax over all experts, then the top k) or `route_grouped` (DeepSeek:
+softmax or sigmoid scores, experts chosen within the best groups, by scores plus a correction
+bias for DeepSeek-V3).
 
 Each token's router picks `top_k` of E experts; only those experts' SwiGLU MLPs run on it. The
 T * top_k (token, expert) rows are grouped by expert (a row's place follows from its rank among
@@ -67,25 +68,38 @@ def route(x, router, top_k: int, renormalize: bool, bias=None):
 
 
 def route_grouped(x, router, correction_bias, top_k: int, *, num_groups: int, topk_groups: int,
-                  renormalize: bool, scaling: float):
-    """DeepSeek-V3's router (HF DeepseekV3TopkRouter): sigmoid scores s = sigmoid(x @ router), in f32.
-    The experts are chosen by s + correction_bias: the E experts form `num_groups` groups, each
-    ranked by the sum of its two best biased scores, and the top k come from the `topk_groups` best
-    groups only. Their weights are the unbiased s, rescaled to sum to 1 when `renormalize`, then
+                  renormalize: bool, scaling: float, scoring: str = "sigmoid", method: str = "noaux_tc"):
+    """DeepSeek's routers (HF DeepseekV2TopkRouter, DeepseekV3TopkRouter). The scores s are
+    sigmoid(x @ router) or its softmax over the E experts (`scoring`), in f32; `method` (HF's
+    topk_method) picks the top k from them:
+        "greedy"                the top k of all E (DeepSeek-V2-Lite);
+        "group_limited_greedy"  the E experts form `num_groups` groups, each ranked by its best
+                                score, and the top k come from the `topk_groups` best groups (DeepSeek-V2);
+        "noaux_tc"              as above on s + correction_bias, each group ranked by the sum of
+                                its two best biased scores (DeepSeek-V3).
+    The chosen experts' weights are the unbiased s, rescaled to sum to 1 when `renormalize`, then
     times `scaling` (routed_scaling_factor).
 
-    x [T, H], router [H, E], correction_bias f32[E] -> (weights f32[T, k], experts i32[T, k])."""
+    x [T, H], router [H, E], correction_bias f32[E] ("noaux_tc") or None
+    -> (weights f32[T, k], experts i32[T, k])."""
     logits = jnp.einsum("TH,HE->TE", x.astype(jnp.float32), router.astype(jnp.float32),
                         precision=jax.lax.Precision.HIGHEST)
-    scores = jax.nn.sigmoid(logits)
-    choice = scores + correction_bias.astype(jnp.float32)[None, :]
+    scores = jax.nn.sigmoid(logits) if scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+    choice = scores
+    if method == "noaux_tc":
+        choice = scores + correction_bias.astype(jnp.float32)[None, :]
     num_tokens, num_experts = choice.shape
-    per_group = choice.reshape(num_tokens, num_groups, num_experts // num_groups)
-    group_scores = jnp.sum(jax.lax.top_k(per_group, 2)[0], axis=-1)  # [T, G]
-    _, best_groups = jax.lax.top_k(group_scores, topk_groups)  # [T, topk_groups]
-    in_best = jnp.any(best_groups[:, :, None] == jnp.arange(num_groups)[None, None, :], axis=1)  # [T, G]
-    in_best = jnp.repeat(in_best, num_experts // num_groups, axis=1)  # [T, E]
-    _, experts = jax.lax.top_k(jnp.where(in_best, choice, -jnp.inf), top_k)
+    if method != "greedy" and num_groups > 1:
+        per_group = choice.reshape(num_tokens, num_groups, num_experts // num_groups)
+        if method == "noaux_tc":
+            group_scores = jnp.sum(jax.lax.top_k(per_group, 2)[0], axis=-1)  # [T, G]
+        else:
+            group_scores = jnp.max(per_group, axis=-1)  # [T, G]
+        _, best_groups = jax.lax.top_k(group_scores, topk_groups)  # [T, topk_groups]
+        in_best = jnp.any(best_groups[:, :, None] == jnp.arange(num_groups)[None, None, :], axis=1)  # [T, G]
+        in_best = jnp.repeat(in_best, num_experts // num_groups, axis=1)  # [T, E]
+        choice = jnp.where(in_best, choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, top_k)
     weights = jnp.take_along_axis(scores, experts, axis=1)
     if renormalize:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)

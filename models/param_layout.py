@@ -16,14 +16,14 @@ Tree (nested dicts of arrays; kernels are [in, out] like flax Dense):
     layers_{i}/o_proj/bias [H], layers_{i}/attention_sinks [N]   (gpt-oss)
     norm/scale [H]
     lm_head/kernel [H, V]                           (unless cfg.tie_word_embeddings)
-Latent-attention layers (DeepSeek-V3, cfg.is_mla; models/deepseek.py) instead of q/k/v/o above:
+Latent-attention layers (DeepSeek-V2 / V3, cfg.is_mla; models/deepseek.py) instead of q/k/v/o above:
     layers_{i}/q_proj/kernel [H, N*(Dn+Dr)]         (q_lora_rank None), else
     layers_{i}/q_a_proj/kernel [H, Q], q_a_layernorm/scale [Q], q_b_proj/kernel [Q, N*(Dn+Dr)]
     layers_{i}/kv_a_proj_with_mqa/kernel [H, Cr+Dr], kv_a_layernorm/scale [Cr]
     layers_{i}/kv_b_proj/kernel [Cr, N*(Dn+Dv)], o_proj/kernel [N*Dv, H]
     layers_{i}/mlp/{gate,up,down}_proj/kernel       (dense layers)
-    layers_{i}/moe/e_score_correction_bias [E], layers_{i}/shared_experts/{gate,up,down}_proj/kernel
-                                                    (MoE layers, beside moe/router and the experts)
+    layers_{i}/moe/e_score_correction_bias [E]      (topk_method "noaux_tc": DeepSeek-V3)
+    layers_{i}/shared_experts/{gate,up,down}_proj/kernel   (MoE layers, beside moe/router and the experts)
 Axis legend: H hidden, N query heads, K kv heads, D head dim, F MLP width, V vocabulary,
 E experts, Fe one expert's MLP width (cfg.moe_intermediate_size), Q q_lora_rank, Cr kv_lora_rank,
 Dn / Dr / Dv qk_nope / qk_rope / v head dims.
@@ -108,7 +108,7 @@ def _biased_moe_specs(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple[int, ..
 
 
 def _latent_layer_specs(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple[int, ...], str, bool]]:
-    """A DeepSeek-V3 layer's specs past its input norm (see the module docstring)."""
+    """A DeepSeek-V2 / V3 layer's specs past its input norm (see the module docstring)."""
     H, N, F = cfg.hidden_size, cfg.num_heads, cfg.intermediate_size
     Dn, Dr, Dv, Cr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     p, hf = f"layers_{i}/", f"model.layers.{i}."
@@ -134,7 +134,8 @@ def _latent_layer_specs(cfg: ModelConfig, i: int) -> dict[str, tuple[tuple[int, 
         return specs
     E, Fe = cfg.num_experts, cfg.moe_intermediate_size
     specs[p + "moe/router"] = ((H, E), hf + "mlp.gate.weight", True)
-    specs[p + "moe/e_score_correction_bias"] = ((E,), hf + "mlp.gate.e_score_correction_bias", False)
+    if cfg.topk_method == "noaux_tc":
+        specs[p + "moe/e_score_correction_bias"] = ((E,), hf + "mlp.gate.e_score_correction_bias", False)
     specs[p + "moe/gate_up_proj"] = ((E, H, 2 * Fe), hf + "mlp.experts.gate_up_proj", True)
     specs[p + "moe/down_proj"] = ((E, Fe, H), hf + "mlp.experts.down_proj", True)
     if cfg.num_shared_experts:

@@ -59,17 +59,36 @@ PRESETS: dict[str, ModelConfig] = {
         layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)),
         num_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880, norm_topk_prob=True,
         attention_sinks=True, o_proj_bias=True, moe_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702),
+    # deepseek-ai/DeepSeek-V2-Lite: latent attention (576 values per token and layer, a plain q_proj),
+    # a dense first layer, then 64 experts (6 per token, greedy) beside 2 shared ones
+    "deepseek-v2-lite": ModelConfig(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_layers=27, num_heads=16,
+        num_kv_heads=1, head_dim=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling=RopeScaling(kind="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                                 beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707),
+        max_position_embeddings=163840, bos_token_id=100000, eos_token_ids=(100001,), model_type="deepseek_v2",
+        num_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408, dense_mlp_layers=(0,),
+        num_shared_experts=2, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, rope_interleave=True),
 }
 
 
 def preset(name: str, *, tiny: bool = False, num_layers: int | None = None) -> ModelConfig:
     """The config of `name` (a PRESETS key). tiny: the same architecture (model type, tied or
     untied head, query heads per kv head, qk-norm, experts per token) at hidden 64, 2 layers, a
-    512-token vocabulary and 8 experts. num_layers: keep the dims, cut the depth."""
+    512-token vocabulary and 8 experts; latent attention keeps its heads, with a latent of
+    32 + 8 values. num_layers: keep the dims, cut the depth."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
     cfg = PRESETS[name]
-    if tiny:
+    if tiny and cfg.is_mla:
+        cfg = dataclasses.replace(
+            cfg, vocab_size=512, hidden_size=64, intermediate_size=128, **_depth(cfg, 2), head_dim=8,
+            max_position_embeddings=4096, bos_token_id=None, eos_token_ids=(), num_experts=8,
+            num_experts_per_tok=min(cfg.num_experts_per_tok, 2), moe_intermediate_size=32,
+            num_expert_groups=min(cfg.num_expert_groups, 2), topk_groups=1, kv_lora_rank=32,
+            q_lora_rank=cfg.q_lora_rank and 32, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    elif tiny:
         group = cfg.num_heads // cfg.num_kv_heads
         num_heads = max(group, 4)
         moe = {}

@@ -8,7 +8,7 @@ be built or loaded, "xla" runs instead (the same attention in XLA ops). "pallas"
 
 Every implementation takes gpt-oss's attention sinks (a `sinks` f32[N] argument).
 
-Latent-attention models (DeepSeek-V3, ModelConfig.is_mla) have one path: the chunked XLA form over
+Latent-attention models (DeepSeek-V2 / V3, ModelConfig.is_mla) have one path: the chunked XLA form over
 the latent pool (pallas_kernels/latent_attention.py), "xla" here. `latent_impl` maps the choice.
 """
 
@@ -80,7 +80,7 @@ def latent_impl(impl: str) -> str:
     falls back to it with a log line; the Pallas kernels have no latent-attention form and raise."""
     if get(impl).pallas:
         raise ValueError(f"attention_impl {impl!r} has no kernel for multi-head latent attention "
-                         "(deepseek_v3); use 'xla' (or leave attention_impl unset)")
+                         "(DeepSeek-V2 / V3); use 'xla' (or leave attention_impl unset)")
     if impl == "native":
         log.info("paxpage: latent attention has no native kernel; running its XLA path")
     return "xla"

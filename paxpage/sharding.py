@@ -21,7 +21,7 @@ unevenly:
     times that in total. Only the MLP and the vocabulary are split then.
 Parameters this table does not name (norm scales, future layer kinds) are replicated.
 
-Latent attention (DeepSeek-V3, models/deepseek.py): the per-head projections (q_proj / q_b_proj,
+Latent attention (DeepSeek-V2 / V3, models/deepseek.py): the per-head projections (q_proj / q_b_proj,
 kv_b_proj on their output, o_proj on its input) split over "heads" when tp divides N; the latent
 pool has one latent shared by every head, so every device holds all of it (replicated), as do
 the low-rank projections in front of it (q_a_proj, kv_a_proj_with_mqa). The MLP widths (dense

@@ -22,10 +22,21 @@ dtype: the model then also runs in it) and int8 / fp8 (EngineConfig.kv_cache_dty
 pages the budget buys, the most sequences running at once and output tok/s, side by side with
 their ratios to the first dtype, in one run.
 
+Latent attention (--mla): instead, the same workload with paged allocation on one fixed byte
+budget on two random-weight models of one hidden size and depth: DeepSeek-V2-Lite's latent
+attention (one latent of kv_lora_rank + qk_rope_head_dim values per token and layer) and
+Llama-3.2-1B's grouped-query attention (K and V of its kv heads: 2 x K x D values). The bytes per
+token and layer of each pool (measured from the pool's arrays), pages the budget buys and the most
+sequences running at once, side by side with their ratios, in one run. --mla-sizes "attention"
+keeps both models' attention widths as released and shrinks the rest (hidden 64, a 512-token
+vocabulary, 8 experts), so the bytes per token are the released models'; "tiny" takes both
+presets' tiny forms (models/random_init.py).
+
 Usage:
     python scripts/bench_memory.py --json /tmp/memory.json --out-dir /tmp/memory
     python scripts/bench_memory.py --num-pages 512 --max-model-len 2048 --shared-prefix 64
     python scripts/bench_memory.py --kv-dtypes float32,bfloat16,int8,fp8 --kv-cache-bytes 47185920
+    python scripts/bench_memory.py --mla --max-model-len 256
 """
 
 from __future__ import annotations
@@ -46,6 +57,12 @@ import paxpage  # noqa: E402
 import workload as wl  # noqa: E402
 
 SCHEMES = ("paged", "contiguous")
+# --mla: the two attention forms compared, as random_init presets of one hidden size (2048)
+MLA_PRESETS = {"mla": "deepseek-v2-lite", "gqa": "llama-3.2-1b"}
+# what --mla-sizes "attention" takes from the tiny presets: everything but the attention widths
+SHRUNK_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "layer_types", "num_experts",
+                 "num_experts_per_tok", "moe_intermediate_size", "num_expert_groups", "topk_groups",
+                 "max_position_embeddings", "bos_token_id", "eos_token_ids")
 # --kv-dtypes entry -> (EngineConfig.dtype, EngineConfig.kv_cache_dtype)
 KV_DTYPES = {"float32": ("float32", "auto"), "bfloat16": ("bfloat16", "auto"),
              "int8": ("float32", "int8"), "fp8": ("float32", "fp8")}
@@ -250,6 +267,93 @@ def compare_kv_dtypes(model, work: wl.Workload, args) -> dict:
     return results
 
 
+# ---------------------------------------------------------------------------------------- latent attention
+def mla_models(sizes: str, seed: int = 0) -> dict:
+    """{"mla": Model, "gqa": Model}: random weights (float32) at --mla-sizes `sizes`."""
+    from models import random_init
+
+    if sizes not in ("attention", "tiny"):
+        raise ValueError(f"--mla-sizes must be 'attention' or 'tiny', got {sizes!r}")
+    models = {}
+    for name, preset in MLA_PRESETS.items():
+        cfg = tiny = random_init.preset(preset, tiny=True)
+        if sizes == "attention":
+            cfg = dataclasses.replace(random_init.preset(preset), **{f: getattr(tiny, f) for f in SHRUNK_FIELDS})
+        params = random_init.random_params(cfg, "float32", seed=seed)
+        models[name] = paxpage.Model(cfg, params, None, source=f"random:{preset}")
+    return models
+
+
+def pool_bytes_per_token_layer(engine) -> float:
+    """Bytes one token takes in one layer's pool, from the pool's arrays as allocated."""
+    cfg = engine.config
+    total = sum(leaf.nbytes for leaf in jax.tree.leaves(engine.runner.kv_cache))
+    return total / (engine.model_cfg.num_layers * cfg.num_pages * cfg.page_size)
+
+
+def compare_mla(models: dict, work: wl.Workload, args) -> dict:
+    """The workload on each model at one byte budget; prints one line each, then the ratios."""
+    results = {}
+    for name, model in models.items():
+        cfg = paxpage.EngineConfig(page_size=args.page_size, kv_cache_bytes=args.kv_cache_bytes,
+                                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                                   max_num_batched_tokens=args.max_num_batched_tokens, dtype="float32")
+        if not args.no_warmup:
+            run_scheme(model, work.with_fresh_prompts(model.config.vocab_size, args.seed + 7919), cfg)
+        r = results[name] = run_scheme(model, work, cfg)
+        r.pop("_snapshot")
+        r.pop("series")
+        m = model.config
+        halves, heads, width = m.kv_pool_dims
+        r.update(model=MLA_PRESETS[name], num_layers=m.num_layers, hidden_size=m.hidden_size,
+                 values_per_token_layer=halves * heads * width,
+                 bytes_per_token_layer=pool_bytes_per_token_layer(model.engine(cfg)))
+        form = (f"latent {m.kv_lora_rank} + rope {m.qk_rope_head_dim}" if m.is_mla
+                else f"2 x {m.num_kv_heads} kv heads x {m.head_dim}")
+        print(f"{name:>4} ({MLA_PRESETS[name]}, {form}): {r['bytes_per_token_layer']:g} B per token and layer, "
+              f"{r['num_pages']:5d} pages of {r['page_bytes']} B, max {r['max_running']:3d} running "
+              f"(mean {r['mean_running']:.1f}), {r['output_tok_per_s']:.1f} output tok/s "
+              f"({r['wall_s']:.1f} s, {r['preemptions']} preemptions)", flush=True)
+    mla, gqa = results["mla"], results["gqa"]
+    mla["ratios"] = {"bytes_per_token_layer": mla["bytes_per_token_layer"] / gqa["bytes_per_token_layer"],
+                     "pages": mla["num_pages"] / gqa["num_pages"],
+                     "max_running": mla["max_running"] / gqa["max_running"],
+                     "output_tok_per_s": mla["output_tok_per_s"] / gqa["output_tok_per_s"]}
+    q = mla["ratios"]
+    print(f"mla / gqa: {q['bytes_per_token_layer']:.3f}x bytes per token, {q['pages']:.2f}x pages (tokens), "
+          f"{q['max_running']:.2f}x max running, {q['output_tok_per_s']:.2f}x output tok/s", flush=True)
+    return results
+
+
+def mla_tables(data: dict) -> dict:
+    """--mla's table: one row per attention form at one byte budget."""
+    rows = [[f"{name} ({r['model']})", r["values_per_token_layer"], round(r["bytes_per_token_layer"], 1),
+             r["num_pages"], r["max_running"], round(r["mean_running"], 1)]
+            for name, r in ((name, data["mla"][name]) for name in MLA_PRESETS)]
+    caption = (f"random weights, {data['mla_sizes']} sizes, hidden {data['mla']['mla']['hidden_size']}, "
+               f"{data['mla']['mla']['num_layers']} layers each, float32; {data['workload']['num_requests']} "
+               f"requests on one KV budget of {data['kv_cache_bytes'] / 2**20:.1f} MiB, {data['page_size']}-token pages")
+    return {"mla": {"caption": caption, "columns": ["attention", "values per token and layer",
+                                                   "bytes per token and layer", "pages", "max sequences running",
+                                                   "mean running"], "rows": rows}}
+
+
+def main_mla(args, parser) -> int:
+    if args.num_pages is not None:
+        parser.error("--mla compares at one byte budget: give --kv-cache-bytes, not --num-pages")
+    models = mla_models(args.mla_sizes, args.seed)
+    work = wl.workload_from_args(args, models["gqa"].config.vocab_size)
+    if args.kv_cache_bytes is None:  # what --contiguous-seqs full sequences take in the GQA model's pool
+        gqa = paxpage.EngineConfig(page_size=args.page_size, dtype="float32", num_pages=1).resolve(models["gqa"].config)
+        args.kv_cache_bytes = args.contiguous_seqs * -(-args.max_model_len // args.page_size) * gqa.page_bytes
+    results = compare_mla(models, work, args)
+    if args.json:
+        data = {"backend": jax.default_backend(), "workload": work.summary(), "page_size": args.page_size,
+                "kv_cache_bytes": args.kv_cache_bytes, "mla_sizes": args.mla_sizes, "mla": results}
+        wl.write_json(args.json, data, tables=mla_tables(data))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     defaults = wl.backend_defaults()
@@ -274,11 +378,21 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-dtypes", default=None, metavar="LIST",
                         help=f"compare KV cache dtypes ({','.join(KV_DTYPES)}) at one --kv-cache-bytes "
                              "(default: 4 sequences of max_model_len in float32) instead of the schemes")
+    parser.add_argument("--mla", action="store_true",
+                        help="compare DeepSeek-V2-Lite's latent attention with Llama-3.2-1B's grouped-query "
+                             "attention (random weights) at one --kv-cache-bytes instead of the schemes")
+    parser.add_argument("--mla-sizes", choices=("attention", "tiny"), default="attention",
+                        help="--mla: 'attention' keeps the released attention widths and shrinks the rest; "
+                             "'tiny' takes the presets' tiny forms")
     parser.add_argument("--no-warmup", action="store_true",
                         help="skip the warm-up passes (throughput then includes compiles)")
     parser.add_argument("--out-dir", default=".", help="where the PNGs go")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
+    if args.mla:
+        if args.kv_dtypes or args.model:
+            parser.error("--mla runs its own two random-weight models at float32: drop --kv-dtypes / --model")
+        return main_mla(args, parser)
 
     model = paxpage.load(args.model)
     work = wl.workload_from_args(args, model.config.vocab_size, shared_prefix=args.shared_prefix)
@@ -340,7 +454,10 @@ def main(argv=None) -> int:
 
 
 def doc_tables(data: dict) -> dict:
-    """The docs' table (docs/benchmarks.md): one row per allocation scheme."""
+    """The docs' table (docs/benchmarks.md): one row per allocation scheme (per attention form for
+    an --mla record)."""
+    if "mla" in data:
+        return mla_tables(data)
     rows = [[name, data[name]["max_running"], round(data[name]["mean_running"], 1),
              f"{data[name]['mean_kv_utilisation']:.1%}", round(data[name]["output_tok_per_s"], 1)] for name in SCHEMES]
     paged = data["paged"]

@@ -157,15 +157,17 @@ TINY_DEEPSEEK = dict(
     max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
 
-def save_tiny_deepseek(path, seed: int = 0, **overrides):
-    """A tiny random DeepseekV3ForCausalLM (TINY_DEEPSEEK with `overrides`) saved to `path`, weights
-    sharpened as save_tiny_hf does and the routers' correction biases random (HF starts them at 0),
-    so the bias steers the choice."""
+def save_tiny_deepseek(path, seed: int = 0, version: int = 3, **overrides):
+    """A tiny random DeepseekV3ForCausalLM (version 3) or DeepseekV2ForCausalLM (version 2) of
+    TINY_DEEPSEEK with `overrides`, saved to `path`, weights sharpened as save_tiny_hf does and V3's
+    router correction biases random (HF starts them at 0), so the bias steers the choice."""
     import torch
     import transformers as tf
 
+    classes = {3: (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM), 2: (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM)}
+    config_cls, model_cls = classes[version]
     torch.manual_seed(seed)
-    model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**dict(TINY_DEEPSEEK, **overrides))).eval()
+    model = model_cls(config_cls(**dict(TINY_DEEPSEEK, **overrides))).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:

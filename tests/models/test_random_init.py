@@ -1,6 +1,6 @@
 """models/random_init.py: the trees have param_layout's shapes in the asked dtype and placement,
 the byte count is parameters x itemsize, and the real presets count the published totals
-(Llama-3.2-1B worked by hand; 8.03B, 30.5B)."""
+(Llama-3.2-1B worked by hand; 8.03B, 30.5B, 15.7B)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,8 @@ def test_real_shapes_count_by_hand():
     assert random_init.preset("qwen3-30b-a3b", num_layers=4).num_layers == 4
     # HF's GptOssForCausalLM at gpt-oss-20b's dims, counted on the meta device: 20,914,757,184
     assert random_init.num_params(random_init.preset("gpt-oss-20b")) == 20_914_757_184
+    # HF's DeepseekV2ForCausalLM at DeepSeek-V2-Lite's dims, counted on the meta device: 15,706,484,224
+    assert random_init.num_params(random_init.preset("deepseek-v2-lite")) == 15_706_484_224
     assert random_init.preset("gpt-oss-20b", num_layers=3).layer_types == (
         "sliding_attention", "full_attention", "sliding_attention")
 

@@ -1,5 +1,6 @@
 """The KV memory scripts on a tiny random HF llama: paged against contiguous allocation, KV cache
-dtypes, sliding windows and page sharing (prefix caching, forks), each with its record's table."""
+dtypes, sliding windows and page sharing (prefix caching, forks), each with its record's table;
+and latent against grouped-query attention on two tiny random-weight presets."""
 
 from __future__ import annotations
 
@@ -42,6 +43,29 @@ def test_bench_memory_kv_dtypes_smoke(tiny_model_dir, tmp_path):
     assert data["int8"]["ratios"]["pages"] == pytest.approx(85 / 24)
     rows = _check_record(json.loads(out.read_text()), "kv_dtypes")
     assert [r[:3] for r in rows] == [["float32", 24, 2048], ["int8", 85, 576]]
+
+
+def test_bench_memory_mla_smoke(tmp_path):
+    """--mla on the presets' tiny forms: the pools' bytes per token and layer, measured from their
+    arrays, are the latent's (32 + 8) x 4 bytes against K and V of 1 kv head of 16 (2 x 1 x 16 x 4)."""
+    bench = _load_script("bench_memory")
+    out = tmp_path / "mla.json"
+    # 40 GQA pages of 4 tokens: 2 layers x 4 tokens x 128 B = 1024 B each; MLA pages: 2 x 4 x 160 = 1280 B
+    rc = bench.main(["--mla", "--mla-sizes", "tiny", *TINY_WORKLOAD, "--max-num-seqs", "8", "--no-warmup",
+                     "--max-num-batched-tokens", "32", "--page-size", "4", "--kv-cache-bytes", str(40 * 1024),
+                     "--max-model-len", "64", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())["mla"]
+    mla, gqa = data["mla"], data["gqa"]
+    assert (mla["values_per_token_layer"], gqa["values_per_token_layer"]) == (32 + 8, 2 * 1 * 16)
+    assert (mla["bytes_per_token_layer"], gqa["bytes_per_token_layer"]) == ((32 + 8) * 4, 2 * 1 * 16 * 4)
+    assert (mla["page_bytes"], gqa["page_bytes"]) == (1280, 1024)
+    assert (mla["num_pages"], gqa["num_pages"]) == (40 * 1024 // 1280, 40)
+    assert mla["ratios"]["bytes_per_token_layer"] == pytest.approx(160 / 128)
+    assert mla["ratios"]["pages"] == pytest.approx(32 / 40)
+    assert mla["max_running"] >= 1 and gqa["max_running"] >= 1
+    rows = _check_record(json.loads(out.read_text()), "mla")
+    assert [r[:4] for r in rows] == [["mla (deepseek-v2-lite)", 40, 160.0, 32], ["gqa (llama-3.2-1b)", 32, 128.0, 40]]
 
 
 def test_bench_window_smoke(tiny_model_dir, tmp_path):
