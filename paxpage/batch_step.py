@@ -4,12 +4,12 @@ the batch's arrays (decode_batch.py).
 When the step in flight is a plain decode batch and since then sequences only finished or were
 aborted, the next step's rows are its rows still running, one token later, beside the next
 chunks of the prompts that joined it part way (`DecodeBatch.prefilling`) and the fresh plain
-requests the scheduler admits (`joins`): only those prompts' rows are planned. The step does
-what the engine's general step would (schedule, launch, read the previous step's tokens, book
-this step's as pending), in numpy over the batch's arrays and a few Python operations per row.
-When it cannot (a preemption, a resumed sequence, a request with beams, a grammar or prompt
-logprobs waiting, a speculating step), `run` returns None having changed nothing, and the
-general step runs; outputs are equal either way.
+requests and resumed sequences the scheduler admits (`joins`): only those prompts' rows are
+planned. The step does what the engine's general step would (schedule, launch, read the
+previous step's tokens, book this step's as pending), in numpy over the batch's arrays and a
+few Python operations per row. When it cannot (a step that preempts, a request with beams, a
+grammar or prompt logprobs waiting, a speculating step), `run` returns None having changed
+nothing, and the general step runs; outputs are equal either way.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from paxpage.booking import Deltas, StepBooking
-from paxpage.decode_batch import DecodeBatch, plain_sample
+from paxpage.decode_batch import DecodeBatch
 from paxpage.engine_stats import EngineStats
 from paxpage.launched import PENDING_TOKEN, Launched, fetch
 from paxpage.output_processor import OutputProcessor
@@ -49,13 +49,15 @@ class BatchStep:
         self.forget_ended = forget_ended  # (running queue) -> None: drops ended sequences' slots
 
     def joins(self, seq: Sequence) -> bool:
-        """Whether waiting `seq` may join the batch's step: the fresh prompt of a plain request
-        (no embedding, beams, n > 1, grammar or prompt logprobs). Any other waits for the
-        general step."""
-        if seq.num_output_tokens or seq.num_preemptions or seq.group_id in self.embeds:
+        """Whether waiting `seq` may join the batch's step: a sample of a request with no
+        embedding, beams, grammar or prompt logprobs, fresh (a request with n > 1 forks its
+        children in the step its prompt ends, `StepBooking.fork_pending`) or resumed after a
+        preemption (its tokens are recomputed as a prompt is; none is still in flight, since a
+        step that preempts admits nothing). Any other waits for the general step."""
+        if seq.group_id in self.embeds:
             return False
         request, sample = self.outputs.lookup(seq.seq_id)
-        return plain_sample(request, sample) and sample.prompt_logprobs is None
+        return request.beam is None and sample.matcher is None and sample.prompt_logprobs is None
 
     def run(self, previous: Launched | None) -> tuple[Launched, Deltas] | None:
         """The step after `previous` (the step in flight) on its batch: (this step, left in
@@ -70,7 +72,7 @@ class BatchStep:
         resolved = batch  # the rows of the step in flight, whose tokens this step reads
         if len(keep) < len(batch):
             batch = batch.compacted(keep)
-        scheduled = scheduler.schedule_decodes(batch.seqs, batch.page_aligned(self.page_size), self.joins,
+        scheduled = scheduler.schedule_decodes(batch.seqs, batch.rows_to_check(self.page_size), self.joins,
                                                batch.prefilling)
         if scheduled is None:
             return None
@@ -84,8 +86,10 @@ class BatchStep:
         if joined is not None:  # the prompts' chunks are computed; those that end sample a token
             scheduler.update(joined, {s.seq.seq_id: PENDING_TOKEN for s in chunks if s.samples})
         self.booking.sample_kv_utilisation()
+        if plan is not None:
+            self.booking.fork_pending(step)  # the n - 1 children of the requests whose prompt ended
         batch.advance()
-        step.decode = self._next_batch(batch, plan, chunks, tail)
+        step.decode = self._next_batch(batch, step, chunks, tail)
         self.stats.overlapped_steps += 1
         self.stats.decode_batch_steps += 1
         self.stats.steps += 1
@@ -127,9 +131,12 @@ class BatchStep:
             step = Launched(None, batch.rows, previous.counts, [], None, None, None, previous.row_of_seq,
                             drafts=previous.drafts)
         else:
-            rows = batch.rows if plan is None else batch.rows + [(r, s, n + i) for r, s, i in plan.rows]
-            step = Launched(None, rows, [1] * len(rows), [], None, None, None,
-                            {sample.seq.seq_id: i for _, sample, i in rows}, drafts=[()] * len(rows))
+            rows, counts = batch.rows, [1] * n
+            if plan is not None:
+                rows, counts = rows + [(r, s, n + i) for r, s, i in plan.rows], counts + plan.counts
+            step = Launched(None, rows, counts, [], None, None, None,
+                            {sample.seq.seq_id: i for _, sample, i in rows}, drafts=[()] * len(rows),
+                            sampling_rows=(slots, steps))
         step.result, step.prompt_result, step.next_tokens = runner.sample(
             step_batch, logits, tensors, num_logprobs, prev_rows=prev_rows, prev_tokens=previous.next_tokens)
         return step, plan
@@ -150,27 +157,32 @@ class BatchStep:
         self.stats.generated_tokens += num_tokens
         return deltas
 
-    def _next_batch(self, batch: DecodeBatch, plan, chunks: list, tail: list[Sequence]) -> DecodeBatch | None:
+    def _next_batch(self, batch: DecodeBatch, step: Launched, chunks: list, tail: list[Sequence]
+                    ) -> DecodeBatch | None:
         """The batch the next step starts from (after `batch.advance()`): the rows whose next
         token is their last by length leave the scheduler now (as StepBooking.advance); the
-        prompts that ended this step join, in queue order; those part way stay after the rows."""
-        seqs = batch.seqs
+        prompts that ended this step join, in queue order, each with the children it forked;
+        those part way stay after the rows."""
+        n = len(batch)
+        new_rows = step.rows[n:]  # the ended prompts' entries and their children, logits rows n ...
         sampled = {s.seq.seq_id for s in chunks if s.samples}
         joining, k = None, 0
-        if plan is not None:
+        if chunks:
             k = next((i for i, seq in enumerate(tail) if seq.seq_id not in sampled), len(tail))
             if k and not any(seq.seq_id in sampled for seq in tail[k:]):
-                joining = DecodeBatch.build([s for s in chunks if s.samples], plan.rows, plan.counts, plan.slots,
-                                            plan.steps, self.runner.tables.slot, self.eos_token_ids,
-                                            self.max_model_len, lora=self.lora)
-        # the batch's rows by their arrays (DecodeBatch.limits), the prompts that ended by the rule
-        by_length = [seqs[i] for i in batch.finished_by_length()] + [
-            s.seq for s in chunks if s.samples and self.booking.ends_by_length(s.seq)]
+                slots, steps = step.sampling_rows
+                joining = DecodeBatch.build([s for s in chunks if s.samples],
+                                            [(r, s, i - n) for r, s, i in new_rows], step.counts[n:],
+                                            slots[n:], steps[n:], self.runner.tables, self.eos_token_ids,
+                                            self.max_model_len, lora=self.lora, forked=step.forked)
+        # the batch's rows by their arrays (DecodeBatch.limits), the new entries by the rule
+        by_length = [batch.seqs[i] for i in batch.finished_by_length()] + [
+            sample.seq for _, sample, _ in new_rows if self.booking.ends_by_length(sample.seq)]
         self.booking.finish([(seq, "length") for seq in by_length])
-        if plan is None:
+        if not chunks:
             return batch
         if joining is not None:
-            self.stats.joined_rows += k
+            self.stats.joined_rows += len(new_rows)
             return batch.extended(joining, tail[k:])
         if sampled:  # a prompt ended behind one that did not: the general step's to order
             return None

@@ -1,10 +1,11 @@
 """What a dispatched step's tokens do to the engine's state: in-flight bookkeeping.
 
 A step that stays in flight (async scheduling) has its tokens booked as pending placeholders
-first (`advance`), so the next step can be scheduled, and replaced once read (`resolve`). A step
-the engine waits for is booked whole (`complete`): prompt logprobs, accepted drafts of a
-speculating row, the target's token, the n - 1 children a forking request starts with (they
-share the parent's pages, copied on their first write), the beams beam.py picks, and the pooled
+first (`advance`), so the next step can be scheduled, and replaced once read (`resolve`); the
+n - 1 children a forking request starts with are forked then, with pending tokens too
+(`fork_pending`: they share the parent's pages, copied on their first write). A step the engine
+waits for is booked whole (`complete`): prompt logprobs, accepted drafts of a speculating row,
+the target's token, the children of a forking request, the beams beam.py picks, and the pooled
 rows of embedding requests. Then the output processor turns tokens into text and stops, and the
 sequences that stopped leave the scheduler. Pure Python on the host, but for `fetch`.
 """
@@ -14,11 +15,14 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import numpy as np
+
 from paxpage.embedding import EmbeddingRequest
 from paxpage.engine_stats import EngineStats
 from paxpage.launched import PENDING_TOKEN, Launched, fetch
 from paxpage.output_processor import NewToken, OutputProcessor, Request
 from paxpage.outputs import StreamDelta
+from paxpage.sampling.batch import SamplingBatch
 from paxpage.scheduler import Scheduler
 
 
@@ -30,8 +34,9 @@ Deltas = list[tuple[Request, list[StreamDelta]]]
 class StepBooking:
     def __init__(self, scheduler: Scheduler, outputs: OutputProcessor, beams, stats: EngineStats,
                  embeds: dict[int, EmbeddingRequest], new_sequence: Callable, tokenizer, max_model_len: int,
-                 speculation=None):
+                 sampling: SamplingBatch, speculation=None):
         self.scheduler = scheduler
+        self.sampling = sampling  # the running sequences' sampling slots
         self.outputs = outputs
         self.beams = beams  # beam.BeamCoordinator
         self.stats = stats
@@ -43,10 +48,47 @@ class StepBooking:
 
     def advance(self, step: Launched) -> None:
         """Books an in-flight step's tokens as pending, so the next step can be scheduled: each
-        sampling sequence gets a placeholder token that `resolve` replaces. A sequence whose
+        sampling sequence gets a placeholder token that `resolve` replaces, and a request whose
+        n samples start in this step forks its children now (`fork_pending`). A sequence whose
         next token is its last by length leaves the scheduler now (its token still comes)."""
         self.scheduler.update(step.sched, {sample.seq.seq_id: PENDING_TOKEN for _, sample, _ in step.rows})
         self.sample_kv_utilisation()
+        self.fork_pending(step)
+        self.finish_by_length(step)
+
+    def fork_pending(self, step: Launched) -> None:
+        """The n - 1 children of each request that samples its n tokens in `step` (in flight, its
+        update done), each with a pending first token from its own logits row (parent's row +
+        i): forked in the scheduler (they share the parent's pages), registered as samples, and
+        made entries of `step` of their own, so that `step.rows` has one entry per sample, each
+        one logits row, in the running queue's order. The children's sampling slots replace the
+        parent's in `step.sampling_rows` (child i draws with the parent's seed + i)."""
+        if all(count == 1 for count in step.counts):
+            return
+        rows, slots, steps = [], np.array(step.sampling_rows[0]), np.array(step.sampling_rows[1])
+        for (request, parent, first_row), count in zip(step.rows, step.counts):
+            rows.append((request, parent, first_row))
+            if count == 1:
+                continue
+            assert parent.matcher is None and request.beam is None, request  # those fork when read
+            step.forked.add(parent.seq.seq_id)
+            for extra in range(1, count):
+                seq = self.new_sequence(request.prompt_ids, request.params.max_tokens, request.request_id)
+                child = self.outputs.new_sample(request, seq, parent.seed + extra)
+                seq.append_token(PENDING_TOKEN)
+                self.scheduler.fork(parent.seq, seq)
+                request.samples.append(child)
+                rows.append((request, child, first_row + extra))
+                step.row_of_seq[seq.seq_id] = first_row + extra
+                step.forked.add(seq.seq_id)
+                slots[first_row + extra] = self.sampling.slot(seq.seq_id, request.params, child.seed)
+            request.forked = True
+        step.rows, step.counts, step.drafts = rows, [1] * len(rows), [()] * len(rows)
+        step.sampling_rows = (slots, steps)
+
+    def finish_by_length(self, step: Launched) -> None:
+        """Maps the in-flight step's sequences to their logits rows; those whose pending token
+        is their last by length leave the scheduler now."""
         for _, sample, row in step.rows:
             seq = sample.seq
             step.row_of_seq[seq.seq_id] = row

@@ -2,7 +2,7 @@
 
 Most steps of a busy engine are the same step again: every running sequence decodes one token.
 When the step in flight is such a plain step (every row one sample drawing one token: no beams,
-grammars, prompt logprobs, a fork still to come; see `DecodeBatch.build`), the engine keeps its rows
+grammars or prompt logprobs; a request's n samples a row each; see `DecodeBatch.build`), the engine keeps its rows
 here, with their positions, page-table rows, sampling slots and output counts as arrays, and the
 next step is scheduled, packed and booked with numpy over those arrays (`Scheduler.
 schedule_decodes` / `update_decodes`, `Packer.pack` with `DecodeRows`, `OutputProcessor.
@@ -10,10 +10,12 @@ process_plain`) and a few Python operations per sequence. The step changes the b
 sequences that finished or were aborted since leave it (`survivors`, `compacted`), the rows left
 keeping their order and arrays; fresh plain requests that the scheduler admits join it (only
 their rows are planned; a prompt longer than a step's tokens runs its chunks behind the rows,
-`prefilling`, and once it has run it is a row of the batch: `extended`). Anything else (a
-resumed or preempted sequence, a page the free list cannot give, a request with beams,
-grammars, prompt logprobs or n > 1 before it forks) drops back to the general step, which is
-equal in outputs. Pure Python and numpy (no jax).
+`prefilling`, and once it has run it is a row of the batch, with the n - 1 children it forked
+if it asked for n samples: `extended`, whose fork rows have their next write checked for a
+copy of the shared page, `shared_rows`), and so do sequences resumed after a preemption.
+Anything else (a step that preempts, a request with beams, grammars or prompt logprobs) drops
+back to the general step, which is equal in outputs (the step itself: batch_step.py). Pure
+Python and numpy (no jax).
 
 Axis legend: B rows (the running sequences, in the scheduler's order; row i of the step in
 flight is row i of the next, or row j of the compacted batch that keeps it).
@@ -60,39 +62,55 @@ class DecodeBatch:
         # fresh plain requests that joined a step of this batch and need more steps for their
         # prompt (a row of the batch once it has run)
         self.prefilling: list[Sequence] = []
+        # rows whose last page a fork shares (parents and children): their next write may copy
+        # it, whether or not it starts a page (`rows_to_check`); cleared by `advance`
+        self.shared_rows: list[int] = []
 
     @classmethod
     def build(cls, scheduled: Seq, rows: list, counts: Seq[int], sampling_slots: Seq[int], steps: Seq[int],
-              table_slot, eos_token_ids: Seq[int], max_model_len: int, lora: bool = False
-              ) -> DecodeBatch | None:
-        """From a step that is about to stay in flight: `scheduled` its ScheduledSeqs, `rows` /
-        `counts` its sampling entries, `sampling_slots` / `steps` per logits row, and
-        `table_slot(seq_id)` its sequences' page-table rows; `lora`: keep the rows' adapter
-        slots. None unless every scheduled sequence
-        is a plain sampling row (see the module docstring), one logits row each, in order; a
-        request with n > 1 qualifies once its samples are forked (each is then a row of its own)."""
+              tables, eos_token_ids: Seq[int], max_model_len: int, lora: bool = False,
+              forked: frozenset | set = frozenset()) -> DecodeBatch | None:
+        """From a step that is about to stay in flight, once booked (`StepBooking.advance` or
+        the scheduler's update: positions are the sequences' computed tokens): `scheduled` its
+        ScheduledSeqs, `rows` / `counts` its sampling entries (with the children a fork started
+        in it, `StepBooking.fork_pending`), `sampling_slots` / `steps` per logits row, and
+        `tables` (page_tables.PageTables) its sequences' page-table rows; `lora`: keep the rows'
+        adapter slots; `forked`: the ids of the sequences of the forks the step started (parents
+        and children: their last page is shared, so their next write is checked, `rows_to_check`;
+        a child gets its page-table row here). None unless every scheduled sequence samples and
+        every entry is a plain sampling row (see the module docstring), one logits row each, in
+        order."""
         n = len(rows)
-        if n == 0 or len(scheduled) != n or len(sampling_slots) != n:
+        if n == 0 or len(sampling_slots) != n or any(not item.samples or item.draft_token_ids for item in scheduled):
             return None
-        seqs, positions, limits, stop_ids, tables = [], [], [], [], []
+        ids = {item.seq.seq_id for item in scheduled}
+        if sum(sample.seq.seq_id in ids for _, sample, _ in rows) != len(scheduled):
+            return None  # a scheduled sequence is no entry (e.g. an embedding's chunk)
+        seqs, positions, limits, stop_ids, table_slots, shared = [], [], [], [], [], []
         eos = frozenset(eos_token_ids)
-        for item, (request, sample, row), count in zip(scheduled, rows, counts):
+        for (request, sample, row), count in zip(rows, counts):
             p, seq = request.params, sample.seq
-            if item.seq is not seq or not item.samples or item.draft_token_ids or count != 1 \
-                    or not plain_sample(request, sample) or sample.finish_reason is not None or row != len(seqs):
+            if count != 1 or not plain_sample(request, sample) or sample.finish_reason is not None \
+                    or row != len(seqs):
                 return None
-            slot = table_slot(seq.seq_id)
+            slot = tables.slot(seq.seq_id)
+            if seq.seq_id in forked:
+                shared.append(len(seqs))
+                if slot is None:  # a child: the parent's pages
+                    slot = tables.sync(seq.seq_id, seq.num_preemptions, seq.page_table, seq.num_computed_tokens)
             if slot is None:
                 return None
             seqs.append(seq)
-            positions.append(item.start + item.num_new_tokens)
+            positions.append(seq.num_computed_tokens)
             limits.append(min(p.max_tokens, max_model_len - seq.num_prompt_tokens))
             stop_ids.append(frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos))
-            tables.append(slot)
+            table_slots.append(slot)
         as_array = lambda values: np.asarray(values, np.int64)  # noqa: E731
-        return cls(rows, seqs, as_array(positions), as_array(tables), as_array(sampling_slots),
-                   as_array(steps) + 1, as_array(limits), stop_ids,
-                   as_array([seq.lora_slot for seq in seqs]) if lora else None)
+        batch = cls(rows, seqs, as_array(positions), as_array(table_slots), as_array(sampling_slots),
+                    as_array(steps) + 1, as_array(limits), stop_ids,
+                    as_array([seq.lora_slot for seq in seqs]) if lora else None)
+        batch.shared_rows = shared
+        return batch
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -129,6 +147,8 @@ class DecodeBatch:
                             self.lora_slots[index] if self.lora_slots is not None else None)
         batch.prev_rows = index.astype(np.int32)
         batch.prefilling = self.prefilling
+        shared = set(self.shared_rows)
+        batch.shared_rows = [j for j, i in enumerate(keep) if i in shared]
         return batch
 
     def extended(self, joined: DecodeBatch, prefilling: list[Sequence]) -> DecodeBatch:
@@ -146,11 +166,15 @@ class DecodeBatch:
                             cat(self.steps, joined.steps), cat(self.limits, joined.limits),
                             self.stop_ids + joined.stop_ids, lora)
         batch.prefilling = prefilling
+        batch.shared_rows = self.shared_rows + [n + i for i in joined.shared_rows]
         return batch
 
-    def page_aligned(self, page_size: int) -> list[int]:
-        """Rows whose next token starts a page (the only ones that may need one)."""
-        return np.flatnonzero(self.positions % page_size == 0).tolist()
+    def rows_to_check(self, page_size: int) -> list[int]:
+        """Rows whose next write may need a page, in order: those whose next token starts a
+        page, and those whose last page a fork shares (the others write into a page they alone
+        hold)."""
+        aligned = np.flatnonzero(self.positions % page_size == 0).tolist()
+        return sorted(set(aligned).union(self.shared_rows)) if self.shared_rows else aligned
 
     def advance(self) -> None:
         """The step scheduled from these arrays was dispatched: each row's next token is one later,
@@ -158,6 +182,7 @@ class DecodeBatch:
         self.positions += 1
         self.steps += 1
         self.prev_rows = None
+        self.shared_rows = []
 
     def finished_by_length(self) -> list[int]:
         """Rows whose booked outputs (placeholders included) reached their length limit."""

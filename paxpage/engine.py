@@ -108,11 +108,11 @@ class LLMEngine:
             raise ValueError("speculative decoding is not supported on multi-host engines")
         self._spec = (None if proposer is None else SpeculationCoordinator(
             proposer, cfg.resolved_speculative_max_batch, cfg.max_model_len, PENDING_TOKEN))
-        self._booking = StepBooking(self.scheduler, self.outputs, self._beams, self.stats, self._embeds,
-                                    new_sequence, tokenizer, cfg.max_model_len, self._spec)
         # the running sequences' sampling parameters, one slot each, kept between steps
         self._sampling = SamplingBatch(model_cfg.vocab_size, self.eos_token_ids, token_width=cfg.max_model_len,
                                        pending_token=PENDING_TOKEN)  # token_width caps the penalty-token width
+        self._booking = StepBooking(self.scheduler, self.outputs, self._beams, self.stats, self._embeds,
+                                    new_sequence, tokenizer, cfg.max_model_len, self._sampling, self._spec)
 
         self._batch_step = BatchStep(self.scheduler, self.runner, self.outputs, self._sampling, self._booking,
                                      self.stats, self._embeds, self.eos_token_ids, cfg, self._spec,
@@ -259,8 +259,8 @@ class LLMEngine:
                 self._inflight = launched
                 launched.decode = DecodeBatch.build(
                     launched.sched.scheduled, launched.rows, launched.counts, *launched.sampling_rows,
-                    self.runner.tables.slot, self.eos_token_ids, self.config.max_model_len,
-                    lora=bool(self.config.max_loras))
+                    self.runner.tables, self.eos_token_ids, self.config.max_model_len,
+                    lora=bool(self.config.max_loras), forked=launched.forked)
                 self.stats.overlapped_steps += 1
             else:
                 deltas += self._booking.complete(launched)
@@ -343,8 +343,10 @@ class LLMEngine:
         step.sampler_args = None
 
     def _can_overlap(self, step: "Launched") -> bool:
-        """A step may stay in flight when the next step can be scheduled without its tokens: plain
-        sampling rows only (no beams, no forks; no prompt logprobs). Rows that reach their length
+        """A step may stay in flight when the next step can be scheduled without its tokens: no
+        beams, no prompt logprobs, no speculation. A request whose n > 1 samples start in it forks
+        them with pending tokens (`StepBooking.fork_pending`), unless it has a grammar (the
+        children copy the parent's state before its first token). Rows that reach their length
         limit finish early (see `StepBooking.advance`). Penalised rows overlap: their counts lack the token
         in flight, which the sampler adds on the device (sampler.apply_penalties). Structured
         rows overlap too: the next step's bitmasks wait for these tokens, but only its sampler
@@ -353,4 +355,5 @@ class LLMEngine:
         if not self.config.async_scheduling or step.prompt_plan or step.pooling or step.speculates \
                 or (self._spec is not None and self._spec.active(self.scheduler.num_running)):
             return False
-        return all(request.beam is None and count == 1 for (request, _, _), count in zip(step.rows, step.counts))
+        return all(request.beam is None and (count == 1 or sample.matcher is None)
+                   for (request, sample, _), count in zip(step.rows, step.counts))

@@ -14,7 +14,7 @@ class EngineStats:
     generated_tokens: int = 0
     overlapped_steps: int = 0  # steps left in flight while the next one was scheduled
     decode_batch_steps: int = 0  # of those, steps of the persistent batch, booked from arrays (decode_batch.py)
-    joined_rows: int = 0  # fresh requests admitted into a step of the persistent batch
+    joined_rows: int = 0  # rows that joined the persistent batch in its steps (prompts that ended, their forks)
     host_seconds: float = 0.0  # scheduling + packing + stop checks
     device_seconds: float = 0.0  # jitted step incl. the token transfer
     # KV utilisation sampled every booking.KV_SAMPLE_EVERY steps (shared pages are counted page by page)

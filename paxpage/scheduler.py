@@ -277,16 +277,14 @@ class Scheduler:
         num_tokens = sum(s.num_new_tokens for s in scheduled)
         return SchedulerOutput(scheduled, copies, preempted, num_tokens)
 
-    def _admit(self, budget: int, rows_left: int, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]],
-               admits: Callable[[Sequence], bool] | None = None) -> None:
+    def _admit(self, budget: int, rows_left: int, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]
+               ) -> None:
         """Admits waiting sequences in FIFO order while the token budget, the prefill rows, the
         pages and the LoRA slots allow, appending each one's first chunk to `scheduled` (and its
-        page writes to `copies`). `admits(seq)` False stops admission at seq."""
+        page writes to `copies`)."""
         cfg, pm = self.config, self.page_manager
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
-            if admits is not None and not admits(seq):
-                break
             hits = pm.match_prefix(seq)
             num_hit = len(hits) * cfg.page_size
             q = seq.num_tokens - num_hit
@@ -358,7 +356,7 @@ class Scheduler:
                 pm.release_outside_window(seq, self.config.sliding_window)
 
     # ---- the steady decode step, batched ----------------------------------------------------------------
-    def schedule_decodes(self, seqs: list[Sequence], aligned: Seq[int],
+    def schedule_decodes(self, seqs: list[Sequence], check: Seq[int],
                          admits: Callable[[Sequence], bool] | None = None, prefilling: Seq[Sequence] = ()
                          ) -> tuple[list[int], list[tuple[int, int]], list[ScheduledSeq]] | None:
         """`schedule()` for the persistent batch's step, in O(1) Python per decoding sequence that
@@ -369,13 +367,13 @@ class Scheduler:
         waiting sequences with the tokens left, as schedule() would. Returns (indices of the
         decoding sequences whose table changed, CoW copies, the chunks of the prefilling and
         the admitted sequences, in queue order). Returns None, changing nothing, when schedule()
-        would preempt, and when a sequence waits that `admits` refuses (None: any waiting
-        sequence), which the general step then schedules.
+        would preempt, and when the first waiting sequence, or one that schedule() might admit
+        after it, is one `admits` refuses (None: any), which the general step then schedules.
 
-        aligned: the indices of the sequences whose next token starts a page (num_computed_tokens
-        a multiple of page_size); the caller tracks positions in arrays. Every other sequence
-        writes into the page it wrote last step, which it alone holds (only a fork, which changes
-        the queue, shares a page that is not full), so only the aligned ones are looked at."""
+        check: the indices, in order, of the sequences whose next token starts a page
+        (num_computed_tokens a multiple of page_size) and of those whose last page a fork
+        shares; the caller tracks both in arrays. Every other sequence writes into the page it
+        wrote last step, which it alone holds, so only those are looked at."""
         cfg, pm = self.config, self.page_manager
         n = len(seqs)
         if n + len(prefilling) != len(self.running) or n > cfg.max_num_batched_tokens or n > cfg.max_num_seqs \
@@ -383,7 +381,7 @@ class Scheduler:
             return None  # (Sequence compares by identity)
         if self.waiting and (admits is None or not admits(self.waiting[0])):
             return None
-        grow = [i for i in aligned if not pm.writes_in_place(seqs[i])]
+        grow = [i for i in check if not pm.writes_in_place(seqs[i])]
         budget, rows_left = cfg.max_num_batched_tokens - n, cfg.max_prefill_rows or 0
         chunks = []  # (sequence, tokens) of the prefilling ones, as schedule()'s loop over them
         for seq in prefilling:
@@ -395,6 +393,11 @@ class Scheduler:
             chunks.append((seq, q))
             budget -= q
             rows_left -= self._rows(q)
+        # Admission takes at most one waiting sequence per seat and per token left, in order:
+        # each of those must be one the batch's step may admit, or the step is the general one.
+        seats = min(len(self.waiting), cfg.max_num_seqs - len(self.running), budget)
+        if seats > 1 and not all(admits(seq) for seq in itertools.islice(self.waiting, 1, seats)):
+            return None
         need = sum(pm.num_pages_to_write(seqs[i], 1) for i in grow)
         if need + sum(pm.num_pages_to_write(seq, q) for seq, q in chunks) > pm.num_free_pages:
             return None  # schedule() preempts
@@ -406,7 +409,7 @@ class Scheduler:
             copies += pm.prepare_write(seq, q)
             scheduled.append(ScheduledSeq(seq, q, seq.num_computed_tokens, q == seq.num_uncomputed_tokens))
         if self.waiting:
-            self._admit(budget, rows_left, scheduled, copies, admits)
+            self._admit(budget, rows_left, scheduled, copies)
         return grow, copies, scheduled
 
     def update_decodes(self, seqs: Seq[Sequence], token: int) -> None:

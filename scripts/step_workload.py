@@ -67,6 +67,7 @@ CASES = [
     Case("tiny-256x1536-spread", "tiny", 256, 1536, prompt_spread=768, ending=0.5),
     Case("tiny-256x1536-arrivals4", "tiny", 256, 1536, arrivals_every=4),
     Case("tiny-256x1536-t0.7-n2", "tiny", 256, 1536, temperature=0.7, n=2),
+    Case("tiny-256x1536-t0.7-n2-arrivals4", "tiny", 256, 1536, temperature=0.7, n=2, arrivals_every=4),
     Case("tiny-256x1536-logprobs5", "tiny", 256, 1536, logprobs=5),
     Case("tiny-256x1536-stop", "tiny", 256, 1536, stop=("xyz",)),
 ]
@@ -135,7 +136,7 @@ def fill_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: i
     spread = -(-case.rows * case.context // case.prefill_tokens) + 2
     pages_per_row = -(-(tokens_per_row + spread) // page_size)
     num_arrivals = -(-steps // case.arrivals_every) if case.arrivals_every else 0
-    num_seqs = case.rows + num_arrivals
+    num_seqs = case.rows + num_arrivals * case.n
     cfg = paxpage.EngineConfig(page_size=page_size, num_pages=num_seqs * pages_per_row + 8,
                                max_num_seqs=num_seqs,
                                max_num_batched_tokens=max(case.prefill_tokens, case.rows),

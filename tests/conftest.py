@@ -157,6 +157,23 @@ TINY_DEEPSEEK = dict(
     max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
 
+def tiny_deepseek_models(tmp_path_factory, kinds: dict, version: int = 3):
+    """kind -> (HF model, paxpage model) of save_tiny_deepseek(version, **kinds[kind]), each saved
+    and loaded on first use (a module fixture returns it)."""
+    import paxpage
+
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            path = tmp_path_factory.mktemp(f"deepseek_v{version}_{kind}")
+            hf = save_tiny_deepseek(path, version=version, **kinds[kind])
+            cache[kind] = (hf, paxpage.load(path))
+        return cache[kind]
+
+    return get
+
+
 def save_tiny_deepseek(path, seed: int = 0, version: int = 3, **overrides):
     """A tiny random DeepseekV3ForCausalLM (version 3) or DeepseekV2ForCausalLM (version 2) of
     TINY_DEEPSEEK with `overrides`, saved to `path`, weights sharpened as save_tiny_hf does and V3's

@@ -108,6 +108,35 @@ def test_penalised_rows_overlap_and_equal_the_synchronous_engine(tiny):
     unpenalised = paxpage.generate(tiny, prompts[:1], temperature=0, max_tokens=30, ignore_eos=True, use_tqdm=False)
     assert unpenalised[0].token_ids != results[True][0][0]  # the penalty changed the tokens
 
+def test_forking_steps_stay_in_flight_and_equal_the_synchronous_engine(tiny):
+    # A request's n samples start in the step its prompt ends: with async scheduling that step
+    # stays in flight too, its children forked with pending tokens. Seeded samples, logprobs, a
+    # penalty, stop tokens, and children that end by length at once (max_tokens 1).
+    prompts = random_prompts(5, 128, [5, 9, 4, 12, 7], seed=21)
+    params = [SP(temperature=1.0, seed=1, n=3, max_tokens=10, ignore_eos=True),
+              SP(temperature=0.8, seed=2, n=2, max_tokens=1),
+              SP(temperature=0.9, seed=3, n=2, max_tokens=12, logprobs=2, stop_token_ids=[5, 9, 17]),
+              SP(temperature=0.7, seed=4, n=2, max_tokens=8, repetition_penalty=1.3, ignore_eos=True),
+              SP(temperature=0, max_tokens=9, ignore_eos=True)]
+    results, stats = {}, {}
+    for mode in (False, True):
+        # 8 tokens a step: the prompts end, and fork, in different steps
+        config = EngineConfig(async_scheduling=mode, page_size=8, num_pages=64, max_model_len=256,
+                              max_num_batched_tokens=8, prefill_row_len=8, enable_prefix_caching=False)
+        engine = tiny.engine(config)
+        before = (engine.stats.steps, engine.stats.overlapped_steps)
+        outs = paxpage.generate(tiny, prompts, sampling_params=params, engine_config=config, use_tqdm=False)
+        results[mode] = [[(c.token_ids, c.finish_reason, c.logprobs, c.cumulative_logprob) for c in o.outputs]
+                         for o in outs]
+        stats[mode] = (engine.stats.steps - before[0], engine.stats.overlapped_steps - before[1])
+        assert engine.scheduler.page_manager.num_free_pages == 64
+    assert results[True] == results[False]
+    assert [len(r) for r in results[True]] == [3, 2, 2, 2, 1]
+    assert len({tuple(c[0]) for c in results[True][0]}) == 3  # the samples differ
+    steps, overlapped = stats[True]
+    assert overlapped == steps, stats[True]  # the four forking steps included
+
+
 def test_abort_while_a_step_is_in_flight(tiny):
     config = EngineConfig(page_size=8, num_pages=64, max_model_len=256, enable_prefix_caching=False)
     engine = tiny.engine(config)

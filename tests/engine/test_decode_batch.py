@@ -18,6 +18,7 @@ from paxpage import EngineConfig, SamplingParams as SP
 from paxpage.decode_batch import DecodeBatch
 from paxpage.engine import LLMEngine
 from paxpage.outputs import StreamDelta
+from paxpage.batch_step import BatchStep
 from paxpage.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from paxpage.sequence import Sequence
 from tests.conftest import random_prompts
@@ -155,6 +156,23 @@ def test_schedule_decodes_declines_what_schedule_decides_otherwise():
     assert _state(sched)[0] == before[0]
 
 
+def test_schedule_decodes_declines_when_schedule_would_admit_a_refused_sequence_behind_others():
+    # Three requests wait, the second one the batch's step may not admit (a beam request, say):
+    # schedule() admits all three, so the batch's step must not admit only the first.
+    sched, _ = _decoding_scheduler(1, 64, False)
+    seqs = list(sched.running)
+    aligned = [i for i, s in enumerate(seqs) if s.num_computed_tokens % 4 == 0]
+    for i in range(3):
+        sched.add(Sequence([1, 2, 3 + i], 4, seq_id=90 + i))
+    general = copy.deepcopy(sched)
+    assert len(general.schedule().scheduled) == len(seqs) + 3  # schedule() admits all three
+    before = _state(sched)
+    assert sched.schedule_decodes(seqs, aligned, lambda seq: seq.seq_id != 91) is None
+    assert _state(sched) == before and len(sched.waiting) == 3
+    grown, copies, admitted = sched.schedule_decodes(seqs, aligned, lambda seq: True)
+    assert [s.seq.seq_id for s in admitted] == [90, 91, 92]
+
+
 def test_stream_delta_fast_equals_the_constructor():
     args = (3, "ab", (5, 6), "stop", 1, ({5: -0.5},), "b")
     fast, slow = StreamDelta.fast(*args), StreamDelta(*args)
@@ -197,10 +215,10 @@ def _check_batch(engine) -> int:
     return 1 + any(request.params.repetition_penalty != 1.0 for request, _, _ in batch.rows)
 
 
-def _run(model, fast: bool, prompts, params, joins, abort_at, stream: bool = True):
+def _run(model, fast: bool, prompts, params, joins, abort_at, stream: bool = True, num_pages: int = 54):
     """Steps an engine through the workload: requests join at their step, one is aborted.
     Returns every step's deltas and the final outputs."""
-    config = EngineConfig(page_size=4, num_pages=54, max_model_len=128, max_num_seqs=8,
+    config = EngineConfig(page_size=4, num_pages=num_pages, max_model_len=128, max_num_seqs=8,
                           max_num_batched_tokens=32, enable_prefix_caching=True)
     engine = LLMEngine(model.config, model.params, model.tokenizer, config)  # fresh: no cached prefix
     if not fast:
@@ -314,7 +332,7 @@ def test_requests_that_arrive_during_decode_join_the_steady_batch(text_model):
     # Requests arrive, one a step, while others decode and finish at different steps: fresh
     # prompts, one sharing an earlier prompt's pages (a prefix-cache hit), one with max_tokens 1
     # (done when its prompt runs), one with logprobs, one longer than a step's token budget (its
-    # chunks run on the general step), and n = 2 (forks on the general step). Each step's deltas
+    # chunks run beside the batch's rows), and n = 2 (forks on the batch's step). Each step's deltas
     # and every output equal the general step's.
     prompts = random_prompts(11, 320, [6, 9, 5, 7, 8, 4, 40, 6, 5, 7, 6], seed=7)
     prompts[4] = prompts[0][:4] + prompts[4]  # shares prompt 0's first page
@@ -331,6 +349,57 @@ def test_requests_that_arrive_during_decode_join_the_steady_batch(text_model):
     assert fast[2].joined_rows >= 5 and general[2].joined_rows == 0
     assert fast[3][3] >= 1  # the long prompt's chunks ran beside the batch's rows
     assert fast[2].steps == general[2].steps
+
+
+def test_requests_with_n_samples_fork_on_the_steady_batch(text_model):
+    # Requests with n = 2 and 3 arrive while others decode: each prompt runs on the batch's
+    # step, forks its children there with pending tokens (one with max_tokens 1: its samples
+    # end at once), and all of them decode on as rows of the batch. Every step after the first
+    # is the batch's, and each step's deltas and every output equal the general step's.
+    prompts = random_prompts(6, 320, [6, 9, 5, 7, 8, 4], seed=13)
+    params = [SP(temperature=0.8, seed=1, max_tokens=20, ignore_eos=True),
+              SP(temperature=0, max_tokens=16, ignore_eos=True),
+              SP(temperature=1.0, seed=2, n=2, max_tokens=8, ignore_eos=True),
+              SP(temperature=0.9, seed=3, n=3, max_tokens=6, logprobs=2, stop_token_ids=list(range(7, 320, 29))),
+              SP(temperature=0.7, seed=4, n=2, max_tokens=1),
+              SP(temperature=1.0, seed=5, n=2, max_tokens=7, repetition_penalty=1.2, ignore_eos=True)]
+    # at most max_num_seqs (8) sequences at once, and no preemption: nothing else leaves the batch
+    joins, no_abort = [0, 0, 2, 3, 4, 12], (-1, 0)
+    general = _run(text_model, False, prompts, params, joins, no_abort, num_pages=96)
+    fast = _run(text_model, True, prompts, params, joins, no_abort, num_pages=96)
+    assert fast[0] == general[0] and fast[1] == general[1]
+    assert [len(fast[1][i]) for i in range(6)] == [1, 1, 2, 3, 2, 2]
+    assert fast[4] == 0
+    assert fast[2].steps == general[2].steps
+    assert fast[2].decode_batch_steps == fast[2].steps - 1  # the first step is the only general one
+    assert fast[3][2] >= 5  # batches holding forked samples' rows, checked against their sequences
+
+
+def test_sequences_resumed_after_a_preemption_rejoin_the_steady_batch(text_model, monkeypatch):
+    # A pool of 24 pages for 8 sequences that grow to 7-9 pages each: sequences are preempted
+    # (on the general step) and resumed; the resumed ones are admitted by the steady step and
+    # rejoin its batch. Each step's deltas and every output equal the general step's.
+    prompts = random_prompts(8, 320, [9, 5, 12, 7, 10, 6, 8, 11], seed=9)
+    params = [SP(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True) for i in range(8)]
+    params[3] = SP(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True)
+    joins, no_abort = [0] * 8, (-1, 0)
+    general = _run(text_model, False, prompts, params, joins, no_abort, num_pages=24)
+    rejoined = []  # resumed sequences the steady step admitted
+    joins_batch = BatchStep.joins
+
+    def recording(self, seq):
+        ok = joins_batch(self, seq)
+        if ok and seq.num_preemptions:
+            rejoined.append(seq.seq_id)
+        return ok
+
+    monkeypatch.setattr(BatchStep, "joins", recording)
+    fast = _run(text_model, True, prompts, params, joins, no_abort, num_pages=24)
+    assert fast[0] == general[0] and fast[1] == general[1]
+    assert sorted(fast[1]) == list(range(8))
+    assert general[4] > 0 and fast[4] == general[4]  # preemptions happened, the same ones
+    assert len(rejoined) >= 2
+    assert fast[2].joined_rows >= 2 and fast[2].steps == general[2].steps
 
 
 def _python_work_per_step(model, context: int, steps: int = 16) -> tuple[float, float]:

@@ -20,7 +20,7 @@ from models.moe import route_grouped
 from models.param_layout import flatten
 from models.rope import mla_softmax_scale
 from tests.conftest import TINY_DEEPSEEK as BASE
-from tests.conftest import check_prompt_logprobs, hf_greedy, random_prompts, save_tiny_deepseek
+from tests.conftest import check_prompt_logprobs, hf_greedy, random_prompts, tiny_deepseek_models
 
 VOCAB = BASE["vocab_size"]
 V2 = dict(norm_topk_prob=False)  # the only value HF's DeepseekV2 and DeepSeek's own code agree on
@@ -42,16 +42,7 @@ MODELS = {
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     """kind -> (HF model, paxpage model), each saved and loaded once per module."""
-    cache = {}
-
-    def get(kind):
-        if kind not in cache:
-            path = tmp_path_factory.mktemp(f"deepseek_v2_{kind}")
-            hf = save_tiny_deepseek(path, version=2, **MODELS[kind])
-            cache[kind] = (hf, paxpage.load(path))
-        return cache[kind]
-
-    return get
+    return tiny_deepseek_models(tmp_path_factory, MODELS, version=2)
 
 
 def test_config_reads_deepseek_v2_fields(tiny_models):

@@ -23,7 +23,7 @@ from models.rope import mla_softmax_scale
 from paxpage.sharding import ShardingPlan
 from tests.conftest import TINY_DEEPSEEK as BASE
 from tests.conftest import (check_prefix_hit_and_preemption, check_prompt_logprobs, hf_greedy, random_prompts,
-                            save_tiny_deepseek)
+                            tiny_deepseek_models)
 
 VOCAB = BASE["vocab_size"]
 ORIGINAL = 32  # the yarn model's "pretrained" context: prompts reach beyond it
@@ -42,16 +42,7 @@ MODELS = {
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     """kind -> (HF model, paxpage model), each saved and loaded once per module."""
-    cache = {}
-
-    def get(kind):
-        if kind not in cache:
-            path = tmp_path_factory.mktemp(f"deepseek_{kind}")
-            hf = save_tiny_deepseek(path, **MODELS[kind])
-            cache[kind] = (hf, paxpage.load(path))
-        return cache[kind]
-
-    return get
+    return tiny_deepseek_models(tmp_path_factory, MODELS)
 
 
 def test_config_reads_deepseek_fields(tiny_models):
