@@ -73,15 +73,12 @@ class StepBooking:
             assert parent.matcher is None and request.beam is None, request  # those fork when read
             step.forked.add(parent.seq.seq_id)
             for extra in range(1, count):
-                seq = self.new_sequence(request.prompt_ids, request.params.max_tokens, request.request_id)
-                child = self.outputs.new_sample(request, seq, parent.seed + extra)
-                seq.append_token(PENDING_TOKEN)
-                self.scheduler.fork(parent.seq, seq)
-                request.samples.append(child)
+                child = self._child(request, parent, extra, PENDING_TOKEN)
+                seq_id = child.seq.seq_id
                 rows.append((request, child, first_row + extra))
-                step.row_of_seq[seq.seq_id] = first_row + extra
-                step.forked.add(seq.seq_id)
-                slots[first_row + extra] = self.sampling.slot(seq.seq_id, request.params, child.seed)
+                step.row_of_seq[seq_id] = first_row + extra
+                step.forked.add(seq_id)
+                slots[first_row + extra] = self.sampling.slot(seq_id, request.params, child.seed)
             request.forked = True
         step.rows, step.counts, step.drafts = rows, [1] * len(rows), [()] * len(rows)
         step.sampling_rows = (slots, steps)
@@ -182,16 +179,23 @@ class StepBooking:
         new_tokens = []
         for request, parent, first_row in forks:
             for extra in range(1, request.params.n):
-                seq = self.new_sequence(request.prompt_ids, request.params.max_tokens, request.request_id)
-                child = self.outputs.new_sample(request, seq, parent.seed + extra)
-                if parent.matcher is not None:  # the parent's state before its first token
-                    child.matcher = parent.matcher.deep_copy()
                 token = int(result.token_ids[first_row + extra])
-                seq.append_token(token)
-                self.scheduler.fork(parent.seq, seq)
-                request.samples.append(child)
+                child = self._child(request, parent, extra, token)
                 new_tokens.append(NewToken(request, child, token, first_row + extra))
         return new_tokens
+
+    def _child(self, request: Request, parent, extra: int, token: int):
+        """Sample `extra` of a forking request: a sequence of its own whose first output is
+        `token` (PENDING_TOKEN while in flight), sharing the parent's pages, drawing with the
+        parent's seed + extra, and the parent's grammar state before its first token."""
+        seq = self.new_sequence(request.prompt_ids, request.params.max_tokens, request.request_id)
+        child = self.outputs.new_sample(request, seq, parent.seed + extra)
+        if parent.matcher is not None:
+            child.matcher = parent.matcher.deep_copy()
+        seq.append_token(token)
+        self.scheduler.fork(parent.seq, seq)
+        request.samples.append(child)
+        return child
 
     def _pool(self, pooling, pooled) -> list[tuple[EmbeddingRequest, list]]:
         """Adds a step's pooled rows to their embedding requests; those whose last chunk ran
