@@ -214,6 +214,31 @@ def check_prompt_logprobs(hf, prompt, out, atol=1e-4):
     np.testing.assert_allclose(got, ref[np.arange(len(prompt) - 1), prompt[1:]], atol=atol)
 
 
+def check_prefill_and_decode(hf, model, prompts, max_tokens: int = 12):
+    """The prompts prefilled in one step, then decoded: every prompt token's logprob and the
+    greedy continuation equal HF's."""
+    import paxpage
+
+    outs = paxpage.generate(model, prompts, max_tokens=max_tokens, temperature=0, prompt_logprobs=0,
+                            ignore_eos=True, page_size=8, num_pages=64, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        check_prompt_logprobs(hf, prompt, out)
+        assert out.token_ids == hf_greedy(hf, prompt, max_tokens)
+
+
+def check_chunked_prefill_beside_decode(hf, model, prompts, max_tokens: int = 10):
+    """An 8-token step budget, so the long prompt prefills in chunks of 4-token rows while the
+    short one decodes: every prompt token's logprob and the greedy continuation equal HF's."""
+    import paxpage
+
+    outs = paxpage.generate(model, prompts, max_tokens=max_tokens, temperature=0, prompt_logprobs=0,
+                            ignore_eos=True, page_size=4, num_pages=128, max_num_batched_tokens=8,
+                            prefill_row_len=4, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        check_prompt_logprobs(hf, prompt, out)
+        assert out.token_ids == hf_greedy(hf, prompt, max_tokens)
+
+
 def check_prefix_hit_and_preemption(hf, model, vocab):
     """Greedy tokens equal HF's when a second request reuses the first's cached pages, and when
     four sequences share a pool too small for all of them (some are preempted and recomputed)."""

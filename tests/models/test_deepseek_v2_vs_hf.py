@@ -20,7 +20,8 @@ from models.moe import route_grouped
 from models.param_layout import flatten
 from models.rope import mla_softmax_scale
 from tests.conftest import TINY_DEEPSEEK as BASE
-from tests.conftest import check_prompt_logprobs, hf_greedy, random_prompts, tiny_deepseek_models
+from tests.conftest import (check_chunked_prefill_beside_decode, check_prefill_and_decode, hf_greedy, random_prompts,
+                            tiny_deepseek_models)
 
 VOCAB = BASE["vocab_size"]
 V2 = dict(norm_topk_prob=False)  # the only value HF's DeepseekV2 and DeepSeek's own code agree on
@@ -64,11 +65,7 @@ def test_one_step_prefill_and_decode_match_hf(tiny_models):
     prefilled in one step, then 12 decode steps."""
     hf, model = tiny_models("lite")
     prompts = random_prompts(2, VOCAB, [45, 9], seed=1)
-    outs = paxpage.generate(model, prompts, max_tokens=12, temperature=0, prompt_logprobs=0, ignore_eos=True,
-                            page_size=8, num_pages=64, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        check_prompt_logprobs(hf, prompt, out)
-        assert out.token_ids == hf_greedy(hf, prompt, 12)
+    check_prefill_and_decode(hf, model, prompts)
 
 
 def test_chunked_prefill_beside_decode_matches_hf(tiny_models):
@@ -76,12 +73,7 @@ def test_chunked_prefill_beside_decode_matches_hf(tiny_models):
     the short one decodes."""
     hf, model = tiny_models("grouped")
     prompts = random_prompts(2, VOCAB, [60, 5], seed=2)
-    outs = paxpage.generate(model, prompts, max_tokens=10, temperature=0, prompt_logprobs=0, ignore_eos=True,
-                            page_size=4, num_pages=128, max_num_batched_tokens=8, prefill_row_len=4,
-                            use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        check_prompt_logprobs(hf, prompt, out)
-        assert out.token_ids == hf_greedy(hf, prompt, 10)
+    check_chunked_prefill_beside_decode(hf, model, prompts)
 
 
 def test_prefix_cache_hit_matches_hf(tiny_models):

@@ -17,8 +17,8 @@ import paxpage
 from models.config import ModelConfig
 from models.moe import clamped_swiglu, route, routed_experts
 from models.moe_layout import decode_mxfp4
-from tests.conftest import (check_prefix_hit_and_preemption, check_prompt_logprobs, hf_greedy, random_prompts,
-                            save_tiny_hf)
+from tests.conftest import (check_chunked_prefill_beside_decode, check_prefix_hit_and_preemption,
+                            check_prompt_logprobs, hf_greedy, random_prompts, save_tiny_hf)
 
 VOCAB = 256
 WINDOW = 8
@@ -67,12 +67,7 @@ def test_chunked_prefill_prefix_cache_and_preemption_match_hf(tiny):
     second request reusing the first's cached pages; four sequences in a pool too small for all."""
     hf, model = tiny
     prompts = random_prompts(2, VOCAB, [45, 5], seed=2)
-    outs = paxpage.generate(model, prompts, max_tokens=10, temperature=0, prompt_logprobs=0, ignore_eos=True,
-                            page_size=4, num_pages=128, max_num_batched_tokens=8, prefill_row_len=4,
-                            use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        check_prompt_logprobs(hf, prompt, out)
-        assert out.token_ids == hf_greedy(hf, prompt, 10)
+    check_chunked_prefill_beside_decode(hf, model, prompts)
 
     check_prefix_hit_and_preemption(hf, model, VOCAB)
 
