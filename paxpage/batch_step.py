@@ -72,7 +72,7 @@ class BatchStep:
         resolved = batch  # the rows of the step in flight, whose tokens this step reads
         if len(keep) < len(batch):
             batch = batch.compacted(keep)
-        scheduled = scheduler.schedule_decodes(batch.seqs, batch.rows_to_check(self.page_size), self.joins,
+        scheduled = scheduler.schedule_decodes(batch.seqs, batch.page_aligned(self.page_size), self.joins,
                                                batch.prefilling)
         if scheduled is None:
             return None
@@ -174,7 +174,7 @@ class BatchStep:
                 joining = DecodeBatch.build([s for s in chunks if s.samples],
                                             [(r, s, i - n) for r, s, i in new_rows], step.counts[n:],
                                             slots[n:], steps[n:], self.runner.tables, self.eos_token_ids,
-                                            self.max_model_len, lora=self.lora, forked=step.forked)
+                                            self.max_model_len, lora=self.lora)
         # the batch's rows by their arrays (DecodeBatch.limits), the new entries by the rule
         by_length = [batch.seqs[i] for i in batch.finished_by_length()] + [
             sample.seq for _, sample, _ in new_rows if self.booking.ends_by_length(sample.seq)]

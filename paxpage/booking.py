@@ -71,13 +71,11 @@ class StepBooking:
             if count == 1:
                 continue
             assert parent.matcher is None and request.beam is None, request  # those fork when read
-            step.forked.add(parent.seq.seq_id)
             for extra in range(1, count):
                 child = self._child(request, parent, extra, PENDING_TOKEN)
                 seq_id = child.seq.seq_id
                 rows.append((request, child, first_row + extra))
                 step.row_of_seq[seq_id] = first_row + extra
-                step.forked.add(seq_id)
                 slots[first_row + extra] = self.sampling.slot(seq_id, request.params, child.seed)
             request.forked = True
         step.rows, step.counts, step.drafts = rows, [1] * len(rows), [()] * len(rows)

@@ -11,8 +11,7 @@ sequences that finished or were aborted since leave it (`survivors`, `compacted`
 keeping their order and arrays; fresh plain requests that the scheduler admits join it (only
 their rows are planned; a prompt longer than a step's tokens runs its chunks behind the rows,
 `prefilling`, and once it has run it is a row of the batch, with the n - 1 children it forked
-if it asked for n samples: `extended`, whose fork rows have their next write checked for a
-copy of the shared page, `shared_rows`), and so do sequences resumed after a preemption.
+if it asked for n samples: `extended`), and so do sequences resumed after a preemption.
 Anything else (a step that preempts, a request with beams, grammars or prompt logprobs) drops
 back to the general step, which is equal in outputs (the step itself: batch_step.py). Pure
 Python and numpy (no jax).
@@ -62,31 +61,26 @@ class DecodeBatch:
         # fresh plain requests that joined a step of this batch and need more steps for their
         # prompt (a row of the batch once it has run)
         self.prefilling: list[Sequence] = []
-        # rows whose last page a fork shares (parents and children): their next write may copy
-        # it, whether or not it starts a page (`rows_to_check`); cleared by `advance`
-        self.shared_rows: list[int] = []
 
     @classmethod
     def build(cls, scheduled: Seq, rows: list, counts: Seq[int], sampling_slots: Seq[int], steps: Seq[int],
-              tables, eos_token_ids: Seq[int], max_model_len: int, lora: bool = False,
-              forked: frozenset | set = frozenset()) -> DecodeBatch | None:
+              tables, eos_token_ids: Seq[int], max_model_len: int, lora: bool = False
+              ) -> DecodeBatch | None:
         """From a step that is about to stay in flight, once booked (`StepBooking.advance` or
         the scheduler's update: positions are the sequences' computed tokens): `scheduled` its
         ScheduledSeqs, `rows` / `counts` its sampling entries (with the children a fork started
         in it, `StepBooking.fork_pending`), `sampling_slots` / `steps` per logits row, and
-        `tables` (page_tables.PageTables) its sequences' page-table rows; `lora`: keep the rows'
-        adapter slots; `forked`: the ids of the sequences of the forks the step started (parents
-        and children: their last page is shared, so their next write is checked, `rows_to_check`;
-        a child gets its page-table row here). None unless every scheduled sequence samples and
-        every entry is a plain sampling row (see the module docstring), one logits row each, in
-        order."""
+        `tables` (page_tables.PageTables) its sequences' page-table rows (a fork's child, which
+        no step has packed yet, gets its row here); `lora`: keep the rows' adapter slots. None
+        unless every scheduled sequence samples and every entry is a plain sampling row (see the
+        module docstring), one logits row each, in order."""
         n = len(rows)
         if n == 0 or len(sampling_slots) != n or any(not item.samples or item.draft_token_ids for item in scheduled):
             return None
         ids = {item.seq.seq_id for item in scheduled}
         if sum(sample.seq.seq_id in ids for _, sample, _ in rows) != len(scheduled):
             return None  # a scheduled sequence is no entry (e.g. an embedding's chunk)
-        seqs, positions, limits, stop_ids, table_slots, shared = [], [], [], [], [], []
+        seqs, positions, limits, stop_ids, table_slots = [], [], [], [], []
         eos = frozenset(eos_token_ids)
         for (request, sample, row), count in zip(rows, counts):
             p, seq = request.params, sample.seq
@@ -94,23 +88,17 @@ class DecodeBatch:
                     or row != len(seqs):
                 return None
             slot = tables.slot(seq.seq_id)
-            if seq.seq_id in forked:
-                shared.append(len(seqs))
-                if slot is None:  # a child: the parent's pages
-                    slot = tables.sync(seq.seq_id, seq.num_preemptions, seq.page_table, seq.num_computed_tokens)
-            if slot is None:
-                return None
+            if slot is None:  # a fork's child: the parent's pages
+                slot = tables.sync(seq.seq_id, seq.num_preemptions, seq.page_table, seq.num_computed_tokens)
             seqs.append(seq)
             positions.append(seq.num_computed_tokens)
             limits.append(min(p.max_tokens, max_model_len - seq.num_prompt_tokens))
             stop_ids.append(frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos))
             table_slots.append(slot)
         as_array = lambda values: np.asarray(values, np.int64)  # noqa: E731
-        batch = cls(rows, seqs, as_array(positions), as_array(table_slots), as_array(sampling_slots),
-                    as_array(steps) + 1, as_array(limits), stop_ids,
-                    as_array([seq.lora_slot for seq in seqs]) if lora else None)
-        batch.shared_rows = shared
-        return batch
+        return cls(rows, seqs, as_array(positions), as_array(table_slots), as_array(sampling_slots),
+                   as_array(steps) + 1, as_array(limits), stop_ids,
+                   as_array([seq.lora_slot for seq in seqs]) if lora else None)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -147,8 +135,6 @@ class DecodeBatch:
                             self.lora_slots[index] if self.lora_slots is not None else None)
         batch.prev_rows = index.astype(np.int32)
         batch.prefilling = self.prefilling
-        shared = set(self.shared_rows)
-        batch.shared_rows = [j for j, i in enumerate(keep) if i in shared]
         return batch
 
     def extended(self, joined: DecodeBatch, prefilling: list[Sequence]) -> DecodeBatch:
@@ -166,15 +152,12 @@ class DecodeBatch:
                             cat(self.steps, joined.steps), cat(self.limits, joined.limits),
                             self.stop_ids + joined.stop_ids, lora)
         batch.prefilling = prefilling
-        batch.shared_rows = self.shared_rows + [n + i for i in joined.shared_rows]
         return batch
 
-    def rows_to_check(self, page_size: int) -> list[int]:
-        """Rows whose next write may need a page, in order: those whose next token starts a
-        page, and those whose last page a fork shares (the others write into a page they alone
-        hold)."""
-        aligned = np.flatnonzero(self.positions % page_size == 0).tolist()
-        return sorted(set(aligned).union(self.shared_rows)) if self.shared_rows else aligned
+    def page_aligned(self, page_size: int) -> list[int]:
+        """Rows whose next token starts a page (with a fork's rows before their first write, the
+        scheduler knows, the only ones that may need one)."""
+        return np.flatnonzero(self.positions % page_size == 0).tolist()
 
     def advance(self) -> None:
         """The step scheduled from these arrays was dispatched: each row's next token is one later,
@@ -182,7 +165,6 @@ class DecodeBatch:
         self.positions += 1
         self.steps += 1
         self.prev_rows = None
-        self.shared_rows = []
 
     def finished_by_length(self) -> list[int]:
         """Rows whose booked outputs (placeholders included) reached their length limit."""

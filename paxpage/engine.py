@@ -260,7 +260,7 @@ class LLMEngine:
                 launched.decode = DecodeBatch.build(
                     launched.sched.scheduled, launched.rows, launched.counts, *launched.sampling_rows,
                     self.runner.tables, self.eos_token_ids, self.config.max_model_len,
-                    lora=bool(self.config.max_loras), forked=launched.forked)
+                    lora=bool(self.config.max_loras))
                 self.stats.overlapped_steps += 1
             else:
                 deltas += self._booking.complete(launched)

@@ -36,9 +36,6 @@ class Launched:
     accepted: object = None
     # the sampling slot and output-token count of each logits row (paxpage/sampling/batch.py)
     sampling_rows: tuple[list[int], list[int]] = ((), ())
-    # the ids of the sequences of the forks started in this step while in flight (parents and
-    # children, booking.StepBooking.fork_pending)
-    forked: set[int] = dataclasses.field(default_factory=set)
     # while in flight: the rows as a steady decode batch, when they are plain (decode_batch.py)
     decode: DecodeBatch | None = None
     # embedding chunks: (EmbeddingRequest, chunk start, last chunk, pooled row), and the step's

@@ -61,6 +61,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
         self._live: dict[int, Sequence] = {}  # seq_id -> waiting or running sequence
+        # ids of running sequences whose last page, not full, a fork shares and that have not
+        # written since: their next write copies it (the batch's step looks at them, as at the
+        # sequences whose next token starts a page)
+        self._shared_tails: set[int] = set()
         self._arrivals = itertools.count()
         self._reserve_tokens = config.max_model_len if config.allocation == "contiguous" else 0
         # LoRA (paxpage/lora_slots.py): a sequence with an adapter is admitted only once its
@@ -162,6 +166,8 @@ class Scheduler:
             idx += 1
         if parent.status is SequenceStatus.RUNNING:
             self.page_manager.fork(parent, child)
+            if parent.num_computed_tokens % self.config.page_size:
+                self._shared_tails.update((parent.seq_id, child.seq_id))
             child.status = SequenceStatus.RUNNING
         queue.insert(idx, child)
         self._live[child.seq_id] = child
@@ -181,6 +187,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._live[seq.seq_id]
+        self._shared_tails.discard(seq.seq_id)
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Finish a waiting or running sequence with reason "abort"; None if unknown or already finished."""
@@ -197,6 +204,7 @@ class Scheduler:
 
     # ---- the step -----------------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
+        self._shared_tails.discard(seq.seq_id)
         self.running.remove(seq)
         self.page_manager.release(seq)
         seq.status = SequenceStatus.WAITING
@@ -274,6 +282,8 @@ class Scheduler:
 
         if not scheduled and not preempted and self.has_unfinished():
             raise RuntimeError(f"scheduler made no progress: {self._describe()}")
+        if self._shared_tails:  # each scheduled one has written its own page now
+            self._shared_tails.difference_update(s.seq.seq_id for s in scheduled)
         num_tokens = sum(s.num_new_tokens for s in scheduled)
         return SchedulerOutput(scheduled, copies, preempted, num_tokens)
 
@@ -356,7 +366,7 @@ class Scheduler:
                 pm.release_outside_window(seq, self.config.sliding_window)
 
     # ---- the steady decode step, batched ----------------------------------------------------------------
-    def schedule_decodes(self, seqs: list[Sequence], check: Seq[int],
+    def schedule_decodes(self, seqs: list[Sequence], aligned: Seq[int],
                          admits: Callable[[Sequence], bool] | None = None, prefilling: Seq[Sequence] = ()
                          ) -> tuple[list[int], list[tuple[int, int]], list[ScheduledSeq]] | None:
         """`schedule()` for the persistent batch's step, in O(1) Python per decoding sequence that
@@ -370,10 +380,11 @@ class Scheduler:
         would preempt, and when the first waiting sequence, or one that schedule() might admit
         after it, is one `admits` refuses (None: any), which the general step then schedules.
 
-        check: the indices, in order, of the sequences whose next token starts a page
-        (num_computed_tokens a multiple of page_size) and of those whose last page a fork
-        shares; the caller tracks both in arrays. Every other sequence writes into the page it
-        wrote last step, which it alone holds, so only those are looked at."""
+        aligned: the indices of the sequences whose next token starts a page (num_computed_tokens
+        a multiple of page_size); the caller tracks positions in arrays. Every other sequence
+        writes into the page it wrote last step, which it alone holds, but for a fork's parent
+        and children before their first write (their shared last page is copied), which the
+        scheduler knows; so only those are looked at."""
         cfg, pm = self.config, self.page_manager
         n = len(seqs)
         if n + len(prefilling) != len(self.running) or n > cfg.max_num_batched_tokens or n > cfg.max_num_seqs \
@@ -381,6 +392,10 @@ class Scheduler:
             return None  # (Sequence compares by identity)
         if self.waiting and (admits is None or not admits(self.waiting[0])):
             return None
+        check = aligned
+        if self._shared_tails:  # only in the step after a fork
+            shared = self._shared_tails
+            check = sorted(set(aligned).union(i for i, seq in enumerate(seqs) if seq.seq_id in shared))
         grow = [i for i in check if not pm.writes_in_place(seqs[i])]
         budget, rows_left = cfg.max_num_batched_tokens - n, cfg.max_prefill_rows or 0
         chunks = []  # (sequence, tokens) of the prefilling ones, as schedule()'s loop over them
@@ -410,6 +425,7 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, q, seq.num_computed_tokens, q == seq.num_uncomputed_tokens))
         if self.waiting:
             self._admit(budget, rows_left, scheduled, copies)
+        self._shared_tails.clear()  # every running sequence has its write now
         return grow, copies, scheduled
 
     def update_decodes(self, seqs: Seq[Sequence], token: int) -> None:
