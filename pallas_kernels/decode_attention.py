@@ -23,10 +23,12 @@ kernel `decode_attention_mgpu`; dispatch.py chooses.
   [2, P, page_size, K, D] (K and V pages fetched apart) or the tpu layout [P, K, page_size, 2D]
   (one [K, page_size, 2D] block a page, which tiles on TPU: XLA never relays the pool out).
 
-Quantised pool (kv_quant.QuantizedKV: int8 / fp8 values, bf16 scales [2, P, page_size, K]): each
-K/V block comes with the matching block of scales (the page's scales, fetched by the same index
-map); keys and values are dequantised in the block. A plain pool passes no scales and traces the
-kernel it always did.
+Quantised pool (kv_quant.QuantizedKV: int8 / fp8 values with per-(token, kv head) scales): each
+K/V block comes with the matching block of scales, fetched by the same page index. Canonical
+layout: bf16 [2, P, page_size, K], keys and values dequantised in the block. Tpu layout: the
+page's f32 row block [K, 1, W] (kv_layout.ScaleRows, `ScaleReader`); the 1-byte values enter
+the products as they are (exact in the query's dtype), the key scales multiply the score columns
+and the value scales P's columns. A plain pool passes no scales and traces the kernel it always did.
 
 This module also holds the pieces the other kernels share (mask value, online-softmax step,
 split merge and sink fold, version-guarded compiler params).
@@ -111,18 +113,20 @@ def window_start(length, sliding_window: int | None):
     return 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
 
 
-def online_softmax_step(s, v, m_prev, l_prev, acc_prev):
+def online_softmax_step(s, v, m_prev, l_prev, acc_prev, v_scale=None):
     """One block of flash attention.
 
     s: f32[R, S] scaled scores, masked entries already MASK_VALUE; v: [S, D] with rows of invalid
     keys zeroed (unused pages may hold NaN); m_prev, l_prev: f32[R, 1]; acc_prev: f32[R, D].
+    v_scale: f32[1, S] per-key scales of quantised values (zero for invalid keys), applied to P's
+    columns: P . (diag(v_scale) V) = (P diag(v_scale)) . V.
     """
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     correction = jnp.exp(m_prev - m_next)
     p = jnp.exp(s - m_next)  # [R, S]
     l_next = correction * l_prev + jnp.sum(p, axis=1, keepdims=True)
     pv = lax.dot_general(
-        p, v.astype(jnp.float32), (((1,), (0,)), ((), ())),
+        p if v_scale is None else p * v_scale, v.astype(jnp.float32), (((1,), (0,)), ((), ())),
         precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
     )
     return m_next, l_next, correction * acc_prev + pv
@@ -133,12 +137,15 @@ def check_pool(kv_pages, layout, head_dim: int):
     ValueError unless its shape is that layout's with head dim `head_dim`."""
     layout = kv_layout.get(layout)
     pages, scales = kv_quant.split(kv_pages)
-    if scales is not None and layout.name != "canonical":
-        raise ValueError(f"a quantised pool has the canonical layout; got layout {layout.name!r}")
-    _, _, _, kv_dim = layout.dims(pages.shape)
+    num_pages, page_size, num_kv_heads, kv_dim = layout.dims(pages.shape)
     if kv_dim != head_dim:
         raise ValueError(f"kv_pages has shape {pages.shape} ({layout.name} layout): head dim {kv_dim}, "
                          f"queries' {head_dim}")
+    if scales is not None:
+        want = (layout.scale_shape(num_pages, page_size, num_kv_heads), layout.scale_dtype)
+        if (tuple(scales.shape), jnp.dtype(scales.dtype)) != want:
+            raise ValueError(f"the scales are {scales.dtype}{list(scales.shape)}; a {layout.name}-layout pool of "
+                             f"shape {pages.shape} has {want[1]}{list(want[0])}")
     return pages, scales, layout
 
 
@@ -204,6 +211,38 @@ class PageReader:
         return self.k_ref[:, h, :], self.v_ref[:, h, :]
 
 
+class ScaleReader:
+    """Head h's key and value scales f32[1, page_size] of the page block a TPU kernel got: one
+    row block [K, 1, W] of the tpu layout's scales (kv_layout.ScaleRows), the page's lanes rotated
+    to the front. `page` is the physical page (a traced scalar)."""
+
+    def __init__(self, ref, page, page_size: int):
+        rows = kv_layout.ScaleRows(page_size)
+        self.ref, self.page_size = ref, page_size
+        width = rows.row_width
+        self.shift = None  # one page a row: its lanes start at 0
+        if rows.pages_per_row > 1:
+            self.shift = lax.rem(width - lax.rem(page, rows.pages_per_row) * rows.lanes_per_page, width)
+
+    def __call__(self, h: int):
+        row = self.ref[h]  # [1, W]
+        if self.shift is not None:
+            row = pltpu.roll(row, self.shift, 1)
+        return row[:, :self.page_size], row[:, self.page_size:2 * self.page_size]
+
+
+def scale_specs(layout, page_size: int, num_kv_heads: int, page_index):
+    """BlockSpecs of one page's scales (a quantised pool): K and V scales [page_size, K] apart
+    (canonical; the scales passed twice) or the page's row block [K, 1, W] (tpu layout; once)."""
+    if layout.name == "tpu":
+        rows = kv_layout.ScaleRows(page_size)
+        return [pl.BlockSpec((num_kv_heads, None, 1, rows.row_width),
+                             lambda *a: (0, page_index(*a) // rows.pages_per_row, 0, 0))]
+    block = (None, None, page_size, num_kv_heads)
+    return [pl.BlockSpec(block, lambda *a: (0, page_index(*a), 0, 0)),
+            pl.BlockSpec(block, lambda *a: (1, page_index(*a), 0, 0))]
+
+
 def page_specs(layout, page_size: int, num_kv_heads: int, head_dim: int, page_index):
     """BlockSpecs of one page of the pool: K and V (canonical layout; the pool is passed twice) or
     the one fused block (tpu layout; passed once). page_index(*grid_and_prefetch) -> the physical page."""
@@ -232,18 +271,22 @@ def _decode_kernel_tpu(
     pt_ref,  # SMEM i32[B * pages_per_row]
     q_ref,  # [K, G, D]
     *refs,  # canonical layout: k_ref, v_ref [page_size, K, D] one page; tpu layout: kv_ref
-    # [K, page_size, 2D] one page (K | V on lanes); quantised: ks_ref, vs_ref f32[page_size, K] the
-    # page's scales; then the outputs: acc_ref f32[K, G, D] resident across the page axis,
-    # m_ref f32[K, G, 1], l_ref f32[K, G, 1]
+    # [K, page_size, 2D] one page (K | V on lanes); quantised: the page's scales (canonical:
+    # ks_ref, vs_ref [page_size, K]; tpu layout: one row block [K, 1, W], ScaleReader); then the
+    # outputs: acc_ref f32[K, G, D] resident across the page axis, m_ref f32[K, G, 1], l_ref f32[K, G, 1]
     sm_scale: float, pages_per_split: int, sliding_window: int | None, soft_cap: float | None,
-    quantized: bool = False, fused: bool = False,
+    quantized: bool = False, fused: bool = False, page_of=None,
 ):
     refs = list(refs)
     page_rows = PageReader(refs, fused)
-    ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
-    acc_ref, m_ref, l_ref = refs
     b, c, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     page_size, num_kv_heads = page_rows.page_size, page_rows.num_kv_heads
+    ks_ref = vs_ref = scale_rows = None
+    if quantized and fused:
+        scale_rows = ScaleReader(refs.pop(0), page_of(b, c, p, lens_ref, pt_ref), page_size)
+    elif quantized:
+        ks_ref, vs_ref = refs.pop(0), refs.pop(0)
+    acc_ref, m_ref, l_ref = refs
 
     @pl.when(p == 0)
     def _init():
@@ -264,12 +307,19 @@ def _decode_kernel_tpu(
         for h in range(num_kv_heads):  # K is small and static
             k, v = page_rows(h)  # [page_size, D] each
             q = q_ref[h]
-            if quantized:  # dequantise the page's rows: [page_size, D] * [page_size, 1]
-                k = dequantize_rows(k, ks_ref[:, h:h + 1], q.dtype)
-                v = v.astype(jnp.float32) * vs_ref[:, h:h + 1]
-            s = jnp.where(valid_row, cap_scores(scores_nt(q, k) * sm_scale, soft_cap), MASK_VALUE)
+            v_scale = None
+            if scale_rows is not None:  # scales on the score columns and on P's columns
+                k_scale, v_scale = scale_rows(h)  # f32[1, page_size] each
+                raw = scores_nt(q, k.astype(q.dtype)) * k_scale  # int8 / fp8 values are exact in q's dtype
+                v_scale = jnp.where(valid_row, v_scale, 0.0)  # unused slots' scales may be NaN
+            else:
+                if quantized:  # dequantise the page's rows: [page_size, D] * [page_size, 1]
+                    k = dequantize_rows(k, ks_ref[:, h:h + 1], q.dtype)
+                    v = v.astype(jnp.float32) * vs_ref[:, h:h + 1]
+                raw = scores_nt(q, k)
+            s = jnp.where(valid_row, cap_scores(raw * sm_scale, soft_cap), MASK_VALUE)
             v = jnp.where(valid_col, v, jnp.zeros_like(v))
-            m, l, acc = online_softmax_step(s, v, m_ref[h], l_ref[h], acc_ref[h])
+            m, l, acc = online_softmax_step(s, v, m_ref[h], l_ref[h], acc_ref[h], v_scale)
             m_ref[h] = m
             l_ref[h] = l
             acc_ref[h] = acc
@@ -285,24 +335,20 @@ def _decode_tpu(q4, kv_pages, table, lengths, scales, *, sm_scale, num_splits, i
         _page_slot, page_size=page_size, pages_per_split=pages_per_split, pages_per_row=pages_per_row,
         sliding_window=sliding_window,
     )
-    pool_specs = page_specs(layout, page_size, num_kv_heads, head_dim,
-                            lambda b, c, p, lens, pt: pt[slot(b, c, p, lens)])
+    page_of = lambda b, c, p, lens, pt: pt[slot(b, c, p, lens)]  # noqa: E731
+    pool_specs = page_specs(layout, page_size, num_kv_heads, head_dim, page_of)
     out_block = (None, None, num_kv_heads, group)
     split_out = (batch, num_splits, num_kv_heads, group)
     quantized = scales is not None
-    scale_specs, scale_args = [], []
-    if quantized:  # the page's scales, fetched by the same index as its values
-        scale_block = (None, None, page_size, num_kv_heads)
-        scale_specs = [pl.BlockSpec(scale_block, lambda b, c, p, lens, pt: (0, pt[slot(b, c, p, lens)], 0, 0)),
-                       pl.BlockSpec(scale_block, lambda b, c, p, lens, pt: (1, pt[slot(b, c, p, lens)], 0, 0))]
-        scale_args = [scales, scales]
+    # the page's scales, fetched by the same index as its values
+    scale_block_specs = scale_specs(layout, page_size, num_kv_heads, page_of) if quantized else []
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(batch, num_splits, pages_per_split),
         in_specs=[
             pl.BlockSpec((None, num_kv_heads, group, head_dim), lambda b, c, p, lens, pt: (b, 0, 0, 0)),
             *pool_specs,
-            *scale_specs,
+            *scale_block_specs,
         ],
         out_specs=[
             pl.BlockSpec((*out_block, head_dim), lambda b, c, p, lens, pt: (b, c, 0, 0, 0)),
@@ -312,7 +358,7 @@ def _decode_tpu(q4, kv_pages, table, lengths, scales, *, sm_scale, num_splits, i
     )
     kernel = functools.partial(_decode_kernel_tpu, sm_scale=sm_scale, pages_per_split=pages_per_split,
                                sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized,
-                               fused=layout.name == "tpu")
+                               fused=layout.name == "tpu", page_of=page_of)
     with tpu_target.pinned("tpu", interpret):  # lowered for the TPU this compiles for
         return pl.pallas_call(
             kernel,
@@ -325,7 +371,7 @@ def _decode_tpu(q4, kv_pages, table, lengths, scales, *, sm_scale, num_splits, i
             compiler_params=tpu_params(("parallel", "parallel", "arbitrary")),
             interpret=interpret_arg("tpu", interpret),
             name="paxpage_decode_attention_tpu",
-        )(lengths, table.reshape(-1), q4, *[kv_pages] * len(pool_specs), *scale_args)
+        )(lengths, table.reshape(-1), q4, *[kv_pages] * len(pool_specs), *[scales] * len(scale_block_specs))
 
 
 # ---------------------------------------------------------------- public wrapper
@@ -343,7 +389,7 @@ def default_num_splits(backend: str, batch: int, num_kv_heads: int, num_blocks: 
 def decode_attention(
     q: jax.Array,  # [B, N, D] f32 or bf16
     kv_pages,  # one layer's pool in `layout` (canonical [2, P, page_size, K, D], 0 = K, 1 = V; tpu
-    # [P, K, page_size, 2D]), or a kv_quant.QuantizedKV (canonical layout)
+    # [P, K, page_size, 2D]), or a kv_quant.QuantizedKV in that layout
     page_indices: jax.Array,  # i32[B, pages_per_seq] logical -> physical page of row b
     lengths: jax.Array,  # i32[B] keys of row b (0 = padding row -> zeros)
     *,

@@ -13,12 +13,22 @@ Axis legend: P pages, page_size slots per page, K kv heads, D head dim.
   also fuse K and V into one array (interleaved on the head axis, with D padded to 128 lanes);
   this keeps D unpadded instead, which suits SmolLM2's D = 64.
 
+A quantised pool (kv_quant.QuantizedKV) has its values in the same layout as a plain one and
+its per-(token, kv head, K | V) scales beside them:
+- canonical: SCALE_DTYPES["canonical"] (bf16) [2, P, page_size, K], the values' leading axes.
+- tpu: f32 [K, R, 1, W], head-major rows of W = 128 lanes (`ScaleRows`): row r of head h holds
+  the scales of pages r * pages_per_row .. (r + 1) * pages_per_row - 1, page p's at lanes
+  (p % pages_per_row) * lanes_per_page + half * page_size + slot. A bf16 [2, P, page_size, K]
+  array puts K (1 to 8) on a tile's 128 lanes and XLA keeps it in a transposed layout, so a
+  Mosaic kernel made it copy the scales on every call; these rows are one dense f32 (1, 128)
+  tile each, a page's block is one DMA of one row per head, and the kernels take the page's
+  lanes with one lane rotation. f32, not bf16: a (1, 128) row tile exists for 32-bit types only;
+  the values stored are the bf16 scales, exactly.
+
 Which layout a pool gets is decided where the pool is made (`for_backend`), and every reader
 (kernels, page copies, sharding, sizing) asks the layout for shapes and axes instead of
-hard-coding them. The quantised pool (kv_quant.QuantizedKV) keeps the canonical layout on every
-backend: its per-(token, head) scales have no tiling-friendly TPU layout yet, so on TPU the
-kernels relay out its scales at every shape and its values where K < 8
-(scripts/tpu_compile_check.py measures it; docs/gpu-tpu.md has the figures).
+hard-coding them. scripts/tpu_compile_check.py measures each layout's compiled bytes and copies
+(docs/gpu-tpu.md has the figures).
 """
 
 from __future__ import annotations
@@ -29,6 +39,40 @@ import jax
 import jax.numpy as jnp
 
 LAYOUTS = ("canonical", "tpu")
+# A quantised pool's scale dtype in each layout (the canonical one is kv_quant.SCALE_DTYPE).
+SCALE_DTYPES = {"canonical": jnp.bfloat16, "tpu": jnp.float32}
+LANES = 128  # a TPU tile's lane count
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleRows:
+    """Where the tpu layout keeps page scales: each page's 2 * page_size scales (K then V) take
+    `lanes_per_page` lanes (a power of two dividing 128, or a multiple of 128), `pages_per_row`
+    pages share a row of `row_width` lanes."""
+
+    page_size: int
+
+    @property
+    def lanes_per_page(self) -> int:
+        need = 2 * self.page_size
+        if need <= LANES:
+            return 1 << (need - 1).bit_length()
+        return -(-need // LANES) * LANES
+
+    @property
+    def pages_per_row(self) -> int:
+        return max(1, LANES // self.lanes_per_page)
+
+    @property
+    def row_width(self) -> int:
+        return max(LANES, self.lanes_per_page)
+
+    def num_rows(self, num_pages: int) -> int:
+        return -(-num_pages // self.pages_per_row)
+
+    def lane(self, page, half, slot):
+        """Lane of (page, half, slot) in its row (row = page // pages_per_row); ints or arrays."""
+        return (page % self.pages_per_row) * self.lanes_per_page + half * self.page_size + slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,19 +114,110 @@ class KVLayout:
         _, num_pages, page_size, num_kv_heads, head_dim = shape
         return num_pages, page_size, num_kv_heads, head_dim
 
-    def from_canonical(self, pool: jax.Array) -> jax.Array:
-        """[2, P, page_size, K, D] -> this layout (the same keys and values)."""
+    @property
+    def scale_dtype(self):
+        """A quantised pool's scale dtype in this layout."""
+        return jnp.dtype(SCALE_DTYPES[self.name])
+
+    def scale_shape(self, num_pages: int, page_size: int, num_kv_heads: int) -> tuple[int, ...]:
+        """A quantised pool's scales array shape."""
+        if self.name == "tpu":
+            rows = ScaleRows(page_size)
+            return (num_kv_heads, rows.num_rows(num_pages), 1, rows.row_width)
+        return (2, num_pages, page_size, num_kv_heads)
+
+    def scale_bytes_per_page(self, page_size: int) -> int:
+        """Bytes one kv head's scales (K and V) take per page of a quantised pool, lane padding
+        included (the tpu layout's last row also pads to whole rows: under one row per pool)."""
+        if self.name == "tpu":
+            return ScaleRows(page_size).lanes_per_page * self.scale_dtype.itemsize
+        return 2 * page_size * self.scale_dtype.itemsize
+
+    @property
+    def scale_head_axis(self) -> int:
+        """The scales' axis of kv heads (split with the values' by tensor parallelism)."""
+        return 0 if self.name == "tpu" else 3
+
+    def from_canonical(self, pool):
+        """[2, P, page_size, K, D] (or a kv_quant.QuantizedKV of canonical values and scales) ->
+        this layout (the same keys, values and scales)."""
         if self.name == "canonical":
             return pool
+        if hasattr(pool, "scales"):  # a QuantizedKV
+            return dataclasses.replace(pool, pages=self.from_canonical(pool.pages),
+                                       scales=self.scales_from_canonical(pool.scales))
         return jnp.concatenate([pool[0], pool[1]], axis=-1).transpose(0, 2, 1, 3)  # [P, K, ps, 2D]
 
-    def to_canonical(self, pool: jax.Array) -> jax.Array:
-        """This layout -> [2, P, page_size, K, D] (references and tests read that)."""
+    def to_canonical(self, pool):
+        """This layout -> [2, P, page_size, K, D] (or a QuantizedKV of canonical arrays):
+        references and tests read that."""
         if self.name == "canonical":
             return pool
+        if hasattr(pool, "scales"):
+            num_pages, _, page_size, _ = pool.pages.shape
+            return dataclasses.replace(pool, pages=self.to_canonical(pool.pages),
+                                       scales=self.scales_to_canonical(pool.scales, num_pages, page_size))
         head_dim = pool.shape[-1] // 2
         kv = pool.transpose(0, 2, 1, 3)  # [P, ps, K, 2D]
         return jnp.stack([kv[..., :head_dim], kv[..., head_dim:]])
+
+    def scales_from_canonical(self, scales: jax.Array) -> jax.Array:
+        """Canonical scales [2, P, page_size, K] -> this layout's."""
+        if self.name == "canonical":
+            return scales
+        _, num_pages, page_size, num_kv_heads = scales.shape
+        rows = ScaleRows(page_size)
+        per_page = scales.transpose(3, 1, 0, 2).reshape(num_kv_heads, num_pages, 2 * page_size)
+        padded_pages = rows.num_rows(num_pages) * rows.pages_per_row
+        per_page = jnp.pad(per_page, ((0, 0), (0, padded_pages - num_pages), (0, rows.lanes_per_page - 2 * page_size)))
+        flat = per_page.reshape(num_kv_heads, rows.num_rows(num_pages), rows.pages_per_row * rows.lanes_per_page)
+        flat = jnp.pad(flat, ((0, 0), (0, 0), (0, rows.row_width - flat.shape[-1])))
+        return flat[:, :, None, :].astype(self.scale_dtype)
+
+    def scales_to_canonical(self, scales: jax.Array, num_pages: int, page_size: int) -> jax.Array:
+        """This layout's scales -> canonical [2, P, page_size, K] (SCALE_DTYPES["canonical"])."""
+        if self.name == "canonical":
+            return scales
+        rows = ScaleRows(page_size)
+        num_kv_heads, num_rows = scales.shape[0], scales.shape[1]
+        used = scales[:, :, 0, :rows.pages_per_row * rows.lanes_per_page]
+        per_page = used.reshape(num_kv_heads, num_rows * rows.pages_per_row, rows.lanes_per_page)
+        per_page = per_page[:, :num_pages, :2 * page_size].reshape(num_kv_heads, num_pages, 2, page_size)
+        return per_page.transpose(2, 1, 3, 0).astype(SCALE_DTYPES["canonical"])
+
+    def write_scales(self, scales: jax.Array, page_size: int, slot_mapping: jax.Array,
+                     kv_scales: jax.Array) -> jax.Array:
+        """scales (this layout) with kv_scales [2, T, K] stored at token t's slot (page_id *
+        page_size + offset); padding (-1) and slots past the pool are dropped. An in-place XLA
+        scatter on the donated scales."""
+        if self.name == "canonical":
+            num_pages = scales.shape[1]
+            # (page, offset) directly: a flat-slot reshape makes XLA copy the whole buffer
+            page = jnp.where(slot_mapping < 0, num_pages, slot_mapping // page_size)
+            return scales.at[:, page, slot_mapping % page_size].set(kv_scales.astype(scales.dtype), mode="drop")
+        rows = ScaleRows(page_size)
+        num_kv_heads = scales.shape[0]
+        page = slot_mapping // page_size  # [T]
+        row = jnp.where(slot_mapping < 0, scales.shape[1], page // rows.pages_per_row)
+        half = jnp.arange(2)[:, None, None]  # [2, 1, 1] against [2, T, K]
+        lane = rows.lane(jnp.maximum(page, 0)[None, :, None], half, (slot_mapping % page_size)[None, :, None])
+        head = jnp.arange(num_kv_heads)[None, None, :]
+        row = jnp.broadcast_to(row[None, :, None], kv_scales.shape)
+        return scales.at[head, row, 0, lane].set(kv_scales.astype(scales.dtype), mode="drop")
+
+    def copy_scale_pages(self, scales: jax.Array, page_size: int, src: jax.Array, dst: jax.Array) -> jax.Array:
+        """Copies pages src -> dst (i32[C]) of this layout's scales; a dst past the pool is dropped."""
+        if self.name == "canonical":
+            return scales.at[:, dst].set(scales[:, src], mode="drop")
+        rows = ScaleRows(page_size)
+        span = jnp.arange(2 * page_size)[None, :]  # both halves' lanes of a page: [1, 2 * page_size]
+        src_lane = rows.lane(src, 0, 0)[:, None] + span
+        dst_lane = rows.lane(dst, 0, 0)[:, None] + span
+        src_row = jnp.broadcast_to((src // rows.pages_per_row)[:, None], src_lane.shape)
+        # a dst past the pool lands in the last row's unused lanes or past the rows (dropped)
+        dst_row = jnp.broadcast_to((dst // rows.pages_per_row)[:, None], dst_lane.shape)
+        taken = scales[:, src_row, 0, src_lane]  # [K, C, 2 * page_size]
+        return scales.at[:, dst_row, 0, dst_lane].set(taken, mode="drop")
 
 
 CANONICAL = KVLayout("canonical")
@@ -96,7 +231,7 @@ def get(layout: "KVLayout | str | None") -> KVLayout:
     return layout if isinstance(layout, KVLayout) else KVLayout(layout)
 
 
-def for_backend(backend: str | None, quantized: bool = False, latent: bool = False) -> KVLayout:
-    """The layout a pool made for this kernel family gets: "tpu" for the TPU Pallas kernels on a
-    plain (unquantised, non-latent) pool, canonical otherwise."""
-    return TPU if backend == "tpu" and not quantized and not latent else CANONICAL
+def for_backend(backend: str | None, latent: bool = False) -> KVLayout:
+    """The layout a pool made for this kernel family gets: "tpu" for the TPU Pallas kernels (plain
+    or quantised), canonical otherwise and for a latent-attention pool."""
+    return TPU if backend == "tpu" and not latent else CANONICAL

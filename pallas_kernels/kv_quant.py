@@ -5,9 +5,10 @@ Axis legend: T flat tokens, K kv heads, D head dim, P pages.
 One layer's cache is either a plain array [2, P, page_size, K, D] (the model's dtype; "auto") or a
 `QuantizedKV(pages, scales)`: `pages` [2, P, page_size, K, D] int8 / float8_e4m3fn and `scales`
 SCALE_DTYPE[2, P, page_size, K] (bf16), so that row (half, page, slot, head) holds `pages[...] * scales[...]`.
-A quantised pool has the canonical layout on every backend (kv_layout.py: the TPU's plain pool
-has its own). The scales have the pool's leading axes, so anything that moves pages (copy-on-write, a page
-table, sharding over K) moves them the same way; a `jax.tree_util` map over the pytree does both.
+That is the canonical layout; on the TPU kernels' layout the values are [P, K, page_size, 2D]
+like a plain pool and the scales f32 rows [K, R, 1, 128] (kv_layout.py says where a page's
+scales are). Whatever moves pages (copy-on-write, sharding over K) asks the layout how
+(`KVLayout.copy_scale_pages`, `scale_head_axis`).
 
 Quantisation is symmetric absmax per (token, kv head): scale = max|x| / QMAX, x / scale rounded
 (int8) or cast (fp8, e4m3 max 448), so an outlier token only coarsens its own row. Why per token
@@ -22,12 +23,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kv_layout
+
 # EngineConfig.kv_cache_dtype values other than "auto" -> storage dtype.
 KV_CACHE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 # bf16 scales: 2 bytes per 64-value row, so int8 holds 128 / 66 = 1.94x bf16's tokens at head_dim
 # 64 (f32 scales: 1.88x); the attention error is the same to the measured precision
 # (scripts/kv_quant_error.py, docs/quantisation.md). The stored scale is the one values are divided by.
-SCALE_DTYPE = jnp.bfloat16
+SCALE_DTYPE = kv_layout.SCALE_DTYPES["canonical"]
 # Largest magnitude a stored value may have: int8 127 (symmetric: -128 never used), e4m3 448.
 QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 
@@ -37,8 +40,9 @@ QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 class QuantizedKV:
     """One layer's quantised pool (a pytree: both fields are traced arrays)."""
 
-    pages: jax.Array  # int8 | float8_e4m3fn [2, P, page_size, K, D] (0 = K, 1 = V)
-    scales: jax.Array  # SCALE_DTYPE[2, P, page_size, K] dequantised row = pages[..., :] * scales[...]
+    pages: jax.Array  # int8 | float8_e4m3fn [2, P, page_size, K, D] (0 = K, 1 = V); tpu layout [P, K, page_size, 2D]
+    scales: jax.Array  # SCALE_DTYPE[2, P, page_size, K] dequantised row = pages[..., :] * scales[...]; tpu layout
+    # f32[K, R, 1, 128] (kv_layout.ScaleRows)
 
 
 def split(kv):
@@ -51,28 +55,38 @@ def join(pages, scales):
     return pages if scales is None else QuantizedKV(pages, scales)
 
 
-def bytes_per_row(kv_cache_dtype: str, model_itemsize: int, head_dim: int) -> int:
-    """Bytes one (token, kv head) row of K (or of V) takes in the pool, its scale included."""
+def head_page_bytes(kv_cache_dtype: str, model_itemsize: int, head_dim: int, page_size: int, layout=None) -> int:
+    """Bytes one kv head's K and V take in one page of the pool, in `layout` (None: canonical),
+    a quantised pool's scales included."""
     if kv_cache_dtype == "auto":
-        return head_dim * model_itemsize
-    return head_dim * jnp.dtype(KV_CACHE_DTYPES[kv_cache_dtype]).itemsize + jnp.dtype(SCALE_DTYPE).itemsize
+        return 2 * page_size * head_dim * model_itemsize
+    values = 2 * page_size * head_dim * jnp.dtype(KV_CACHE_DTYPES[kv_cache_dtype]).itemsize
+    return values + kv_layout.get(layout).scale_bytes_per_page(page_size)
 
 
-def zeros(shape, kv_cache_dtype: str, model_dtype):
-    """One layer's empty cache of pool shape [2, P, page_size, K, D] (paxpage.mesh.cache_zeros:
-    the same, split over devices)."""
+def scale_form(shape, layout=None) -> tuple[tuple[int, ...], jnp.dtype]:
+    """(shape, dtype) of the scales beside values of pool shape `shape` in `layout` (None:
+    canonical, whose scales drop the values' last axis: a stacked [2, L, P, ...] pool's too)."""
+    layout = kv_layout.get(layout)
+    if layout.name == "canonical":
+        return tuple(shape[:-1]), layout.scale_dtype
+    num_pages, page_size, num_kv_heads, _ = layout.dims(shape)
+    return layout.scale_shape(num_pages, page_size, num_kv_heads), layout.scale_dtype
+
+
+def zeros(shape, kv_cache_dtype: str, model_dtype, layout=None):
+    """One layer's empty cache of pool shape `shape` in `layout` (None: canonical [2, P,
+    page_size, K, D]; paxpage.mesh.cache_zeros: the same, split over devices)."""
     if kv_cache_dtype == "auto":
         return jnp.zeros(shape, jnp.dtype(model_dtype))
-    return QuantizedKV(jnp.zeros(shape, KV_CACHE_DTYPES[kv_cache_dtype]), jnp.zeros(shape[:-1], SCALE_DTYPE))
+    return QuantizedKV(jnp.zeros(shape, KV_CACHE_DTYPES[kv_cache_dtype]), jnp.zeros(*scale_form(shape, layout)))
 
 
 def write_scales(scales: jax.Array, slot_mapping: jax.Array, kv_scales: jax.Array) -> jax.Array:
-    """scales SCALE_DTYPE[2, P, page_size, K] with kv_scales [2, T, K] stored at token t's slot
-    (page_id * page_size + offset); padding (-1) and slots past the pool are dropped."""
-    _, num_pages, page_size, _ = scales.shape
-    # (page, offset) directly: a flat-slot reshape makes XLA copy the whole buffer (see reference.write_kv)
-    page = jnp.where(slot_mapping < 0, num_pages, slot_mapping // page_size)
-    return scales.at[:, page, slot_mapping % page_size].set(kv_scales.astype(scales.dtype), mode="drop")
+    """Canonical scales SCALE_DTYPE[2, P, page_size, K] with kv_scales [2, T, K] stored at token
+    t's slot (page_id * page_size + offset); padding (-1) and slots past the pool are dropped
+    (KVLayout.write_scales for any layout)."""
+    return kv_layout.CANONICAL.write_scales(scales, scales.shape[2], slot_mapping, kv_scales)
 
 
 def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:

@@ -15,8 +15,9 @@ Quantised pool (kv_quant.QuantizedKV): K/V are quantised per (token, kv head) in
 (kv_quant.quantize, jnp). The GPU kernel stores each row's int8/fp8 values and its scale
 (kv_quant.SCALE_DTYPE) together, both buffers aliased. On TPU the kernel stores the values and the
 scales go in by an in-place XLA scatter beside it: a scale row is one 16-bit element of a tiled
-[page_size, K] slab, and Mosaic DMAs only at tile-aligned offsets along it. A plain pool traces
-exactly the unquantised kernel.
+[page_size, K] slab, and Mosaic DMAs only at tile-aligned offsets along it. On the tpu layout the
+values go in by the fused scatter and the scales by `KVLayout.write_scales` (one f32 lane each).
+A plain pool traces exactly the unquantised kernel.
 """
 
 from __future__ import annotations
@@ -173,8 +174,8 @@ def _kv_write_tpu_fused(kv_pages, k, v, slots):
 
 @functools.partial(jax.jit, static_argnames=("block_t", "backend", "interpret", "layout"), donate_argnums=(0,))
 def write_kv(
-    kv_pages,  # one layer's pool in `layout` (canonical [2, P, page_size, K, D] or a QuantizedKV;
-    # tpu [P, K, page_size, 2D]); donated, updated in place
+    kv_pages,  # one layer's pool in `layout` (canonical [2, P, page_size, K, D]; tpu [P, K,
+    # page_size, 2D]) or a QuantizedKV of that layout; donated, updated in place
     k: jax.Array,  # [T, K, D] this step's keys, flat tokens
     v: jax.Array,  # [T, K, D]
     slot_mapping: jax.Array,  # i32[T] page_id * page_size + offset; -1 = padding, not written
@@ -206,7 +207,10 @@ def write_kv(
     else:  # quantised here, per (token, kv head); the kernels store values and scales
         (k, v), (ks, vs) = kv_quant.quantize(jnp.stack([k, v]), kv_pages.dtype)
     if layout.name == "tpu":
-        return _kv_write_tpu_fused(kv_pages, k, v, slots)
+        pages = _kv_write_tpu_fused(kv_pages, k, v, slots)
+        if scales is None:
+            return pages
+        return kv_quant.join(pages, layout.write_scales(scales, page_size, slots, jnp.stack([ks, vs])))
     if backend == "gpu":
         out = _kv_write_gpu(kv_pages, k, v, slots, scales, ks, vs, interpret=interpret)
     else:

@@ -21,7 +21,8 @@ wholly before the window of the sequence's first token in the query block are ne
 may be released pages). A soft cap c maps scaled scores s to c * tanh(s / c).
 
 Quantised pool (kv_quant.QuantizedKV): each K/V block is read with its block of scales and
-dequantised in the block as in decode_attention.py. A plain pool traces the kernel it always did.
+dequantised as in decode_attention.py (canonical: in the block; tpu layout: the scales on the
+score columns and on P's columns). A plain pool traces the kernel it always did.
 
 Attention sinks (gpt-oss, f32[N], a logit per query head in the denominator only): the rows'
 sinks come in as one resident [K, R, 1] block, and each sequence's final normalisation folds its
@@ -45,6 +46,7 @@ from pallas_kernels import tpu_target
 from pallas_kernels.decode_attention import (
     MASK_VALUE,
     PageReader,
+    ScaleReader,
     cap_scores,
     check_backend,
     check_pool,
@@ -55,6 +57,7 @@ from pallas_kernels.decode_attention import (
     interpret_arg,
     online_softmax_step,
     page_specs,
+    scale_specs,
     scores_nt,
     tpu_params,
 )
@@ -78,9 +81,9 @@ def _first_key(base, row_lo, sliding_window):
 
 
 def _masked_scores(q, k, v, key0, kv_len, base, row_lo, row_hi, first_key, *, sm_scale, rows_per_tok,
-                   sliding_window, soft_cap):
+                   sliding_window, soft_cap, k_scale=None):
     """Scores [R, S] with causal/window/sequence mask applied; v [S, D] with keys outside
-    first_key..kv_len-1 zeroed."""
+    first_key..kv_len-1 zeroed. k_scale f32[1, S]: quantised keys' scales on the score columns."""
     rows, block_len = q.shape[0], k.shape[0]
     r = lax.broadcasted_iota(jnp.int32, (rows, block_len), 0)
     kp = key0 + lax.broadcasted_iota(jnp.int32, (rows, block_len), 1)
@@ -88,10 +91,18 @@ def _masked_scores(q, k, v, key0, kv_len, base, row_lo, row_hi, first_key, *, sm
     if sliding_window is not None:
         visible &= (kp - base + sliding_window) * rows_per_tok > r
     s = scores_nt(q, k)
+    if k_scale is not None:
+        s = s * k_scale  # NaN scales of unused slots are masked out below
     s = jnp.where(visible, cap_scores(s * sm_scale, soft_cap), MASK_VALUE)
     key = key0 + lax.broadcasted_iota(jnp.int32, (block_len, 1), 0)
     key_ok = (key < kv_len) & (key >= first_key)
     return s, jnp.where(key_ok, v, jnp.zeros_like(v))
+
+
+def _key_row_mask(key0, block_len, kv_len, first_key):
+    """bool[1, S]: the block's keys inside first_key..kv_len-1 (as a row, for per-key scales)."""
+    key = key0 + lax.broadcasted_iota(jnp.int32, (1, block_len), 1)
+    return (key < kv_len) & (key >= first_key)
 
 
 def _row_mask(rows, row_lo, row_hi, rows_per_tok):
@@ -110,20 +121,25 @@ def _ragged_kernel_tpu(
     wb_ref, ws_ref, wi_ref, wv_ref,  # SMEM i32[W]: query block, sequence, first-of-block, valid
     q_ref,  # [K, R, D]
     *refs,  # canonical layout: k_ref, v_ref [page_size, K, D] one page; tpu layout: kv_ref
-    # [K, page_size, 2D] one page (K | V on lanes); quantised: ks_ref, vs_ref f32[page_size, K] the
-    # page's scales; with sinks: sink_ref
+    # [K, page_size, 2D] one page (K | V on lanes); quantised: the page's scales (canonical: ks_ref,
+    # vs_ref [page_size, K]; tpu layout: one row block [K, 1, W], ScaleReader); with sinks: sink_ref
     # f32[K, R, 1] each row's sink logit; then o_ref [K, R, D] resident while consecutive work
     # items share the block, and VMEM scratch m_sc, l_sc, acc_sc f32[K, R, 1], f32[K, R, 1], f32[K, R, D]
     sm_scale: float, block_q: int, rows_per_tok: int, sliding_window: int | None, soft_cap: float | None,
-    quantized: bool = False, sinks: bool = False, fused: bool = False,
+    quantized: bool = False, sinks: bool = False, fused: bool = False, page_of=None,
 ):
     refs = list(refs)
     page_rows = PageReader(refs, fused)
-    ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
-    sink_ref = refs.pop(0) if sinks else None
-    o_ref, m_sc, l_sc, acc_sc = refs
     w, p = pl.program_id(0), pl.program_id(1)
     page_size, num_kv_heads = page_rows.page_size, page_rows.num_kv_heads
+    ks_ref = vs_ref = scale_rows = None
+    if quantized and fused:
+        scale_rows = ScaleReader(refs.pop(0), page_of(w, p, cu_ref, kv_lens_ref, pt_ref, wb_ref, ws_ref, wi_ref,
+                                                      wv_ref), page_size)
+    elif quantized:
+        ks_ref, vs_ref = refs.pop(0), refs.pop(0)
+    sink_ref = refs.pop(0) if sinks else None
+    o_ref, m_sc, l_sc, acc_sc = refs
     rows = q_ref.shape[1]
     kv_len = kv_lens_ref[ws_ref[w]]
     row_lo, row_hi, base, num_keys = _work_geometry(w, cu_ref, kv_lens_ref, wb_ref, ws_ref, block_q=block_q)
@@ -143,15 +159,21 @@ def _ragged_kernel_tpu(
     def _compute():
         for h in range(num_kv_heads):  # K is small and static
             q, (k, v) = q_ref[h], page_rows(h)
-            if quantized:  # dequantise the page's rows: [page_size, D] * [page_size, 1]
+            k_scale = v_scale = None
+            if scale_rows is not None:  # scales on the score columns and on P's columns
+                k_scale, v_scale = scale_rows(h)  # f32[1, page_size] each
+                k = k.astype(q.dtype)  # int8 / fp8 values are exact in q's dtype
+                key_ok = _key_row_mask(p * page_size, page_size, kv_len, first_key)
+                v_scale = jnp.where(key_ok, v_scale, 0.0)  # unused slots' scales may be NaN
+            elif quantized:  # dequantise the page's rows: [page_size, D] * [page_size, 1]
                 k = dequantize_rows(k, ks_ref[:, h:h + 1], q.dtype)
                 v = v.astype(jnp.float32) * vs_ref[:, h:h + 1]
             s, v = _masked_scores(
                 q, k, v, p * page_size, kv_len, base, row_lo, row_hi,
                 first_key, sm_scale=sm_scale, rows_per_tok=rows_per_tok, sliding_window=sliding_window,
-                soft_cap=soft_cap,
+                soft_cap=soft_cap, k_scale=k_scale,
             )
-            m, l, acc = online_softmax_step(s, v, m_sc[h], l_sc[h], acc_sc[h])
+            m, l, acc = online_softmax_step(s, v, m_sc[h], l_sc[h], acc_sc[h], v_scale)
             m_sc[h] = m
             l_sc[h] = l
             acc_sc[h] = acc
@@ -201,15 +223,9 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, sink_rows
         # Past the keys this item needs, repeat the last page: no new DMA, no stray read.
         return pt_r[ws_r[w] * pages_per_seq + jnp.minimum(page, used)]
 
-    def page_map(half, trailing=3):  # scales' block: (half, page) then their K axis
-        return lambda *a: (half, page_index(*a)) + (0,) * trailing
-
     quantized = scales is not None
-    scale_specs, scale_args = [], []
-    if quantized:  # the page's scales, fetched by the same index as its values
-        scale_block = (None, None, page_size, num_kv_heads)
-        scale_specs = [pl.BlockSpec(scale_block, page_map(0, 2)), pl.BlockSpec(scale_block, page_map(1, 2))]
-        scale_args = [scales, scales]
+    # the page's scales, fetched by the same index as its values
+    scale_block_specs = scale_specs(layout, page_size, num_kv_heads, page_index) if quantized else []
     sink_specs, sink_args = [], []
     if sink_rows is not None:  # [K, R, 1], the same block at every grid step: fetched once
         sink_specs = [pl.BlockSpec(sink_rows.shape, lambda w, p, *_: (0, 0, 0))]
@@ -223,7 +239,7 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, sink_rows
         in_specs=[
             pl.BlockSpec((None, num_kv_heads, rows, head_dim), block_map),
             *pool_specs,
-            *scale_specs,
+            *scale_block_specs,
             *sink_specs,
         ],
         out_specs=pl.BlockSpec((None, num_kv_heads, rows, head_dim), block_map),
@@ -235,7 +251,7 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, sink_rows
     )
     kernel = functools.partial(_ragged_kernel_tpu, sm_scale=sm_scale, block_q=block_q, rows_per_tok=rows_per_tok,
                                sliding_window=sliding_window, soft_cap=soft_cap, quantized=quantized,
-                               sinks=sink_rows is not None, fused=layout.name == "tpu")
+                               sinks=sink_rows is not None, fused=layout.name == "tpu", page_of=page_index)
     with tpu_target.pinned("tpu", interpret):  # lowered for the TPU this compiles for
         return pl.pallas_call(
             kernel,
@@ -245,7 +261,8 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, sink_rows
             compiler_params=tpu_params(("arbitrary", "arbitrary")),
             interpret=interpret_arg("tpu", interpret),
             name="paxpage_ragged_attention_tpu",
-        )(cu, kv_lens, table.reshape(-1), wb, ws, wi, wv, qw, *[kv_pages] * len(pool_specs), *scale_args, *sink_args)
+        )(cu, kv_lens, table.reshape(-1), wb, ws, wi, wv, qw, *[kv_pages] * len(pool_specs),
+          *[scales] * len(scale_block_specs), *sink_args)
 
 
 # ---------------------------------------------------------------- public wrapper

@@ -19,7 +19,7 @@ import functools
 import logging
 import os
 
-from pallas_kernels import latent_attention, reference
+from pallas_kernels import kv_layout, latent_attention, reference
 from pallas_kernels.xla_attention import paged_attention_xla
 
 
@@ -106,6 +106,21 @@ def kernel_family(impl: str) -> str | None:
     from pallas_kernels import dispatch
 
     return dispatch.resolve_impl(impl)[0]
+
+
+def pool_layout(impl: str, backend: str | None, scanned: bool, latent: bool = False) -> kv_layout.KVLayout:
+    """The layout a runner's pool gets (pallas_kernels/kv_layout.py): its Pallas kernel family's
+    (the TPU kernels' tiles on "tpu"), canonical for "native" / "xla", for the stacked pool of
+    scanned layers (layer_stack's [2, L, P, ...]) and for a latent pool. backend: the compile
+    target's ("cpu" or None: this host's kernels; compiled "pallas" has none there, and the
+    runner says so)."""
+    if not get(impl).pallas or scanned:
+        return kv_layout.for_backend(None, latent=latent)
+    if backend in ("gpu", "tpu"):
+        family = backend
+    else:
+        family = None if impl == "pallas" and backend == "cpu" else kernel_family(impl)
+    return kv_layout.for_backend(family, latent=latent)
 
 
 def functions(impl: str, backend: str | None = None, batch_invariant: bool = False, latent: bool = False,

@@ -248,13 +248,15 @@ class EngineConfig:
         # per-device budget, so tp devices hold up to tp times the pages; sharding.py).
         # A quantised pool counts its 1-byte values and its scales.
         plan = ShardingPlan.for_model(model, self.tensor_parallel_size)
-        page_bytes = kv_page_bytes_per_device(model, plan, self.page_size, itemsize, self.kv_cache_dtype)
+        scan_period = self._scan_period(model, impl, defaults.scan_pallas)
+        layout = attention_impl.pool_layout(impl, backend, scan_period > 0, model.is_mla)  # as the runner's
+        page_bytes = kv_page_bytes_per_device(model, plan, self.page_size, itemsize, self.kv_cache_dtype, layout)
         if self.speculative_method == "draft":
             # The draft's pool has a page for each of the target's (paxpage/speculative/draft.py): one
             # budget pays for both, so a page costs the two models' K/V bytes.
             validate_draft_model(self.draft_model, model)
             page_bytes += draft_page_bytes(self.draft_model.config, self.page_size, itemsize,
-                                           self.kv_cache_dtype)
+                                           self.kv_cache_dtype, layout)
         if self.num_pages is not None:
             num_pages, source = self.num_pages, "num_pages"
         elif self.kv_cache_bytes is None and not on_cpu:
@@ -270,7 +272,7 @@ class EngineConfig:
         step = {name: getattr(defaults, name) if getattr(self, name) is None else getattr(self, name)
                 for name in STEP_DEFAULT_FIELDS}
         return ResolvedConfig(self, dtype, impl, max_model_len, num_pages, page_bytes, source,
-                              self._scan_period(model, impl, defaults.scan_pallas), backend, **step)
+                              scan_period, backend, **step)
 
     def _scan_period(self, model: ModelConfig, impl: str, scan_pallas: bool = False) -> int:
         """Layers per scanned group (models/layer_stack.py), 0 for the unrolled loop."""

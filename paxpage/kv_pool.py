@@ -4,10 +4,11 @@ A pool is a pytree the step takes donated and returns: a list of L per-layer cac
 scanned layers (models/layer_stack.py) one stacked cache. Each layer's cache is
     - canonical [2, P, page_size, K, D] (0 = K, 1 = V), or the TPU kernels' [P, K, page_size, 2D]
       (pallas_kernels/kv_layout.py),
-    - kv_quant.QuantizedKV(pages, scales) for an int8 / fp8 cache,
+    - kv_quant.QuantizedKV(pages, scales) for an int8 / fp8 cache (values in either layout, the
+      scales in that layout's form),
     - a latent-attention model's [1, P, page_size, 1, C] latent pool,
-and a stacked cache has [2, L, P, ...] leaves. Code that moves pages maps over the pytree
-(jax.tree.map), so one copy moves a page's values and scales alike.
+and a stacked cache has [2, L, P, ...] leaves. A page copy moves a page's values and scales
+alike (`copy_pages`: along the page axis, and the tpu layout's scale rows as the layout says).
 
 How many pages a pool gets is kv_sizing.py's question; `KVPoolSpec` only makes one of a given size.
 Axis legend: L layers, P pages, K kv heads, D head dim, C latent width.
@@ -37,6 +38,10 @@ class KVPoolSpec:
     scanned: bool  # one stacked [2, L, P, ...] cache instead of a list of L
     sharding: Any = None  # one layer's cache sharding (mesh.shard_runner_state); None: the default device
 
+    def copy(self, kv_cache, src, dst):
+        """`copy_pages` on a pool of this spec (jit it with the pool donated)."""
+        return copy_pages(kv_cache, src, dst, self.page_axis, self.layout)
+
     @property
     def page_axis(self) -> int:
         """The axis a page copy indexes in every leaf: the layout's, or 2 in a stacked [2, L, P, ...] leaf."""
@@ -65,20 +70,34 @@ class KVPoolSpec:
 
     def _layer_zeros(self, shape):
         if self.sharding is None:
-            return kv_quant.zeros(shape, self.kv_cache_dtype, self.dtype)
+            return kv_quant.zeros(shape, self.kv_cache_dtype, self.dtype, self.layout)
         from paxpage import mesh as mesh_lib  # the sharded path only
 
-        return mesh_lib.cache_zeros(shape, self.kv_cache_dtype, self.dtype, self.sharding)
+        return mesh_lib.cache_zeros(shape, self.kv_cache_dtype, self.dtype, self.sharding, self.layout)
 
     def _layer_abstract(self, shape):
-        cache = jax.eval_shape(lambda: kv_quant.zeros(shape, self.kv_cache_dtype, self.dtype))
+        cache = jax.eval_shape(lambda: kv_quant.zeros(shape, self.kv_cache_dtype, self.dtype, self.layout))
         if self.sharding is None:
             return cache
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache, self.sharding)
 
 
-def copy_pages(kv_cache, src, dst, page_axis: int):  # src, dst: i32[C]
+def copy_pages(kv_cache, src, dst, page_axis: int, layout=None):  # src, dst: i32[C]
     """Copies pages src -> dst in every array of the pool along `page_axis` (KVPoolSpec.page_axis);
-    a dst past the pool is dropped, so padding copies cost nothing."""
+    a quantised cache's scales in the tpu layout (`layout`, a kv_layout name or KVLayout; None:
+    canonical) as that layout keeps them. A dst past the pool is dropped, so padding copies cost
+    nothing."""
+    layout = kv_layout.get(layout)
     lead = (slice(None),) * page_axis
-    return jax.tree.map(lambda pages: pages.at[lead + (dst,)].set(pages[lead + (src,)], mode="drop"), kv_cache)
+
+    def array(pages):
+        return pages.at[lead + (dst,)].set(pages[lead + (src,)], mode="drop")
+
+    def layer(cache):
+        pages, scales = kv_quant.split(cache)
+        if scales is None or layout.name == "canonical":
+            return jax.tree.map(array, cache)
+        _, page_size, _, _ = layout.dims(pages.shape)
+        return kv_quant.join(array(pages), layout.copy_scale_pages(scales, page_size, src, dst))
+
+    return [layer(cache) for cache in kv_cache] if isinstance(kv_cache, list) else layer(kv_cache)

@@ -92,15 +92,17 @@ def zeros(shape, dtype, sharding: NamedSharding) -> jax.Array:
     return jax.jit(functools.partial(jax.numpy.zeros, shape, dtype), out_shardings=sharding)()
 
 
-def cache_zeros(shape, kv_cache_dtype: str, dtype, sharding) -> object:
-    """One layer's empty cache (kv_quant.zeros), each array created with its own sharding from
-    `sharding`, a pytree like the cache (shard_runner_state's pool sharding)."""
+def cache_zeros(shape, kv_cache_dtype: str, dtype, sharding, layout=None) -> object:
+    """One layer's empty cache (kv_quant.zeros) of pool shape `shape` in `layout` (a kv_layout;
+    None: canonical), each array created with its own sharding from `sharding`, a pytree like the
+    cache (shard_runner_state's pool sharding)."""
     from pallas_kernels import kv_quant
 
     if kv_cache_dtype == "auto":
         return zeros(shape, dtype, sharding)
+    scale_shape, scale_dtype = kv_quant.scale_form(shape, layout)
     return kv_quant.QuantizedKV(zeros(shape, kv_quant.KV_CACHE_DTYPES[kv_cache_dtype], sharding.pages),
-                                zeros(shape[:-1], kv_quant.SCALE_DTYPE, sharding.scales))
+                                zeros(scale_shape, scale_dtype, sharding.scales))
 
 
 def shard_attention(attention, write_kv, mesh: Mesh, plan: ShardingPlan, kv_cache_dtype: str = "auto",

@@ -26,7 +26,6 @@ import numpy as np
 from models.config import ModelConfig
 from models import layer_stack, lora_ops, param_forms
 from models.families import build_model
-from pallas_kernels import kv_layout
 from paxpage import attention_impl, kv_pool, kv_sizing, lora_slab
 from paxpage.sampling import sampler as sampler_lib
 from paxpage.batch import StepBatch
@@ -71,11 +70,8 @@ class ModelRunner:
         # Scanned layers (models/layer_stack.py): the params are stacked and the pool is one
         # stacked [2, L, P, ...] array instead of a list of L pools.
         self.scanned = cfg.scan_period > 0
-        # The pool's layout is its kernel family's (pallas_kernels/kv_layout.py): the TPU kernels'
-        # tiles on TPU; a stacked pool (layer_stack's [2, L, P, ...]) stays canonical.
-        self.kv_layout = kv_layout.for_backend(
-            family if attention_impl.get(impl).pallas and not self.scanned else None,
-            quantized=cfg.kv_cache_dtype != "auto", latent=model_cfg.is_mla)
+        # The pool's layout (pallas_kernels/kv_layout.py): the TPU kernels' tiles on TPU.
+        self.kv_layout = attention_impl.pool_layout(impl, cfg.backend, self.scanned, model_cfg.is_mla)
         attention, write_kv = attention_impl.functions(impl, backend, cfg.batch_invariant, latent=model_cfg.is_mla,
                                                        layout=self.kv_layout.name)
         pool_sharding = None  # None: the default device
@@ -122,8 +118,7 @@ class ModelRunner:
         # Sharded: the pool keeps its sharding across steps (out_shardings), so a step never
         # reshards it or recompiles; logits come back replicated for the sampler.
         self._step = jax.jit(self._forward, donate_argnums=(1,), **step_shardings)
-        self._copy = jax.jit(functools.partial(kv_pool.copy_pages, page_axis=self.pool_spec.page_axis),
-                             donate_argnums=(0,), **copy_shardings)
+        self._copy = jax.jit(self.pool_spec.copy, donate_argnums=(0,), **copy_shardings)
         # The sampler and the fixed-width copy of its tokens are one executable per logits-row count.
         # On CPU with native kernels, sampled rows draw through the native proposal kernel.
         self.draw_impl = sampler_lib.resolve_draw_impl(impl == "native" and mesh is None)

@@ -74,9 +74,8 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
 # The stacked layer params' subtree (models/layer_stack.STACKED_KEY).
 STACKED_LAYERS = "layers"
 # One layer's KV pool [2, P, page_size, K, D] (the canonical layout; kv_pool_axes gives any
-# layout's); a quantised pool's scales [2, P, page_size, K].
+# layout's; kv_scale_axes those of a quantised pool's scales).
 KV_POOL_AXES: tuple[str | None, ...] = (None, None, None, "kv_heads", None)
-KV_SCALE_AXES: tuple[str | None, ...] = (None, None, None, "kv_heads")
 # Attention inputs inside the step: q [B, Tq, N, D], new k/v [T, K, D].
 Q_AXES: tuple[str | None, ...] = (None, None, "heads", None)
 NEW_KV_AXES: tuple[str | None, ...] = (None, "kv_heads", None)
@@ -157,7 +156,7 @@ class ShardingPlan:
         cache QuantizedKV(pool spec, scales spec), both split on their K axis. stacked: the
         stacked [2, L, P, ...] cache of scanned layers, whose layer axis is never split.
         layout: the pool's kv_layout (None: canonical)."""
-        pages, scales = self.layout_pool_spec(layout), self.spec(KV_SCALE_AXES)
+        pages, scales = self.layout_pool_spec(layout), self.spec(kv_scale_axes(layout))
         if stacked:
             pages, scales = (PartitionSpec(s[0], None, *s[1:]) for s in (pages, scales))
         if kv_cache_dtype == "auto":
@@ -191,6 +190,13 @@ def kv_pool_axes(layout=None) -> tuple[str | None, ...]:
     layout = kv_layout.get(layout)
     ndim = len(layout.shape(1, 1, 1, 1))
     return tuple("kv_heads" if axis == layout.head_axis else None for axis in range(ndim))
+
+
+def kv_scale_axes(layout=None) -> tuple[str | None, ...]:
+    """Logical axes of a quantised pool's scales in `layout` (None: canonical)."""
+    layout = kv_layout.get(layout)
+    ndim = len(layout.scale_shape(1, 1, 1))
+    return tuple("kv_heads" if axis == layout.scale_head_axis else None for axis in range(ndim))
 
 
 def param_specs(plan: ShardingPlan, params) -> dict:
@@ -247,14 +253,15 @@ def param_bytes_per_device(cfg: ModelConfig, plan: ShardingPlan, itemsize: int) 
 
 
 def kv_page_bytes_per_device(cfg: ModelConfig, plan: ShardingPlan, page_size: int, itemsize: int,
-                             kv_cache_dtype: str = "auto") -> int:
-    """One page's K and V over all layers, on one device. `itemsize`: the model dtype's; a
-    quantised cache ("int8" / "fp8") counts 1 byte per value plus one f32 scale per (token, kv head)."""
+                             kv_cache_dtype: str = "auto", layout=None) -> int:
+    """One page's K and V over all layers, on one device, in the pool's `layout` (a kv_layout;
+    None: canonical). `itemsize`: the model dtype's; a quantised cache ("int8" / "fp8") counts 1
+    byte per value plus its scales as the layout stores them (kv_quant.head_page_bytes)."""
     if cfg.is_mla:  # one latent of C values per token and layer, no V half (latent_attention.py)
         if kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported with latent attention "
                              f"({cfg.model_type}); use 'auto'")
         halves, heads, width = cfg.kv_pool_dims
         return halves * cfg.num_layers * page_size * heads * width * itemsize
-    row = kv_quant.bytes_per_row(kv_cache_dtype, itemsize, cfg.head_dim)
-    return 2 * cfg.num_layers * page_size * plan.kv_heads_per_device(cfg) * row
+    head = kv_quant.head_page_bytes(kv_cache_dtype, itemsize, cfg.head_dim, page_size, layout)
+    return cfg.num_layers * plan.kv_heads_per_device(cfg) * head

@@ -13,22 +13,22 @@ compile; the other checks print FINDING lines, fatal with --strict:
    for v5e and v6e;
 2. page layout: the pool's compiled argument bytes over its logical bytes (values and scales) at
    K = 3 / D = 64, K = 1 / D = 128 and K = 8 / D = 128, bf16, int8 and fp8, in the canonical and
-   the tpu layout (pallas_kernels/kv_layout.py; a quantised pool has only the canonical one),
-   measured as the difference between pools of P and 2P pages so the other arguments cancel, and
-   the pool-sized copies (relayouts) the decode, mixed and KV write kernels make of its values
-   and of its scales; the layout the TPU backend's pool gets must be <= 1.1x and never copied
-   (a FINDING otherwise: the quantised pools are copied today, see docs/gpu-tpu.md);
+   the tpu layout (pallas_kernels/kv_layout.py), measured as the difference between pools of P
+   and 2P pages so the other arguments cancel, and the pool-sized copies (relayouts) the decode,
+   mixed and KV write kernels make of its values and of its scales; the layout the TPU backend's
+   pool gets must be <= 1.1x and never copied (a FINDING otherwise; docs/gpu-tpu.md);
 3. the engine step (paxpage.runner.ModelRunner's own jitted step, built from abstract params:
    no weights are made) for SmolLM2 and a Llama-3-8B-shaped config, on one chip and tensor
-   parallel over v5e:2x4, decode and mixed shapes: argument, output, temp and alias bytes; no
+   parallel over v5e:2x4, decode and mixed shapes, bf16 and int8 pools: argument, output, temp and alias bytes; no
    pool-sized copy (a relayout) and no temporary as large as one layer's pool (XLA staging a
    pool through VMEM is counted apart), no weight-shaped f32 array (an upcast);
 4. a roofline for decoding the 8B shape at batch 64 and 256 from the compiled step's
    cost_analysis and the chips' HBM bandwidth: compiled, not run.
 
---quick (what the test runs, ~2 minutes): six kernel cases per chip, the layout on v5e, and the
-engine step of SmolLM2 (one chip) and of the 8B shape (tp 8) with two of their layers (every
-layer is the same program; the full layer counts take minutes per compile), no roofline.
+--quick (what the test runs, ~2 minutes): twelve kernel cases per chip, the layout on v5e (a
+quantised pool in the TPU pool's layout only), and the engine step of SmolLM2 (one chip) and of
+the 8B shape (tp 8, bf16 and int8) with two of their layers (every layer is the same program;
+the full layer counts take minutes per compile), no roofline.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def _sds(shape, dtype):
 
 def abstract_pool(num_pages: int, num_kv_heads: int, head_dim: int, kv_dtype: str, layout: str = "canonical"):
     shape = kv_layout.get(layout).shape(num_pages, PAGE_SIZE, num_kv_heads, head_dim)
-    return jax.eval_shape(lambda: kv_quant.zeros(shape, kv_dtype, jnp.bfloat16))
+    return jax.eval_shape(lambda: kv_quant.zeros(shape, kv_dtype, jnp.bfloat16, layout))
 
 
 def logical_bytes(tree) -> int:
@@ -106,7 +106,8 @@ def logical_bytes(tree) -> int:
 # ---------------------------------------------------------------- 1. kernels
 QUICK_KERNELS = ("decode smollm2 bf16", "decode llama8b int8", "decode window 512", "mixed 512 fp8",
                  "mixed soft-cap 50", "kv write 512 int8", "decode smollm2 bf16 tpu-layout",
-                 "mixed 512 smollm2 tpu-layout", "kv write 512 tpu-layout")
+                 "mixed 512 smollm2 tpu-layout", "kv write 512 tpu-layout", "decode llama8b int8 tpu-layout",
+                 "mixed 512 fp8 tpu-layout", "kv write 512 int8 tpu-layout")
 
 
 def kernel_cases(quick: bool):
@@ -135,6 +136,14 @@ def kernel_cases(quick: bool):
         ("mixed 512 smollm2 tpu-layout", small, "ragged", 512, 2048, "auto", None, None, "tpu"),
         ("mixed soft-cap 50 tpu-layout", small, "ragged", 512, 2048, "auto", None, 50.0, "tpu"),
         ("kv write 512 tpu-layout", small, "write", 512, 2048, "auto", None, None, "tpu"),
+        ("decode llama8b int8 tpu-layout", large, "decode", 8, 4096, "int8", None, None, "tpu"),
+        ("decode smollm2 fp8 tpu-layout", small, "decode", 8, 2048, "fp8", None, None, "tpu"),
+        ("decode window 512 int8 tpu-layout", large, "decode", 8, 4096, "int8", 512, None, "tpu"),
+        ("mixed 512 llama8b int8 tpu-layout", large, "ragged", 512, 4096, "int8", None, None, "tpu"),
+        ("mixed 512 fp8 tpu-layout", small, "ragged", 512, 2048, "fp8", None, None, "tpu"),
+        ("mixed soft-cap 50 int8 tpu-layout", small, "ragged", 512, 2048, "int8", None, 50.0, "tpu"),
+        ("kv write 512 int8 tpu-layout", small, "write", 512, 2048, "int8", None, None, "tpu"),
+        ("kv write 64 fp8 tpu-layout", large, "write", 64, 4096, "fp8", None, None, "tpu"),
     ]
     return [c for c in cases if c[0] in QUICK_KERNELS] if quick else cases
 
@@ -204,7 +213,7 @@ def pool_ratio(device, heads, kv_dtype: str, layout: str = "canonical") -> tuple
 
 
 def check_layout(quick: bool, report: dict) -> list[str]:
-    """Both layouts of the plain pool and the quantised pools' (canonical) layout measured; the
+    """Both layouts of each pool measured (--quick: a quantised pool in the TPU pool's only); the
     one the TPU backend's pool gets (kv_layout.for_backend) must be <= MAX_POOL_RATIO and never
     copied, its scales included."""
     findings = []
@@ -213,10 +222,10 @@ def check_layout(quick: bool, report: dict) -> list[str]:
         for heads in LAYOUT_HEADS:
             for kv_dtype in ("auto", "int8", "fp8"):
                 for layout in kv_layout.LAYOUTS:
-                    if kv_dtype != "auto" and layout != "canonical":
-                        continue  # a quantised pool has the canonical layout (kv_layout.py)
+                    chosen = kv_layout.for_backend("tpu").name == layout
+                    if quick and kv_dtype != "auto" and not chosen:
+                        continue
                     ratio, copies, scale_copies = pool_ratio(device, heads, kv_dtype, layout)
-                    chosen = kv_layout.for_backend("tpu", quantized=kv_dtype != "auto").name == layout
                     label = f"K={heads[1]} D={heads[2]} {'bf16' if kv_dtype == 'auto' else kv_dtype} {layout}"
                     scales = "" if kv_dtype == "auto" else f", scales {scale_copies} times"
                     print(f"  {chip:4} pool {label:28} compiled / logical bytes {ratio:.3f}x, values copied "
@@ -233,10 +242,12 @@ def check_layout(quick: bool, report: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------- 3. engine step
-def engine_config(max_num_seqs: int, num_pages: int, tp: int, max_model_len: int) -> EngineConfig:
+def engine_config(max_num_seqs: int, num_pages: int, tp: int, max_model_len: int,
+                  kv_cache_dtype: str = "auto") -> EngineConfig:
     return EngineConfig(page_size=PAGE_SIZE, num_pages=num_pages, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max(512, max_num_seqs), max_model_len=max_model_len,
-                        dtype="bfloat16", attention_impl="pallas", tensor_parallel_size=tp)
+                        dtype="bfloat16", attention_impl="pallas", tensor_parallel_size=tp,
+                        kv_cache_dtype=kv_cache_dtype)
 
 
 def abstract_runner(model_cfg: ModelConfig, config: EngineConfig, mesh_devices: list) -> ModelRunner:
@@ -274,16 +285,20 @@ def compile_step(runner: ModelRunner, dec: int, pre: int, device):
 
 
 def step_cases(quick: bool):
-    """(label, model, chip topology, tp, max_num_seqs, num_pages, [(decode rows, prefill rows)])."""
+    """(label, model, chip topology, tp, max_num_seqs, num_pages, [(decode rows, prefill rows)],
+    kv_cache_dtype)."""
     if quick:
         two = lambda m: dataclasses.replace(m, num_layers=2)
-        return [("smollm2 1 chip, 2 layers", two(SMOLLM2), "v5e:2x2", 1, 64, 4096, [(64, 0)]),
-                ("llama8b tp8, 2 layers", two(LLAMA3_8B), TP_TOPOLOGY, 8, 64, 8192, [(64, 0)])]
+        return [("smollm2 1 chip, 2 layers", two(SMOLLM2), "v5e:2x2", 1, 64, 4096, [(64, 0)], "auto"),
+                ("llama8b tp8, 2 layers", two(LLAMA3_8B), TP_TOPOLOGY, 8, 64, 8192, [(64, 0)], "auto"),
+                ("llama8b tp8 int8, 2 layers", two(LLAMA3_8B), TP_TOPOLOGY, 8, 64, 8192, [(64, 0)], "int8")]
     cases = [
-        ("smollm2 1 chip", SMOLLM2, "v5e:2x2", 1, 64, 4096, [(64, 0), (48, 8)]),
-        ("smollm2 tp8", SMOLLM2, TP_TOPOLOGY, 8, 64, 4096, [(64, 0), (48, 8)]),
-        ("llama8b 1 chip", LLAMA3_8B, "v6e:2x2", 1, 256, 2048, [(64, 0), (256, 0), (48, 8)]),
-        ("llama8b tp8", LLAMA3_8B, TP_TOPOLOGY, 8, 256, 8192, [(64, 0), (256, 0)]),
+        ("smollm2 1 chip", SMOLLM2, "v5e:2x2", 1, 64, 4096, [(64, 0), (48, 8)], "auto"),
+        ("smollm2 1 chip int8", SMOLLM2, "v5e:2x2", 1, 64, 4096, [(64, 0), (48, 8)], "int8"),
+        ("smollm2 tp8", SMOLLM2, TP_TOPOLOGY, 8, 64, 4096, [(64, 0), (48, 8)], "auto"),
+        ("llama8b 1 chip", LLAMA3_8B, "v6e:2x2", 1, 256, 2048, [(64, 0), (256, 0), (48, 8)], "auto"),
+        ("llama8b tp8", LLAMA3_8B, TP_TOPOLOGY, 8, 256, 8192, [(64, 0), (256, 0)], "auto"),
+        ("llama8b tp8 int8", LLAMA3_8B, TP_TOPOLOGY, 8, 256, 8192, [(64, 0), (48, 8)], "int8"),
     ]
     return cases
 
@@ -317,11 +332,11 @@ def pool_staging(hlo: str, cache) -> int:
 
 def check_steps(quick: bool, report: dict, only: str = "") -> tuple[list[str], list[str], dict]:
     failures, findings, costs = [], [], {}
-    for label, model_cfg, topology, tp, max_seqs, num_pages, shapes in step_cases(quick):
+    for label, model_cfg, topology, tp, max_seqs, num_pages, shapes, kv_dtype in step_cases(quick):
         if only not in label:
             continue
         devs = devices(topology)[:tp]
-        runner = abstract_runner(model_cfg, engine_config(max_seqs, num_pages, tp, 4096), devs)
+        runner = abstract_runner(model_cfg, engine_config(max_seqs, num_pages, tp, 4096, kv_dtype), devs)
         # one layer's pool on one device (a scanned step holds all layers' pages in one pool)
         layer_pool = logical_bytes(runner.kv_cache) // model_cfg.num_layers
         first_pool = runner.kv_cache[0] if isinstance(runner.kv_cache, (list, tuple)) else runner.kv_cache

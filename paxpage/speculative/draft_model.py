@@ -36,8 +36,9 @@ def check_compatible(target_cfg: ModelConfig, target_tokenizer, draft_cfg: Model
                          "the target's")
 
 
-def draft_page_bytes(draft_cfg: ModelConfig, page_size: int, itemsize: int, kv_cache_dtype: str = "auto") -> int:
+def draft_page_bytes(draft_cfg: ModelConfig, page_size: int, itemsize: int, kv_cache_dtype: str = "auto",
+                     layout=None) -> int:
     """Bytes one page takes in the draft's pool (K and V, all draft layers, on one device: the
-    draft is not sharded); the draft's pool has the target's kv_cache_dtype."""
+    draft is not sharded); the draft's pool has the target's kv_cache_dtype and layout."""
     return kv_page_bytes_per_device(draft_cfg, ShardingPlan.for_model(draft_cfg, 1), page_size, itemsize,
-                                    kv_cache_dtype)
+                                    kv_cache_dtype, layout)

@@ -190,6 +190,27 @@ def test_quantized_pool_holds_more_tokens_at_one_budget():
     assert pages["int8"] / pages["float32"] == pytest.approx(4 * 64 / 66, rel=1e-3)
 
 
+def test_tpu_pool_sizing_counts_the_f32_scale_rows_it_allocates(tiny_params):
+    """On TPU the pool is in the TPU kernels' layout, whose scales are f32 lanes: the bytes a page
+    is charged are the bytes the pool's arrays hold (16 pages: two whole scale rows at page_size 8)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import kv_layout
+    from paxpage.kv_pool import KVPoolSpec
+
+    cfg, _ = tiny_params
+    for kv in ("auto", "int8"):
+        resolved = EngineConfig(page_size=8, num_pages=16, kv_cache_dtype=kv, attention_impl="pallas",
+                                scan_layers=False).resolve(cfg, backend="tpu")
+        pool = KVPoolSpec(cfg, 8, kv, jnp.bfloat16, kv_layout.TPU, False).abstract(16)
+        held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool))
+        assert held == 16 * resolved.page_bytes, kv
+    canonical = EngineConfig(page_size=8, num_pages=16, kv_cache_dtype="int8", dtype="bfloat16").resolve(cfg, backend="cpu")
+    # per (token, kv head, K or V): one bf16 scale on CPU, one f32 lane on TPU
+    assert resolved.page_bytes - canonical.page_bytes == 2 * cfg.num_layers * 8 * cfg.num_kv_heads * 2
+
+
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_runner_builds_and_copies_a_quantized_pool(tiny_params, scan_layers):
     """Per-layer caches or the scanned layers' one stacked cache [2, L, P, ...]: fp8 pages with

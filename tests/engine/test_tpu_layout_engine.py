@@ -1,6 +1,6 @@
 """The engine on the TPU kernel family (interpreted here) runs its pool in the tpu KV layout
 (pallas_kernels/kv_layout.py) and gives XLA's greedy tokens across prefill, chunked prefill and
-decode; a quantised pool on the same family stays canonical."""
+decode, plain or quantised (int8 values beside f32 scale rows)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ COMMON = dict(page_size=8, num_pages=32, max_num_batched_tokens=16, prefill_row_
               precompile=False)
 
 
-def _tokens(model, prompts, impl):
-    return [o.token_ids for o in paxpage.generate(model, prompts, attention_impl=impl, max_tokens=5, temperature=0,
-                                                  ignore_eos=True, use_tqdm=False, **COMMON)]
+def _tokens(model, prompts, impl, **kw):
+    outs = paxpage.generate(model, prompts, attention_impl=impl, max_tokens=5, temperature=0, ignore_eos=True,
+                            use_tqdm=False, **COMMON, **kw)
+    return [c.token_ids for o in outs for c in o.outputs]
 
 
 @pytest.mark.extended
@@ -31,3 +32,25 @@ def test_tpu_family_engine_uses_the_tpu_layout_and_matches_xla(tiny_llama_dir, m
     assert runner.cfg.backend == "tpu" and runner.kv_layout.name == "tpu"
     m = runner.step_model_cfg
     assert runner.kv_cache[0].shape == (32, m.num_kv_heads, 8, 2 * m.head_dim)
+
+
+@pytest.mark.extended
+def test_tpu_family_engine_runs_an_int8_pool_on_the_tpu_layout_and_matches_xla(tiny_llama_dir, monkeypatch):
+    """XLA reads the same int8 values and bf16 scales from the canonical layout; the 29-token
+    prompt is prefilled in chunks across four pages of one scale row, and n=2 forks each prompt
+    (its last, partly filled page copied on write, scales and all)."""
+    from pallas_kernels.kv_quant import QuantizedKV
+
+    model = paxpage.load(tiny_llama_dir)
+    prompts = random_prompts(2, 128, [5, 29], seed=6)
+    want = _tokens(model, prompts, "xla", kv_cache_dtype="int8", n=2)
+    assert len(want) == 4
+    resolve = EngineConfig.resolve
+    monkeypatch.setattr(EngineConfig, "resolve", lambda self, m, backend=None: resolve(self, m, backend="tpu"))
+    assert _tokens(model, prompts, "pallas-interpret", kv_cache_dtype="int8", n=2) == want
+    runner = model.engine(EngineConfig(attention_impl="pallas-interpret", kv_cache_dtype="int8", **COMMON)).runner
+    layer = runner.kv_cache[0]
+    m = runner.step_model_cfg
+    assert runner.kv_layout.name == "tpu" and isinstance(layer, QuantizedKV)
+    assert layer.pages.shape == (32, m.num_kv_heads, 8, 2 * m.head_dim)
+    assert layer.scales.shape == (m.num_kv_heads, 4, 1, 128)  # 16 lanes a page, 8 pages a row

@@ -109,6 +109,18 @@ def test_decode_on_the_tpu_layout_window_splits_sinks(wc):
     _check(CONFIGS[4], "tpu", num_splits=2, seed=13, window=wc[0], cap=wc[1], sinks=True, layout="tpu")
 
 
+@pytest.mark.parametrize("qc", QUANT_CASES, ids=quant_case_id)
+def test_decode_quantized_pool_on_the_tpu_layout(qc):
+    """int8 / fp8 values in the tpu layout with their scales in its f32 rows (kv_layout.ScaleRows;
+    page sizes 8 and 16 put 8 and 4 pages in a row): NaN scales of unused slots stay unread."""
+    _check(qc[1], "tpu", num_splits=1, seed=16, kv_cache_dtype=qc[0], layout="tpu")
+
+
+def test_decode_quantized_tpu_layout_window_cap_splits_sinks():
+    _check(CONFIGS[5], "tpu", num_splits=2, seed=17, window=16, cap=3.0, kv_cache_dtype="int8", sinks=True,
+           layout="tpu")
+
+
 def test_decode_rejects_bad_shapes():
     q = jnp.zeros((2, 3, 64))
     kv = jnp.zeros((2, 4, 8, 2, 64))

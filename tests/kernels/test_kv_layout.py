@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import dispatch, kv_layout
+from pallas_kernels import dispatch, kv_layout, kv_quant
 from paxpage.kv_pool import copy_pages
-from paxpage.sharding import ShardingPlan, kv_pool_axes
+from paxpage.sharding import ShardingPlan, kv_pool_axes, kv_scale_axes
 
 
 def _pool(rng, num_pages=6, page_size=8, num_kv_heads=3, head_dim=64):
@@ -47,8 +47,7 @@ def test_each_backend_gets_its_layout():
     assert kv_layout.for_backend("tpu") is kv_layout.TPU
     for backend in ("gpu", "cpu", None):
         assert kv_layout.for_backend(backend) is kv_layout.CANONICAL
-    # quantised and latent pools stay canonical everywhere
-    assert kv_layout.for_backend("tpu", quantized=True) is kv_layout.CANONICAL
+    # a latent pool stays canonical everywhere (a quantised one is the TPU's on TPU)
     assert kv_layout.for_backend("tpu", latent=True) is kv_layout.CANONICAL
 
 
@@ -60,6 +59,47 @@ def test_page_copy_on_the_tpu_layout_matches_the_canonical_one():
     np.testing.assert_array_equal(kv_layout.TPU.to_canonical(got), want)
 
 
+def _quantized_pool(rng, num_pages, page_size, num_kv_heads=3, head_dim=16):
+    values, scales = kv_quant.quantize(_pool(rng, num_pages, page_size, num_kv_heads, head_dim), jnp.int8)
+    return kv_quant.QuantizedKV(values, scales)
+
+
+@pytest.mark.parametrize("page_size", [3, 8, 16, 80])  # 16, 8 and 1 page(s) per scale row; 80: 256 lanes
+def test_quantized_round_trip_places_each_scale_in_its_row_and_lane(page_size):
+    num_pages = 19
+    pool = _quantized_pool(np.random.default_rng(3), num_pages, page_size)
+    tpu = kv_layout.TPU.from_canonical(pool)
+    assert tpu.pages.shape == (num_pages, 3, page_size, 32) and tpu.scales.dtype == jnp.float32
+    lanes = 1 << (2 * page_size - 1).bit_length() if 2 * page_size <= 128 else 256
+    per_row = max(1, 128 // lanes)
+    assert tpu.scales.shape == (3, -(-num_pages // per_row), 1, max(128, lanes))
+    scales, got = np.asarray(pool.scales, np.float32), np.asarray(tpu.scales)
+    for page, half, slot, head in [(0, 0, 0, 0), (18, 1, page_size - 1, 2), (num_pages // 2, 1, 1, 1)]:
+        lane = (page % per_row) * lanes + half * page_size + slot
+        assert got[head, page // per_row, 0, lane] == scales[half, page, slot, head]
+    back = kv_layout.TPU.to_canonical(tpu)
+    np.testing.assert_array_equal(np.asarray(back.pages), np.asarray(pool.pages))
+    np.testing.assert_array_equal(np.asarray(back.scales, np.float32), scales)
+    assert back.scales.dtype == pool.scales.dtype
+
+
+@pytest.mark.parametrize("page_size", [3, 16, 80])
+def test_quantized_page_copy_and_scale_write_on_the_tpu_layout_match_the_canonical_ones(page_size):
+    pool = _quantized_pool(np.random.default_rng(4), 19, page_size)
+    src, dst = jnp.array([1, 17, 4], jnp.int32), jnp.array([16, 2, 19], jnp.int32)  # 19: past the pool, dropped
+    want = copy_pages(pool, src, dst, page_axis=kv_layout.CANONICAL.page_axis)
+    got = copy_pages([kv_layout.TPU.from_canonical(pool)], src, dst, kv_layout.TPU.page_axis, "tpu")[0]
+    got = kv_layout.TPU.to_canonical(got)
+    np.testing.assert_array_equal(np.asarray(got.pages), np.asarray(want.pages))
+    np.testing.assert_array_equal(np.asarray(got.scales, np.float32), np.asarray(want.scales, np.float32))
+    slots = jnp.array([0, page_size * 18 + page_size - 1, -1, page_size * 19, page_size * 7 + 1], jnp.int32)
+    new = jnp.asarray(np.random.default_rng(5).standard_normal((2, 5, 3)), jnp.bfloat16)
+    want = kv_quant.write_scales(pool.scales, slots, new)
+    got = kv_layout.TPU.write_scales(kv_layout.TPU.scales_from_canonical(pool.scales), page_size, slots, new)
+    got = kv_layout.TPU.scales_to_canonical(got, 19, page_size)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_tensor_parallel_splits_each_layout_on_its_head_axis():
     assert kv_pool_axes("canonical") == (None, None, None, "kv_heads", None)
     assert kv_pool_axes("tpu") == (None, "kv_heads", None, None)
@@ -67,6 +107,11 @@ def test_tensor_parallel_splits_each_layout_on_its_head_axis():
     assert plan.layout_pool_spec("tpu") == P(None, "model", None, None)
     assert plan.kv_cache_spec("auto", layout="tpu") == P(None, "model", None, None)
     assert plan.kv_pool_spec == plan.layout_pool_spec(None) == P(None, None, None, "model", None)
+    assert kv_scale_axes("canonical") == (None, None, None, "kv_heads")
+    assert kv_scale_axes("tpu") == ("kv_heads", None, None, None)
+    assert plan.kv_cache_spec("int8", layout="tpu") == kv_quant.QuantizedKV(P(None, "model", None, None),
+                                                                           P("model", None, None, None))
+    assert plan.kv_cache_spec("int8").scales == P(None, None, None, "model")
 
 
 def test_dispatch_keeps_the_tpu_layout_off_the_gpu_family():

@@ -9,7 +9,7 @@ import pytest
 
 from kernel_cases import (KV_QUANT_DTYPES, QUANT_CASES, assert_close, make_case, quant_case_id,
                           quantize_case)
-from pallas_kernels import kv_quant, reference
+from pallas_kernels import kv_layout, kv_quant, reference
 from pallas_kernels.xla_attention import paged_attention_xla
 
 
@@ -122,8 +122,22 @@ def test_outlier_keys_and_values_stay_finite_and_close(name):
 
 
 def test_int8_pool_holds_1_9x_bf16_tokens_at_head_dim_64():
-    # 64 bf16 values = 128 bytes against 64 int8 values + one bf16 scale = 66 bytes.
-    auto, int8 = (kv_quant.bytes_per_row(name, 2, 64) for name in ("auto", "int8"))
-    assert (auto, int8) == (128, 66) and auto / int8 >= 1.9
+    # a row of 64 bf16 values = 128 bytes against 64 int8 values + one bf16 scale = 66 bytes
+    # (canonical); the tpu layout stores f32 scales, 68 bytes, at page_size 16 (2 * 16 scales
+    # fill a page's 32 lanes exactly)
+    auto, int8 = (kv_quant.head_page_bytes(name, 2, 64, 16) for name in ("auto", "int8"))
+    assert (auto, int8) == (2 * 16 * 128, 2 * 16 * 66) and auto / int8 >= 1.9
     pool = kv_quant.zeros((2, 4, 16, 2, 64), "int8", jnp.bfloat16)
-    assert pool.pages.nbytes + pool.scales.nbytes == 2 * 4 * 16 * 2 * int8
+    assert pool.pages.nbytes + pool.scales.nbytes == 4 * 2 * int8
+    tpu = kv_quant.head_page_bytes("int8", 2, 64, 16, "tpu")
+    assert tpu == 2 * 16 * 68 and auto / tpu >= 1.88
+    pool = kv_quant.zeros(kv_layout.TPU.shape(8, 16, 2, 64), "int8", jnp.bfloat16, "tpu")  # 8 pages: 2 whole rows
+    assert pool.pages.nbytes + pool.scales.nbytes == 8 * 2 * tpu
+
+
+def test_tpu_layout_pads_page_scales_to_a_power_of_two_lanes():
+    # page_size 3: 6 scales take 8 lanes, 16 pages a row; page_size 80: 160 scales take 256 lanes
+    assert [kv_layout.TPU.scale_bytes_per_page(ps) for ps in (3, 16, 80)] == [8 * 4, 32 * 4, 256 * 4]
+    assert [kv_layout.CANONICAL.scale_bytes_per_page(ps) for ps in (3, 16, 80)] == [6 * 2, 32 * 2, 160 * 2]
+    assert kv_layout.TPU.scale_shape(17, 3, 2) == (2, 2, 1, 128)  # 17 pages at 16 per row
+    assert kv_layout.TPU.scale_shape(5, 80, 2) == (2, 5, 1, 256)

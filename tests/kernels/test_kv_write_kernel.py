@@ -105,3 +105,12 @@ def test_write_kv_quantized_exact(name, backend):
     np.testing.assert_array_equal(np.asarray(got.pages, np.float32), np.asarray(want.pages, np.float32))
     np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales))
     assert np.isnan(np.asarray(got.scales)[:, 2]).all()
+    if backend == "tpu":  # the same write on the TPU kernels' layout (f32 scale rows)
+        from pallas_kernels import kv_layout
+
+        tpu = kv_layout.TPU.from_canonical(kv_quant.QuantizedKV(values, scales))
+        got = write_kv(tpu, jnp.asarray(k), jnp.asarray(v), slots, block_t=4, backend=backend,
+                       interpret=INTERPRET, layout="tpu")
+        got = kv_layout.TPU.to_canonical(got)
+        np.testing.assert_array_equal(np.asarray(got.pages, np.float32), np.asarray(want.pages, np.float32))
+        np.testing.assert_array_equal(np.asarray(got.scales, np.float32), np.asarray(want.scales, np.float32))

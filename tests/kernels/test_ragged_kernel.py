@@ -109,6 +109,17 @@ def test_ragged_on_the_tpu_layout_window_blocks_sinks(wc):
     _check(CONFIGS[1], "tpu", block_q=4, seed=15, window=wc[0], cap=wc[1], sinks=True, layout="tpu")
 
 
+@pytest.mark.parametrize("qc", QUANT_CASES, ids=quant_case_id)
+def test_ragged_quantized_pool_on_the_tpu_layout(qc):
+    """int8 / fp8 values in the tpu layout with their scales in its f32 rows (kv_layout.ScaleRows)."""
+    _check(qc[1], "tpu", seed=18, kv_cache_dtype=qc[0], layout="tpu")
+
+
+def test_ragged_quantized_tpu_layout_window_cap_blocks_sinks():
+    _check(CONFIGS[3], "tpu", block_q=4, seed=19, window=16, cap=3.0, kv_cache_dtype="int8", sinks=True,
+           layout="tpu")
+
+
 def test_ragged_quantized_sliding_window():
     _check(CONFIGS[0], "tpu", block_q=4, seed=10, window=5, cap=2.0, kv_cache_dtype="int8")
 
