@@ -259,6 +259,22 @@ def test_diagnostic_scripts_rows():
     _renders({**compile_, **malloc, **sampler, **detok, **stall})
 
 
+def test_tpu_compile_check_step_and_roofline_rows():
+    check = _load_script("tpu_compile_check")
+    step = {"step": "llama8b tp8", "topology": "v5e:2x4", "decode_rows": 64, "prefill_rows": 0,
+            "argument_bytes": 3963 * MIB, "output_bytes": 2079 * MIB, "temp_bytes": 0, "alias_bytes": 2048 * MIB,
+            "layer_pool_bytes": 64 * MIB, "pool_copies": 0, "pool_staging": 1, "working_bytes": 31 * MIB,
+            "bound_bytes": 40.4 * MIB}
+    roof = {"step": "llama8b tp8", "chip": "v5e", "batch": 64, "context": 1024, "weight_bytes": 2.01e9,
+            "kv_bytes": 1.074e9, "compiled_bytes": 3.5e9, "flops": 1e12, "tokens_per_second_bound": 17008,
+            "tokens_per_second_as_compiled": 14966}
+    tables = check.doc_tables({"steps": [step], "roofline": [roof]})
+    assert tables["steps"]["rows"] == [["llama8b tp8", "v5e:2x4", 64, 0, "3,963", "2,079", "0", "64", 0, 1, "31 / 40"]]
+    assert tables["roofline"]["rows"] == [["llama8b tp8", "v5e", 64, 1024, "2.01", "1.07", "17,008", "3.50", "14,966"]]
+    assert "pool_layout" not in tables
+    _renders(tables)
+
+
 def test_every_committed_measured_record_holds_what_its_script_renders():
     # A record a script wrote (not a transcription) keeps the tables that script's doc_tables
     # makes from the record's own figures, so the pages' rows are the measured ones.
@@ -269,7 +285,8 @@ def test_every_committed_measured_record_holds_what_its_script_renders():
                "memory": "bench_memory", "memory_mla": "bench_memory", "throughput": "bench_throughput", "sharing": "bench_sharing",
                "speculative": "bench_speculative", "kernels_h200": "bench_kernels",
                "latency_breakdown": "latency_breakdown", "soak": "soak", "lora": "bench_lora", "grammar_stall": "bench_grammar_stall",
-               "batch_invariant": "bench_throughput", "tpu_pool_layout": "tpu_compile_check"}
+               "batch_invariant": "bench_throughput", "tpu_pool_layout": "tpu_compile_check",
+               "tpu_steps": "tpu_compile_check"}
     for path in sorted(os.listdir(docs_figures.RECORDS)):
         name = path[:-len(".json")]
         record = docs_figures.load_record(name)
