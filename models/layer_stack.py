@@ -18,6 +18,10 @@ Layout:
   views it as [2, L * P, ...] (a free reshape) and shifts layer l's page ids by l * P, so the
   attention and the KV write index one big pool with unchanged signatures and no layer's pages
   are ever sliced out (a per-layer dynamic slice would copy the layer's pages every layer).
+  A pool whose page axis leads (the TPU kernels' layout, [P, K, page_size, 2D], and its scale
+  rows, which index pages by their global id: pallas_kernels/kv_layout.py) is made in that
+  merged form from the start, one pool of L * P pages: it has no layer axis to merge, and its
+  scale rows would need P padded to whole rows to take one.
 
 Axis legend: L layers, G groups of `period` layers, P pages per layer.
 """
@@ -76,20 +80,50 @@ def unstack_layers(params: dict, num_layers: int) -> dict:
     return out
 
 
-def stacked_pool_shape(layer_shape: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
-    """[2, P, ...] of one layer's pool leaf -> [2, L, P, ...] of the stacked pool."""
+def stacked_pool_shape(layer_shape: tuple[int, ...], num_layers: int, merged: bool = False) -> tuple[int, ...]:
+    """[2, P, ...] of one layer's pool leaf -> [2, L, P, ...] of the stacked pool; merged (a
+    layout whose page axis leads, [P, ...]): [L * P, ...], the pool in the form the scan views it."""
+    if merged:
+        return (num_layers * layer_shape[0],) + tuple(layer_shape[1:])
     return (layer_shape[0], num_layers) + tuple(layer_shape[1:])
 
 
+def is_merged(pool) -> bool:
+    """Whether a stacked pool was made merged (stacked_pool_shape): its values leaf is the TPU
+    layout's 4-D [L * P, K, page_size, 2D] (a stacked canonical one is 6-D [2, L, P, page_size, K, D])."""
+    return jax.tree.leaves(pool)[0].ndim == 4
+
+
+def pool_geometry(pool, num_layers: int) -> tuple[int, int]:
+    """(pages per layer, page size) of a stacked pool, in either form."""
+    leaf = jax.tree.leaves(pool)[0]
+    if is_merged(pool):  # [L * P, K, page_size, 2D]
+        return leaf.shape[0] // num_layers, leaf.shape[2]
+    return leaf.shape[2], leaf.shape[3]
+
+
 def merge_pool(pool):
-    """[2, L, P, ...] -> [2, L * P, ...] for every leaf (a reshape: no copy)."""
+    """[2, L, P, ...] -> [2, L * P, ...] for every leaf (a reshape: no copy); a merged pool as it is."""
+    if is_merged(pool):
+        return pool
     return jax.tree.map(lambda a: a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:]), pool)
 
 
-def split_pool(pool, num_layers: int):
-    """The inverse of `merge_pool`."""
+def split_pool(pool, num_layers: int, merged: bool = False):
+    """The inverse of `merge_pool` (merged: the pool was made merged, and stays so)."""
+    if merged:
+        return pool
     return jax.tree.map(lambda a: a.reshape(a.shape[0], num_layers, a.shape[1] // num_layers,
                                             *a.shape[2:]), pool)
+
+
+def every_layer(src: jax.Array, dst: jax.Array, num_layers: int, pages_per_layer: int):
+    """Page copies src -> dst (i32[C], pages of one layer) as copies in a merged pool of every
+    layer's pages: i32[L * C] each; a dst past the layer (padding) goes past the whole pool."""
+    offsets = (jnp.arange(num_layers, dtype=src.dtype) * pages_per_layer)[:, None]
+    total = num_layers * pages_per_layer
+    dst = jnp.where(dst[None, :] < pages_per_layer, dst[None, :] + offsets, total)
+    return (src[None, :] + offsets).reshape(-1), dst.reshape(-1)
 
 
 def shift_pages(batch, page_offset, page_size: int):
@@ -125,15 +159,15 @@ def run_scanned(make_layer: Callable[[int, str], nn.Module], num_layers: int, pe
                 x: jax.Array, batch: Any, kv_cache: Any):
     """Runs the layers as a scan over L / period groups. Call inside a compact method; the params
     are the caller's `layers` subtree. kv_cache: the stacked pool [2, L, P, ...] (any pytree of
-    such leaves). Returns (x, kv_cache)."""
-    leaf = jax.tree.leaves(kv_cache)[0]
-    pages_per_layer, page_size = leaf.shape[2], leaf.shape[3]
+    such leaves), or one made merged (the module doc). Returns (x, kv_cache)."""
+    merged = is_merged(kv_cache)
+    pages_per_layer, page_size = pool_geometry(kv_cache, num_layers)
     scanned = nn.scan(_LayerGroup, variable_axes={"params": 0}, split_rngs={"params": True},
                       in_axes=(0, nn.broadcast), length=num_layers // period)
     groups = jnp.arange(num_layers // period, dtype=jnp.int32)
     (x, pool), _ = scanned(make_layer, period, pages_per_layer, page_size, name=STACKED_KEY)(
         (x, merge_pool(kv_cache)), groups, batch)
-    return x, split_pool(pool, num_layers)
+    return x, split_pool(pool, num_layers, merged)
 
 
 def host_stack(params: dict, num_layers: int, period: int) -> dict:

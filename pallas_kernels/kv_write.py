@@ -162,14 +162,17 @@ def _kv_write_tpu(kv_pages, k, v, slots, scales, ks, vs, *, block_t, interpret):
 
 
 def _kv_write_tpu_fused(kv_pages, k, v, slots):
-    """The tpu layout [P, K, page_size, 2D] (kv_layout.py): token t's keys and values are one
-    [K, 2D] row set at (page, :, offset), an in-place XLA scatter on the donated pool. One token
-    is one sublane of each (page_size, 2D) tile, below the tile-aligned offsets a Mosaic DMA
-    takes, so no Pallas kernel stores it."""
-    num_pages, _, page_size, _ = kv_pages.shape
+    """The tpu layout [P, K, page_size, 2D] (kv_layout.py): token t's keys and values are K
+    [2D] rows at (page, h, offset), an in-place XLA scatter on the donated pool. One token is one
+    sublane of each (page_size, 2D) tile, below the tile-aligned offsets a Mosaic DMA takes, so
+    no Pallas kernel stores it. Indexed per head, the scatter's window is one [2D] row: with a
+    [K, 2D] window XLA lays a pool it may choose (a scanned step's loop carry) out with K on the
+    sublanes for the scatter and copies it back for the kernels in every layer."""
+    num_pages, num_kv_heads, page_size, _ = kv_pages.shape
     page = jnp.where(slots < 0, num_pages, slots // page_size)  # padding: out of bounds, dropped
     rows = jnp.concatenate([k, v], axis=-1)  # [T, K, 2D]
-    return kv_pages.at[page, :, slots % page_size].set(rows, mode="drop")
+    heads = jnp.arange(num_kv_heads)[None, :]
+    return kv_pages.at[page[:, None], heads, (slots % page_size)[:, None]].set(rows, mode="drop")
 
 
 @functools.partial(jax.jit, static_argnames=("block_t", "backend", "interpret", "layout"), donate_argnums=(0,))

@@ -108,13 +108,12 @@ def kernel_family(impl: str) -> str | None:
     return dispatch.resolve_impl(impl)[0]
 
 
-def pool_layout(impl: str, backend: str | None, scanned: bool, latent: bool = False) -> kv_layout.KVLayout:
-    """The layout a runner's pool gets (pallas_kernels/kv_layout.py): its Pallas kernel family's
-    (the TPU kernels' tiles on "tpu"), canonical for "native" / "xla", for the stacked pool of
-    scanned layers (layer_stack's [2, L, P, ...]) and for a latent pool. backend: the compile
-    target's ("cpu" or None: this host's kernels; compiled "pallas" has none there, and the
-    runner says so)."""
-    if not get(impl).pallas or scanned:
+def pool_layout(impl: str, backend: str | None, latent: bool = False) -> kv_layout.KVLayout:
+    """The layout a runner's pool gets (pallas_kernels/kv_layout.py), scanned layers or not: its
+    Pallas kernel family's (the TPU kernels' tiles on "tpu"), canonical for "native" / "xla" and
+    for a latent pool. backend: the compile target's ("cpu" or None: this host's kernels;
+    compiled "pallas" has none there, and the runner says so)."""
+    if not get(impl).pallas:
         return kv_layout.for_backend(None, latent=latent)
     if backend in ("gpu", "tpu"):
         family = backend

@@ -49,8 +49,8 @@ BACKEND_DEFAULTS = {
     "gpu": BackendDefaults(max_num_seqs=256, max_num_batched_tokens=2048, prefill_row_len=64,
                            scan_pallas=True, precompile=False),
     # Every shape up front: an XLA:TPU compile met under load stalls all running streams. Layers
-    # unrolled: compiled for TPU, the scanned step relays out its stacked pool every step
-    # (scripts/tpu_compile_check.py reports it).
+    # unrolled until a TPU run times the two: compiled for TPU, the scanned step (scan_layers=True)
+    # makes no pool copy either, and compiles one layer (scripts/tpu_compile_check.py).
     "tpu": BackendDefaults(max_num_seqs=256, max_num_batched_tokens=2048, prefill_row_len=64,
                            scan_pallas=False, precompile=True),
 }
@@ -249,7 +249,7 @@ class EngineConfig:
         # A quantised pool counts its 1-byte values and its scales.
         plan = ShardingPlan.for_model(model, self.tensor_parallel_size)
         scan_period = self._scan_period(model, impl, defaults.scan_pallas)
-        layout = attention_impl.pool_layout(impl, backend, scan_period > 0, model.is_mla)  # as the runner's
+        layout = attention_impl.pool_layout(impl, backend, model.is_mla)  # as the runner's
         page_bytes = kv_page_bytes_per_device(model, plan, self.page_size, itemsize, self.kv_cache_dtype, layout)
         if self.speculative_method == "draft":
             # The draft's pool has a page for each of the target's (paxpage/speculative/draft.py): one

@@ -7,8 +7,10 @@ scanned layers (models/layer_stack.py) one stacked cache. Each layer's cache is
     - kv_quant.QuantizedKV(pages, scales) for an int8 / fp8 cache (values in either layout, the
       scales in that layout's form),
     - a latent-attention model's [1, P, page_size, 1, C] latent pool,
-and a stacked cache has [2, L, P, ...] leaves. A page copy moves a page's values and scales
-alike (`copy_pages`: along the page axis, and the tpu layout's scale rows as the layout says).
+and a stacked cache has [2, L, P, ...] leaves, or in the tpu layout is one cache of L * P pages
+(layer l's are l * P ..; models/layer_stack.py says why). A page copy moves a page's values and
+scales alike, in every layer (`copy_pages`: along the page axis, and the tpu layout's scale rows
+as the layout says).
 
 How many pages a pool gets is kv_sizing.py's question; `KVPoolSpec` only makes one of a given size.
 Axis legend: L layers, P pages, K kv heads, D head dim, C latent width.
@@ -39,13 +41,22 @@ class KVPoolSpec:
     sharding: Any = None  # one layer's cache sharding (mesh.shard_runner_state); None: the default device
 
     def copy(self, kv_cache, src, dst):
-        """`copy_pages` on a pool of this spec (jit it with the pool donated)."""
+        """`copy_pages` on a pool of this spec (jit it with the pool donated); src, dst: i32[C]
+        pages of a layer."""
+        if self.merged:
+            pages_per_layer, _ = layer_stack.pool_geometry(kv_cache, self.model.num_layers)
+            src, dst = layer_stack.every_layer(src, dst, self.model.num_layers, pages_per_layer)
         return copy_pages(kv_cache, src, dst, self.page_axis, self.layout)
+
+    @property
+    def merged(self) -> bool:
+        """A stacked pool made as one pool of L * P pages (a layout whose page axis leads)."""
+        return self.scanned and self.layout.page_axis == 0
 
     @property
     def page_axis(self) -> int:
         """The axis a page copy indexes in every leaf: the layout's, or 2 in a stacked [2, L, P, ...] leaf."""
-        return 2 if self.scanned else self.layout.page_axis
+        return 2 if self.scanned and not self.merged else self.layout.page_axis
 
     def layer_shape(self, num_pages: int) -> tuple[int, ...]:
         """One layer's pages array shape (a quantised cache's scales drop the last axis)."""
@@ -65,7 +76,7 @@ class KVPoolSpec:
     def _build(self, num_pages: int, make: Callable):
         shape = self.layer_shape(num_pages)
         if self.scanned:
-            return make(layer_stack.stacked_pool_shape(shape, self.model.num_layers))
+            return make(layer_stack.stacked_pool_shape(shape, self.model.num_layers, self.merged))
         return [make(shape) for _ in range(self.model.num_layers)]
 
     def _layer_zeros(self, shape):

@@ -154,10 +154,11 @@ class ShardingPlan:
     def kv_cache_spec(self, kv_cache_dtype: str = "auto", stacked: bool = False, layout=None):
         """One layer's cache spec as a pytree like the cache: the pool's spec, or for a quantised
         cache QuantizedKV(pool spec, scales spec), both split on their K axis. stacked: the
-        stacked [2, L, P, ...] cache of scanned layers, whose layer axis is never split.
+        stacked [2, L, P, ...] cache of scanned layers, whose layer axis is never split (in the
+        tpu layout it is one cache of L * P pages, as a layer's: models/layer_stack.py).
         layout: the pool's kv_layout (None: canonical)."""
         pages, scales = self.layout_pool_spec(layout), self.spec(kv_scale_axes(layout))
-        if stacked:
+        if stacked and kv_layout.get(layout).page_axis != 0:
             pages, scales = (PartitionSpec(s[0], None, *s[1:]) for s in (pages, scales))
         if kv_cache_dtype == "auto":
             return pages

@@ -244,11 +244,11 @@ def check_layout(quick: bool, report: dict) -> list[str]:
 
 # ---------------------------------------------------------------- 3. engine step
 def engine_config(max_num_seqs: int, num_pages: int, tp: int, max_model_len: int,
-                  kv_cache_dtype: str = "auto") -> EngineConfig:
+                  kv_cache_dtype: str = "auto", scan_layers="auto") -> EngineConfig:
     return EngineConfig(page_size=PAGE_SIZE, num_pages=num_pages, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max(512, max_num_seqs), max_model_len=max_model_len,
                         dtype="bfloat16", attention_impl="pallas", tensor_parallel_size=tp,
-                        kv_cache_dtype=kv_cache_dtype)
+                        kv_cache_dtype=kv_cache_dtype, scan_layers=scan_layers)
 
 
 def abstract_runner(model_cfg: ModelConfig, config: EngineConfig, mesh_devices: list) -> ModelRunner:
@@ -287,19 +287,22 @@ def compile_step(runner: ModelRunner, dec: int, pre: int, device):
 
 def step_cases(quick: bool):
     """(label, model, chip topology, tp, max_num_seqs, num_pages, [(decode rows, prefill rows)],
-    kv_cache_dtype)."""
+    kv_cache_dtype, scan_layers)."""
     if quick:
         two = lambda m: dataclasses.replace(m, num_layers=2)
-        return [("smollm2 1 chip, 2 layers", two(SMOLLM2), "v5e:2x2", 1, 64, 4096, [(64, 0)], "auto"),
-                ("llama8b tp8, 2 layers", two(LLAMA3_8B), TP_TOPOLOGY, 8, 64, 8192, [(64, 0)], "auto"),
-                ("llama8b tp8 int8, 2 layers", two(LLAMA3_8B), TP_TOPOLOGY, 8, 64, 8192, [(64, 0)], "int8")]
+        return [("smollm2 1 chip, 2 layers", two(SMOLLM2), "v5e:2x2", 1, 64, 4096, [(64, 0)], "auto", "auto"),
+                ("llama8b tp8, 2 layers", two(LLAMA3_8B), TP_TOPOLOGY, 8, 64, 8192, [(64, 0)], "auto", "auto"),
+                ("llama8b tp8 int8, 2 layers", two(LLAMA3_8B), TP_TOPOLOGY, 8, 64, 8192, [(64, 0)], "int8",
+                 "auto")]
     cases = [
-        ("smollm2 1 chip", SMOLLM2, "v5e:2x2", 1, 64, 4096, [(64, 0), (48, 8)], "auto"),
-        ("smollm2 1 chip int8", SMOLLM2, "v5e:2x2", 1, 64, 4096, [(64, 0), (48, 8)], "int8"),
-        ("smollm2 tp8", SMOLLM2, TP_TOPOLOGY, 8, 64, 4096, [(64, 0), (48, 8)], "auto"),
-        ("llama8b 1 chip", LLAMA3_8B, "v6e:2x2", 1, 256, 2048, [(64, 0), (256, 0), (48, 8)], "auto"),
-        ("llama8b tp8", LLAMA3_8B, TP_TOPOLOGY, 8, 256, 8192, [(64, 0), (256, 0)], "auto"),
-        ("llama8b tp8 int8", LLAMA3_8B, TP_TOPOLOGY, 8, 256, 8192, [(64, 0), (48, 8)], "int8"),
+        ("smollm2 1 chip", SMOLLM2, "v5e:2x2", 1, 64, 4096, [(64, 0), (48, 8)], "auto", "auto"),
+        ("smollm2 1 chip int8", SMOLLM2, "v5e:2x2", 1, 64, 4096, [(64, 0), (48, 8)], "int8", "auto"),
+        ("smollm2 1 chip scanned", SMOLLM2, "v5e:2x2", 1, 64, 4096, [(64, 0), (48, 8)], "auto", True),
+        ("smollm2 tp8", SMOLLM2, TP_TOPOLOGY, 8, 64, 4096, [(64, 0), (48, 8)], "auto", "auto"),
+        ("llama8b 1 chip", LLAMA3_8B, "v6e:2x2", 1, 256, 2048, [(64, 0), (256, 0), (48, 8)], "auto", "auto"),
+        ("llama8b tp8", LLAMA3_8B, TP_TOPOLOGY, 8, 256, 8192, [(64, 0), (256, 0)], "auto", "auto"),
+        ("llama8b tp8 int8", LLAMA3_8B, TP_TOPOLOGY, 8, 256, 8192, [(64, 0), (48, 8)], "int8", "auto"),
+        ("llama8b tp8 int8 scanned", LLAMA3_8B, TP_TOPOLOGY, 8, 256, 8192, [(64, 0)], "int8", True),
     ]
     return cases
 
@@ -339,11 +342,11 @@ def logits_bytes(model_cfg, num_logits: int) -> int:
 
 def check_steps(quick: bool, report: dict, only: str = "") -> tuple[list[str], list[str], dict]:
     failures, findings, costs = [], [], {}
-    for label, model_cfg, topology, tp, max_seqs, num_pages, shapes, kv_dtype in step_cases(quick):
+    for label, model_cfg, topology, tp, max_seqs, num_pages, shapes, kv_dtype, scan in step_cases(quick):
         if only not in label:
             continue
         devs = devices(topology)[:tp]
-        runner = abstract_runner(model_cfg, engine_config(max_seqs, num_pages, tp, 4096, kv_dtype), devs)
+        runner = abstract_runner(model_cfg, engine_config(max_seqs, num_pages, tp, 4096, kv_dtype, scan), devs)
         # one layer's pool on one device (a scanned step holds all layers' pages in one pool)
         layer_pool = logical_bytes(runner.kv_cache) // model_cfg.num_layers
         first_pool = runner.kv_cache[0] if isinstance(runner.kv_cache, (list, tuple)) else runner.kv_cache

@@ -35,10 +35,13 @@ def test_tpu_family_engine_uses_the_tpu_layout_and_matches_xla(tiny_llama_dir, m
 
 
 @pytest.mark.extended
-def test_tpu_family_engine_runs_an_int8_pool_on_the_tpu_layout_and_matches_xla(tiny_llama_dir, monkeypatch):
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
+def test_tpu_family_engine_runs_an_int8_pool_on_the_tpu_layout_and_matches_xla(tiny_llama_dir, monkeypatch,
+                                                                                 scan_layers):
     """XLA reads the same int8 values and bf16 scales from the canonical layout; the 29-token
     prompt is prefilled in chunks across four pages of one scale row, and n=2 forks each prompt
-    (its last, partly filled page copied on write, scales and all)."""
+    (its last, partly filled page copied on write, scales and all, in every layer). Scanned
+    layers hold one tpu-layout pool of L * 32 pages (models/layer_stack.py)."""
     from pallas_kernels.kv_quant import QuantizedKV
 
     model = paxpage.load(tiny_llama_dir)
@@ -47,10 +50,13 @@ def test_tpu_family_engine_runs_an_int8_pool_on_the_tpu_layout_and_matches_xla(t
     assert len(want) == 4
     resolve = EngineConfig.resolve
     monkeypatch.setattr(EngineConfig, "resolve", lambda self, m, backend=None: resolve(self, m, backend="tpu"))
-    assert _tokens(model, prompts, "pallas-interpret", kv_cache_dtype="int8", n=2) == want
-    runner = model.engine(EngineConfig(attention_impl="pallas-interpret", kv_cache_dtype="int8", **COMMON)).runner
-    layer = runner.kv_cache[0]
+    got = _tokens(model, prompts, "pallas-interpret", kv_cache_dtype="int8", n=2, scan_layers=scan_layers)
+    assert got == want
+    runner = model.engine(EngineConfig(attention_impl="pallas-interpret", kv_cache_dtype="int8",
+                                       scan_layers=scan_layers, **COMMON)).runner
     m = runner.step_model_cfg
-    assert runner.kv_layout.name == "tpu" and isinstance(layer, QuantizedKV)
-    assert layer.pages.shape == (32, m.num_kv_heads, 8, 2 * m.head_dim)
-    assert layer.scales.shape == (m.num_kv_heads, 4, 1, 128)  # 16 lanes a page, 8 pages a row
+    assert runner.kv_layout.name == "tpu" and runner.scanned == scan_layers
+    layer, pages = (runner.kv_cache, m.num_layers * 32) if scan_layers else (runner.kv_cache[0], 32)
+    assert isinstance(layer, QuantizedKV)
+    assert layer.pages.shape == (pages, m.num_kv_heads, 8, 2 * m.head_dim)
+    assert layer.scales.shape == (m.num_kv_heads, pages // 8, 1, 128)  # 16 lanes a page, 8 pages a row

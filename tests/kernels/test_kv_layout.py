@@ -3,6 +3,7 @@ backend's pool gets which, and the engine's pieces that read them (page copy, sh
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -98,6 +99,38 @@ def test_quantized_page_copy_and_scale_write_on_the_tpu_layout_match_the_canonic
     got = kv_layout.TPU.write_scales(kv_layout.TPU.scales_from_canonical(pool.scales), page_size, slots, new)
     got = kv_layout.TPU.scales_to_canonical(got, 19, page_size)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_page_copy_on_a_scanned_tpu_pool_copies_every_layers_page():
+    """Scanned layers' tpu-layout pool is one pool of L * P pages (models/layer_stack.py); a copy
+    of a layer's pages moves them in every layer, as the per-layer copies of the canonical pools."""
+    from models import layer_stack
+    from models.config import ModelConfig
+    from paxpage.kv_pool import KVPoolSpec
+
+    num_layers, num_pages, page_size = 3, 13, 8
+    rng = np.random.default_rng(7)
+    layers = [_quantized_pool(rng, num_pages, page_size) for _ in range(num_layers)]
+    src, dst = jnp.array([1, 12, 4], jnp.int32), jnp.array([11, 2, 13], jnp.int32)  # 13: padding, dropped
+    want = [copy_pages(layer, src, dst, kv_layout.CANONICAL.page_axis) for layer in layers]
+    tpu = [kv_layout.TPU.from_canonical(layer) for layer in layers]
+    merged = kv_quant.QuantizedKV(jnp.concatenate([t.pages for t in tpu]),
+                                  kv_layout.TPU.scales_from_canonical(jnp.concatenate([l.scales for l in layers], axis=1)))
+    assert layer_stack.is_merged(merged) and layer_stack.pool_geometry(merged, num_layers) == (num_pages, page_size)
+    model = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=num_layers, num_heads=3,
+                        num_kv_heads=3, head_dim=16)
+    spec = KVPoolSpec(model, page_size, "int8", jnp.bfloat16, kv_layout.TPU, scanned=True)
+    assert spec.merged and spec.page_axis == 0
+    assert jax.tree.map(lambda a: a.shape, spec.abstract(num_pages)) == jax.tree.map(lambda a: a.shape, merged)
+    got = kv_layout.TPU.to_canonical(spec.copy(merged, src, dst))
+    for i, layer in enumerate(want):
+        np.testing.assert_array_equal(np.asarray(got.pages[:, i * num_pages:(i + 1) * num_pages]),
+                                      np.asarray(layer.pages))
+        np.testing.assert_array_equal(np.asarray(got.scales[:, i * num_pages:(i + 1) * num_pages], np.float32),
+                                      np.asarray(layer.scales, np.float32))
+    plan = ShardingPlan(2, split_heads=True, split_mlp=True, split_vocab=True)
+    assert plan.kv_cache_spec("int8", stacked=True, layout="tpu") == plan.kv_cache_spec("int8", layout="tpu")
+    assert plan.kv_cache_spec("auto", stacked=True) == P(None, None, None, None, "model", None)
 
 
 def test_tensor_parallel_splits_each_layout_on_its_head_axis():
