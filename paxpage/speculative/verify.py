@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from paxpage.sampling import sampler as sampler_lib
+from paxpage.sampling.draw import cond_or_select
 from paxpage.sampling.params import GREEDY_TEMPERATURE
 
 _ACCEPT_SALT = 0x5EC0  # fold_in constants: the row key's draws for acceptance and the residual
@@ -99,8 +100,9 @@ def verify(logits: jax.Array, t: sampler_lib.SamplingTensors, draft_ids: jax.Arr
             return accept_rows(target_probs(penalised, t), drafts, draft_dists, keys)
 
         no_rows = (jnp.zeros(has_draft.shape, bool), jnp.zeros(has_draft.shape, jnp.int32))
-        accepted_s, residual = jax.lax.cond(jnp.any(has_draft & ~greedy), sampled_rows,
-                                            lambda _: no_rows, penalised)
+        # on a GPU both branches and a select (no predicate copied to the host and waited on)
+        accepted_s, residual = cond_or_select(jnp.any(has_draft & ~greedy), sampled_rows,
+                                              lambda _: no_rows, penalised)
         sampled = has_draft & ~greedy
         accepted = jnp.where(sampled, accepted_s, accepted)
         tokens = jnp.where(sampled, jnp.where(accepted_s, drafts, residual), tokens)

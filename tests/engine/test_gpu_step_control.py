@@ -3,7 +3,9 @@
 Exported with jax.export(platforms=["cuda"]) on this CPU host (the Pallas kernels lower to their
 Triton calls), then walked by paxpage.hlo_control: every while must have a fixed trip count and
 every case / if a constant index, for greedy, sampled (top-k / top-p / min-p), penalised and MoE
-steps, with the Pallas attention, the XLA one and latent attention. The walker itself is checked on loops and conds it must and must not report.
+steps, with the Pallas attention, the XLA one and latent attention, and for speculative decoding's
+verify (rejection sampling against a draft distribution). The walker itself is checked on loops
+and conds it must and must not report.
 """
 
 from __future__ import annotations
@@ -91,3 +93,19 @@ def test_sampler_for_cuda_has_no_data_dependent_control():
         assert data_dependent_control(_exported(sample, logits, t, pending)) == [], name
         if name == "sampled":  # the CPU keeps its branches: the costly stages run only when needed
             assert data_dependent_control(_exported(sample, logits, t, pending, platform="cpu")), name
+
+
+def test_speculative_verify_for_cuda_has_no_data_dependent_control():
+    from paxpage.speculative.verify import verify
+
+    logits = jax.ShapeDtypeStruct((ROWS, VOCAB), jnp.float32)
+    draft_ids = jax.ShapeDtypeStruct((ROWS,), jnp.int32)
+    dists = jax.ShapeDtypeStruct((ROWS, VOCAB), jnp.float32)
+    for name, t in _sampler_variants().items():
+        pending = (np.full(ROWS, -1, np.int32), np.zeros(ROWS, np.int32)) if t.penalised else None
+        for q in (None, dists):  # one-hot drafts (n-gram) and a draft model's distributions
+            check = lambda logits, ids, q, t=t, pending=pending: verify(logits, t, ids, q, pending=pending)
+            assert data_dependent_control(_exported(check, logits, draft_ids, q)) == [], (name, q is None)
+    # the CPU keeps the branch: rejection sampling runs only when a sampled row has a draft
+    cpu = lambda logits, ids, q: verify(logits, _sampler_variants()["sampled"], ids, q)
+    assert data_dependent_control(_exported(cpu, logits, draft_ids, dists, platform="cpu"))
