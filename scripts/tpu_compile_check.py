@@ -22,7 +22,9 @@ compile; the other checks print FINDING lines, fatal with --strict:
    parallel over v5e:2x4, decode and mixed shapes, bf16 and int8 pools: argument, output, temp and alias bytes; no
    pool-sized copy (a relayout) and no temporary as large as one layer's pool beyond the logits
    (XLA staging a pool through VMEM is counted apart), the step's working bytes within the
-   pool sizing's bound (kv_sizing.step_bytes_bound), no weight-shaped f32 array (an upcast);
+   pool sizing's bound (kv_sizing.step_bytes_bound), no weight-shaped f32 array (an upcast), and
+   the copies it makes of whole weights in every step (a relayout, wherever it lands: one staged
+   in VMEM adds no temporary bytes);
 4. a roofline for decoding the 8B shape at batch 64 and 256 from the compiled step's
    cost_analysis and the chips' HBM bandwidth: compiled, not run.
 
@@ -271,6 +273,24 @@ def weight_shapes(runner: ModelRunner) -> set[tuple[int, ...]]:
     return shapes
 
 
+HLO_ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s32": 4}
+COPY = re.compile(r"= (\w+)\[([0-9,]+)\]\{[^}]*\} copy\(%([^),\s]+)\)")
+
+
+def weight_copies(hlo: str) -> list[tuple[str, int]]:
+    """The compiled program's copies of a whole weight, (shape, bytes) each: a relayout of one of the
+    step's params in every step (e.g. a tied embedding table whose token gather and LM-head product
+    want different layouts). Counted wherever the copy lands, VMEM included, where it adds no
+    temporary bytes to the memory analysis."""
+    params = set(re.findall(r"%(\S+) = [^\n]*? parameter\(\d+\)[^\n]*op_name=\"params\[", hlo))
+    found = []
+    for dtype, dims, operand in COPY.findall(hlo):
+        if operand in params:
+            shape = [int(x) for x in dims.split(",")]
+            found.append((f"{dtype}{shape}", int(np.prod(shape)) * HLO_ITEMSIZE.get(dtype, 4)))
+    return found
+
+
 def f32_weight_arrays(hlo: str, shapes: set[tuple[int, ...]]) -> list[str]:
     found = set()
     for dims in re.findall(r"f32\[([0-9,]+)\]", hlo):
@@ -370,6 +390,8 @@ def check_steps(quick: bool, report: dict, only: str = "") -> tuple[list[str], l
                    "layer_pool_bytes": layer_pool, "pool_bytes": logical_bytes(runner.kv_cache), "flops": float(cost.get("flops", 0.0)),
                    "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
                    "pool_copies": pool_copies(hlo, first_pool), "pool_staging": pool_staging(hlo, first_pool)}
+            copied = weight_copies(hlo)
+            row["weight_copies"], row["weight_copy_bytes"] = len(copied), sum(n for _, n in copied)
             # What the pool is sized against on a TPU (no compile): must hold what XLA allocates.
             row["working_bytes"] = row["temp_bytes"] + row["output_bytes"] - row["alias_bytes"]
             row["bound_bytes"] = kv_sizing.step_bytes_bound(runner.step_model_cfg, dec + pre * runner.cfg.prefill_row_len,
@@ -378,7 +400,8 @@ def check_steps(quick: bool, report: dict, only: str = "") -> tuple[list[str], l
             print(f"  {label:15} decode {dec:3} prefill rows {pre:2}: {seconds:5.1f} s; per device args "
                   f"{mib(row['argument_bytes'])}, out {mib(row['output_bytes'])}, temp {mib(row['temp_bytes'])}, "
                   f"aliased {mib(row['alias_bytes'])}; one layer's pool {mib(layer_pool)}, copied "
-                  f"{row['pool_copies']} times, staged through VMEM {row['pool_staging']} times; working {mib(row['working_bytes'])} against the sizing bound "
+                  f"{row['pool_copies']} times, staged through VMEM {row['pool_staging']} times; weights copied "
+                  f"{row['weight_copies']} times ({mib(row['weight_copy_bytes'])}); working {mib(row['working_bytes'])} against the sizing bound "
                   f"{mib(row['bound_bytes'])}")
             if row["working_bytes"] > row["bound_bytes"]:
                 findings.append(f"step {label} ({dec}, {pre}): works in {row['working_bytes']} bytes, past "
@@ -390,6 +413,9 @@ def check_steps(quick: bool, report: dict, only: str = "") -> tuple[list[str], l
                 findings.append(f"step {label} ({dec}, {pre}): temp {mem.temp_size_in_bytes} bytes, less the "
                                 f"logits, >= one layer's pool {layer_pool} with no relayout ({row['pool_staging']} "
                                 f"pool stagings through VMEM)")
+            if copied:
+                findings.append(f"step {label} ({dec}, {pre}): copies {', '.join(shape for shape, _ in copied)} "
+                                f"of its params in every step (a relayout)")
             upcasts = f32_weight_arrays(hlo, upcast_shapes)
             if upcasts:
                 failures.append(f"step {label} ({dec}, {pre}): f32 arrays of weight shapes {upcasts}")
@@ -430,6 +456,10 @@ def roofline(costs: dict, report: dict) -> None:
                     "tokens_per_second_as_compiled": round(batch / compiled_s)})
 
 
+def _weight_copies_cell(row: dict) -> str:
+    return f"{row['weight_copies']} ({row['weight_copy_bytes'] / 2**20:,.0f})" if row["weight_copies"] else "0"
+
+
 def doc_tables(report: dict) -> dict:
     """docs/gpu-tpu.md's tables (scripts/docs_figures.py renders them), compiled, not run: the pool
     layout per chip and pool; the engine steps per device; the 8B decode roofline."""
@@ -445,10 +475,12 @@ def doc_tables(report: dict) -> dict:
         as_mib = lambda x: f"{x / 2**20:,.0f}"
         rows = [[r["step"], r.get("topology", ""), r["decode_rows"], r["prefill_rows"], as_mib(r["argument_bytes"]),
                  as_mib(r["output_bytes"]), as_mib(r["temp_bytes"]), as_mib(r["layer_pool_bytes"]),
-                 r["pool_copies"], r["pool_staging"], f"{as_mib(r['working_bytes'])} / {as_mib(r['bound_bytes'])}"]
+                 r["pool_copies"], r["pool_staging"], _weight_copies_cell(r),
+                 f"{as_mib(r['working_bytes'])} / {as_mib(r['bound_bytes'])}"]
                 for r in report["steps"]]
         columns = ["step", "chips", "decode rows", "prefill rows", "arguments", "outputs", "temporaries",
-                   "one layer's pool", "pool copies", "VMEM stagings", "working / sizing bound"]
+                   "one layer's pool", "pool copies", "VMEM stagings", "weight copies (MiB)",
+                   "working / sizing bound"]
         tables["steps"] = {"columns": columns, "rows": rows}
     if "roofline" in report:
         rows = [[r["step"], r["chip"], r["batch"], r["context"], f"{r['weight_bytes'] / 1e9:.2f}",

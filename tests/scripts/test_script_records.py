@@ -263,16 +263,30 @@ def test_tpu_compile_check_step_and_roofline_rows():
     check = _load_script("tpu_compile_check")
     step = {"step": "llama8b tp8", "topology": "v5e:2x4", "decode_rows": 64, "prefill_rows": 0,
             "argument_bytes": 3963 * MIB, "output_bytes": 2079 * MIB, "temp_bytes": 0, "alias_bytes": 2048 * MIB,
-            "layer_pool_bytes": 64 * MIB, "pool_copies": 0, "pool_staging": 1, "working_bytes": 31 * MIB,
+            "layer_pool_bytes": 64 * MIB, "pool_copies": 0, "pool_staging": 1, "weight_copies": 1,
+            "weight_copy_bytes": 54 * MIB, "working_bytes": 31 * MIB,
             "bound_bytes": 40.4 * MIB}
     roof = {"step": "llama8b tp8", "chip": "v5e", "batch": 64, "context": 1024, "weight_bytes": 2.01e9,
             "kv_bytes": 1.074e9, "compiled_bytes": 3.5e9, "flops": 1e12, "tokens_per_second_bound": 17008,
             "tokens_per_second_as_compiled": 14966}
     tables = check.doc_tables({"steps": [step], "roofline": [roof]})
-    assert tables["steps"]["rows"] == [["llama8b tp8", "v5e:2x4", 64, 0, "3,963", "2,079", "0", "64", 0, 1, "31 / 40"]]
+    assert tables["steps"]["rows"] == [["llama8b tp8", "v5e:2x4", 64, 0, "3,963", "2,079", "0", "64", 0, 1, "1 (54)",
+                                              "31 / 40"]]
     assert tables["roofline"]["rows"] == [["llama8b tp8", "v5e", 64, 1024, "2.01", "1.07", "17,008", "3.50", "14,966"]]
     assert "pool_layout" not in tables
     _renders(tables)
+
+
+def test_tpu_compile_check_counts_copies_of_params_only():
+    check = _load_script("tpu_compile_check")
+    hlo = "\n".join([
+        '%param.283 = bf16[6144,576]{0,1:T(8,128)(2,1)} parameter(0), metadata={op_name="params[\'embed\']"}',
+        '%param.7 = s32[64]{0} parameter(7), metadata={op_name="batch.token_ids"}',
+        '%copy.994 = bf16[6144,576]{1,0:T(8,128)(2,1)S(1)} copy(%param.283), sharding={devices=[8,1]<=[8]}',
+        '%copy.995 = s32[64]{0} copy(%param.7)',
+        '%copy.996 = bf16[64,576]{1,0} copy(%fusion.3)',
+        '%copy-start = (bf16[6144,576]{0,1:T(8,128)(2,1)S(1)}, u32[]) copy-start(%param.283)'])
+    assert check.weight_copies(hlo) == [("bf16[6144, 576]", 6144 * 576 * 2)]
 
 
 def test_every_committed_measured_record_holds_what_its_script_renders():
