@@ -278,7 +278,8 @@ def test_tpu_compile_check_step_and_roofline_rows():
 
 
 def test_tpu_compile_check_counts_copies_of_params_only():
-    check = _load_script("tpu_compile_check")
+    _load_script("tpu_compile_check")  # puts scripts/ on the path its parts import from
+    hlo_reader = _load_script("tpu_hlo")
     hlo = "\n".join([
         '%param.283 = bf16[6144,576]{0,1:T(8,128)(2,1)} parameter(0), metadata={op_name="params[\'embed\']"}',
         '%param.7 = s32[64]{0} parameter(7), metadata={op_name="batch.token_ids"}',
@@ -286,7 +287,7 @@ def test_tpu_compile_check_counts_copies_of_params_only():
         '%copy.995 = s32[64]{0} copy(%param.7)',
         '%copy.996 = bf16[64,576]{1,0} copy(%fusion.3)',
         '%copy-start = (bf16[6144,576]{0,1:T(8,128)(2,1)S(1)}, u32[]) copy-start(%param.283)'])
-    assert check.weight_copies(hlo) == [("bf16[6144, 576]", 6144 * 576 * 2)]
+    assert hlo_reader.weight_copies(hlo) == [("bf16[6144, 576]", 6144 * 576 * 2)]
 
 
 def test_every_committed_measured_record_holds_what_its_script_renders():
