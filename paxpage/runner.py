@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from models import layer_stack, lora_ops, param_forms
+from models import layer_stack, lora_ops, param_forms, table_layout
 from models.families import build_model
 from paxpage import attention_impl, kv_pool, kv_sizing, lora_slab
 from paxpage.sampling import sampler as sampler_lib
@@ -76,14 +76,20 @@ class ModelRunner:
                                                        layout=self.kv_layout.name)
         pool_sharding = None  # None: the default device
         num_layers = model_cfg.num_layers
+        # On TPU the embedding table is held row-major (models/table_layout.py): its default
+        # layout there is column-major, which the token gather would copy in every step.
+        row_major_table = table_layout.holds_row_major(cfg.backend)
         if mesh is None and abstract:
             self.params = jax.eval_shape(functools.partial(param_forms.make_form, num_layers=num_layers,
                                                            period=cfg.scan_period, dtype=dtype.name),
                                          param_forms.per_layer(params))
+            if row_major_table:
+                self.params = table_layout.row_major_tables(self.params)
             step_shardings = copy_shardings = {}
         elif mesh is None:
             # Cast (and stacked) once per model: runners of one ParamForms share the arrays.
-            self._param_form = param_forms.runner_params(params, num_layers, cfg.scan_period, dtype)
+            self._param_form = param_forms.runner_params(params, num_layers, cfg.scan_period, dtype,
+                                                         row_major_table)
             self.params = self._param_form.tree
             step_shardings = copy_shardings = {}
         else:
@@ -97,6 +103,8 @@ class ModelRunner:
              copy_shardings) = mesh_lib.shard_runner_state(model_cfg, params, dtype, mesh, attention, write_kv,
                                                            cfg.kv_cache_dtype, stacked_pool=self.scanned,
                                                            abstract=abstract, layout=self.kv_layout)
+            if row_major_table:
+                self.params = table_layout.row_major_tables(self.params)
         self.step_model_cfg = model_cfg  # the config the step runs (sharded: KV heads maybe replicated)
         self.pool_spec = kv_pool.KVPoolSpec(model_cfg, cfg.page_size, cfg.kv_cache_dtype, dtype, self.kv_layout,
                                             self.scanned, pool_sharding)
