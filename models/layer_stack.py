@@ -70,14 +70,73 @@ def stack_layers(params: dict, num_layers: int, period: int, stack: Callable = j
     return out
 
 
-def unstack_layers(params: dict, num_layers: int) -> dict:
-    """The inverse of `stack_layers`: per-layer `layers_{i}` subtrees again (copies)."""
+def stack_consuming(params: dict, num_layers: int, period: int) -> dict:
+    """`stack_layers` (device arrays) that takes the per-layer subtrees out of `params` and lets go
+    of each layer's leaf as soon as it is stacked: loading a model into the stacked form holds one
+    weight's layers twice at a time, not every weight. `params` is emptied of its `layers_{i}`;
+    the caller holds no other reference to them."""
+    assert num_layers % period == 0, (num_layers, period)
+    layers = [params.pop(f"layers_{i}") for i in range(num_layers)]
+    assert not any(k.startswith("layers_") for k in params), "unexpected layers_* keys"
+    out = dict(params)
+    out[STACKED_KEY] = {}
+    for j in range(period):
+        members = list(range(j, num_layers, period))
+        flat = [jax.tree_util.tree_flatten(layers[i]) for i in members]
+        for i in members:
+            layers[i] = None
+        leaves = [f[0] for f in flat]
+        stacked = []
+        for k in range(len(leaves[0])):
+            stacked.append(jnp.stack([group[k] for group in leaves]))
+            for group in leaves:
+                group[k] = None
+        out[STACKED_KEY][str(j)] = jax.tree_util.tree_unflatten(flat[0][1], stacked)
+    return out
+
+
+def unstack_layers(params: dict, num_layers: int, host: bool = False) -> dict:
+    """The inverse of `stack_layers`: per-layer `layers_{i}` subtrees again. Device arrays are
+    sliced (copies); host=True gives numpy views of the stacked arrays instead (no copy on CPU,
+    where a jax array's numpy form shares its buffer); jax.ShapeDtypeStructs lose their axis."""
     stacked = params[STACKED_KEY]
     period = len(stacked)
     out = {k: v for k, v in params.items() if k != STACKED_KEY}
     for i in range(num_layers):
-        out[f"layers_{i}"] = jax.tree.map(lambda x: x[i // period], stacked[str(i % period)])
+        out[f"layers_{i}"] = jax.tree.map(lambda x: _group_entry(x, i // period, host), stacked[str(i % period)])
     return out
+
+
+def _group_entry(x, group: int, host: bool):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+    return np.asarray(x)[group] if host else x[group]
+
+
+def period_of(params: dict) -> int:
+    """The form a params tree is in: its stacked subtree's period, 0 for per-layer `layers_{i}`."""
+    return len(params[STACKED_KEY]) if STACKED_KEY in params else 0
+
+
+def restack(params: dict, num_layers: int, period: int, stack: Callable = jnp.stack,
+            host: bool = False) -> dict:
+    """`params` (per-layer, or stacked with any period) in the form of `period` (0: per-layer).
+    The very same tree when it is in that form already; `stack` and `host` as in `stack_layers`
+    and `unstack_layers`."""
+    have = period_of(params)
+    if have == period:
+        return params
+    if have:
+        params = unstack_layers(params, num_layers, host=host)
+    return stack_layers(params, num_layers, period, stack) if period else params
+
+
+def layer(params: dict, index: int, host: bool = False) -> dict:
+    """Layer `index`'s subtree from params in either form (stacked: sliced as `unstack_layers`)."""
+    period = period_of(params)
+    if not period:
+        return params[f"layers_{index}"]
+    return jax.tree.map(lambda x: _group_entry(x, index // period, host), params[STACKED_KEY][str(index % period)])
 
 
 def stacked_pool_shape(layer_shape: tuple[int, ...], num_layers: int, merged: bool = False) -> tuple[int, ...]:
@@ -171,8 +230,8 @@ def run_scanned(make_layer: Callable[[int, str], nn.Module], num_layers: int, pe
 
 
 def host_stack(params: dict, num_layers: int, period: int) -> dict:
-    """`stack_layers` on host arrays (the sharded path stacks before placing)."""
-    return stack_layers(params, num_layers, period, stack=lambda xs: np.stack([np.asarray(x) for x in xs]))
+    """`restack` on host arrays (the sharded path stacks before placing): params in either form."""
+    return restack(params, num_layers, period, stack=lambda xs: np.stack([np.asarray(x) for x in xs]), host=True)
 
 
 def run_layers(make_layer: Callable[[int, str], nn.Module], num_layers: int, period: int,

@@ -1,16 +1,16 @@
 """The forms a model's params take in its runners, made once and shared by them.
 
 A runner needs the params cast to its dtype and, when its layers run under a scan, stacked
-(models/layer_stack.py: `layers_{i}` -> one `layers` subtree with a leading layer axis). Made by
-each runner, every engine of one model held its own stacked copy (SmolLM2 in f32: +540 MB an
-engine, and a Model keeps up to `max_engines` engines). `ParamForms` makes each form, keyed by
-(scan period, dtype), once and hands the same arrays to every runner that asks.
+(models/layer_stack.py: `layers_{i}` -> one `layers` subtree with a leading layer axis).
+`ParamForms` makes each form, keyed by (scan period, dtype, table layout), once and hands the same
+arrays to every runner that asks, so a model's engines (a Model keeps up to `max_engines`) never
+hold a copy each (SmolLM2 in f32: 425 MB of layers a copy).
 
 A form lives as long as a runner holds it (the cache holds it weakly): closing a model's engines
-frees their stacked copy, as before. The model's own per-layer params stay as they are (the
-unrolled loop, checkpoints, `Model.truncated` and tensor-parallel placement read them); a form in
-the params' own dtype without stacking is those very arrays (casting to the same dtype copies
-nothing).
+frees their copy. The model's own params may be per-layer or stacked (`paxpage.load` holds them in
+the form the backend's default engine runs: paxpage/api.held_form); a form in the params' own
+form and dtype is those very arrays (restacking to the same period and casting to the same dtype
+copy nothing), so that engine holds no copy at all.
 
 Quantised params (models/quant.py) take the same path: `cast_params` keeps their int8 values and
 f32 scales, and stacking maps over whatever leaves a layer has.
@@ -85,14 +85,13 @@ def make_form(params: dict, num_layers: int, period: int, dtype, row_major_table
     """What ModelRunner used to build for itself: stacked (period > 0), cast, and with
     row_major_table its embedding table placed row-major (models/table_layout.py; arrays only:
     an abstract form gets its layout from table_layout.row_major_tables after jax.eval_shape)."""
-    if period:
-        params = layer_stack.stack_layers(params, num_layers, period)
+    params = layer_stack.restack(params, num_layers, period)  # the same tree when in that form
     params = cast_params(params, dtype)  # quantised weights keep int8 values, f32 scales
     return table_layout.row_major_tables(params) if row_major_table else params
 
 
 def runner_params(params, num_layers: int, period: int, dtype, row_major_table: bool = False) -> RunnerParams:
-    """`params`: a ParamForms (shared forms) or a plain per-layer tree (a form of its own)."""
+    """`params`: a ParamForms (shared forms) or a plain tree, per-layer or stacked (a form of its own)."""
     if isinstance(params, ParamForms):
         assert params.num_layers == num_layers, (params.num_layers, num_layers)
         return params.get(period, dtype, row_major_table)
@@ -100,6 +99,6 @@ def runner_params(params, num_layers: int, period: int, dtype, row_major_table: 
     return RunnerParams(make_form(params, num_layers, period, name, row_major_table), period, name)
 
 
-def per_layer(params) -> dict:
-    """The per-layer tree of a ParamForms or of a plain tree."""
+def own_tree(params) -> dict:
+    """The model's own tree (per-layer or stacked) of a ParamForms, or a plain tree as it is."""
     return params.params if isinstance(params, ParamForms) else params

@@ -41,6 +41,8 @@ def row_major_tables(params: dict) -> dict:
         if sharding is None:
             sharding = jax.sharding.SingleDeviceSharding(_default_device())
         row_major = Format(Layout(major_to_minor=(0, 1)), sharding)
+        if getattr(leaf, "format", None) == row_major:  # placed so already (at load): shared, not copied
+            return leaf
         if isinstance(leaf, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=row_major)
         return jax.device_put(leaf, row_major)

@@ -28,8 +28,15 @@ def truncate_config(cfg: ModelConfig, num_layers: int) -> ModelConfig:
 
 
 def truncate_layers(cfg: ModelConfig, params: dict[str, Any], num_layers: int) -> tuple[ModelConfig, dict[str, Any]]:
-    """(config, params) of the model made of `cfg`'s first `num_layers` layers. The arrays are shared, not copied."""
+    """(config, params) of the model made of `cfg`'s first `num_layers` layers. The arrays are shared,
+    not copied, from per-layer params; stacked params (models/layer_stack.py) give the kept layers per
+    layer, sliced out."""
+    from models import layer_stack
+
     new_cfg = truncate_config(cfg, num_layers)
+    if layer_stack.period_of(params):  # stacked: the kept layers sliced out (copies), per layer
+        layers = {f"layers_{i}": layer_stack.layer(params, i) for i in range(num_layers)}
+        return new_cfg, {**{k: v for k, v in params.items() if k != layer_stack.STACKED_KEY}, **layers}
     kept = {}
     for name, value in params.items():
         if name.startswith("layers_"):

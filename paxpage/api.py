@@ -11,6 +11,9 @@ import threading
 import weakref
 from typing import Any, Iterator, Sequence
 
+import jax
+import numpy as np
+
 from models.config import ModelConfig
 from paxpage.config import EngineConfig
 from paxpage.data_parallel import make_engine, make_loop
@@ -36,7 +39,7 @@ class Model:
     `close()` frees them all."""
 
     config: ModelConfig
-    params: Any  # nested dict of arrays, see models/llama.py
+    params: Any  # nested dict of arrays (models/param_layout.py), per-layer or stacked (models/layer_stack.py)
     tokenizer: Any  # a transformers tokenizer, or None for token-id-only models
     source: str | None = None
     max_engines: int = 2
@@ -65,6 +68,13 @@ class Model:
                 self._forms = ParamForms(self.params, self.config.num_layers)
             return self._forms
 
+    def per_layer_params(self) -> dict:
+        """The params as per-layer `layers_{i}` subtrees whatever form the model holds, as numpy
+        arrays on the host (views of the held arrays on CPU: nothing is copied there)."""
+        from models.layer_stack import restack
+
+        return jax.tree.map(np.asarray, restack(self.params, self.config.num_layers, 0, host=True))
+
     def memory(self) -> dict[str, int]:
         """{dtype name: bytes} the weights hold (int8 values, f32 scales, float weights)."""
         from models.quant import bytes_by_dtype
@@ -82,7 +92,7 @@ class Model:
         copies = self._forms.copies() if self._forms is not None else []
         if copies:
             parts = ", ".join(f"{num_bytes / MB:.1f} MB {form.dtype}"
-                              + (" stacked for the scanned layers" if form.period else "")
+                              + (" stacked for the scanned layers" if form.period else " per layer for the unrolled loop")
                               for form, num_bytes in copies)
             line += f"; shared by its engines: {parts}"
         return line
@@ -127,7 +137,8 @@ class Model:
 
     def truncated(self, num_layers: int) -> "Model":
         """This model cut to its first `num_layers` layers (same embeddings, final norm, LM head
-        and tokenizer; weights shared, not copied): a draft model for speculative decoding."""
+        and tokenizer; weights shared, not copied, where the model holds them per layer; cut from
+        the stacked arrays, a copy of the kept layers): a draft model for speculative decoding."""
         from models.truncate import truncate_layers
 
         config, params = truncate_layers(self.config, self.params, num_layers)
@@ -207,9 +218,29 @@ def load(source: str | os.PathLike | None = None, *, dtype: str | None = None,
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     config, params, tokenizer = load_model(source, dtype=dtype, quantization=quantization)
     _announce_generation_config(config)
-    model = Model(config, params, tokenizer, None if source is None else os.fspath(source))
+    model = Model(config, held_form(config, params), tokenizer, None if source is None else os.fspath(source))
     log.info("paxpage: loaded %s: %s", model.source or "the default model", model.describe_memory())
     return model
+
+
+def held_form(config: ModelConfig, params: dict, engine_config: EngineConfig | None = None) -> dict:
+    """`params` (per-layer, as loaded) in the form `engine_config` (None: this backend's default
+    engine) runs, so that the
+    weights are held once: stacked when its layers run under a scan (models/layer_stack.py), the
+    embedding table row-major where the runner wants it so (models/table_layout.py). An engine
+    that runs another form (the unrolled loop, another dtype) makes a copy of its own
+    (models/param_forms.py). `params` is consumed: its per-layer subtrees are let go as they
+    are stacked."""
+    import jax
+
+    from models import layer_stack, table_layout
+
+    period = (engine_config or EngineConfig()).resolve(config).scan_period
+    if period and not layer_stack.period_of(params):
+        params = layer_stack.stack_consuming(params, config.num_layers, period)
+    if table_layout.holds_row_major(jax.default_backend()):
+        params = table_layout.row_major_tables(params)
+    return params
 
 
 def _announce_generation_config(config: ModelConfig) -> None:
@@ -229,7 +260,11 @@ def save(model: Model, path: str | os.PathLike) -> None:
 
     if not isinstance(model, Model):
         raise TypeError(f"save expects what paxpage.load returns, got {type(model).__name__}")
-    save_model(path, model.config, model.params, model.tokenizer)
+    from models.layer_stack import restack
+
+    # The checkpoint holds per-layer arrays whatever form the model holds (numpy views of the
+    # stacked arrays on the host: the arrays are written from there).
+    save_model(path, model.config, restack(model.params, model.config.num_layers, 0, host=True), model.tokenizer)
 
 
 def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

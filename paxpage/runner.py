@@ -39,7 +39,8 @@ log = logging.getLogger("paxpage")
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params, cfg: ResolvedConfig, mesh=None, *, abstract: bool = False):
-        """`params`: the model's per-layer params, or a models.param_forms.ParamForms whose
+        """`params`: the model's params (per-layer or stacked: models/layer_stack.py), or a
+        models.param_forms.ParamForms whose
         runners share one cast / stacked copy (what paxpage.Model passes).
         `mesh`: a 1-D ("model",) jax Mesh to split weights and the KV pool over (tensor
         parallelism, paxpage/sharding.py); None runs on the default device, as before.
@@ -82,7 +83,7 @@ class ModelRunner:
         if mesh is None and abstract:
             self.params = jax.eval_shape(functools.partial(param_forms.make_form, num_layers=num_layers,
                                                            period=cfg.scan_period, dtype=dtype.name),
-                                         param_forms.per_layer(params))
+                                         param_forms.own_tree(params))
             if row_major_table:
                 self.params = table_layout.row_major_tables(self.params)
             step_shardings = copy_shardings = {}
@@ -95,10 +96,9 @@ class ModelRunner:
         else:
             from paxpage import mesh as mesh_lib  # the sharded path only
 
-            params = param_forms.per_layer(params)
-            if self.scanned:
-                params = (layer_stack.stack_layers(params, num_layers, cfg.scan_period, stack=_stack_abstract)
-                          if abstract else layer_stack.host_stack(params, num_layers, cfg.scan_period))
+            params = param_forms.own_tree(params)  # in the scan's form, on the host before placing
+            params = (layer_stack.restack(params, num_layers, cfg.scan_period, stack=_stack_abstract)
+                      if abstract else layer_stack.host_stack(params, num_layers, cfg.scan_period))
             (model_cfg, self.plan, self.params, pool_sharding, attention, write_kv, step_shardings,
              copy_shardings) = mesh_lib.shard_runner_state(model_cfg, params, dtype, mesh, attention, write_kv,
                                                            cfg.kv_cache_dtype, stacked_pool=self.scanned,

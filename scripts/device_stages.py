@@ -27,6 +27,7 @@ import paxpage  # noqa: E402
 from models import random_init  # noqa: E402
 from models.quant import bytes_by_dtype  # noqa: E402
 from paxpage import compile_counter  # noqa: E402
+from paxpage.api import held_form  # noqa: E402
 from paxpage.batch import StepBatch  # noqa: E402
 from paxpage.packing import bucket  # noqa: E402
 from paxpage.runner import ModelRunner  # noqa: E402
@@ -85,7 +86,7 @@ def end_to_end(quick: bool, record) -> None:
     jax.block_until_ready(params)
     record.update(model=f"llama-3.2-1b{' (tiny)' if quick else ''}", num_params=random_init.num_params(cfg),
                   init_s=time.perf_counter() - t, prompts=num_prompts, max_tokens=max_tokens)
-    model = paxpage.Model(cfg, params, None, source="random:llama-3.2-1b")
+    model = paxpage.Model(cfg, held_form(cfg, params), None, source="random:llama-3.2-1b")  # as paxpage.load holds it
     rng = np.random.default_rng(0)
     lengths = rng.integers(low, high + 1, num_prompts)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
@@ -199,9 +200,11 @@ def decode_step(quick: bool, record, name: str, rows: int, context: int, num_lay
     engine_cfg = paxpage.EngineConfig(page_size=page_size, num_pages=rows * pages_per_row + 1, max_num_seqs=rows,
                                       max_model_len=context + page_size, dtype="bfloat16",
                                       attention_impl=pallas_impl(quick))
+    # held in the form the runner steps (stacked when it scans the layers), as paxpage.load does
+    params = held_form(cfg, params, engine_cfg)
     runner = ModelRunner(cfg, params, engine_cfg.resolve(cfg))
-    # the runner steps the very arrays drawn above (bf16 in, bf16 out: no cast copy)
-    record["params_shared"] = runner.params["norm"]["scale"] is params["norm"]["scale"]
+    # the runner steps the very arrays drawn above (bf16 in, bf16 out: no cast or stacked copy)
+    record["params_shared"] = all(x is y for x, y in zip(jax.tree.leaves(runner.params), jax.tree.leaves(params)))
     assert bytes_by_dtype(runner.params) == {"bfloat16": weight_bytes}
     t = time.perf_counter()
     compiled = runner.lower_step(rows, 0).compile()

@@ -43,10 +43,21 @@ def _prefill(runner, rows):
 
 
 def test_truncate_keeps_first_layers(models):
+    import jax
+
+    import paxpage
+
     target, draft, _ = models
     assert draft.config.num_layers == 1 and target.config.num_layers == 2
     assert sorted(draft.params) == ["embed_tokens", "layers_0", "lm_head", "norm"]
-    assert draft.params["layers_0"] is target.params["layers_0"]
+    # the target holds its layers stacked (paxpage.load): the draft's layer is the first one, cut out
+    assert all(x is y for x, y in zip(jax.tree.leaves(draft.params["embed_tokens"]),
+                                      jax.tree.leaves(target.params["embed_tokens"])))
+    want = jax.tree.map(np.asarray, target.per_layer_params()["layers_0"])
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, draft.params["layers_0"]), want)
+    per_layer = target.per_layer_params()
+    cut = paxpage.Model(target.config, per_layer, target.tokenizer).truncated(1)
+    assert cut.params["layers_0"] is per_layer["layers_0"]  # from per-layer params: shared, not copied
     assert draft.tokenizer is target.tokenizer
     with pytest.raises(ValueError, match="num_layers must be in 1..2"):
         target.truncated(3)

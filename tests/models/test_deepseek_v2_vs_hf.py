@@ -53,7 +53,7 @@ def test_config_reads_deepseek_v2_fields(tiny_models):
     assert (cfg.router_scoring, cfg.topk_method, cfg.num_expert_groups, cfg.topk_groups, cfg.norm_topk_prob,
             cfg.routed_scaling_factor, cfg.num_shared_experts, cfg.dense_mlp_layers) == (
         "softmax", "group_limited_greedy", 2, 1, False, 2.5, 1, (0,))
-    assert not any("e_score_correction_bias" in path for path in flatten(model.params))
+    assert not any("e_score_correction_bias" in path for path in flatten(model.per_layer_params()))
     hf_lite, lite = tiny_models("lite")
     assert (lite.config.q_lora_rank, lite.config.topk_method, lite.config.num_expert_groups) == (None, "greedy", 1)
     assert mla_softmax_scale(lite.config) == pytest.approx(hf_lite.model.layers[0].self_attn.scaling, rel=1e-12)

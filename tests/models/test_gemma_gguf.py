@@ -70,7 +70,7 @@ def test_gguf_config_matches_hf(gemma_gguf):
         assert cfg.local_rope_theta == c.rope_parameters["sliding_attention"]["rope_theta"]
         assert (cfg.rope_theta, cfg.rope_scaling.kind, cfg.rope_scaling.factor) == (1e5, "linear", 4.0)
     # the norms come back as HF's w, not the stored w + 1
-    np.testing.assert_allclose(np.asarray(model.params["layers_0"]["pre_feedforward_layernorm"]["scale"]),
+    np.testing.assert_allclose(model.per_layer_params()["layers_0"]["pre_feedforward_layernorm"]["scale"],
                                hf.state_dict()["model.layers.0.pre_feedforward_layernorm.weight"].numpy(),
                                atol=1e-6)
 

@@ -123,6 +123,6 @@ def test_moe_gguf_matches_hf(tmp_path, monkeypatch, kind, arch, extra):
     assert cfg.dense_mlp_layers == ((1,) if kind == "qwen3_moe" else ())
     again = paxpage.load(tmp_path / "tiny.gguf")  # from the conversion cache this time
     assert again.config == cfg
-    np.testing.assert_array_equal(again.params["layers_0"]["moe"]["gate_up_proj"],
-                                  model.params["layers_0"]["moe"]["gate_up_proj"])
+    np.testing.assert_array_equal(again.per_layer_params()["layers_0"]["moe"]["gate_up_proj"],
+                                  model.per_layer_params()["layers_0"]["moe"]["gate_up_proj"])
     _check_against_hf(model, hf, num_tokens=4, lengths=(21,))

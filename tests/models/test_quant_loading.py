@@ -40,7 +40,7 @@ def tiny(tmp_path_factory):
 def test_int8_tiny_llama_against_hf(tiny):
     path, hf = tiny
     model = paxpage.load(path, quantization="int8")
-    flat = flatten(model.params)
+    flat = flatten(model.per_layer_params())
     kernels = [p for p, (_, _, transpose) in param_specs(model.config).items() if transpose]
     for p in kernels + ["embed_tokens/embedding"]:
         assert p not in flat and flat[p + "_q"].dtype == np.int8 and flat[p + "_scale"].dtype == np.float32
@@ -106,7 +106,7 @@ def test_gguf_native_greedy_equals_hf_and_holds_less(hf_smollm2):
     """quantization="gguf" keeps the GGUF's Q4_1 / Q8_0 weights as int8 + f32 scales: exactly what
     transformers dequantises, so greedy continuations agree token for token."""
     smollm2 = paxpage.load(quantization="gguf")
-    flat = flatten(smollm2.params)
+    flat = flatten(smollm2.per_layer_params())
     assert flat["layers_0/q_proj/kernel_q"].dtype == np.int8
     assert flat["layers_0/q_proj/kernel_scale"].shape == (576 // 32, 576)  # Q4_1: groups of 32
     assert "layers_0/q_proj/kernel_offset" in flat and "embed_tokens/embedding_offset" not in flat  # Q8_0
