@@ -1,10 +1,10 @@
-"""Resident memory of one model's weights across engines: each engine's own stacked copy (the
-old way: a runner given the plain params tree stacks its own) against one copy shared through
-`Model.param_forms` (models/param_forms.py), in separate processes, side by side.
+"""Resident memory of one model's weights across its engines, in separate processes side by side:
+engines that run the form `paxpage.load` holds the weights in (layers stacked, scanned: the CPU
+default), against engines of another form (the unrolled loop, scan_layers=False), which share one
+per-layer copy (models/param_forms.py).
 
-Each process loads the model, builds one engine, then a second engine with another config (both
-with scanned layers, the CPU default) and reports VmRSS after each; the KV pools are kept small
-(--num-pages) so the weights dominate.
+Each process loads the model, builds one engine, then a second engine with another config and
+reports VmRSS after each; the KV pools are kept small (--num-pages) so the weights dominate.
 
     python scripts/bench_weight_copies.py            # SmolLM2-135M in f32
     python scripts/bench_weight_copies.py --model DIR --dtype bfloat16
@@ -35,16 +35,15 @@ def rss_bytes() -> int:
 
 def measure(mode: str, model_source: str | None, dtype: str, num_pages: int) -> dict:
     import paxpage
-    from paxpage.engine import LLMEngine
 
     model = paxpage.load(model_source, dtype=dtype)
     gc.collect()
     out = {"mode": mode, "loaded": rss_bytes()}
-    params = model.param_forms if mode == "shared" else model.params
     engines = []
     for i, max_num_seqs in enumerate((4, 8)):  # two engine configs
-        cfg = paxpage.EngineConfig(num_pages=num_pages, page_size=16, max_num_seqs=max_num_seqs, dtype=dtype)
-        engines.append(LLMEngine(model.config, params, model.tokenizer, cfg))
+        cfg = paxpage.EngineConfig(num_pages=num_pages, page_size=16, max_num_seqs=max_num_seqs, dtype=dtype,
+                                   scan_layers=mode == "held")
+        engines.append(model.engine(cfg))
         gc.collect()
         out[f"engine_{i + 1}"] = rss_bytes()
     out["scanned"] = engines[0].runner.scanned
@@ -53,16 +52,19 @@ def measure(mode: str, model_source: str | None, dtype: str, num_pages: int) -> 
     return out
 
 
-LABELS = {"shared": "sharing the model's weight forms", "own": "its own copy of the weights"}
+MODES = ("held", "unrolled")
+LABELS = {"held": "the form the model is held in (layers stacked, scanned)",
+          "unrolled": "another form (scan_layers=False: per-layer)"}
 
 
 def doc_tables(data: dict) -> dict:
-    """The docs' table (docs/models.md): what a second engine of one model adds to the process."""
-    rows = [[LABELS[r["mode"]], f"{(r['engine_2'] - r['engine_1']) / MB:+.0f} MB"]
-            for r in sorted(data["rows"], key=lambda r: r["mode"] != "shared")]
+    """The docs' table (docs/models.md): what each of two engines of one model adds to the process."""
+    rows = [[LABELS[r["mode"]], f"{(r['engine_1'] - r['loaded']) / MB:+.0f} MB",
+             f"{(r['engine_2'] - r['engine_1']) / MB:+.0f} MB"]
+            for r in sorted(data["rows"], key=lambda r: MODES.index(r["mode"]))]
     caption = (f"{data['model']} in {data['dtype']} ({data['rows'][0]['weights'] / MB:.0f} MB of weights): resident "
-               "memory a second engine with another config adds")
-    return {"weight_copies": {"caption": caption, "columns": ["second engine config of one model", "RSS added"],
+               "memory each of two engines with different configs adds to the loaded model")
+    return {"weight_copies": {"caption": caption, "columns": ["engines run", "first engine", "second engine"],
                               "rows": rows}}
 
 
@@ -72,13 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-pages", type=int, default=16)
     parser.add_argument("--json", metavar="PATH", help="write the figures here")
-    parser.add_argument("--one", choices=["own", "shared"], help=argparse.SUPPRESS)  # the child process
+    parser.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(measure(args.one, args.model, args.dtype, args.num_pages)))
         return 0
     rows = []
-    for mode in ("own", "shared"):
+    for mode in MODES:
         cmd = [sys.executable, __file__, "--one", mode, "--dtype", args.dtype, "--num-pages", str(args.num_pages)]
         if args.model:
             cmd += ["--model", args.model]
@@ -87,13 +89,14 @@ def main(argv: list[str] | None = None) -> int:
             print(proc.stderr[-3000:], file=sys.stderr)
             return 1
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    print(f"weights {rows[0]['weights'] / MB:.1f} MB, scanned layers: {rows[0]['scanned']}")
-    print("| params given to the engines | RSS after load | + engine 1 | + engine 2 | growth over load |")
+    print(f"weights {rows[0]['weights'] / MB:.1f} MB")
+    print("| engines run | RSS after load | + engine 1 | + engine 2 | growth over load |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['loaded'] / MB:.0f} MB | {(r['engine_1'] - r['loaded']) / MB:+.0f} MB "
               f"| {(r['engine_2'] - r['engine_1']) / MB:+.0f} MB | {(r['engine_2'] - r['loaded']) / MB:+.0f} MB |")
-    print(f"shared: {rows[1]['describe']}")
+    for r in rows:
+        print(f"{r['mode']} (scanned: {r['scanned']}): {r['describe']}")
     if args.json:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from provenance import write_record  # the figures with machine, versions, date, command, commit
