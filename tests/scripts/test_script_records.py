@@ -169,8 +169,8 @@ def test_bench_warm_start_weight_copies_step_compile_rows():
     assert warm["warm_start"]["columns"] == _committed("warm_start", "warm_start")["columns"]
 
     copies = _load_script("bench_weight_copies").doc_tables({"model": "SmolLM2-135M-Instruct", "dtype": "float32", "rows": [
-        {"mode": "own", "loaded": 900 * MB, "engine_1": 1000 * MB, "engine_2": 1436 * MB, "weights": 538 * MB},
-        {"mode": "shared", "loaded": 900 * MB, "engine_1": 1000 * MB, "engine_2": 1012 * MB, "weights": 538 * MB}]})
+        {"mode": "unrolled", "loaded": 538.1 * MB, "engine_1": 962.9 * MB, "engine_2": 962.9 * MB, "weights": 538.1 * MB},
+        {"mode": "held", "loaded": 538.1 * MB, "engine_1": 538.1 * MB, "engine_2": 538.1 * MB, "weights": 538.1 * MB}]})
     assert copies["weight_copies"]["rows"] == _committed("weight_copies", "weight_copies")["rows"]
 
     compile_ = _load_script("bench_step_compile").doc_tables({"model": "SmolLM2-135M-Instruct", "sampler": [], "steps": [
