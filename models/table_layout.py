@@ -41,7 +41,7 @@ def row_major_tables(params: dict) -> dict:
         if sharding is None:
             sharding = jax.sharding.SingleDeviceSharding(_default_device())
         row_major = Format(Layout(major_to_minor=(0, 1)), sharding)
-        if getattr(leaf, "format", None) == row_major:  # placed so already (at load): shared, not copied
+        if _is_row_major(leaf, sharding):  # placed so already (at load): shared, not copied
             return leaf
         if isinstance(leaf, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=row_major)
@@ -50,6 +50,16 @@ def row_major_tables(params: dict) -> dict:
     if TABLE not in params:
         return params
     return {**params, TABLE: jax.tree.map(place, params[TABLE])}
+
+
+def _is_row_major(leaf, sharding) -> bool:
+    """Whether an array is placed row-major on `sharding` already: committed (jit keeps a committed
+    argument's layout), its layout's major-to-minor order (0, 1) (a placed layout also names its
+    tiles, so the order is what is compared)."""
+    fmt = getattr(leaf, "format", None)
+    layout = getattr(fmt, "layout", None)
+    return (not isinstance(leaf, jax.ShapeDtypeStruct) and getattr(leaf, "committed", False) and layout is not None
+            and tuple(getattr(layout, "major_to_minor", ())) == (0, 1) and fmt.sharding == sharding)
 
 
 def _default_device():

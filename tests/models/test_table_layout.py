@@ -57,3 +57,10 @@ def test_a_row_major_form_is_its_own_shared_form():
     plain, row_major = forms.get(0, "float32"), forms.get(0, "float32", row_major_table=True)
     assert row_major is not plain and forms.get(0, "float32", row_major_table=True) is row_major
     assert _major_to_minor(row_major.tree["embed_tokens"]["embedding_q"]) == (0, 1)
+
+
+def test_a_table_placed_at_load_is_not_placed_again():
+    """paxpage.load places the table row-major on TPU; the runner's form then takes those arrays."""
+    placed = table_layout.row_major_tables(_params())
+    again = table_layout.row_major_tables(placed)
+    assert all(again["embed_tokens"][k] is leaf for k, leaf in placed["embed_tokens"].items())
