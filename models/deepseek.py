@@ -47,7 +47,7 @@ from models.config import ModelConfig
 from models.layer_stack import run_layers
 from models.layers import Embedding, RMSNorm, dense, paged_attention_rows, sow_pooled
 from models.llama import AttentionFn, WriteKvFn
-from models.moe import route_grouped, routed_experts
+from models.moe import ExpertsFn, route_grouped, routed_experts
 from pallas_kernels import latent_attention
 from models.rope import apply_rope, attention_factor, deinterleave, inverse_frequencies, mla_softmax_scale
 
@@ -103,6 +103,7 @@ class DeepseekMoe(nn.Module):
     cfg: ModelConfig
     impl: str = "auto"
     dtype: Any = jnp.float32
+    experts_fn: ExpertsFn = routed_experts  # models/moe.py ExpertsFn
 
     @nn.compact
     def __call__(self, x):  # [T, H]
@@ -119,7 +120,7 @@ class DeepseekMoe(nn.Module):
                                          num_groups=cfg.num_expert_groups, topk_groups=cfg.topk_groups,
                                          renormalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
                                          scoring=cfg.router_scoring, method=cfg.topk_method)
-        return routed_experts(x, weights, experts, gate_up, down, impl=self.impl)
+        return self.experts_fn(x, weights, experts, gate_up, down, impl=self.impl)
 
 
 class MlaLayer(nn.Module):
@@ -130,6 +131,7 @@ class MlaLayer(nn.Module):
     use_moe: bool = False
     moe_impl: str = "auto"
     prefill_form: str = "auto"  # PREFILL_FORMS
+    experts_fn: ExpertsFn = routed_experts
 
     def _absorbed(self, q_nope, q_rope, latent_pages, batch, w_uk, w_uv, sm_scale):
         """The absorbed form over every row of `batch`: [T, N, Dv], through W_UV."""
@@ -192,7 +194,7 @@ class MlaLayer(nn.Module):
         x = x + dense(cfg.hidden_size, "o_proj", dtype)(out)
         h = RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
         if self.use_moe:
-            mlp = DeepseekMoe(cfg, self.moe_impl, dtype, name="moe")(h)
+            mlp = DeepseekMoe(cfg, self.moe_impl, dtype, self.experts_fn, name="moe")(h)
             if cfg.num_shared_experts:
                 mlp = mlp + GatedMlp(cfg.num_shared_experts * cfg.moe_intermediate_size, dtype,
                                      name="shared_experts")(h)
@@ -208,6 +210,7 @@ class DeepseekModel(nn.Module):
     moe_impl: str = "auto"  # models/moe.py
     scan_period: int = 0  # > 0: layers under a scan (models/layer_stack.py)
     prefill_form: str = "auto"  # PREFILL_FORMS
+    experts_fn: ExpertsFn = routed_experts  # the routed experts (models/moe.py ExpertsFn)
 
     def __post_init__(self):
         if self.prefill_form not in PREFILL_FORMS:
@@ -223,7 +226,7 @@ class DeepseekModel(nn.Module):
 
         def make_layer(i: int, name: str) -> MlaLayer:
             return MlaLayer(cfg, self.attention, self.write_latent, self.dtype, cfg.is_moe_layer(i),
-                            self.moe_impl, self.prefill_form, name=name)
+                            self.moe_impl, self.prefill_form, self.experts_fn, name=name)
 
         x, new_cache = run_layers(make_layer, cfg.num_layers, self.scan_period, x, batch, kv_cache)
         rows = jnp.concatenate([batch.logits_indices, batch.prompt_logits_indices])

@@ -10,21 +10,25 @@ from models.config import ModelConfig
 from models.deepseek import DeepseekModel
 from models.gemma import GemmaModel
 from models.llama import AttentionFn, LlamaModel, WriteKvFn
+from models.moe import ExpertsFn, routed_experts
 
 
 def build_model(cfg: ModelConfig, attention: AttentionFn, write_kv: WriteKvFn, dtype: Any = jnp.float32,
-                scan_period: int = 0, batch_invariant: bool = False, lora_impl: str = "xla"):
+                scan_period: int = 0, batch_invariant: bool = False, lora_impl: str = "xla",
+                experts_fn: ExpertsFn = routed_experts):
     """The flax module for `cfg`: `.apply({"params": params}, batch, kv_cache) -> (logits, kv_cache)`.
     scan_period > 0: the layers run under a scan (models/layer_stack.py: stacked params and pool).
     lora_impl: how the LoRA delta runs (models/lora_ops.LORA_IMPLS; "native" once
     `lora_ops.resolve_lora_impl` returned it).
+    experts_fn: how MoE layers run their routed experts (models/moe.py ExpertsFn; on a mesh,
+    paxpage/sharded_experts.py's split of them).
     Latent-attention models (cfg.is_mla) take `attention` / `write_kv` of the latent pool
     (pallas_kernels/latent_attention.py; paxpage/attention_impl.functions picks them)."""
     if cfg.is_mla:
         if batch_invariant:
             raise ValueError("batch_invariant supports dense Llama-family models; got a latent-attention "
                              f"{cfg.model_type} model")
-        return DeepseekModel(cfg, attention, write_kv, dtype, scan_period=scan_period)
+        return DeepseekModel(cfg, attention, write_kv, dtype, scan_period=scan_period, experts_fn=experts_fn)
     if batch_invariant:
         # Only the Llama family's dense layers have the fixed-order forms (models/invariant_ops.py).
         if cfg.is_gemma or cfg.num_experts:
@@ -34,4 +38,5 @@ def build_model(cfg: ModelConfig, attention: AttentionFn, write_kv: WriteKvFn, d
                           lora_impl=lora_impl)
     if cfg.is_gemma:
         return GemmaModel(cfg, attention, write_kv, dtype, scan_period=scan_period, lora_impl=lora_impl)
-    return LlamaModel(cfg, attention, write_kv, dtype, scan_period=scan_period, lora_impl=lora_impl)
+    return LlamaModel(cfg, attention, write_kv, dtype, scan_period=scan_period, lora_impl=lora_impl,
+                      experts_fn=experts_fn)

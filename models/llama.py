@@ -28,7 +28,7 @@ from models.layers import Embedding, RMSNorm, gated_mlp, paged_attention_rows, q
 from models.layers import dense as _dense
 from models.layer_stack import run_layers
 from models.lora_ops import row_slots
-from models.moe import SparseMoe
+from models.moe import ExpertsFn, SparseMoe, routed_experts
 from models.rope import apply_rope, attention_factor, inverse_frequencies
 
 # attention(q [B, Tq, N, D], kv_pages, page_indices, kv_lens, q_lens, *, sm_scale
@@ -48,6 +48,7 @@ class DecoderLayer(nn.Module):
     moe_impl: str = "auto"  # models/moe.py's grouped-matmul implementation
     batch_invariant: bool = False  # row results independent of the step's other rows
     lora_impl: str = "xla"  # models/lora_ops.LORA_IMPLS: how the LoRA delta runs
+    experts_fn: ExpertsFn = routed_experts  # the routed experts (models/moe.py ExpertsFn)
 
     @nn.compact
     def __call__(self, x, batch, kv_pages):  # x: [T, H]; kv_pages: [2, P, page_size, K, D]
@@ -75,7 +76,7 @@ class DecoderLayer(nn.Module):
         if self.use_moe:
             moe = SparseMoe(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                             cfg.norm_topk_prob, self.moe_impl, dtype, cfg.moe_bias, cfg.swiglu_limit,
-                            cfg.swiglu_alpha, name="moe")
+                            cfg.swiglu_alpha, self.experts_fn, name="moe")
             return x + moe(h), kv_pages
         x = x + gated_mlp(cfg, h, nn.silu, dtype, inv, lora)
         return x, kv_pages
@@ -92,6 +93,7 @@ class LlamaModel(nn.Module):
     scan_period: int = 0
     batch_invariant: bool = False  # EngineConfig.batch_invariant: dense MLPs only (refused for MoE)
     lora_impl: str = "xla"  # models/lora_ops.LORA_IMPLS: how the LoRA delta runs
+    experts_fn: ExpertsFn = routed_experts  # the routed experts (models/moe.py ExpertsFn)
 
     @nn.compact
     def __call__(self, batch, kv_cache):
@@ -104,7 +106,7 @@ class LlamaModel(nn.Module):
 
         def make_layer(i: int, name: str) -> DecoderLayer:
             return DecoderLayer(cfg, self.attention, self.write_kv, self.dtype, cfg.layer_window(i),
-                                cfg.is_moe_layer(i), self.moe_impl, inv, self.lora_impl, name=name)
+                                cfg.is_moe_layer(i), self.moe_impl, inv, self.lora_impl, self.experts_fn, name=name)
 
         x, new_cache = run_layers(make_layer, cfg.num_layers, self.scan_period, x, batch, kv_cache)
         # Only the rows that will be sampled pay for the final norm and the LM head.

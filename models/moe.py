@@ -32,13 +32,16 @@ F expert MLP width, G tiles, R rows in one tile.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 IMPLS = ("auto", "ragged_dot", "tiled", "dense")
+# routed_experts(x, weights, experts, gate_up, down, *, impl, gate_up_bias, down_bias, activation)
+# -> [T, H]: routed_experts itself, or paxpage/sharded_experts.py's split over a mesh.
+ExpertsFn = Callable[..., jax.Array]
 
 
 def resolve_impl(impl: str) -> str:
@@ -114,7 +117,7 @@ def tile_rows(num_rows: int, num_experts: int) -> int:
     return min(128, max(8, 1 << (target.bit_length() - 1)))
 
 
-def _swiglu(h):  # [..., 2F] (gate then up) -> [..., F]
+def swiglu(h):  # [..., 2F] (gate then up) -> [..., F]
     gate, up = jnp.split(h, 2, axis=-1)
     return nn.silu(gate) * up
 
@@ -148,7 +151,7 @@ def _scatter_index(dest, size: int, fill: int):
     return jnp.full((size,), fill, jnp.int32).at[dest].set(jnp.arange(dest.shape[0], dtype=jnp.int32))
 
 
-def _experts_ragged(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, activation=_swiglu):
+def _experts_ragged(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, activation=swiglu):
     """x [T, H], flat_experts i32[M] (row j is token j // top_k) -> [M, H] in row order (before
     the down projection's bias)."""
     group_sizes, rank = _group_layout(flat_experts, gate_up.shape[0])
@@ -163,7 +166,7 @@ def _experts_ragged(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, ac
     return y_sorted[dest]
 
 
-def _experts_tiled(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, activation=_swiglu,
+def _experts_tiled(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, activation=swiglu,
                    fixed_trip_count: bool | None = None):
     """The same as `_experts_ragged` in plain jnp (see the module docstring).
     fixed_trip_count: loop over every tile (True) or the tiles in use (False); None: fixed
@@ -212,22 +215,20 @@ def _experts_tiled(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, act
     return y[dest]  # [M, H]
 
 
-def _experts_dense(x, weights, experts, gate_up, down, gate_up_bias=None, down_bias=None, activation=_swiglu):
-    """Every expert on every token. x [T, H] -> [T, H]."""
+def _experts_dense(x, weights, experts, gate_up, down, gate_up_bias=None, activation=swiglu):
+    """Every expert on every token. x [T, H] -> f32[T, H] (before the down projection's bias)."""
     num_experts = gate_up.shape[0]
     h = jnp.einsum("TH,EHF->ETF", x, gate_up)
     if gate_up_bias is not None:
         h = h + gate_up_bias[:, None, :].astype(h.dtype)
     y = jnp.einsum("ETF,EFH->ETH", activation(h), down)
-    if down_bias is not None:
-        y = y + down_bias[:, None, :].astype(y.dtype)
     # [T, E] routing weights, zero for the experts a token did not pick.
     combine = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32) * weights[..., None], axis=1)
     return jnp.einsum("TE,ETH->TH", combine, y.astype(jnp.float32))
 
 
 def moe_mlp(x, router, gate_up, down, *, top_k: int, renormalize: bool, impl: str = "auto", router_bias=None,
-            gate_up_bias=None, down_bias=None, activation=_swiglu):
+            gate_up_bias=None, down_bias=None, activation=swiglu):
     """The sparse MoE MLP.
 
     x [T, H]; router [H, E]; gate_up [E, H, 2F] (gate columns, then up); down [E, F, H].
@@ -242,26 +243,44 @@ def moe_mlp(x, router, gate_up, down, *, top_k: int, renormalize: bool, impl: st
 
 
 def routed_experts(x, weights, experts, gate_up, down, *, impl: str = "auto", gate_up_bias=None,
-                   down_bias=None, activation=_swiglu):
+                   down_bias=None, activation=swiglu):
     """Each token through its routed experts: x [T, H], weights f32[T, k], experts i32[T, k],
     gate_up [E, H, 2F], down [E, F, H] -> [T, H] in x's dtype (sum of weight * expert MLP).
     gpt-oss: biases gate_up_bias [E, 2F] / down_bias [E, H] after each projection, and
-    `activation` ([..., 2F] gate then up -> [..., F]; default silu(gate) * up)."""
+    `activation` ([..., 2F] gate then up -> [..., F]; default silu(gate) * up).
+    paxpage/sharded_experts.py runs the same function split over F on a mesh."""
+    y = expert_sums(x, weights, experts, gate_up, down, impl=impl, gate_up_bias=gate_up_bias,
+                    activation=activation)
+    if down_bias is not None:
+        y = y + down_bias_sums(weights, experts, down_bias)
+    return y.astype(x.dtype)
+
+
+def expert_sums(x, weights, experts, gate_up, down, *, impl: str = "auto", gate_up_bias=None,
+                activation=swiglu):
+    """routed_experts without the down projection's bias, in f32[T, H]. Each expert's output is a
+    sum over its F columns, so over a split of F (gate_up and its bias on their last axis, each
+    part holding its own gate then up columns; down on its F axis) the parts' results add up to
+    the whole's: what tensor parallelism sums across devices."""
     impl = resolve_impl(impl)
     x, gate_up, down = (jnp.asarray(a) for a in (x, gate_up, down))
-    gate_up_bias, down_bias = (None if b is None else jnp.asarray(b) for b in (gate_up_bias, down_bias))
+    gate_up_bias = None if gate_up_bias is None else jnp.asarray(gate_up_bias)
+    if impl == "dense":
+        return _experts_dense(x, weights, experts, gate_up, down, gate_up_bias, activation)
     num_tokens, hidden = x.shape
     top_k = experts.shape[1]
-    if impl == "dense":
-        return _experts_dense(x, weights, experts, gate_up, down, gate_up_bias, down_bias,
-                              activation).astype(x.dtype)
     flat_experts = experts.reshape(-1)  # [M]; row j is token j // k
     experts_fn = _experts_ragged if impl == "ragged_dot" else _experts_tiled
     y = experts_fn(x, flat_experts, top_k, gate_up, down, gate_up_bias, activation)  # [M, H]
-    if down_bias is not None:
-        y = y + down_bias[flat_experts].astype(y.dtype)
     y = y.reshape(num_tokens, top_k, hidden).astype(jnp.float32)
-    return jnp.einsum("Tk,TkH->TH", weights, y).astype(x.dtype)
+    return jnp.einsum("Tk,TkH->TH", weights, y)
+
+
+def down_bias_sums(weights, experts, down_bias):
+    """The down projection's bias of each token's experts, weighted: weights f32[T, k], experts
+    i32[T, k], down_bias [E, H] -> f32[T, H]."""
+    bias = jnp.asarray(down_bias)[experts].astype(jnp.float32)  # [T, k, H]
+    return jnp.einsum("Tk,TkH->TH", weights, bias)
 
 
 class SparseMoe(nn.Module):
@@ -277,6 +296,7 @@ class SparseMoe(nn.Module):
     bias: bool = False
     swiglu_limit: float | None = None  # set: clamped_swiglu(swiglu_limit, swiglu_alpha)
     swiglu_alpha: float = 1.0
+    experts_fn: ExpertsFn = routed_experts
 
     @nn.compact
     def __call__(self, x):  # [T, H]
@@ -287,6 +307,6 @@ class SparseMoe(nn.Module):
         down = self.param("down_proj", init, (E, F, H), self.dtype)
         biases = {name: self.param(name, nn.initializers.zeros, shape, self.dtype) if self.bias else None
                   for name, shape in (("router_bias", (E,)), ("gate_up_bias", (E, 2 * F)), ("down_bias", (E, H)))}
-        activation = _swiglu if self.swiglu_limit is None else clamped_swiglu(self.swiglu_limit, self.swiglu_alpha)
-        return moe_mlp(x, router, gate_up, down, top_k=self.top_k, renormalize=self.renormalize, impl=self.impl,
-                       activation=activation, **biases)
+        activation = swiglu if self.swiglu_limit is None else clamped_swiglu(self.swiglu_limit, self.swiglu_alpha)
+        weights, experts = route(x, router, self.top_k, self.renormalize, biases.pop("router_bias"))  # [T, k]
+        return self.experts_fn(x, weights, experts, gate_up, down, impl=self.impl, activation=activation, **biases)

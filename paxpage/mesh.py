@@ -160,17 +160,20 @@ def shard_runner_state(model_cfg, params, dtype, mesh: Mesh, attention, write_kv
     """What ModelRunner needs on a tensor-parallel mesh: (model config the step runs, plan,
     sharded params, the KV cache's sharding, a pytree like one layer's cache (each layer's
     cache: `cache_zeros(shape, kv_cache_dtype, dtype, it)`; with stacked_pool the one stacked
-    [2, L, P, ...] cache), attention and write_kv under shard_map, jit kwargs of the step, jit
-    kwargs of the page copy). Stacked layer params (models/layer_stack.py) keep their leading
-    layer axis unsharded. abstract: `params` may be jax.ShapeDtypeStructs and the params come back
-    as ShapeDtypeStructs with their shardings (nothing placed: ahead-of-time compilation).
+    [2, L, P, ...] cache), attention and write_kv under shard_map, the routed experts' function
+    (paxpage/sharded_experts.py), jit kwargs of the step, jit kwargs of the page copy). Stacked
+    layer params (models/layer_stack.py) keep their leading layer axis unsharded. abstract:
+    `params` may be jax.ShapeDtypeStructs and the params come back as ShapeDtypeStructs with their
+    shardings (nothing placed: ahead-of-time compilation).
     layout: the pool's pallas_kernels.kv_layout (None: canonical), split on its kv-head axis."""
+    from paxpage import sharded_experts
     from paxpage.sharding import replicate_kv_heads
 
     plan = ShardingPlan.for_model(model_cfg, mesh.shape[MODEL_AXIS])
     to_array, place_fn = (_abstract_array, place_abstract) if abstract else (_host_array, place)
     params = cast_params(params, dtype, to_array=to_array)  # quantised: int8 values, f32 scales
-    params = place_params(replicate_kv_heads(plan, model_cfg, params), mesh, plan, place_fn)
+    params = sharded_experts.regroup(plan, replicate_kv_heads(plan, model_cfg, params))
+    params = place_params(params, mesh, plan, place_fn)
     model_cfg = plan.sharded_model_config(model_cfg)
     pool = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
                         plan.kv_cache_spec(kv_cache_dtype, stacked_pool, layout),
@@ -180,4 +183,5 @@ def shard_runner_state(model_cfg, params, dtype, mesh: Mesh, attention, write_kv
     replicated = NamedSharding(mesh, PartitionSpec())
     step = {"out_shardings": (pools, replicated, replicated)}
     copy = {"out_shardings": pools}
-    return model_cfg, plan, params, pool, attention, write_kv, step, copy
+    experts_fn = sharded_experts.shard_experts(mesh, plan)
+    return model_cfg, plan, params, pool, attention, write_kv, experts_fn, step, copy

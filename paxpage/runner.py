@@ -26,6 +26,7 @@ import numpy as np
 from models.config import ModelConfig
 from models import layer_stack, lora_ops, param_forms, table_layout
 from models.families import build_model
+from models.moe import routed_experts
 from paxpage import attention_impl, kv_pool, kv_sizing, lora_slab
 from paxpage.sampling import sampler as sampler_lib
 from paxpage.batch import StepBatch
@@ -76,6 +77,7 @@ class ModelRunner:
         attention, write_kv = attention_impl.functions(impl, backend, cfg.batch_invariant, latent=model_cfg.is_mla,
                                                        layout=self.kv_layout.name)
         pool_sharding = None  # None: the default device
+        experts_fn = routed_experts  # MoE layers' routed experts (sharded on a mesh)
         num_layers = model_cfg.num_layers
         # On TPU the embedding table is held row-major (models/table_layout.py): its default
         # layout there is column-major, which the token gather would copy in every step.
@@ -99,7 +101,7 @@ class ModelRunner:
             params = param_forms.own_tree(params)  # in the scan's form, on the host before placing
             params = (layer_stack.restack(params, num_layers, cfg.scan_period, stack=_stack_abstract)
                       if abstract else layer_stack.host_stack(params, num_layers, cfg.scan_period))
-            (model_cfg, self.plan, self.params, pool_sharding, attention, write_kv, step_shardings,
+            (model_cfg, self.plan, self.params, pool_sharding, attention, write_kv, experts_fn, step_shardings,
              copy_shardings) = mesh_lib.shard_runner_state(model_cfg, params, dtype, mesh, attention, write_kv,
                                                            cfg.kv_cache_dtype, stacked_pool=self.scanned,
                                                            abstract=abstract, layout=self.kv_layout)
@@ -113,7 +115,8 @@ class ModelRunner:
         self.lora_impl = lora_ops.resolve_lora_impl(bool(cfg.max_loras) and impl == "native" and mesh is None,
                                                     cfg.max_lora_rank)
         self.model = build_model(model_cfg, attention, write_kv, dtype, scan_period=cfg.scan_period,
-                                 batch_invariant=cfg.batch_invariant, lora_impl=self.lora_impl)
+                                 batch_invariant=cfg.batch_invariant, lora_impl=self.lora_impl,
+                                 experts_fn=experts_fn)
         # The model step and the sampler compile separately: sampler options (logprob widths,
         # penalty lists) then never recompile the model, and a new batch shape reuses the
         # sampler. Logits stay on device between the two calls.

@@ -25,10 +25,16 @@ Latent attention (DeepSeek-V2 / V3, models/deepseek.py): the per-head projection
 kv_b_proj on their output, o_proj on its input) split over "heads" when tp divides N; the latent
 pool has one latent shared by every head, so every device holds all of it (replicated), as do
 the low-rank projections in front of it (q_a_proj, kv_a_proj_with_mqa). The MLP widths (dense
-layers and shared experts) split when tp divides both; routed experts are replicated.
+layers and shared experts) split when tp divides both.
+
+Routed experts (Qwen3-MoE, Mixtral, gpt-oss, DeepSeek) split on each expert's MLP width Fe when tp
+divides it ("expert_mlp"): every device holds Fe / tp columns of every expert, 1 / tp of the
+expert bytes, and runs its share under shard_map with one psum per MoE layer
+(paxpage/sharded_experts.py, which also regroups gate_up's columns per device at placement).
+Otherwise they are replicated. The router and the down projection's bias stay replicated.
 
 Axis legend: H hidden, N query heads, K kv heads, D head dim, F MLP width, V vocabulary,
-P pages.
+P pages, E experts, Fe one expert's MLP width.
 """
 
 from __future__ import annotations
@@ -60,6 +66,11 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "gate_proj/kernel": (None, "mlp"),  # [H, F]
     "up_proj/kernel": (None, "mlp"),
     "down_proj/kernel": ("mlp", None),  # [F, H]
+    # Routed experts, split on Fe; gate_up's last axis is regrouped per device first
+    # (sharded_experts.regroup: device d's block holds its gate, then its up columns).
+    "moe/gate_up_proj": (None, None, "expert_mlp"),  # [E, H, 2*Fe]
+    "moe/gate_up_bias": (None, "expert_mlp"),  # [E, 2*Fe]
+    "moe/down_proj": (None, "expert_mlp", None),  # [E, Fe, H]
     "lm_head/kernel": (None, "vocab"),  # [H, V]
     # LoRA slabs (paxpage/lora_slab.py): lora_a [S, I, R], lora_b [S, R, O], split with their
     # layer's kernel (the rank axis never); the others' halves are replicated.
@@ -91,12 +102,20 @@ class ShardingPlan:
     split_vocab: bool
     kv_replicas: int = 1  # r: each KV head repeated r times so K * r heads split over tp
     latent_pool: bool = False  # latent attention: the pool [1, P, page_size, 1, C] is replicated
+    split_experts: bool | None = None  # routed experts over Fe; None: the model has none
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, tensor_parallel_size: int) -> "ShardingPlan":
         tp = tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
+        plan = cls._for_attention_and_mlp(cfg, tp)
+        if not cfg.num_experts:
+            return plan
+        return dataclasses.replace(plan, split_experts=tp > 1 and cfg.moe_intermediate_size % tp == 0)
+
+    @classmethod
+    def _for_attention_and_mlp(cls, cfg: ModelConfig, tp: int) -> "ShardingPlan":
         if cfg.is_mla:
             widths = [cfg.intermediate_size] + [cfg.num_shared_experts * cfg.moe_intermediate_size] * bool(
                 cfg.num_shared_experts)
@@ -112,7 +131,8 @@ class ShardingPlan:
 
     def mesh_axis(self, logical: str | None) -> str | None:
         split = {"heads": self.split_heads, "kv_heads": self.split_heads,
-                 "mlp": self.split_mlp, "vocab": self.split_vocab}.get(logical, False)
+                 "mlp": self.split_mlp, "vocab": self.split_vocab,
+                 "expert_mlp": bool(self.split_experts)}.get(logical, False)
         return MODEL_AXIS if split else None
 
     def spec(self, logical_axes: tuple[str | None, ...]) -> PartitionSpec:
@@ -180,7 +200,8 @@ class ShardingPlan:
             return "tp=1: one device holds everything"
         heads = "heads (latent pool replicated)" if self.latent_pool else "heads/KV pool"
         parts = [f"{name} {'split' if split else 'replicated'}" for name, split in
-                 ((heads, self.split_heads), ("MLP", self.split_mlp), ("vocab", self.split_vocab))]
+                 ((heads, self.split_heads), ("MLP", self.split_mlp), ("vocab", self.split_vocab),
+                  ("experts", self.split_experts)) if split is not None]
         if self.kv_replicas > 1:
             parts[0] += f" (each KV head x{self.kv_replicas})"
         return f"tp={self.tensor_parallel_size}: " + ", ".join(parts)

@@ -3,6 +3,8 @@ KV-head replication, bytes per device against published parameter counts, config
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -57,6 +59,36 @@ def test_llama3_8b_bytes_match_published_parameter_count():
     assert param_bytes_per_device(LLAMA3_8B, ShardingPlan.for_model(LLAMA3_8B, 1), 2) == 2 * total
     assert param_bytes_per_device(LLAMA3_8B, ShardingPlan.for_model(LLAMA3_8B, 8), 2) == 2 * ((total - norms) // 8 + norms)
     assert kv_page_bytes_per_device(LLAMA3_8B, ShardingPlan.for_model(LLAMA3_8B, 8), 1, 2) == 2 * 32 * 128 * 2
+
+
+def test_routed_experts_split_on_their_width_when_tp_divides_it():
+    """Qwen3-30B-A3B (Fe = 768) splits its experts at tp 2 / 8 and 3; DeepSeek-V2-Lite (Fe = 1408)
+    not at tp 3, where they stay whole like everything else that does not divide."""
+    from models.random_init import PRESETS
+
+    qwen = PRESETS["qwen3-30b-a3b"]
+    assert param_bytes_per_device(qwen, ShardingPlan.for_model(qwen, 1), 1) == 30_532_122_624  # published count
+    experts = qwen.num_layers * qwen.num_experts * 3 * qwen.hidden_size * qwen.moe_intermediate_size
+    for tp in (2, 3, 8):
+        plan = ShardingPlan.for_model(qwen, tp)
+        assert plan.split_experts and plan.describe().endswith("experts split"), tp
+        assert plan.param_spec("layers_5/moe/gate_up_proj", 3) == P(None, None, "model")
+        assert plan.param_spec("layers_5/moe/down_proj", 3) == P(None, "model", None)
+        assert plan.param_spec("layers/5/moe/down_proj", 4) == P(None, None, "model", None)  # stacked
+        assert plan.param_spec("layers_5/moe/router", 2) == P()
+        # each device holds 1 / tp of the expert bytes; the rest as with whole experts
+        whole = dataclasses.replace(plan, split_experts=False)
+        saved = 2 * experts * (tp - 1) // tp  # bf16
+        assert param_bytes_per_device(qwen, plan, 2) == param_bytes_per_device(qwen, whole, 2) - saved
+    oss = ShardingPlan.for_model(PRESETS["gpt-oss-20b"], 4)
+    assert oss.param_spec("layers_0/moe/gate_up_bias", 2) == P(None, "model")
+    assert oss.param_spec("layers_0/moe/down_bias", 2) == P()  # added once, after the sum
+    lite = PRESETS["deepseek-v2-lite"]
+    assert ShardingPlan.for_model(lite, 2).split_experts and not ShardingPlan.for_model(lite, 3).split_experts
+    assert ShardingPlan.for_model(lite, 3).param_spec("layers_1/moe/gate_up_proj", 3) == P(None, None, None)
+    assert ShardingPlan.for_model(SMOLLM2, 2).split_experts is None  # no experts: not in describe()
+    assert "experts" not in ShardingPlan.for_model(SMOLLM2, 2).describe()
+    assert ShardingPlan.for_model(qwen, 1).describe() == "tp=1: one device holds everything"
 
 
 def test_kv_heads_replicated_when_tp_exceeds_them():

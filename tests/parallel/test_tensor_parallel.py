@@ -122,7 +122,7 @@ def test_tp_smollm2_greedy_same_tokens(hf_smollm2):
     # local / global / local layers, attention and final soft-caps, a query scale of its own
     ("gemma2", dict(sliding_window=8, num_hidden_layers=3, attn_logit_softcapping=1.0,
                     final_logit_softcapping=2.0, query_pre_attn_scalar=24)),
-    # attention sinks split over the heads with the queries; biased experts, replicated
+    # attention sinks split over the heads with the queries; biased experts split on their width
     ("gpt_oss", dict(sliding_window=8, num_hidden_layers=3, head_dim=16, intermediate_size=32)),
 ], ids=["mistral-window", "gemma2-window-softcap", "gpt-oss-window-sinks"])
 @pytest.mark.extended

@@ -88,7 +88,7 @@ def main(argv: list[str]) -> None:
                                "layer_axis_split": None if layer_axis is None else spec[layer_axis]}
         layer0 = runner.params["layers"]["0"] if runner.scanned else runner.params["layers_0"]
         param_axis = 0 if runner.scanned else None
-        # a MoE layer's experts (replicated) stand in for the dense MLP's up_proj
+        # a MoE layer's expert gate_up_proj stands in for the dense MLP's up_proj
         mlp = layer0["up_proj"] if "up_proj" in layer0 else {"kernel": layer0["moe"]["gate_up_proj"]}
         q, up = (p.get("kernel", p.get("kernel_q")) for p in (layer0["q_proj"], mlp))
         from paxpage.mesh import bytes_per_device

@@ -1,0 +1,88 @@
+"""Routed MoE experts split over the mesh's "model" axis on each expert's MLP width Fe: Megatron's
+split of an MLP, applied to every expert. Each device holds Fe / tp columns of every expert's gate
+and up projections and the matching Fe / tp rows of its down projection, runs models/moe.py's
+grouped matmuls over every token's routed rows with them, and one all-reduce (a psum over "model")
+per MoE layer adds the devices' partial outputs. Routing runs replicated (the router is [H, E]);
+gpt-oss's down-projection bias is added once, after the sum.
+
+The experts run under `shard_map` rather than by GSPMD's reading of the sharded weights: the
+"tiled" implementation loops over tiles of rows, and a partitioned loop body would all-reduce every
+tile; under shard_map the partial sums stay local until the one psum of f32[T, H].
+
+gate_up_proj [E, H, 2*Fe] holds all gate columns, then all up columns, so a plain split of its
+last axis would give some devices only gate columns. `regroup` reorders it (and gpt-oss's
+gate_up_bias [E, 2*Fe]) as the weights are placed, so that device d's contiguous block is its own
+gate columns, then its own up columns: each device sees the one-device layout at width Fe / tp,
+and the expert code runs on it unchanged. Only the placed arrays are regrouped; checkpoints,
+caches and one-device runs keep the gate-then-up layout.
+
+Whole experts per device with routed tokens exchanged between devices (expert parallelism) is not
+done.
+
+Axis legend: T tokens, H hidden, E experts, k experts per token, Fe one expert's MLP width.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from models.moe import ExpertsFn, down_bias_sums, expert_sums, routed_experts, swiglu
+from paxpage.mesh import shard_map
+from paxpage.sharding import MODEL_AXIS, PARAM_AXES, ShardingPlan
+
+# The leaves `regroup` reorders: their last axis is gate columns, then up columns.
+GATE_UP_LEAVES = ("moe/gate_up_proj", "moe/gate_up_bias")
+
+
+def regroup(plan: ShardingPlan, params) -> dict:
+    """Reorders the last axis of every expert gate / up leaf from [gate (Fe), up (Fe)] to tp
+    blocks [gate_d (Fe / tp), up_d (Fe / tp)], d = 0 .. tp - 1, so that a plain split over tp
+    devices gives device d its own gate and up columns. Unchanged when the plan keeps experts
+    whole. Host arrays in and out (or jax.ShapeDtypeStructs: unchanged, their shape is kept)."""
+    if not plan.split_experts:
+        return params
+    tp = plan.tensor_parallel_size
+
+    def blocks(x):  # [..., 2*Fe] -> [..., tp * 2 * (Fe / tp)]
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        x = np.asarray(x)
+        lead, width = x.shape[:-1], x.shape[-1]
+        x = x.reshape(*lead, 2, tp, width // (2 * tp))
+        return np.ascontiguousarray(np.swapaxes(x, -3, -2)).reshape(*lead, width)
+
+    def walk(tree, path):
+        if isinstance(tree, dict):
+            return {k: walk(v, f"{path}{k}/") for k, v in tree.items()}
+        return blocks(tree) if path[:-1].endswith(GATE_UP_LEAVES) else tree
+    return walk(params, "")
+
+
+def shard_experts(mesh: Mesh, plan: ShardingPlan, experts_fn: ExpertsFn = routed_experts) -> ExpertsFn:
+    """models/moe.py's routed_experts, each device running its own share of every expert's width
+    (weights placed by `regroup` and sharding.PARAM_AXES), then one psum. `experts_fn` itself when
+    the plan keeps experts whole (GSPMD then runs them replicated)."""
+    if not plan.split_experts:
+        return experts_fn
+    rep = PartitionSpec()
+    gate_up_spec, bias_spec, down_spec = (plan.spec(PARAM_AXES[name]) for name in
+                                          ("moe/gate_up_proj", "moe/gate_up_bias", "moe/down_proj"))
+
+    def sharded(x, weights, experts, gate_up, down, *, impl="auto", gate_up_bias=None, down_bias=None,
+                activation=swiglu):
+        def local(x, weights, experts, gate_up, down, *bias):  # this device's columns -> its partial sum
+            part = expert_sums(x, weights, experts, gate_up, down, impl=impl,
+                               gate_up_bias=bias[0] if bias else None, activation=activation)
+            return jax.lax.psum(part, MODEL_AXIS)
+
+        args, specs = (x, weights, experts, gate_up, down), (rep, rep, rep, gate_up_spec, down_spec)
+        if gate_up_bias is not None:
+            args, specs = (*args, gate_up_bias), (*specs, bias_spec)
+        y = shard_map(local, mesh=mesh, in_specs=specs, out_specs=rep)(*args)  # f32[T, H]
+        if down_bias is not None:
+            y = y + down_bias_sums(weights, experts, down_bias)
+        return y.astype(x.dtype)
+
+    return sharded

@@ -1,0 +1,81 @@
+"""Routed experts split over a forced 4-device CPU mesh (in subprocesses): at tp 2 and 4 each device
+holds 1 / tp of every expert's width (paxpage/sharding.py, paxpage/sharded_experts.py), the greedy
+tokens are HF transformers' and one device's, each token's logprob is one device's within 1e-5
+(f32), and the compiled decode step sums each MoE layer once, gathering no expert weight."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import hf_greedy, save_tiny_deepseek, save_tiny_hf
+from tests.parallel.helpers import run_json
+
+
+def _run(path, hf, sizes: str = "1,2,4", max_tokens: int = 6, one: bool = False) -> dict:
+    """The worker's results, checked against HF's greedy tokens and one device's logprobs.
+    one: only the worker's 19-token prompt (fewer step shapes to compile)."""
+    out = run_json(["tests.parallel.moe_tp_worker", str(path), sizes, str(max_tokens), "--hlo"] + ["--one"] * one,
+                   timeout=420)
+    assert out["num_devices"] == 4
+    vocab = hf.config.vocab_size
+    prompts = [[(7 * i + 3) % vocab for i in range(n)] for n in ((19,) if one else (5, 19, 40))]
+    want = [hf_greedy(hf, p, max_tokens) for p in prompts]
+    for tp in sizes.split(","):
+        assert out["greedy"][tp] == want, tp
+        for got, one in zip(out["logprobs"][tp], out["logprobs"]["1"]):
+            assert max(abs(a - b) for a, b in zip(got, one)) < 1e-5, tp
+        assert out["weight_bytes"][tp]["measured"] == [out["weight_bytes"][tp]["rules"]], tp
+        # at most the logits are gathered (a vocabulary split), never an expert weight
+        assert set(out["collectives"][tp]["all_gather_shapes"]) <= {f"f32[1,{vocab}]{{0,1}}"}, tp
+    return out
+
+
+def _expert_shards(out, tp: int, num_experts: int, hidden: int, width: int) -> None:
+    """At `tp`, each device holds `width` columns of every expert."""
+    experts = out["experts"][str(tp)]
+    assert experts["gate_up_proj"] == [[num_experts, hidden, 2 * width]] * tp
+    assert experts["down_proj"] == [[num_experts, width, hidden]] * tp
+    assert experts["router"] == [[hidden, num_experts]] * tp
+
+
+def test_qwen3_moe_experts_split_at_tp_2_and_4(tmp_path):
+    """8 experts of width 32, scanned layers: one MoE all-reduce in the layer body. ~20 s."""
+    hf = save_tiny_hf(tmp_path, "qwen3_moe", num_attention_heads=8, num_key_value_heads=4)
+    out = _run(tmp_path, hf, one=True)
+    _expert_shards(out, 1, 8, 64, 32)
+    for tp in (2, 4):
+        _expert_shards(out, tp, 8, 64, 32 // tp)
+        assert out["plan"][str(tp)].endswith("experts split")
+        # the scanned body's o_proj and MoE sums, and the vocabulary-split embedding's
+        assert out["collectives"][str(tp)]["all-reduce"] == 3 and out["collectives"][str(tp)]["moe_all_reduces"] == 1
+
+
+@pytest.mark.extended  # ~35 s each: a fresh interpreter with forced devices, three tp sizes
+@pytest.mark.parametrize("kind,extra,width,sizes", [
+    # biased experts: gate_up's bias regrouped with its columns, the down bias added once
+    ("gpt_oss", dict(sliding_window=8, num_hidden_layers=3, head_dim=16, intermediate_size=32), 32, (2, 4)),
+    ("mixtral", dict(), 128, (2, 4)),
+    # width 20: split at tp 2, whole (replicated) at tp 3 (HF's grouped matmul needs widths of 4n)
+    ("qwen3_moe", dict(moe_intermediate_size=20), 20, (2, 3)),
+], ids=["gpt-oss", "mixtral", "qwen3-moe-uneven"])
+def test_moe_models_at_tp_2_and_4_are_one_device(tmp_path, kind, extra, width, sizes):
+    hf = save_tiny_hf(tmp_path, kind, num_attention_heads=8, num_key_value_heads=4, **extra)
+    out = _run(tmp_path, hf, ",".join(map(str, (1, *sizes))))
+    num_experts = 8 if kind == "qwen3_moe" else 4
+    for tp in sizes:
+        split = width % tp == 0
+        _expert_shards(out, tp, num_experts, 64, width // tp if split else width)
+        assert out["plan"][str(tp)].endswith("experts split" if split else "experts replicated")
+    if kind == "gpt_oss":
+        assert out["experts"]["2"]["gate_up_bias"] == [[4, 32]] * 2
+        assert out["experts"]["2"]["down_bias"] == [[4, 64]] * 2
+        assert out["collectives"]["2"]["moe_all_reduces"] == 3  # three unrolled MoE layers, one each
+
+
+@pytest.mark.extended
+def test_deepseek_v3_routed_experts_split_beside_shared_ones(tmp_path):
+    """Routed experts split beside the shared expert's MLP (split with the dense MLPs), latent attention."""
+    hf = save_tiny_deepseek(tmp_path)
+    out = _run(tmp_path, hf)
+    for tp in (2, 4):
+        _expert_shards(out, tp, 8, 64, 32 // tp)
