@@ -1,10 +1,15 @@
 """Batch-invariant forms of the model's row-wise reductions (EngineConfig.batch_invariant).
 
-XLA picks a matmul's blocking, and so its summation order, from the number of rows: on CPU a
-row of [T, I] @ [I, O] changes in its last bits between T = 1, T = 2..32 and T >= 64. Cutting
-the rows into fixed tiles of TILE_ROWS makes every tile the same matmul, so a row's result no
-longer depends on how many rows share the step or where it sits. Likewise jnp.mean's reduction
-order over H depends on the row count; norm_mean_square sums in a fixed order per row.
+XLA picks a matmul's blocking, and so its summation order, from the number of rows. On XLA CPU
+a row of [T, I] @ [I, O] has one set of bits at T = 1, another at T = 2..32, and from T = 33 up
+the same bits at every row count (measured on this project's CPU for f32 and bf16 at SmolLM2's
+and the tiny test models' widths, the LM head's 49,152 outputs included; every row of T = 33..320
+against T = 320). `stable_rows` pads a step's rows up to MIN_ROWS and runs the matmul once, so a
+row's result does not depend on how many rows share the step or where it sits, and a step of
+MIN_ROWS rows or more pays nothing. Likewise jnp.mean's reduction order over H depends on the
+row count; norm_mean_square sums in a fixed order per row.
+
+tests/models/test_invariant_ops.py checks the row-count property on the machine it runs on.
 
 Axis legend: T rows (tokens), I input features, O output features, H hidden.
 """
@@ -16,18 +21,18 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-TILE_ROWS = 64  # rows per matmul tile; B >= 64 was measured to take XLA CPU's row-stable blocking
+MIN_ROWS = 33  # the fewest rows of XLA CPU's row-stable matmul blocking (module doc)
 
 
-def tiled_rows(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
-    """fn (a per-row map such as x @ W) applied to x [..., T, I] in fixed tiles of TILE_ROWS rows."""
+def stable_rows(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """fn (a per-row map such as x @ W) applied to x [..., T, I] as one [max(T, MIN_ROWS), I] matmul."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])  # [T, I]
     num_rows = flat.shape[0]
-    padded = -(-num_rows // TILE_ROWS) * TILE_ROWS
-    flat = jnp.pad(flat, ((0, padded - num_rows), (0, 0)))
-    y = fn(flat.reshape(padded // TILE_ROWS, TILE_ROWS, flat.shape[-1]))  # [n, TILE_ROWS, O]
-    return y.reshape(padded, y.shape[-1])[:num_rows].reshape(*lead, y.shape[-1])
+    if num_rows < MIN_ROWS:
+        flat = jnp.pad(flat, ((0, MIN_ROWS - num_rows), (0, 0)))
+    y = fn(flat)  # [max(T, MIN_ROWS), O]
+    return y[:num_rows].reshape(*lead, y.shape[-1])
 
 
 def _pairwise_sum(x: jax.Array) -> jax.Array:

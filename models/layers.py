@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from models import quant
 from models.lora_ops import lora_delta
-from models.invariant_ops import norm_mean_square, tiled_rows
+from models.invariant_ops import norm_mean_square, stable_rows
 
 
 class RMSNorm(nn.Module):
@@ -67,7 +67,7 @@ class Linear(nn.Module):
     features: int
     use_bias: bool = False
     dtype: Any = jnp.float32
-    batch_invariant: bool = False  # rows in fixed tiles (models/invariant_ops.py)
+    batch_invariant: bool = False  # row-stable matmuls (models/invariant_ops.py)
 
     @nn.compact
     def __call__(self, x, lora_slots=None):  # [..., I] -> [..., O]; lora_slots: models/lora_ops.row_slots
@@ -78,7 +78,7 @@ class Linear(nn.Module):
         else:
             kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.dtype)
             matmul = lambda rows: jnp.dot(rows, kernel.astype(self.dtype))
-        y = tiled_rows(matmul, x) if self.batch_invariant else matmul(x)
+        y = stable_rows(matmul, x) if self.batch_invariant else matmul(x)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype).astype(self.dtype)
         if lora_slots is not None and self.has_variable("params", "lora_a"):
@@ -94,7 +94,7 @@ class Embedding(nn.Module):
     num_embeddings: int
     features: int
     dtype: Any = jnp.float32
-    batch_invariant: bool = False  # the LM head's rows in fixed tiles (models/invariant_ops.py)
+    batch_invariant: bool = False  # the LM head's matmul row-stable (models/invariant_ops.py)
 
     def setup(self):
         self.qtable = _quantized(self, "embedding")
@@ -114,7 +114,7 @@ class Embedding(nn.Module):
             head = lambda rows: quant.quantized_attend(rows, *self.qtable)
         else:
             head = lambda rows: jnp.dot(rows, self.embedding.astype(self.dtype).T)
-        return tiled_rows(head, x) if self.batch_invariant else head(x)
+        return stable_rows(head, x) if self.batch_invariant else head(x)
 
 
 def dense(features: int, name: str, dtype, use_bias: bool = False, batch_invariant: bool = False) -> Linear:
