@@ -1,13 +1,14 @@
 """Batch-invariant forms of the model's row-wise reductions (EngineConfig.batch_invariant).
 
-XLA picks a matmul's blocking, and so its summation order, from the number of rows. On XLA CPU
-a row of [T, I] @ [I, O] has one set of bits at T = 1, another at T = 2..32, and from T = 33 up
-the same bits at every row count (measured on this project's CPU for f32 and bf16 at SmolLM2's
-and the tiny test models' widths, the LM head's 49,152 outputs included; every row of T = 33..320
-against T = 320). `stable_rows` pads a step's rows up to MIN_ROWS and runs the matmul once, so a
-row's result does not depend on how many rows share the step or where it sits, and a step of
-MIN_ROWS rows or more pays nothing. Likewise jnp.mean's reduction order over H depends on the
-row count; norm_mean_square sums in a fixed order per row.
+XLA picks a matmul's blocking, and so its summation order, from the number of rows: on XLA CPU a
+row of [T, I] @ [I, O] changes in its last bits as T grows, until a row count from which every
+row keeps the same bits at any T. That count depends on the shape: measured on this project's
+CPU (every row of T = 2..139 against T = 140, f32), 2 for most widths, 33 for SmolLM2's q / k / v
+/ gate / up and LM-head products, 51 for [I, 32], [I, 96] and [64, 576]. `stable_rows` pads a
+step's rows up to MIN_ROWS and runs the matmul once, so a row's result does not depend on how many
+rows share the step or where it sits; a step of MIN_ROWS rows or more is not padded. Likewise
+jnp.mean's reduction order over H depends on the row count; norm_mean_square sums in a fixed
+order per row.
 
 tests/models/test_invariant_ops.py checks the row-count property on the machine it runs on.
 
@@ -21,7 +22,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-MIN_ROWS = 33  # the fewest rows of XLA CPU's row-stable matmul blocking (module doc)
+MIN_ROWS = 64  # at or past every measured row count of XLA CPU's row-stable blocking (module doc)
 
 
 def stable_rows(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:

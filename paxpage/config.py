@@ -126,8 +126,8 @@ class EngineConfig:
     # Adaptive: a step speculates only while at most this many sequences run ("auto":
     # AUTO_SPECULATIVE_MAX_BATCH); past it verification costs more than it saves.
     speculative_max_batch: int | str = "auto"
-    # A request's logits and tokens bitwise the same whatever shares its step: matmuls on at
-    # least the rows of XLA's row-stable blocking, norms in a fixed order (models/invariant_ops.py). Needs "native" attention (its
+    # A request's logits and tokens bitwise the same whatever shares its step: matmuls padded to
+    # XLA's row-stable row counts, norms in a fixed order (models/invariant_ops.py). Needs "native" attention (its
     # per-row order is fixed) or the Pallas GPU kernel (fixed key segments); the XLA path's
     # order follows the padding width.
     batch_invariant: bool = False
