@@ -98,7 +98,7 @@ class ShardingPlan:
 
     tensor_parallel_size: int
     split_heads: bool  # N and K over the model axis (else attention is replicated)
-    split_mlp: bool
+    split_mlp: bool | None  # None: the model has no dense MLP (every layer's MLP is routed experts)
     split_vocab: bool
     kv_replicas: int = 1  # r: each KV head repeated r times so K * r heads split over tp
     latent_pool: bool = False  # latent attention: the pool [1, P, page_size, 1, C] is replicated
@@ -112,7 +112,9 @@ class ShardingPlan:
         plan = cls._for_attention_and_mlp(cfg, tp)
         if not cfg.num_experts:
             return plan
-        return dataclasses.replace(plan, split_experts=tp > 1 and cfg.moe_intermediate_size % tp == 0)
+        dense = cfg.num_shared_experts or any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+        return dataclasses.replace(plan, split_experts=tp > 1 and cfg.moe_intermediate_size % tp == 0,
+                                   split_mlp=plan.split_mlp if dense else None)
 
     @classmethod
     def _for_attention_and_mlp(cls, cfg: ModelConfig, tp: int) -> "ShardingPlan":
@@ -131,7 +133,7 @@ class ShardingPlan:
 
     def mesh_axis(self, logical: str | None) -> str | None:
         split = {"heads": self.split_heads, "kv_heads": self.split_heads,
-                 "mlp": self.split_mlp, "vocab": self.split_vocab,
+                 "mlp": bool(self.split_mlp), "vocab": self.split_vocab,
                  "expert_mlp": bool(self.split_experts)}.get(logical, False)
         return MODEL_AXIS if split else None
 

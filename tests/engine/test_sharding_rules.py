@@ -89,6 +89,10 @@ def test_routed_experts_split_on_their_width_when_tp_divides_it():
     assert ShardingPlan.for_model(SMOLLM2, 2).split_experts is None  # no experts: not in describe()
     assert "experts" not in ShardingPlan.for_model(SMOLLM2, 2).describe()
     assert ShardingPlan.for_model(qwen, 1).describe() == "tp=1: one device holds everything"
+    # every Qwen3-30B-A3B layer's MLP is routed experts: no dense MLP to name; DeepSeek-V2-Lite's
+    # first layer and shared experts are one
+    assert ShardingPlan.for_model(qwen, 2).describe() == "tp=2: heads/KV pool split, vocab split, experts split"
+    assert "MLP split" in ShardingPlan.for_model(lite, 2).describe()
 
 
 def test_kv_heads_replicated_when_tp_exceeds_them():
