@@ -41,10 +41,18 @@ def pool_copies(hlo: str, cache) -> int:
 
 
 def pool_staging(hlo: str, cache) -> int:
-    """Asynchronous copies of a whole layer's pool (XLA's memory-space assignment staging it
-    through VMEM and back: a scheduling choice, not a relayout)."""
-    dims = re.escape(f"[{','.join(map(str, device_shape(jax.tree.leaves(cache)[0])))}]")
-    return len(re.findall(r"= \([a-z0-9]+" + dims + r"\{[^}]*\}[^=]*copy-start\(", hlo))
+    """Asynchronous copies of a whole leaf of a layer's pool (its values, or a quantised pool's
+    scales), in whatever shape of the leaf's elements XLA gives it: XLA's memory-space assignment
+    staging the leaf through VMEM and back (a scheduling choice, not a relayout). A leaf written in
+    VMEM and copied back lands in a fresh HBM buffer, not the donated one: a temporary of the
+    leaf's bytes for the rest of the step."""
+    count = 0
+    for leaf in jax.tree.leaves(cache):
+        name = HLO_DTYPES[jnp.dtype(leaf.dtype).name]
+        size = int(np.prod(device_shape(leaf)))
+        for dims in re.findall(r"= \(" + name + r"\[([0-9,]+)\]\{[^}]*\}[^=]*copy-start\(", hlo):
+            count += int(np.prod([int(x) for x in dims.split(",")])) == size
+    return count
 
 
 def weight_copies(hlo: str) -> list[tuple[str, int]]:

@@ -139,7 +139,7 @@ def check_steps(quick: bool, report: dict, only: str = "") -> tuple[list[str], l
             elif mem.temp_size_in_bytes - logits_bytes(model_cfg, bucket(dec + pre)) >= layer_pool:
                 findings.append(f"step {label} ({dec}, {pre}): temp {mem.temp_size_in_bytes} bytes, less the "
                                 f"logits, >= one layer's pool {layer_pool} with no relayout ({row['pool_staging']} "
-                                f"pool stagings through VMEM)")
+                                f"stagings of a pool leaf through VMEM, each written back to a fresh buffer)")
             if copied:
                 findings.append(f"step {label} ({dec}, {pre}): copies {', '.join(shape for shape, _ in copied)} "
                                 f"of its params in every step (a relayout)")

@@ -290,6 +290,26 @@ def test_tpu_compile_check_counts_copies_of_params_only():
     assert hlo_reader.weight_copies(hlo) == [("bf16[6144, 576]", 6144 * 576 * 2)]
 
 
+def test_tpu_compile_check_counts_stagings_of_every_pool_leaf():
+    """An int8 pool's scales staged through VMEM and back (flattened, as XLA's memory-space
+    assignment moves them) count beside its values; other copies, and arrays of other sizes, do not."""
+    import jax
+
+    from pallas_kernels.kv_quant import QuantizedKV
+
+    _load_script("tpu_compile_check")
+    hlo_reader = _load_script("tpu_hlo")
+    cache = QuantizedKV(jax.ShapeDtypeStruct((4096, 3, 16, 128), "int8"),
+                        jax.ShapeDtypeStruct((3, 1024, 1, 128), "float32"))
+    hlo = "\n".join([
+        '%copy-start.2 = (f32[393216]{0:T(1024)}, f32[393216]{0:T(1024)S(1)}, u32[]{:S(2)}) copy-start(%scatter_fusion.3)',
+        '%copy-start.5 = (s8[4096,3,16,128]{3,2,1,0:T(8,128)(4,1)S(1)}, u32[]) copy-start(%kv_cache_0__values)',
+        '%copy-start.6 = (f32[1024,128]{1,0:T(8,128)}, u32[]) copy-start(%fusion.4)',
+        '%copy.7 = f32[393216]{0:T(1024)} copy(%fusion.5)',
+        '%copy-start.8 = (bf16[393216]{0:T(1024)}, u32[]) copy-start(%fusion.6)'])
+    assert hlo_reader.pool_staging(hlo, cache) == 2
+
+
 def test_every_committed_measured_record_holds_what_its_script_renders():
     # A record a script wrote (not a transcription) keeps the tables that script's doc_tables
     # makes from the record's own figures, so the pages' rows are the measured ones.
