@@ -73,9 +73,15 @@ def test_moe_models_at_tp_2_and_4_are_one_device(tmp_path, kind, extra, width, s
 
 
 @pytest.mark.extended
-def test_deepseek_v3_routed_experts_split_beside_shared_ones(tmp_path):
+@pytest.mark.parametrize("version,extra", [
+    (3, dict()),
+    # DeepSeek-V2's softmax routing, the top 2 from the best of 2 groups, q through q_lora_rank
+    (2, dict(norm_topk_prob=False, topk_method="group_limited_greedy", n_group=2, topk_group=1,
+             routed_scaling_factor=2.5, rope_parameters=dict(rope_type="default", rope_theta=500.0))),
+], ids=["v3", "v2"])
+def test_deepseek_routed_experts_split_beside_shared_ones(tmp_path, version, extra):
     """Routed experts split beside the shared expert's MLP (split with the dense MLPs), latent attention."""
-    hf = save_tiny_deepseek(tmp_path)
+    hf = save_tiny_deepseek(tmp_path, version=version, **extra)
     out = _run(tmp_path, hf)
     for tp in (2, 4):
         _expert_shards(out, tp, 8, 64, 32 // tp)
