@@ -99,11 +99,8 @@ def unstack_layers(params: dict, num_layers: int, host: bool = False) -> dict:
     """The inverse of `stack_layers`: per-layer `layers_{i}` subtrees again. Device arrays are
     sliced (copies); host=True gives numpy views of the stacked arrays instead (no copy on CPU,
     where a jax array's numpy form shares its buffer); jax.ShapeDtypeStructs lose their axis."""
-    stacked = params[STACKED_KEY]
-    period = len(stacked)
     out = {k: v for k, v in params.items() if k != STACKED_KEY}
-    for i in range(num_layers):
-        out[f"layers_{i}"] = jax.tree.map(lambda x: _group_entry(x, i // period, host), stacked[str(i % period)])
+    out.update({f"layers_{i}": layer(params, i, host) for i in range(num_layers)})
     return out
 
 

@@ -213,8 +213,6 @@ def load(source: str | os.PathLike | None = None, *, dtype: str | None = None,
     from models.loading import load_model
 
     if dtype is None:
-        import jax
-
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     config, params, tokenizer = load_model(source, dtype=dtype, quantization=quantization)
     _announce_generation_config(config)
@@ -225,14 +223,11 @@ def load(source: str | os.PathLike | None = None, *, dtype: str | None = None,
 
 def held_form(config: ModelConfig, params: dict, engine_config: EngineConfig | None = None) -> dict:
     """`params` (per-layer, as loaded) in the form `engine_config` (None: this backend's default
-    engine) runs, so that the
-    weights are held once: stacked when its layers run under a scan (models/layer_stack.py), the
-    embedding table row-major where the runner wants it so (models/table_layout.py). An engine
-    that runs another form (the unrolled loop, another dtype) makes a copy of its own
-    (models/param_forms.py). `params` is consumed: its per-layer subtrees are let go as they
-    are stacked."""
-    import jax
-
+    engine) runs, so that the weights are held once: stacked when its layers run under a scan
+    (models/layer_stack.py), the embedding table row-major where the runner wants it so
+    (models/table_layout.py). An engine that runs another form (the unrolled loop, another dtype)
+    makes a copy of its own (models/param_forms.py). `params` is consumed: its per-layer subtrees
+    are let go as they are stacked."""
     from models import layer_stack, table_layout
 
     period = (engine_config or EngineConfig()).resolve(config).scan_period
@@ -260,11 +255,8 @@ def save(model: Model, path: str | os.PathLike) -> None:
 
     if not isinstance(model, Model):
         raise TypeError(f"save expects what paxpage.load returns, got {type(model).__name__}")
-    from models.layer_stack import restack
-
-    # The checkpoint holds per-layer arrays whatever form the model holds (numpy views of the
-    # stacked arrays on the host: the arrays are written from there).
-    save_model(path, model.config, restack(model.params, model.config.num_layers, 0, host=True), model.tokenizer)
+    # The checkpoint holds per-layer arrays whatever form the model holds.
+    save_model(path, model.config, model.per_layer_params(), model.tokenizer)
 
 
 def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
