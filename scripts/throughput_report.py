@@ -66,7 +66,12 @@ def doc_tables(data: dict) -> dict:
         rows.append(row(f"vLLM {data['vllm']['version']} (CPU build, tuned)", data["vllm"]))
     if data["hf"]:
         rows.append(row(f"HF transformers `generate`, batch {data['hf']['best_batch_size']}", data["hf"]))
-    tables = {"throughput": {"columns": ["system", "requests/s", "output tok/s", "total tok/s"], "rows": rows}}
+    work = data["workload"]
+    tables = {"throughput": {
+        "caption": (f"{data['model']}, f32, {work['num_requests']} requests ({work['prompt_tokens']:,} prompt + "
+                    f"{work['output_tokens']:,} output tokens), all queued at once; the fastest measured pass of each"),
+        "columns": ["system", "requests/s", "output tok/s", "total tok/s"], "rows": rows}}
+    tables["profile"] = profile_table(data)
     invariant = data.get("batch_invariant")
     if invariant:
         passes = len(invariant["default_passes"])
@@ -78,3 +83,26 @@ def doc_tables(data: dict) -> dict:
                                               ("batch_invariant=True", invariant["invariant_wall_s"],
                                                invariant["invariant_passes"]))]}
     return tables
+
+
+def profile_table(data: dict) -> dict:
+    """The docs' "where the time goes" table of the same run: paxpage's warm-up, latency
+    percentiles, padding and the decode step's profile (when the run took one)."""
+    pax, warm = data["paxpage"], data["warmup"]
+    pad = pax["padding"]
+
+    def pcts(r, scale, unit):
+        return " / ".join(f"{r[k] * scale:.3g}" for k in ("p50", "p90", "p99")) + f" {unit}"
+
+    rows = [[f"warm-up pass (engine build and {warm['compiles']} compiles included)", f"{warm['wall_s']:.1f} s"],
+            ["compiles after warm-up", data["compiles_after_warmup"]],
+            ["TTFT p50 / p90 / p99 (all requests queued at t = 0)", pcts(pax["ttft_s"], 1, "s")],
+            ["TPOT p50 / p90 / p99", pcts(pax["tpot_s"], 1e3, "ms")],
+            ["engine thread not blocked on the device's results", f"{pax['host_share']:.1%} of wall time"]]
+    profile = data.get("profile")
+    if profile:
+        rows.append([f"one decode step, {profile['rows']} rows at context {profile['context']}",
+                     f"{profile['seconds']['step'] * 1e3:.0f} ms"])
+    rows.append(["token slots of the bucketed step shapes holding real tokens",
+                 f"{pad['tokens'] / pad['token_slots']:.0%}"])
+    return {"caption": "The same run: where the time goes", "columns": ["measure", "value"], "rows": rows}
