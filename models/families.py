@@ -15,13 +15,15 @@ from models.moe import ExpertsFn, routed_experts
 
 def build_model(cfg: ModelConfig, attention: AttentionFn, write_kv: WriteKvFn, dtype: Any = jnp.float32,
                 scan_period: int = 0, batch_invariant: bool = False, lora_impl: str = "xla",
-                experts_fn: ExpertsFn = routed_experts):
+                experts_fn: ExpertsFn = routed_experts, matmul_impl: str = "xla"):
     """The flax module for `cfg`: `.apply({"params": params}, batch, kv_cache) -> (logits, kv_cache)`.
     scan_period > 0: the layers run under a scan (models/layer_stack.py: stacked params and pool).
     lora_impl: how the LoRA delta runs (models/lora_ops.LORA_IMPLS; "native" once
     `lora_ops.resolve_lora_impl` returned it).
     experts_fn: how MoE layers run their routed experts (models/moe.py ExpertsFn; on a mesh,
     paxpage/sharded_experts.py's split of them).
+    matmul_impl: how the dense layers' float matmuls run (models/layers.MATMUL_IMPLS; "native" once
+    `layers.resolve_matmul_impl` returned it). Latent-attention models keep XLA's dot.
     Latent-attention models (cfg.is_mla) take `attention` / `write_kv` of the latent pool
     (pallas_kernels/latent_attention.py; paxpage/attention_impl.functions picks them)."""
     if cfg.is_mla:
@@ -35,8 +37,9 @@ def build_model(cfg: ModelConfig, attention: AttentionFn, write_kv: WriteKvFn, d
             raise ValueError("batch_invariant supports dense Llama-family models; got "
                              f"{'a Gemma' if cfg.is_gemma else 'a mixture-of-experts'} model")
         return LlamaModel(cfg, attention, write_kv, dtype, scan_period=scan_period, batch_invariant=True,
-                          lora_impl=lora_impl)
+                          lora_impl=lora_impl, matmul_impl=matmul_impl)
     if cfg.is_gemma:
-        return GemmaModel(cfg, attention, write_kv, dtype, scan_period=scan_period, lora_impl=lora_impl)
+        return GemmaModel(cfg, attention, write_kv, dtype, scan_period=scan_period, lora_impl=lora_impl,
+                          matmul_impl=matmul_impl)
     return LlamaModel(cfg, attention, write_kv, dtype, scan_period=scan_period, lora_impl=lora_impl,
-                      experts_fn=experts_fn)
+                      experts_fn=experts_fn, matmul_impl=matmul_impl)

@@ -56,6 +56,7 @@ class GemmaDecoderLayer(nn.Module):
     dtype: Any = jnp.float32
     sliding_window: int | None = None  # local layers' window; None = global layer
     lora_impl: str = "xla"  # models/lora_ops.LORA_IMPLS: how the LoRA delta runs
+    matmul_impl: str = "xla"  # models/layers.MATMUL_IMPLS: how the dense layers' matmuls run
 
     @nn.compact
     def __call__(self, x, batch, kv_pages):  # x: [T, H]; kv_pages: [2, P, page_size, K, D]
@@ -63,7 +64,8 @@ class GemmaDecoderLayer(nn.Module):
         num_tokens = x.shape[0]
         lora = row_slots(batch, self.lora_impl)  # each row's adapter slot, or None without LoRA
         h = _norm(cfg, dtype, "input_layernorm")(x)
-        q, k, v = qkv_heads(cfg, h, dtype, lora_slots=lora)  # [T, N, D], [T, K, D], [T, K, D]
+        mm = self.matmul_impl
+        q, k, v = qkv_heads(cfg, h, dtype, lora_slots=lora, matmul_impl=mm)  # [T, N, D], [T, K, D], [T, K, D]
         if cfg.qk_norm:  # Gemma 3
             q = _norm(cfg, dtype, "q_norm")(q)
             k = _norm(cfg, dtype, "k_norm")(k)
@@ -74,10 +76,11 @@ class GemmaDecoderLayer(nn.Module):
         out = paged_attention_rows(self.attention, q, kv_pages, batch, cfg.sm_scale,
                                    sliding_window=self.sliding_window, soft_cap=cfg.attn_logit_softcap)
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim).astype(dtype)
-        out = dense(cfg.hidden_size, "o_proj", dtype)(out, lora)
+        out = dense(cfg.hidden_size, "o_proj", dtype, matmul_impl=mm)(out, lora)
         x = x + _norm(cfg, dtype, "post_attention_layernorm")(out)
         h = _norm(cfg, dtype, "pre_feedforward_layernorm")(x)
-        mlp = gated_mlp(cfg, h, functools.partial(jax.nn.gelu, approximate=True), dtype, lora_slots=lora)
+        mlp = gated_mlp(cfg, h, functools.partial(jax.nn.gelu, approximate=True), dtype, lora_slots=lora,
+                        matmul_impl=mm)
         x = x + _norm(cfg, dtype, "post_feedforward_layernorm")(mlp)
         return x, kv_pages
 
@@ -91,6 +94,7 @@ class GemmaModel(nn.Module):
     # pattern (models/layer_stack.py); params and kv_cache are then stacked.
     scan_period: int = 0
     lora_impl: str = "xla"  # models/lora_ops.LORA_IMPLS: how the LoRA delta runs
+    matmul_impl: str = "xla"  # models/layers.MATMUL_IMPLS: how the dense layers' matmuls run
 
     @nn.compact
     def __call__(self, batch, kv_cache):
@@ -102,7 +106,7 @@ class GemmaModel(nn.Module):
 
         def make_layer(i: int, name: str) -> GemmaDecoderLayer:
             return GemmaDecoderLayer(cfg, self.attention, self.write_kv, self.dtype, cfg.layer_window(i),
-                                     self.lora_impl, name=name)
+                                     self.lora_impl, self.matmul_impl, name=name)
 
         x, new_cache = run_layers(make_layer, cfg.num_layers, self.scan_period, x, batch, kv_cache)
         rows = jnp.concatenate([batch.logits_indices, batch.prompt_logits_indices])

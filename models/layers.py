@@ -7,15 +7,22 @@ The step's tokens are Bd decode rows of one token followed by Bp prefill rows of
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import quant
+from models import panel_layout, quant
 from models.lora_ops import lora_delta
 from models.invariant_ops import norm_mean_square, stable_rows
+
+# How a dense layer's f32 matmul runs where its kernel is held in column panels
+# (models/panel_layout.py): "native", the CPU kernel (pallas_kernels/native_linear.py; a row's
+# result never depends on the other rows, so the batch-invariant mode needs no row padding there),
+# or "xla", XLA's dot. Chosen once per runner (`resolve_matmul_impl`).
+MATMUL_IMPLS = ("xla", "native")
 
 
 class RMSNorm(nn.Module):
@@ -68,23 +75,55 @@ class Linear(nn.Module):
     use_bias: bool = False
     dtype: Any = jnp.float32
     batch_invariant: bool = False  # row-stable matmuls (models/invariant_ops.py)
+    matmul_impl: str = "xla"  # MATMUL_IMPLS: how a kernel held in panels is multiplied
 
     @nn.compact
     def __call__(self, x, lora_slots=None):  # [..., I] -> [..., O]; lora_slots: models/lora_ops.row_slots
+        if self.matmul_impl not in MATMUL_IMPLS:
+            raise ValueError(f"matmul_impl is {self.matmul_impl!r}; expected one of {MATMUL_IMPLS}")
         x = jnp.asarray(x, self.dtype)
         qparams = _quantized(self, "kernel")
+        native = False
         if qparams is not None:
             matmul = lambda rows: quant.quantized_matmul(rows, *qparams)
+        elif self.has_variable("params", panel_layout.PANELS):
+            panels = self.get_variable("params", panel_layout.PANELS)  # [P, I, 64]
+            native = self.matmul_impl == "native" and jnp.dtype(self.dtype) == jnp.float32
+            matmul = functools.partial(_panels_matmul, panels=panels.astype(self.dtype), native=native)
         else:
             kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.dtype)
             matmul = lambda rows: jnp.dot(rows, kernel.astype(self.dtype))
-        y = stable_rows(matmul, x) if self.batch_invariant else matmul(x)
+        # The native kernel's rows are row-stable as they are: no padding to stable row counts.
+        y = stable_rows(matmul, x) if self.batch_invariant and not native else matmul(x)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype).astype(self.dtype)
         if lora_slots is not None and self.has_variable("params", "lora_a"):
             y = y + lora_delta(x, self.get_variable("params", "lora_a"), self.get_variable("params", "lora_b"),
                                lora_slots)
         return y
+
+
+def _panels_matmul(x, panels, native: bool):
+    """x [..., I] @ the kernel held as panels [P, I, 64] -> [..., 64 P]."""
+    rows = x.reshape(-1, x.shape[-1])
+    if native:
+        from pallas_kernels.native_linear import linear_native
+
+        y = linear_native(rows, panels)
+    else:
+        y = jnp.einsum("TI,PIC->TPC", rows, panels).reshape(rows.shape[0], -1)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def resolve_matmul_impl(native_allowed: bool) -> str:
+    """"native" when native kernels are allowed here (CPU, the runner's attention resolved to its
+    native kernel, one device) and the matmul kernel builds and loads, else "xla"."""
+    if not native_allowed:
+        return "xla"
+    from models.cache import native_dir
+    from pallas_kernels import native_linear
+
+    return "native" if native_linear.load(native_dir()) else "xla"
 
 
 class Embedding(nn.Module):
@@ -117,30 +156,33 @@ class Embedding(nn.Module):
         return stable_rows(head, x) if self.batch_invariant else head(x)
 
 
-def dense(features: int, name: str, dtype, use_bias: bool = False, batch_invariant: bool = False) -> Linear:
-    return Linear(features, use_bias=use_bias, dtype=dtype, batch_invariant=batch_invariant, name=name)
+def dense(features: int, name: str, dtype, use_bias: bool = False, batch_invariant: bool = False,
+          matmul_impl: str = "xla") -> Linear:
+    return Linear(features, use_bias=use_bias, dtype=dtype, batch_invariant=batch_invariant,
+                  matmul_impl=matmul_impl, name=name)
 
 
-def qkv_heads(cfg, h, dtype, batch_invariant: bool = False, lora_slots=None):
+def qkv_heads(cfg, h, dtype, batch_invariant: bool = False, lora_slots=None, matmul_impl: str = "xla"):
     """The attention's input projections of h [T, H] (q_proj, k_proj, v_proj; `cfg` a
     ModelConfig): q [T, N, D], k and v [T, K, D]. Call inside a module's compact method.
     lora_slots: the step's adapter per row (models/lora_ops.row_slots), or None."""
     num_tokens = h.shape[0]
-    q = dense(cfg.num_heads * cfg.head_dim, "q_proj", dtype, cfg.qkv_bias, batch_invariant)(h, lora_slots)
-    k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dtype, cfg.qkv_bias, batch_invariant)(h, lora_slots)
-    v = dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dtype, cfg.qkv_bias, batch_invariant)(h, lora_slots)
+    q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    q, k, v = (dense(width, name, dtype, cfg.qkv_bias, batch_invariant, matmul_impl)(h, lora_slots)
+               for name, width in (("q_proj", q_width), ("k_proj", kv_width), ("v_proj", kv_width)))
     return (q.reshape(num_tokens, cfg.num_heads, cfg.head_dim),
             k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim),
             v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim))
 
 
-def gated_mlp(cfg, h, activation, dtype, batch_invariant: bool = False, lora_slots=None):
+def gated_mlp(cfg, h, activation, dtype, batch_invariant: bool = False, lora_slots=None,
+              matmul_impl: str = "xla"):
     """down_proj(activation(gate_proj(h)) * up_proj(h)): h [T, H] -> [T, H] through width
     F = cfg.intermediate_size (Llama: silu; Gemma: gelu-tanh). Call inside a compact method."""
-    gate = dense(cfg.intermediate_size, "gate_proj", dtype, batch_invariant=batch_invariant)(h, lora_slots)
-    up = dense(cfg.intermediate_size, "up_proj", dtype, batch_invariant=batch_invariant)(h, lora_slots)
-    return dense(cfg.hidden_size, "down_proj", dtype, batch_invariant=batch_invariant)(activation(gate) * up,
-                                                                                       lora_slots)
+    mm = dict(batch_invariant=batch_invariant, matmul_impl=matmul_impl)
+    gate = dense(cfg.intermediate_size, "gate_proj", dtype, **mm)(h, lora_slots)
+    up = dense(cfg.intermediate_size, "up_proj", dtype, **mm)(h, lora_slots)
+    return dense(cfg.hidden_size, "down_proj", dtype, **mm)(activation(gate) * up, lora_slots)
 
 
 def paged_attention_rows(attention, q, kv_pages, batch, sm_scale, *, sliding_window=None, soft_cap=None,

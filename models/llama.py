@@ -49,6 +49,7 @@ class DecoderLayer(nn.Module):
     batch_invariant: bool = False  # row results independent of the step's other rows
     lora_impl: str = "xla"  # models/lora_ops.LORA_IMPLS: how the LoRA delta runs
     experts_fn: ExpertsFn = routed_experts  # the routed experts (models/moe.py ExpertsFn)
+    matmul_impl: str = "xla"  # models/layers.MATMUL_IMPLS: how the dense layers' matmuls run
 
     @nn.compact
     def __call__(self, x, batch, kv_pages):  # x: [T, H]; kv_pages: [2, P, page_size, K, D]
@@ -56,7 +57,8 @@ class DecoderLayer(nn.Module):
         num_tokens = x.shape[0]
         lora = row_slots(batch, self.lora_impl)  # each row's adapter slot, or None without LoRA
         h = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="input_layernorm")(x)
-        q, k, v = qkv_heads(cfg, h, dtype, inv, lora)  # [T, N, D], [T, K, D], [T, K, D]
+        mm = self.matmul_impl
+        q, k, v = qkv_heads(cfg, h, dtype, inv, lora, mm)  # [T, N, D], [T, K, D], [T, K, D]
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="k_norm")(k)
@@ -71,14 +73,14 @@ class DecoderLayer(nn.Module):
         out = paged_attention_rows(self.attention, q, kv_pages, batch, cfg.head_dim**-0.5,
                                    sliding_window=self.sliding_window, sinks=sinks)
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim).astype(dtype)
-        x = x + _dense(cfg.hidden_size, "o_proj", dtype, cfg.o_proj_bias, batch_invariant=inv)(out, lora)
+        x = x + _dense(cfg.hidden_size, "o_proj", dtype, cfg.o_proj_bias, inv, mm)(out, lora)
         h = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="post_attention_layernorm")(x)
         if self.use_moe:
             moe = SparseMoe(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                             cfg.norm_topk_prob, self.moe_impl, dtype, cfg.moe_bias, cfg.swiglu_limit,
                             cfg.swiglu_alpha, self.experts_fn, name="moe")
             return x + moe(h), kv_pages
-        x = x + gated_mlp(cfg, h, nn.silu, dtype, inv, lora)
+        x = x + gated_mlp(cfg, h, nn.silu, dtype, inv, lora, mm)
         return x, kv_pages
 
 
@@ -94,6 +96,7 @@ class LlamaModel(nn.Module):
     batch_invariant: bool = False  # EngineConfig.batch_invariant: dense MLPs only (refused for MoE)
     lora_impl: str = "xla"  # models/lora_ops.LORA_IMPLS: how the LoRA delta runs
     experts_fn: ExpertsFn = routed_experts  # the routed experts (models/moe.py ExpertsFn)
+    matmul_impl: str = "xla"  # models/layers.MATMUL_IMPLS: how the dense layers' matmuls run
 
     @nn.compact
     def __call__(self, batch, kv_cache):
@@ -106,7 +109,8 @@ class LlamaModel(nn.Module):
 
         def make_layer(i: int, name: str) -> DecoderLayer:
             return DecoderLayer(cfg, self.attention, self.write_kv, self.dtype, cfg.layer_window(i),
-                                cfg.is_moe_layer(i), self.moe_impl, inv, self.lora_impl, self.experts_fn, name=name)
+                                cfg.is_moe_layer(i), self.moe_impl, inv, self.lora_impl, self.experts_fn,
+                                self.matmul_impl, name=name)
 
         x, new_cache = run_layers(make_layer, cfg.num_layers, self.scan_period, x, batch, kv_cache)
         # Only the rows that will be sampled pay for the final norm and the LM head.

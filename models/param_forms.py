@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models import layer_stack, table_layout
+from models import layer_stack, panel_layout, table_layout
 from models.quant import bytes_by_dtype, cast_params
 
 
@@ -47,19 +47,21 @@ class ParamForms:
     def __init__(self, params: dict, num_layers: int):
         self.params = params  # the model's own per-layer tree; never modified
         self.num_layers = num_layers
-        self._forms: weakref.WeakValueDictionary[tuple[int, str, bool], RunnerParams] = weakref.WeakValueDictionary()
+        self._forms: weakref.WeakValueDictionary[tuple[int, str, bool, bool], RunnerParams] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
 
-    def get(self, period: int, dtype, row_major_table: bool = False) -> RunnerParams:
+    def get(self, period: int, dtype, row_major_table: bool = False, panels: bool = True) -> RunnerParams:
         """The params cast to `dtype` and, with period > 0, stacked in groups of `period` layers,
-        their embedding table placed row-major if asked (models/table_layout.py). The same object
-        (the same arrays) for as long as any runner holds it."""
-        key = (period, jnp.dtype(dtype).name, row_major_table)
+        their embedding table placed row-major if asked (models/table_layout.py), their kernels in
+        the plain [I, O] form unless `panels` (models/panel_layout.py). The same object (the same
+        arrays) for as long as any runner holds it."""
+        panels = panels or not panel_layout.holds_panels(self.params)  # nothing to unpack: one key
+        key = (period, jnp.dtype(dtype).name, row_major_table, panels)
         with self._lock:
             form = self._forms.get(key)
             if form is None:
-                form = RunnerParams(make_form(self.params, self.num_layers, period, key[1], row_major_table),
-                                    period, key[1])
+                form = RunnerParams(make_form(self.params, self.num_layers, period, key[1], row_major_table,
+                                              panels), period, key[1])
                 self._forms[key] = form
             return form
 
@@ -81,22 +83,27 @@ class ParamForms:
         return out
 
 
-def make_form(params: dict, num_layers: int, period: int, dtype, row_major_table: bool = False) -> dict:
-    """What ModelRunner used to build for itself: stacked (period > 0), cast, and with
+def make_form(params: dict, num_layers: int, period: int, dtype, row_major_table: bool = False,
+              panels: bool = True) -> dict:
+    """What ModelRunner used to build for itself: stacked (period > 0), cast, with
     row_major_table its embedding table placed row-major (models/table_layout.py; arrays only:
-    an abstract form gets its layout from table_layout.row_major_tables after jax.eval_shape)."""
+    an abstract form gets its layout from table_layout.row_major_tables after jax.eval_shape),
+    and unless `panels` every kernel held in panels back in the plain form (models/panel_layout.py)."""
+    if not panels:
+        params = panel_layout.unpack(params)  # the other leaves stay the same arrays
     params = layer_stack.restack(params, num_layers, period)  # the same tree when in that form
     params = cast_params(params, dtype)  # quantised weights keep int8 values, f32 scales
     return table_layout.row_major_tables(params) if row_major_table else params
 
 
-def runner_params(params, num_layers: int, period: int, dtype, row_major_table: bool = False) -> RunnerParams:
+def runner_params(params, num_layers: int, period: int, dtype, row_major_table: bool = False,
+                  panels: bool = True) -> RunnerParams:
     """`params`: a ParamForms (shared forms) or a plain tree, per-layer or stacked (a form of its own)."""
     if isinstance(params, ParamForms):
         assert params.num_layers == num_layers, (params.num_layers, num_layers)
-        return params.get(period, dtype, row_major_table)
+        return params.get(period, dtype, row_major_table, panels)
     name = jnp.dtype(dtype).name
-    return RunnerParams(make_form(params, num_layers, period, name, row_major_table), period, name)
+    return RunnerParams(make_form(params, num_layers, period, name, row_major_table, panels), period, name)
 
 
 def own_tree(params) -> dict:

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from models import layer_stack, lora_ops, param_forms, table_layout
+from models import layer_stack, lora_ops, panel_layout, param_forms, table_layout
 from models.families import build_model
+from models.layers import resolve_matmul_impl
 from models.moe import routed_experts
 from paxpage import attention_impl, kv_pool, kv_sizing, lora_slab
 from paxpage.sampling import sampler as sampler_lib
@@ -82,9 +83,15 @@ class ModelRunner:
         # On TPU the embedding table is held row-major (models/table_layout.py): its default
         # layout there is column-major, which the token gather would copy in every step.
         row_major_table = table_layout.holds_row_major(cfg.backend)
+        # The dense layers' f32 matmuls run as the native CPU kernel where the attention does (one
+        # device): it takes the kernels held in panels (models/panel_layout.py); elsewhere the
+        # runner takes them in the plain form.
+        self.matmul_impl = resolve_matmul_impl(impl == "native" and mesh is None and not abstract)
+        panels = self.matmul_impl == "native" and dtype == jnp.float32
         if mesh is None and abstract:
             self.params = jax.eval_shape(functools.partial(param_forms.make_form, num_layers=num_layers,
-                                                           period=cfg.scan_period, dtype=dtype.name),
+                                                           period=cfg.scan_period, dtype=dtype.name,
+                                                           panels=False),
                                          param_forms.own_tree(params))
             if row_major_table:
                 self.params = table_layout.row_major_tables(self.params)
@@ -92,13 +99,13 @@ class ModelRunner:
         elif mesh is None:
             # Cast (and stacked) once per model: runners of one ParamForms share the arrays.
             self._param_form = param_forms.runner_params(params, num_layers, cfg.scan_period, dtype,
-                                                         row_major_table)
+                                                         row_major_table, panels)
             self.params = self._param_form.tree
             step_shardings = copy_shardings = {}
         else:
             from paxpage import mesh as mesh_lib  # the sharded path only
 
-            params = param_forms.own_tree(params)  # in the scan's form, on the host before placing
+            params = panel_layout.unpack(param_forms.own_tree(params))  # sharding rules name plain kernels
             params = (layer_stack.restack(params, num_layers, cfg.scan_period, stack=_stack_abstract)
                       if abstract else layer_stack.host_stack(params, num_layers, cfg.scan_period))
             (model_cfg, self.plan, self.params, pool_sharding, attention, write_kv, experts_fn, step_shardings,
@@ -116,7 +123,7 @@ class ModelRunner:
                                                     cfg.max_lora_rank)
         self.model = build_model(model_cfg, attention, write_kv, dtype, scan_period=cfg.scan_period,
                                  batch_invariant=cfg.batch_invariant, lora_impl=self.lora_impl,
-                                 experts_fn=experts_fn)
+                                 experts_fn=experts_fn, matmul_impl=self.matmul_impl)
         # The model step and the sampler compile separately: sampler options (logprob widths,
         # penalty lists) then never recompile the model, and a new batch shape reuses the
         # sampler. Logits stay on device between the two calls.
@@ -147,7 +154,7 @@ class ModelRunner:
 
                 self.exec_cache = ExecutableCache(cfg.executable_cache_dir,
                                                   _cache_context(model_cfg, cfg, self.draw_impl,
-                                                                 self.lora_impl))
+                                                                 self.lora_impl, self.matmul_impl))
                 static = {"sample": (4, 5), "score_prompt": (2,)}
                 self._calls = {name: self.exec_cache.wrap(name, fn, static.get(name, ()))
                                for name, fn in self._calls.items()}
@@ -451,12 +458,14 @@ _CONTEXT_SKIP = frozenset({
     "draft_model", "speculative_max_batch", "data_parallel_size", "ngram_min", "ngram_max"})
 
 
-def _cache_context(model_cfg: ModelConfig, cfg: ResolvedConfig, draw_impl: str, lora_impl: str = "xla") -> str:
+def _cache_context(model_cfg: ModelConfig, cfg: ResolvedConfig, draw_impl: str, lora_impl: str = "xla",
+                   matmul_impl: str = "xla") -> str:
     """The executable cache's key material besides the arguments: the model config, the
-    engine config fields that shape a step, the sampler's draw_impl and the step's lora_impl
+    engine config fields that shape a step, the sampler's draw_impl and the step's lora_impl and matmul_impl
     (exec_cache.py)."""
     fields = {f.name: getattr(cfg.engine, f.name) for f in dataclasses.fields(cfg.engine)}
     # The resolved values win over the engine's (attention_impl None -> "native" or "xla", etc.).
     fields.update({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "engine"})
     kept = sorted((k, repr(v)) for k, v in fields.items() if k not in _CONTEXT_SKIP)
-    return f"model={model_cfg!r}\nengine={kept!r}\ndraw_impl={draw_impl}\nlora_impl={lora_impl}"
+    return (f"model={model_cfg!r}\nengine={kept!r}\ndraw_impl={draw_impl}\nlora_impl={lora_impl}"
+            f"\nmatmul_impl={matmul_impl}")

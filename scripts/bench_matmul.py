@@ -12,7 +12,9 @@ each such matmul, x f32[B, I] times a weight, for B in --batches:
                  run when no packed kernel takes over)
 Variants are timed round-robin (median of --iters), so drifts in machine load hit all alike.
 Also one layer's projections back to back, as jitted together (XLA may fuse or reorder them)
-against the same sequence in torch. The figures are GFLOP/s and torch / XLA time ratios;
+against the same sequence in torch; and the whole layer stack's projections, each layer with its
+own weights (so they come from memory, as in a step), XLA's dot against the native CPU matmul on
+column panels (pallas_kernels/native_linear.py), the form paxpage runs them in on CPU. The figures are GFLOP/s and torch / XLA time ratios;
 the machine is whatever `lscpu` says (provenance), and a shared machine makes them noisy.
 """
 
@@ -103,6 +105,43 @@ def time_layer(batch: int, shapes: dict, iters: int) -> dict:
     return {"seconds": t, "torch_over_xla": t["torch"] / t["xla"]}
 
 
+def time_stack(batch: int, shapes: dict, num_layers: int, iters: int) -> dict | None:
+    """Every layer's projections in sequence with each layer's own weights, so that they come from
+    memory as in a model's step (one layer's weights stay in cache when repeated): XLA's dot on
+    [I, O] kernels against the native kernel on the same kernels in column panels
+    (pallas_kernels/native_linear.py; the form paxpage.load holds them in on CPU). None when the
+    native kernel cannot be built here."""
+    import jax
+    import jax.numpy as jnp
+
+    from models import panel_layout
+    from models.cache import native_dir
+    from pallas_kernels import native_linear
+
+    if not native_linear.load(native_dir()):
+        return None
+    rng = np.random.default_rng(2)
+    names = {"q": "q", "k": "kv", "v": "kv", "o": "o", "gate": "gate_up", "up": "gate_up", "down": "down"}
+    plain = [{k: jnp.asarray(rng.standard_normal(shapes[s], np.float32) * 0.02) for k, s in names.items()}
+             for _ in range(num_layers)]
+    panels = [{k: panel_layout.to_panels(w) for k, w in layer.items()} for layer in plain]
+
+    def stack(matmul):
+        def run(x, weights):
+            for w in weights:
+                q, k, v = matmul(x, w["q"]), matmul(x, w["k"]), matmul(x, w["v"])
+                x = x + matmul(q + jnp.tile(k + v, q.shape[1] // k.shape[1]), w["o"])
+                x = x + matmul(jax.nn.silu(matmul(x, w["gate"])) * matmul(x, w["up"]), w["down"])
+            return x
+        return jax.jit(run)
+
+    xla, native = stack(jnp.dot), stack(native_linear.linear_native)
+    x = jnp.asarray(rng.standard_normal((batch, shapes["q"][0]), np.float32))
+    t = interleaved_medians({"xla": lambda: jax.block_until_ready(xla(x, plain)),
+                             "native panels": lambda: jax.block_until_ready(native(x, panels))}, iters)
+    return {"seconds": t, "xla_over_native": t["xla"] / t["native panels"]}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="its config gives the shapes (default: SmolLM2-135M)")
@@ -137,9 +176,20 @@ def main(argv=None) -> int:
         t = layers[str(b)]["seconds"]
         print(f"one layer's projections, B {b}: xla {t['xla'] * 1e3:.2f} ms, torch {t['torch'] * 1e3:.2f} ms "
               f"(torch / xla {layers[str(b)]['torch_over_xla']:.2f})", flush=True)
+    stacks = {}
+    for b in batches:
+        r = time_stack(b, shapes, config.num_layers, args.iters)
+        if r is None:
+            print("the native CPU matmul could not be built here: no layer-stack figures", flush=True)
+            break
+        stacks[str(b)] = r
+        t = r["seconds"]
+        print(f"{config.num_layers} layers' projections (weights from memory), B {b}: xla {t['xla'] * 1e3:.1f} ms, "
+              f"native on panels {t['native panels'] * 1e3:.1f} ms (xla / native {r['xla_over_native']:.2f})",
+              flush=True)
     if args.json:
         wl.write_json(args.json, {"shapes": shapes, "torch": torch.__version__, "matmuls": results,
-                                  "layer": layers},
+                                  "layer": layers, "stack": stacks},
                       tables={"matmul": {"columns": ["matmul", "B", "XLA [I,O] GFLOP/s", "XLA [O,I].T GFLOP/s",
                                                      "torch GFLOP/s", "torch / XLA time"], "rows": rows}},
                       measures=("scripts/bench_matmul.py",))

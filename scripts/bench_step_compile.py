@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         return q
 
     bare = build_model(runner.step_model_cfg, no_attention, lambda pages, k, v, slots: pages, dtype,
-                       scan_period=runner.cfg.scan_period)
+                       scan_period=runner.cfg.scan_period, matmul_impl=runner.matmul_impl)
 
     def bare_step(params, kv_cache, batch, prev_rows, prev_tokens):
         logits, kv_cache = bare.apply({"params": params}, batch, kv_cache)

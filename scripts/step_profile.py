@@ -57,7 +57,8 @@ def profile_decode_step(model: paxpage.Model, cfg: paxpage.EngineConfig, context
 
     def variant(attention, write_kv):
         """A donated step like the engine's (no copy of the pool), with other attention."""
-        m = build_model(model.config, attention, write_kv, dtype, scan_period=rcfg.scan_period)
+        m = build_model(model.config, attention, write_kv, dtype, scan_period=rcfg.scan_period,
+                        matmul_impl=runner.matmul_impl)
 
         def step(p, kv, b, s):
             logits, kv = m.apply({"params": p}, b, kv)

@@ -54,7 +54,7 @@ def test_truncate_keeps_first_layers(models):
     assert all(x is y for x, y in zip(jax.tree.leaves(draft.params["embed_tokens"]),
                                       jax.tree.leaves(target.params["embed_tokens"])))
     want = jax.tree.map(np.asarray, target.per_layer_params()["layers_0"])
-    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, draft.params["layers_0"]), want)
+    jax.tree.map(np.testing.assert_array_equal, draft.per_layer_params()["layers_0"], want)
     per_layer = target.per_layer_params()
     cut = paxpage.Model(target.config, per_layer, target.tokenizer).truncated(1)
     assert cut.params["layers_0"] is per_layer["layers_0"]  # from per-layer params: shared, not copied

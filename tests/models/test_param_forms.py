@@ -45,12 +45,15 @@ def test_engines_run_the_models_stacked_arrays_and_match_hf(tiny):
     assert jax.tree.leaves(a.params["layers"])[0].shape[0] == NUM_LAYERS
     assert model.param_forms.copies() == []
     assert "shared by its engines" not in model.describe_memory()
-    # the per-layer view holds the stacked arrays' layers (numpy views on CPU: no copy)
-    q = model.params["layers"]["0"]["q_proj"]["kernel"]
+    # the per-layer view: kernels in the plain [I, O] form, HF's weights transposed (on CPU they
+    # are held in column panels: models/panel_layout.py), other leaves numpy views of the stacked
+    # arrays' layers (no copy)
     per_layer = model.per_layer_params()
     for i in range(NUM_LAYERS):
-        np.testing.assert_array_equal(per_layer[f"layers_{i}"]["q_proj"]["kernel"], np.asarray(q)[i])
-    assert np.shares_memory(per_layer["layers_1"]["q_proj"]["kernel"], np.asarray(q))
+        np.testing.assert_array_equal(per_layer[f"layers_{i}"]["q_proj"]["kernel"],
+                                      hf.model.layers[i].self_attn.q_proj.weight.detach().numpy().T)
+    norm = model.params["layers"]["0"]["input_layernorm"]["scale"]
+    assert np.shares_memory(per_layer["layers_1"]["input_layernorm"]["scale"], np.asarray(norm))
 
     prompt = random_prompts(1, 128, [7], seed=3)[0]
     want = hf_greedy(hf, prompt, 6)

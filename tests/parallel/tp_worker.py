@@ -90,7 +90,8 @@ def main(argv: list[str]) -> None:
         param_axis = 0 if runner.scanned else None
         # a MoE layer's expert gate_up_proj stands in for the dense MLP's up_proj
         mlp = layer0["up_proj"] if "up_proj" in layer0 else {"kernel": layer0["moe"]["gate_up_proj"]}
-        q, up = (p.get("kernel", p.get("kernel_q")) for p in (layer0["q_proj"], mlp))
+        # one device holds its kernels in column panels on CPU (models/panel_layout.py)
+        q, up = (p.get("kernel", p.get("kernel_q", p.get("kernel_panels"))) for p in (layer0["q_proj"], mlp))
         from paxpage.mesh import bytes_per_device
         from paxpage.sharding import ShardingPlan, param_bytes_per_device
 

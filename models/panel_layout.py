@@ -1,0 +1,83 @@
+"""Dense kernels held in column panels, the form the native CPU matmul streams
+(pallas_kernels/native_linear.py).
+
+A Linear's float kernel [I, O] with O a multiple of 64 may be held as `kernel_panels`
+[P, I, 64] (P = O / 64): panel p is columns [64p, 64p + 64), one contiguous block. The same
+weights, the same bytes; only the order in memory differs. Stacked params carry their leading
+layer axis in front: [L, P, I, 64] against [L, I, O].
+
+`paxpage.load` holds an f32 model's kernels this way on CPU where the default engine runs the
+native matmul (paxpage/api.held_form), so the weights are held once in the form that runs.
+Runners that run XLA's dot (tensor parallelism, `attention_impl="xla"`) take a copy in the plain
+form (models/param_forms.py), and a checkpoint is always written plain (`Model.per_layer_params`).
+Kernels whose O is not a multiple of 64, and quantised ones, stay as they are.
+
+Axis legend: L layers, I input width, O output width, P panels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PANEL = 64
+PLAIN = "kernel"
+PANELS = "kernel_panels"
+
+
+def to_panels(kernel):
+    """[..., I, O] -> [..., P, I, 64] (O a multiple of 64)."""
+    *lead, i, o = kernel.shape
+    xp = np if isinstance(kernel, np.ndarray) else jnp
+    return xp.swapaxes(kernel.reshape(*lead, i, o // PANEL, PANEL), -3, -2)
+
+
+def from_panels(panels):
+    """[..., P, I, 64] -> [..., I, O = 64 P] (a ShapeDtypeStruct gives the plain one's)."""
+    *lead, p, i, c = panels.shape
+    if isinstance(panels, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((*lead, i, p * c), panels.dtype)
+    xp = np if isinstance(panels, np.ndarray) else jnp
+    return xp.swapaxes(panels, -3, -2).reshape(*lead, i, p * c)
+
+
+def packable(kernel) -> bool:
+    return kernel.ndim >= 2 and kernel.shape[-1] % PANEL == 0 and jnp.dtype(kernel.dtype) == jnp.float32
+
+
+def holds_panels(params) -> bool:
+    """Whether any kernel of `params` is held in panels."""
+    if not isinstance(params, dict):
+        return False
+    return PANELS in params or any(holds_panels(v) for v in params.values())
+
+
+def pack(params: dict) -> dict:
+    """Every packable Linear kernel of `params` in panels. The plain kernels are let go as each is
+    packed (the caller's tree is emptied of them), so packing holds one extra kernel at a time."""
+    out = {}
+    for name in list(params):
+        value = params[name]
+        if isinstance(value, dict):
+            out[name] = pack(value)
+        elif name == PLAIN and packable(value):
+            del params[name]
+            out[PANELS] = _own(to_panels(value))
+            del value
+        else:
+            out[name] = value
+    return out
+
+
+def unpack(params):
+    """`params` with every kernel in panels back in the plain [I, O] form (a copy of those)."""
+    if not isinstance(params, dict):
+        return params
+    return {(PLAIN if name == PANELS else name): (from_panels(v) if name == PANELS else unpack(v))
+            for name, v in params.items()}
+
+
+def _own(x):
+    """A contiguous array of its own: numpy's swap is a view of the plain kernel (jnp's is a new array)."""
+    return np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x

@@ -1,0 +1,68 @@
+"""A dense layer's matmul as a native CPU kernel (native/linear_cpu.cc, an XLA FFI custom call),
+beside `linear_ref`, the same product in jnp with the same signature.
+
+The weight comes in column panels (models/panel_layout.py: f32[P, I, 64], panel p holding columns
+[64p, 64p + 64) of the [I, O] weight), each one contiguous block. XLA's CPU dot repacks a
+row-major weight on every call and runs a decode step's skinny matmuls (a few to 64 rows) at
+about half the machine's f32 rate; the kernel streams each panel once, front to back, while
+register tiles of 6 rows x 64 columns pass over it, and splits (panel, row group) items over
+XLA's intra-op threads. On a 2-core AMD EPYC a SmolLM2 layer stack's matmuls run ~1.5x faster at
+4-16 rows and ~1.1-1.3x at 64-512 (`scripts/bench_matmul.py`, the layer-stack lines). Every output is a sum
+over the input width in order, so a row's result does not depend on the other rows of the step.
+
+Built with g++ on first use into the directory the caller names (paxpage: its cache dir +
+/native) and registered for the CPU platform; `load` says whether that worked (one warning per
+process when not: the caller keeps XLA's dot).
+
+Axis legend: T tokens, I input width, O output width, P panels (O / 64).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.native import build as native_build
+
+TARGET = "paxpage_linear_cpu"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "linear_cpu.cc")
+LIBRARY = native_build.NativeLibrary(SOURCE, {TARGET: "PaxpageLinearCpu"}, "the native CPU matmul")
+PANEL = 64  # columns per panel (the kernel's kPanel)
+
+
+def load(build_dir: str, compiler: str = "g++") -> bool:
+    """Builds (cached in build_dir), loads and registers the kernel once per process."""
+    return LIBRARY.load(build_dir, compiler)
+
+
+def loaded() -> bool:
+    return LIBRARY.loaded()
+
+
+def _check(x, panels) -> None:
+    if x.ndim != 2 or panels.ndim != 3 or panels.shape[1] != x.shape[1] or panels.shape[2] != PANEL:
+        raise ValueError(f"linear: x {x.shape} and panels {panels.shape}; expected [T, I] and [P, I, {PANEL}]")
+
+
+def linear_native(
+    x: jax.Array,  # f32[T, I]
+    panels: jax.Array,  # f32[P, I, 64]: the [I, O] weight in column panels
+) -> jax.Array:  # f32[T, O = 64 P]: x @ weight, each element summed over I in order
+    if not loaded():
+        raise RuntimeError("linear_native: call native_linear.load(build_dir) first")
+    _check(x, panels)
+    out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * PANEL), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out)(jnp.asarray(x, jnp.float32), jnp.asarray(panels, jnp.float32))
+
+
+def linear_ref(
+    x: jax.Array,  # f32[T, I]
+    panels: jax.Array,  # f32[P, I, 64]: the [I, O] weight in column panels
+) -> jax.Array:  # f32[T, O = 64 P]: x @ weight
+    """The same product in jnp at full f32 precision, panel by panel."""
+    _check(x, panels)
+    y = jnp.einsum("TI,PIC->TPC", jnp.asarray(x, jnp.float32), jnp.asarray(panels, jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+    return y.reshape(x.shape[0], -1)

@@ -1,0 +1,109 @@
+"""The native CPU matmul over column panels (pallas_kernels/native_linear.py) against a float64
+numpy product of the plain [I, O] weight and against its jnp twin, a row alone against the same
+row in larger batches, and the panel layout (models/panel_layout.py) against numpy indexing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import panel_layout
+from pallas_kernels import native_linear
+from pallas_kernels.native_linear import linear_native, linear_ref
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the native kernel"),
+    pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel; the default backend is not CPU"),
+]
+
+NATIVE = jax.jit(linear_native)
+REF = jax.jit(linear_ref)
+TOL = dict(rtol=1e-5, atol=2e-5)  # f32 sums of up to 1,536 terms of order 1 / sqrt(I) against float64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    from models.cache import NATIVE_DIR, cache_dir
+
+    assert native_linear.load(os.path.join(cache_dir(), NATIVE_DIR)), native_linear.LIBRARY.error
+
+
+def _weight(rng, width_in, width_out):
+    return (rng.standard_normal((width_in, width_out)) / np.sqrt(max(width_in, 1))).astype(np.float32)
+
+
+def test_panels_are_column_blocks_of_the_plain_weight():
+    w = np.arange(3 * 128, dtype=np.float32).reshape(3, 128)
+    panels = panel_layout.to_panels(w)
+    assert panels.shape == (2, 3, 64)
+    for p in range(2):  # panel p, row i is w[i, 64p:64p+64]
+        np.testing.assert_array_equal(panels[p], w[:, 64 * p:64 * p + 64])
+    np.testing.assert_array_equal(panel_layout.from_panels(panels), w)
+    stacked = np.stack([w, w + 1])  # a leading layer axis stays in front
+    np.testing.assert_array_equal(np.asarray(panel_layout.to_panels(jnp.asarray(stacked)))[1, 1], w[:, 64:] + 1)
+
+
+@pytest.mark.parametrize("rows, width_in, width_out", [
+    (1, 576, 576),  # a lone decode row
+    (4, 576, 192),  # SmolLM2's k/v projection
+    (7, 64, 128),  # rows not a multiple of the 6-row tile
+    (16, 1536, 576),  # down_proj
+    (64, 576, 1536),  # gate_proj at the CPU decode batch
+    (100, 96, 64),  # two row groups (48 rows an item)
+    (516, 576, 576),  # a mixed step's tokens
+])
+def test_matches_float64_and_the_jnp_twin(rows, width_in, width_out):
+    rng = np.random.default_rng(rows * 7 + width_in)
+    x = rng.standard_normal((rows, width_in)).astype(np.float32)
+    w = _weight(rng, width_in, width_out)
+    panels = panel_layout.to_panels(w)
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    got = np.asarray(NATIVE(x, panels))
+    assert got.shape == (rows, width_out)
+    np.testing.assert_allclose(got, want, **TOL)
+    np.testing.assert_allclose(np.asarray(REF(x, panels)), want, **TOL)
+
+
+def test_empty_shapes():
+    rng = np.random.default_rng(0)
+    panels = panel_layout.to_panels(_weight(rng, 32, 64))
+    assert NATIVE(np.zeros((0, 32), np.float32), panels).shape == (0, 64)
+    empty_in = np.asarray(NATIVE(np.zeros((3, 0), np.float32), np.zeros((1, 0, 64), np.float32)))
+    np.testing.assert_array_equal(empty_in, np.zeros((3, 64), np.float32))
+
+
+def test_a_row_is_the_same_alone_and_in_any_batch():
+    rng = np.random.default_rng(1)
+    panels = panel_layout.to_panels(_weight(rng, 576, 192))
+    x = rng.standard_normal((97, 576)).astype(np.float32)
+    alone = np.asarray(NATIVE(x[40:41], panels))[0]
+    for lo, hi in ((0, 97), (38, 45), (40, 46), (36, 41)):  # the row at every tile position
+        np.testing.assert_array_equal(np.asarray(NATIVE(x[lo:hi], panels))[40 - lo], alone)
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match=r"expected \[T, I\] and \[P, I, 64\]"):
+        linear_native(jnp.zeros((2, 8)), jnp.zeros((1, 8, 32)))
+    with pytest.raises(ValueError, match=r"expected \[T, I\] and \[P, I, 64\]"):
+        linear_ref(jnp.zeros((2, 8)), jnp.zeros((1, 9, 64)))
+
+
+def test_pack_holds_packable_kernels_in_panels_and_unpack_restores_them():
+    rng = np.random.default_rng(2)
+    tree = {"q_proj": {"kernel": _weight(rng, 8, 128)}, "k_proj": {"kernel": _weight(rng, 8, 32)},
+            "norm": {"scale": np.ones(8, np.float32)}, "emb": {"kernel_q": np.zeros((8, 64), np.int8)}}
+    plain = {k: dict(v) for k, v in tree.items()}
+    packed = panel_layout.pack(tree)
+    assert set(packed["q_proj"]) == {"kernel_panels"} and packed["q_proj"]["kernel_panels"].shape == (2, 8, 64)
+    assert packed["k_proj"]["kernel"] is plain["k_proj"]["kernel"]  # O = 32: not a multiple of 64
+    assert packed["emb"]["kernel_q"] is plain["emb"]["kernel_q"]  # quantised: as it is
+    assert "kernel" not in tree["q_proj"]  # the plain kernel was let go
+    assert panel_layout.holds_panels(packed) and not panel_layout.holds_panels(plain)
+    back = panel_layout.unpack(packed)
+    np.testing.assert_array_equal(back["q_proj"]["kernel"], plain["q_proj"]["kernel"])
+    assert back["norm"]["scale"] is plain["norm"]["scale"]
