@@ -21,7 +21,7 @@ from models.invariant_ops import norm_mean_square, stable_rows
 # How a dense layer's f32 matmul runs where its kernel is held in column panels
 # (models/panel_layout.py): "native", the CPU kernel (pallas_kernels/native_linear.py; a row's
 # result never depends on the other rows, so the batch-invariant mode needs no row padding there),
-# or "xla", XLA's dot. Chosen once per runner (`resolve_matmul_impl`).
+# or "xla", XLA's dot. Chosen once per runner (paxpage/held_form.py).
 MATMUL_IMPLS = ("xla", "native")
 
 
@@ -105,13 +105,10 @@ class Linear(nn.Module):
 
 def _panels_matmul(x, panels, native: bool):
     """x [..., I] @ the kernel held as panels [P, I, 64] -> [..., 64 P]."""
-    rows = x.reshape(-1, x.shape[-1])
-    if native:
-        from pallas_kernels.native_linear import linear_native
+    from pallas_kernels.native_linear import linear_native, linear_ref
 
-        y = linear_native(rows, panels)
-    else:
-        y = jnp.einsum("TI,PIC->TPC", rows, panels).reshape(rows.shape[0], -1)
+    rows = x.reshape(-1, x.shape[-1])
+    y = linear_native(rows, panels) if native else linear_ref(rows, panels).astype(x.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

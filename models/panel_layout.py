@@ -7,7 +7,7 @@ weights, the same bytes; only the order in memory differs. Stacked params carry 
 layer axis in front: [L, P, I, 64] against [L, I, O].
 
 `paxpage.load` holds an f32 model's kernels this way on CPU where the default engine runs the
-native matmul (paxpage/api.held_form), so the weights are held once in the form that runs.
+native matmul (paxpage/held_form.py), so the weights are held once in the form that runs.
 Runners that run XLA's dot (tensor parallelism, `attention_impl="xla"`) take a copy in the plain
 form (models/param_forms.py), and a checkpoint is always written plain (`Model.per_layer_params`).
 Kernels whose O is not a multiple of 64, and quantised ones, stay as they are.

@@ -8,7 +8,7 @@ hold a copy each (SmolLM2 in f32: 425 MB of layers a copy).
 
 A form lives as long as a runner holds it (the cache holds it weakly): closing a model's engines
 frees their copy. The model's own params may be per-layer or stacked (`paxpage.load` holds them in
-the form the backend's default engine runs: paxpage/api.held_form); a form in the params' own
+the form the backend's default engine runs: paxpage/held_form.py); a form in the params' own
 form and dtype is those very arrays (restacking to the same period and casting to the same dtype
 copy nothing), so that engine holds no copy at all.
 

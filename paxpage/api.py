@@ -15,12 +15,12 @@ import jax
 import numpy as np
 
 from models.config import ModelConfig
-from paxpage import attention_impl
 from paxpage.config import EngineConfig
 from paxpage.data_parallel import make_engine, make_loop
 from paxpage.engine import LLMEngine
 from paxpage.embedding import EmbeddingOutput, Pooling
 from paxpage.engine_loop import FINAL_OUTPUTS, EngineLoop, Submission
+from paxpage.held_form import held_form
 from paxpage.outputs import RequestOutput, StreamDelta
 from paxpage.sampling.params import SamplingParams
 
@@ -223,38 +223,6 @@ def load(source: str | os.PathLike | None = None, *, dtype: str | None = None,
     model = Model(config, held_form(config, params), tokenizer, None if source is None else os.fspath(source))
     log.info("paxpage: loaded %s: %s", model.source or "the default model", model.describe_memory())
     return model
-
-
-def held_form(config: ModelConfig, params: dict, engine_config: EngineConfig | None = None) -> dict:
-    """`params` (per-layer, as loaded) in the form `engine_config` (None: this backend's default
-    engine) runs, so that the weights are held once: stacked when its layers run under a scan
-    (models/layer_stack.py), the f32 kernels in column panels where its matmuls run as the native
-    CPU kernel (models/panel_layout.py), the embedding table row-major where the runner wants it
-    so (models/table_layout.py). An engine that runs another form (the unrolled loop, another
-    dtype, XLA's dot) makes a copy of its own (models/param_forms.py). `params` is consumed: its
-    per-layer subtrees are let go as they are stacked, its plain kernels as they are packed."""
-    from models import layer_stack, panel_layout, table_layout
-
-    resolved = (engine_config or EngineConfig()).resolve(config)
-    period = resolved.scan_period
-    if period and not layer_stack.period_of(params):
-        params = layer_stack.stack_consuming(params, config.num_layers, period)
-    if _runs_native_matmul(config, resolved):
-        params = panel_layout.pack(params)
-    if table_layout.holds_row_major(jax.default_backend()):
-        params = table_layout.row_major_tables(params)
-    return params
-
-
-def _runs_native_matmul(config: ModelConfig, resolved) -> bool:
-    """Whether that engine's runner runs the native CPU matmul (paxpage/runner.py): CPU, its
-    attention the native kernel, one device, f32, a model whose layers take it."""
-    from models.layers import resolve_matmul_impl
-
-    one_device = resolved.tensor_parallel_size == 1 and resolved.data_parallel_size == 1 and resolved.mesh is None
-    if resolved.backend != "cpu" or not one_device or resolved.dtype != "float32" or config.is_mla:
-        return False
-    return attention_impl.resolve(resolved.attention_impl) == "native" and resolve_matmul_impl(True) == "native"
 
 
 def _announce_generation_config(config: ModelConfig) -> None:

@@ -26,9 +26,8 @@ import numpy as np
 from models.config import ModelConfig
 from models import layer_stack, lora_ops, panel_layout, param_forms, table_layout
 from models.families import build_model
-from models.layers import resolve_matmul_impl
 from models.moe import routed_experts
-from paxpage import attention_impl, kv_pool, kv_sizing, lora_slab
+from paxpage import attention_impl, held_form, kv_pool, kv_sizing, lora_slab
 from paxpage.sampling import sampler as sampler_lib
 from paxpage.batch import StepBatch
 from paxpage.compile_plan import CompilePlan
@@ -83,11 +82,13 @@ class ModelRunner:
         # On TPU the embedding table is held row-major (models/table_layout.py): its default
         # layout there is column-major, which the token gather would copy in every step.
         row_major_table = table_layout.holds_row_major(cfg.backend)
-        # The dense layers' f32 matmuls run as the native CPU kernel where the attention does (one
-        # device): it takes the kernels held in panels (models/panel_layout.py); elsewhere the
-        # runner takes them in the plain form.
-        self.matmul_impl = resolve_matmul_impl(impl == "native" and mesh is None and not abstract)
-        panels = self.matmul_impl == "native" and dtype == jnp.float32
+        # The native CPU kernels run where the attention does, on one device per model copy
+        # (paxpage/held_form.py decides, for paxpage.load's held form too). The native matmul takes
+        # the kernels held in panels (models/panel_layout.py); elsewhere, and for an abstract
+        # (ahead-of-time) step, the runner takes them in the plain form.
+        native = held_form.native_kernels(cfg) and not abstract
+        self.matmul_impl = "native" if native and held_form.runs_native_matmul(model_cfg, cfg) else "xla"
+        panels = self.matmul_impl == "native"
         if mesh is None and abstract:
             self.params = jax.eval_shape(functools.partial(param_forms.make_form, num_layers=num_layers,
                                                            period=cfg.scan_period, dtype=dtype.name,
@@ -105,7 +106,9 @@ class ModelRunner:
         else:
             from paxpage import mesh as mesh_lib  # the sharded path only
 
-            params = panel_layout.unpack(param_forms.own_tree(params))  # sharding rules name plain kernels
+            params = param_forms.own_tree(params)
+            if not panels:  # sharding rules name plain kernels; panels run on one-device replicas
+                params = panel_layout.unpack(params)
             params = (layer_stack.restack(params, num_layers, cfg.scan_period, stack=_stack_abstract)
                       if abstract else layer_stack.host_stack(params, num_layers, cfg.scan_period))
             (model_cfg, self.plan, self.params, pool_sharding, attention, write_kv, experts_fn, step_shardings,
@@ -117,10 +120,9 @@ class ModelRunner:
         self.step_model_cfg = model_cfg  # the config the step runs (sharded: KV heads maybe replicated)
         self.pool_spec = kv_pool.KVPoolSpec(model_cfg, cfg.page_size, cfg.kv_cache_dtype, dtype, self.kv_layout,
                                             self.scanned, pool_sharding)
-        # On CPU with native kernels, one device, the LoRA delta runs as the native kernel; under a
-        # mesh the slab is sharded and the delta stays in XLA ops (GSPMD partitions them).
-        self.lora_impl = lora_ops.resolve_lora_impl(bool(cfg.max_loras) and impl == "native" and mesh is None,
-                                                    cfg.max_lora_rank)
+        # With native kernels the LoRA delta runs as the native kernel; under tensor parallelism
+        # the slab is sharded and the delta stays in XLA ops (GSPMD partitions them).
+        self.lora_impl = lora_ops.resolve_lora_impl(bool(cfg.max_loras) and native, cfg.max_lora_rank)
         self.model = build_model(model_cfg, attention, write_kv, dtype, scan_period=cfg.scan_period,
                                  batch_invariant=cfg.batch_invariant, lora_impl=self.lora_impl,
                                  experts_fn=experts_fn, matmul_impl=self.matmul_impl)
@@ -138,8 +140,8 @@ class ModelRunner:
         self._step = jax.jit(self._forward, donate_argnums=(1,), **step_shardings)
         self._copy = jax.jit(self.pool_spec.copy, donate_argnums=(0,), **copy_shardings)
         # The sampler and the fixed-width copy of its tokens are one executable per logits-row count.
-        # On CPU with native kernels, sampled rows draw through the native proposal kernel.
-        self.draw_impl = sampler_lib.resolve_draw_impl(impl == "native" and mesh is None)
+        # With native kernels, sampled rows draw through the native proposal kernel.
+        self.draw_impl = sampler_lib.resolve_draw_impl(native)
         self._sampler = jax.jit(functools.partial(sampler_lib.sample_rows, draw_impl=self.draw_impl),
                                 static_argnums=(4, 5))
         self._scorer = jax.jit(_score_prompt, static_argnums=(2,))

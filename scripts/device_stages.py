@@ -27,7 +27,7 @@ import paxpage  # noqa: E402
 from models import random_init  # noqa: E402
 from models.quant import bytes_by_dtype  # noqa: E402
 from paxpage import compile_counter  # noqa: E402
-from paxpage.api import held_form  # noqa: E402
+from paxpage.held_form import held_form  # noqa: E402
 from paxpage.batch import StepBatch  # noqa: E402
 from paxpage.packing import bucket  # noqa: E402
 from paxpage.runner import ModelRunner  # noqa: E402

@@ -24,7 +24,7 @@ def main(argv: list[str]) -> None:
     result = {}
     # an explicit mesh, devices in reverse order: replica 0 must run on devices 3 and 2
     reverse = Mesh(np.array(jax.devices()[::-1], dtype=object).reshape(2, 2), ("data", "model"))
-    for name, tp, dp, mesh in (("one", 1, 1, None), ("dp2tp2", 2, 2, reverse)):
+    for name, tp, dp, mesh in (("one", 1, 1, None), ("dp2", 1, 2, None), ("dp2tp2", 2, 2, reverse)):
         config = paxpage.EngineConfig(tensor_parallel_size=tp, data_parallel_size=dp, mesh=mesh, num_pages=48, page_size=4,
                                       max_num_seqs=4, max_num_batched_tokens=64, prefill_row_len=8)
         greedy = paxpage.generate(model, prompts, engine_config=config, max_tokens=max_tokens, temperature=0,
@@ -38,6 +38,8 @@ def main(argv: list[str]) -> None:
             # prompt tokens each replica received (both calls): shows where requests went
             "prompt_tokens": [e.stats.prompt_tokens for e in engines],
             "devices": [sorted(d.id for d in e.runner.kv_cache[0].sharding.device_set) for e in engines],
+            # how each replica's dense layers multiply (paxpage/held_form.py)
+            "matmul": [e.runner.matmul_impl for e in engines],
         }
         model.close()
     print(json.dumps(result))

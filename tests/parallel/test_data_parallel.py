@@ -15,7 +15,7 @@ def test_data_parallel_routes_and_matches_one_engine(tmp_path):
     prompts = [shared + [1, 2], [3] * 9, shared + [7], [11, 12, 13, 14, 15]]
     want = [hf_greedy(hf, p, 5) for p in prompts]
     assert out["one"]["greedy"] == want
-    for name in ("dp2tp2",):
+    for name in ("dp2", "dp2tp2"):
         assert out[name]["greedy"] == want, name
         assert out[name]["sampled"] == out["one"]["sampled"], name
         # routing, worked by hand: p0 -> replica 0 (tie), p1 -> 1 (least loaded), p2 shares
@@ -23,3 +23,8 @@ def test_data_parallel_routes_and_matches_one_engine(tmp_path):
         # has one) are where they went first, so the same again. Prompt tokens per replica:
         assert out[name]["prompt_tokens"] == [2 * (18 + 17), 2 * (9 + 5)], name
     assert out["dp2tp2"]["devices"] == [[2, 3], [0, 1]]  # the explicit mesh's rows
+    assert out["dp2"]["devices"] == [[0], [1]]
+    # a one-device replica runs the native matmul on kernels held in panels, as one engine does;
+    # tensor parallelism splits plain kernels and runs XLA's dot
+    assert out["one"]["matmul"] == ["native"] and out["dp2"]["matmul"] == ["native", "native"]
+    assert out["dp2tp2"]["matmul"] == ["xla", "xla"]
