@@ -101,7 +101,7 @@ class GemmaModel(nn.Module):
         """Returns (logits f32[R + Rp, V], updated kv_cache): the sampling rows, then the
         prompt-logprob rows. kv_cache: one pool per layer, or the stacked pool when scanning."""
         cfg = self.cfg
-        embed = Embedding(cfg.vocab_size, cfg.hidden_size, self.dtype, name="embed_tokens")
+        embed = Embedding(cfg.vocab_size, cfg.hidden_size, self.dtype, matmul_impl=self.matmul_impl, name="embed_tokens")
         x = embed(batch.token_ids) * jnp.asarray(math.sqrt(cfg.hidden_size), self.dtype)  # [T, H]
 
         def make_layer(i: int, name: str) -> GemmaDecoderLayer:
@@ -116,7 +116,7 @@ class GemmaModel(nn.Module):
         if cfg.tie_word_embeddings:
             logits = embed.attend(x)
         else:
-            logits = dense(cfg.vocab_size, "lm_head", self.dtype)(x)
+            logits = dense(cfg.vocab_size, "lm_head", self.dtype, matmul_impl=self.matmul_impl)(x)
         logits = logits.astype(jnp.float32)
         if cfg.final_logit_softcap is not None:
             logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)

@@ -124,17 +124,22 @@ def resolve_matmul_impl(native_allowed: bool) -> str:
 
 
 class Embedding(nn.Module):
-    """Token embedding [V, H], float ("embedding", as flax's nn.Embed names it) or quantised
-    (embedding_q / _scale / _offset: a lookup dequantises just the gathered rows); `attend` is
-    the tied LM head over the same table."""
+    """Token embedding [V, H], float ("embedding", as flax's nn.Embed names it), quantised
+    (embedding_q / _scale / _offset: a lookup dequantises just the gathered rows) or, for a tied
+    LM head run by the native matmul, in column panels of its transpose ("embedding_panels"
+    [V / 64, H, 64], models/panel_layout.py: a lookup gathers each row across its panel); `attend`
+    is the tied LM head over the same table."""
     num_embeddings: int
     features: int
     dtype: Any = jnp.float32
     batch_invariant: bool = False  # the LM head's matmul row-stable (models/invariant_ops.py)
+    matmul_impl: str = "xla"  # MATMUL_IMPLS: how the LM head over a table in panels is multiplied
 
     def setup(self):
         self.qtable = _quantized(self, "embedding")
-        if self.qtable is None:
+        self.panels = (self.get_variable("params", panel_layout.TABLE_PANELS)
+                       if self.has_variable("params", panel_layout.TABLE_PANELS) else None)
+        if self.qtable is None and self.panels is None:
             init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
             self.embedding = self.param("embedding", init, (self.num_embeddings, self.features), self.dtype)
 
@@ -142,15 +147,22 @@ class Embedding(nn.Module):
         if self.qtable is not None:
             q, scale, offset = self.qtable
             return quant.dequantize_rows(q[ids], scale[ids], None if offset is None else offset[ids], self.dtype)
+        if self.panels is not None:
+            return self.panels[ids // panel_layout.PANEL, :, ids % panel_layout.PANEL].astype(self.dtype)
         return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
 
     def attend(self, x):  # [R, H] -> [R, V]
         x = jnp.asarray(x, self.dtype)
+        native = False
         if self.qtable is not None:
             head = lambda rows: quant.quantized_attend(rows, *self.qtable)
+        elif self.panels is not None:
+            native = self.matmul_impl == "native" and jnp.dtype(self.dtype) == jnp.float32
+            head = functools.partial(_panels_matmul, panels=self.panels.astype(self.dtype), native=native)
         else:
             head = lambda rows: jnp.dot(rows, self.embedding.astype(self.dtype).T)
-        return stable_rows(head, x) if self.batch_invariant else head(x)
+        # The native kernel's rows are row-stable as they are: no padding to stable row counts.
+        return stable_rows(head, x) if self.batch_invariant and not native else head(x)
 
 
 def dense(features: int, name: str, dtype, use_bias: bool = False, batch_invariant: bool = False,

@@ -104,7 +104,8 @@ class LlamaModel(nn.Module):
         prompt-logprob rows. kv_cache: one pool per layer, or the stacked pool when scanning."""
         cfg = self.cfg
         inv = self.batch_invariant
-        embed = Embedding(cfg.vocab_size, cfg.hidden_size, self.dtype, batch_invariant=inv, name="embed_tokens")
+        embed = Embedding(cfg.vocab_size, cfg.hidden_size, self.dtype, batch_invariant=inv,
+                          matmul_impl=self.matmul_impl, name="embed_tokens")
         x = embed(batch.token_ids)  # [T, H]
 
         def make_layer(i: int, name: str) -> DecoderLayer:
@@ -121,5 +122,5 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             logits = embed.attend(x)
         else:
-            logits = _dense(cfg.vocab_size, "lm_head", self.dtype, batch_invariant=inv)(x)
+            logits = _dense(cfg.vocab_size, "lm_head", self.dtype, batch_invariant=inv, matmul_impl=self.matmul_impl)(x)
         return logits.astype(jnp.float32), new_cache

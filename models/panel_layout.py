@@ -12,6 +12,11 @@ Runners that run XLA's dot (tensor parallelism, `attention_impl="xla"`) take a c
 form (models/param_forms.py), and a checkpoint is always written plain (`Model.per_layer_params`).
 Kernels whose O is not a multiple of 64, and quantised ones, stay as they are.
 
+A tied LM head multiplies by the embedding table's transpose, so a tied f32 table [V, H] with V
+a multiple of 64 is held the same way, as `embedding_panels` [V / 64, H, 64] (panel p: vocabulary
+rows [64p, 64p + 64), each transposed): the head runs as the native matmul, and a token's
+embedding row is gathered across its panel (H values 64 apart).
+
 Axis legend: L layers, I input width, O output width, P panels.
 """
 
@@ -24,6 +29,9 @@ import numpy as np
 PANEL = 64
 PLAIN = "kernel"
 PANELS = "kernel_panels"
+TABLE_MODULE = "embed_tokens"  # the embedding module's name in every family (models/layers.Embedding)
+TABLE = "embedding"
+TABLE_PANELS = "embedding_panels"
 
 
 def to_panels(kernel):
@@ -42,25 +50,54 @@ def from_panels(panels):
     return xp.swapaxes(panels, -3, -2).reshape(*lead, i, p * c)
 
 
-def packable(kernel) -> bool:
-    return kernel.ndim >= 2 and kernel.shape[-1] % PANEL == 0 and jnp.dtype(kernel.dtype) == jnp.float32
+def table_to_panels(table):
+    """[..., V, H] -> [..., V / 64, H, 64]: the panels of the [H, V] transpose (V a multiple of 64)."""
+    *lead, v, h = table.shape
+    xp = np if isinstance(table, np.ndarray) else jnp
+    return xp.swapaxes(table.reshape(*lead, v // PANEL, PANEL, h), -1, -2)
+
+
+def table_from_panels(panels):
+    """[..., V / 64, H, 64] -> [..., V, H] (a ShapeDtypeStruct gives the plain one's)."""
+    *lead, p, h, c = panels.shape
+    if isinstance(panels, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((*lead, p * c, h), panels.dtype)
+    xp = np if isinstance(panels, np.ndarray) else jnp
+    return xp.swapaxes(panels, -1, -2).reshape(*lead, p * c, h)
+
+
+def packable(kernel, axis: int = -1) -> bool:
+    """An f32 array whose `axis` (a kernel's output width; a table's vocabulary) splits into panels."""
+    return kernel.ndim >= 2 and kernel.shape[axis] % PANEL == 0 and jnp.dtype(kernel.dtype) == jnp.float32
 
 
 def holds_panels(params) -> bool:
-    """Whether any kernel of `params` is held in panels."""
+    """Whether any kernel (or the table) of `params` is held in panels."""
     if not isinstance(params, dict):
         return False
-    return PANELS in params or any(holds_panels(v) for v in params.values())
+    return PANELS in params or TABLE_PANELS in params or any(holds_panels(v) for v in params.values())
 
 
-def pack(params: dict) -> dict:
-    """Every packable Linear kernel of `params` in panels. The plain kernels are let go as each is
-    packed (the caller's tree is emptied of them), so packing holds one extra kernel at a time."""
+def pack(params: dict, tied_table: bool = False) -> dict:
+    """Every packable Linear kernel of `params` in panels, and the embedding table when
+    `tied_table` (the model's LM head is its transpose) and it is packable. The plain arrays are
+    let go as each is packed (the caller's tree is emptied of them), so packing holds one extra
+    kernel at a time."""
+    out = _pack_kernels(params)
+    table = out.get(TABLE_MODULE)
+    if tied_table and isinstance(table, dict) and TABLE in table and packable(table[TABLE], axis=-2):
+        value = table.pop(TABLE)
+        table[TABLE_PANELS] = _own(table_to_panels(value))
+        del value
+    return out
+
+
+def _pack_kernels(params: dict) -> dict:
     out = {}
     for name in list(params):
         value = params[name]
         if isinstance(value, dict):
-            out[name] = pack(value)
+            out[name] = _pack_kernels(value)
         elif name == PLAIN and packable(value):
             del params[name]
             out[PANELS] = _own(to_panels(value))
@@ -71,10 +108,11 @@ def pack(params: dict) -> dict:
 
 
 def unpack(params):
-    """`params` with every kernel in panels back in the plain [I, O] form (a copy of those)."""
+    """`params` with every kernel (and the table) in panels back in the plain form (a copy of those)."""
     if not isinstance(params, dict):
         return params
-    return {(PLAIN if name == PANELS else name): (from_panels(v) if name == PANELS else unpack(v))
+    plain = {PANELS: (PLAIN, from_panels), TABLE_PANELS: (TABLE, table_from_panels)}
+    return {plain[name][0] if name in plain else name: plain[name][1](v) if name in plain else unpack(v)
             for name, v in params.items()}
 
 

@@ -49,7 +49,7 @@ def held_form(config: ModelConfig, params: dict, engine_config: EngineConfig | N
     if period and not layer_stack.period_of(params):
         params = layer_stack.stack_consuming(params, config.num_layers, period)
     if runs_native_matmul(config, resolved):
-        params = panel_layout.pack(params)
+        params = panel_layout.pack(params, tied_table=config.tie_word_embeddings)
     if table_layout.holds_row_major(jax.default_backend()):
         params = table_layout.row_major_tables(params)
     return params

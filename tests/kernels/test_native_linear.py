@@ -107,3 +107,34 @@ def test_pack_holds_packable_kernels_in_panels_and_unpack_restores_them():
     back = panel_layout.unpack(packed)
     np.testing.assert_array_equal(back["q_proj"]["kernel"], plain["q_proj"]["kernel"])
     assert back["norm"]["scale"] is plain["norm"]["scale"]
+
+
+def test_a_tied_table_is_held_as_panels_of_its_transpose():
+    rng = np.random.default_rng(4)
+    table = rng.standard_normal((192, 8)).astype(np.float32)  # V = 192: three panels
+    untied = panel_layout.pack({"embed_tokens": {"embedding": table.copy()}})
+    assert set(untied["embed_tokens"]) == {"embedding"}  # only a tied LM head is multiplied by it
+    odd = panel_layout.pack({"embed_tokens": {"embedding": table[:100].copy()}}, tied_table=True)
+    assert set(odd["embed_tokens"]) == {"embedding"}  # V = 100: not a multiple of 64
+    panels = panel_layout.pack({"embed_tokens": {"embedding": table.copy()}}, tied_table=True)
+    held = panels["embed_tokens"]["embedding_panels"]
+    assert held.shape == (3, 8, 64) and held.flags["C_CONTIGUOUS"]
+    for v in (0, 63, 64, 130, 191):  # panel v // 64, column v % 64 holds vocabulary row v
+        np.testing.assert_array_equal(held[v // 64, :, v % 64], table[v])
+    np.testing.assert_array_equal(panel_layout.unpack(panels)["embed_tokens"]["embedding"], table)
+
+
+@pytest.mark.parametrize("matmul_impl", ["native", "xla"])
+def test_embedding_over_table_panels_looks_up_rows_and_attends_as_the_table(matmul_impl):
+    from models.layers import Embedding
+
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal((128, 16)).astype(np.float32)
+    panels = panel_layout.pack({"embed_tokens": {"embedding": table.copy()}}, tied_table=True)["embed_tokens"]
+    module = Embedding(128, 16, matmul_impl=matmul_impl)
+    ids = jnp.array([0, 5, 127, 64, 5], jnp.int32)
+    rows = module.apply({"params": panels}, ids)
+    np.testing.assert_array_equal(np.asarray(rows), table[np.asarray(ids)])
+    x = rng.standard_normal((3, 16)).astype(np.float32)
+    logits = module.apply({"params": panels}, jnp.asarray(x), method=Embedding.attend)
+    np.testing.assert_allclose(np.asarray(logits), x.astype(np.float64) @ table.T.astype(np.float64), **TOL)
