@@ -78,7 +78,10 @@ class Linear(nn.Module):
     matmul_impl: str = "xla"  # MATMUL_IMPLS: how a kernel held in panels is multiplied
 
     @nn.compact
-    def __call__(self, x, lora_slots=None):  # [..., I] -> [..., O]; lora_slots: models/lora_ops.row_slots
+    def __call__(self, x, lora_slots=None, live=None):
+        """x [..., I] -> [..., O]. lora_slots: models/lora_ops.row_slots. live: None, or bool[T] for
+        x [T, I] (StepBatch.live_tokens): the rows the native matmul computes; the others come
+        back as 0 there (padding, never read)."""
         if self.matmul_impl not in MATMUL_IMPLS:
             raise ValueError(f"matmul_impl is {self.matmul_impl!r}; expected one of {MATMUL_IMPLS}")
         x = jnp.asarray(x, self.dtype)
@@ -89,7 +92,8 @@ class Linear(nn.Module):
         elif self.has_variable("params", panel_layout.PANELS):
             panels = self.get_variable("params", panel_layout.PANELS)  # [P, I, 64]
             native = self.matmul_impl == "native" and jnp.dtype(self.dtype) == jnp.float32
-            matmul = functools.partial(_panels_matmul, panels=panels.astype(self.dtype), native=native)
+            matmul = functools.partial(_panels_matmul, panels=panels.astype(self.dtype), native=native,
+                                       live=live if native else None)
         else:
             kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.dtype)
             matmul = lambda rows: jnp.dot(rows, kernel.astype(self.dtype))
@@ -103,12 +107,13 @@ class Linear(nn.Module):
         return y
 
 
-def _panels_matmul(x, panels, native: bool):
-    """x [..., I] @ the kernel held as panels [P, I, 64] -> [..., 64 P]."""
+def _panels_matmul(x, panels, native: bool, live=None):
+    """x [..., I] @ the kernel held as panels [P, I, 64] -> [..., 64 P]; live: None or bool[T]
+    for x [T, I], the rows to compute (the others 0)."""
     from pallas_kernels.native_linear import linear_native, linear_ref
 
     rows = x.reshape(-1, x.shape[-1])
-    y = linear_native(rows, panels) if native else linear_ref(rows, panels).astype(x.dtype)
+    y = linear_native(rows, panels, live) if native else linear_ref(rows, panels, live).astype(x.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -171,13 +176,14 @@ def dense(features: int, name: str, dtype, use_bias: bool = False, batch_invaria
                   matmul_impl=matmul_impl, name=name)
 
 
-def qkv_heads(cfg, h, dtype, batch_invariant: bool = False, lora_slots=None, matmul_impl: str = "xla"):
+def qkv_heads(cfg, h, dtype, batch_invariant: bool = False, lora_slots=None, matmul_impl: str = "xla",
+              live=None):
     """The attention's input projections of h [T, H] (q_proj, k_proj, v_proj; `cfg` a
     ModelConfig): q [T, N, D], k and v [T, K, D]. Call inside a module's compact method.
-    lora_slots: the step's adapter per row (models/lora_ops.row_slots), or None."""
+    lora_slots: the step's adapter per row (models/lora_ops.row_slots), or None; live: Linear's."""
     num_tokens = h.shape[0]
     q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    q, k, v = (dense(width, name, dtype, cfg.qkv_bias, batch_invariant, matmul_impl)(h, lora_slots)
+    q, k, v = (dense(width, name, dtype, cfg.qkv_bias, batch_invariant, matmul_impl)(h, lora_slots, live)
                for name, width in (("q_proj", q_width), ("k_proj", kv_width), ("v_proj", kv_width)))
     return (q.reshape(num_tokens, cfg.num_heads, cfg.head_dim),
             k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim),
@@ -185,13 +191,14 @@ def qkv_heads(cfg, h, dtype, batch_invariant: bool = False, lora_slots=None, mat
 
 
 def gated_mlp(cfg, h, activation, dtype, batch_invariant: bool = False, lora_slots=None,
-              matmul_impl: str = "xla"):
+              matmul_impl: str = "xla", live=None):
     """down_proj(activation(gate_proj(h)) * up_proj(h)): h [T, H] -> [T, H] through width
-    F = cfg.intermediate_size (Llama: silu; Gemma: gelu-tanh). Call inside a compact method."""
+    F = cfg.intermediate_size (Llama: silu; Gemma: gelu-tanh). Call inside a compact method.
+    live: Linear's (the rows the native matmul computes)."""
     mm = dict(batch_invariant=batch_invariant, matmul_impl=matmul_impl)
-    gate = dense(cfg.intermediate_size, "gate_proj", dtype, **mm)(h, lora_slots)
-    up = dense(cfg.intermediate_size, "up_proj", dtype, **mm)(h, lora_slots)
-    return dense(cfg.hidden_size, "down_proj", dtype, **mm)(activation(gate) * up, lora_slots)
+    gate = dense(cfg.intermediate_size, "gate_proj", dtype, **mm)(h, lora_slots, live)
+    up = dense(cfg.intermediate_size, "up_proj", dtype, **mm)(h, lora_slots, live)
+    return dense(cfg.hidden_size, "down_proj", dtype, **mm)(activation(gate) * up, lora_slots, live)
 
 
 def paged_attention_rows(attention, q, kv_pages, batch, sm_scale, *, sliding_window=None, soft_cap=None,

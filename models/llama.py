@@ -58,7 +58,8 @@ class DecoderLayer(nn.Module):
         lora = row_slots(batch, self.lora_impl)  # each row's adapter slot, or None without LoRA
         h = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="input_layernorm")(x)
         mm = self.matmul_impl
-        q, k, v = qkv_heads(cfg, h, dtype, inv, lora, mm)  # [T, N, D], [T, K, D], [T, K, D]
+        live = batch.live_tokens() if mm == "native" else None  # the native matmuls skip padding
+        q, k, v = qkv_heads(cfg, h, dtype, inv, lora, mm, live)  # [T, N, D], [T, K, D], [T, K, D]
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="k_norm")(k)
@@ -73,14 +74,14 @@ class DecoderLayer(nn.Module):
         out = paged_attention_rows(self.attention, q, kv_pages, batch, cfg.head_dim**-0.5,
                                    sliding_window=self.sliding_window, sinks=sinks)
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim).astype(dtype)
-        x = x + _dense(cfg.hidden_size, "o_proj", dtype, cfg.o_proj_bias, inv, mm)(out, lora)
+        x = x + _dense(cfg.hidden_size, "o_proj", dtype, cfg.o_proj_bias, inv, mm)(out, lora, live)
         h = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="post_attention_layernorm")(x)
         if self.use_moe:
             moe = SparseMoe(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                             cfg.norm_topk_prob, self.moe_impl, dtype, cfg.moe_bias, cfg.swiglu_limit,
                             cfg.swiglu_alpha, self.experts_fn, name="moe")
             return x + moe(h), kv_pages
-        x = x + gated_mlp(cfg, h, nn.silu, dtype, inv, lora, mm)
+        x = x + gated_mlp(cfg, h, nn.silu, dtype, inv, lora, mm, live)
         return x, kv_pages
 
 

@@ -41,28 +41,33 @@ def loaded() -> bool:
     return LIBRARY.loaded()
 
 
-def _check(x, panels) -> None:
+def _check(x, panels, live) -> None:
     if x.ndim != 2 or panels.ndim != 3 or panels.shape[1] != x.shape[1] or panels.shape[2] != PANEL:
         raise ValueError(f"linear: x {x.shape} and panels {panels.shape}; expected [T, I] and [P, I, {PANEL}]")
+    if live is not None and tuple(live.shape) != (x.shape[0],):
+        raise ValueError(f"linear: live {tuple(live.shape)} for x {x.shape}; expected [{x.shape[0]}]")
 
 
 def linear_native(
     x: jax.Array,  # f32[T, I]
     panels: jax.Array,  # f32[P, I, 64]: the [I, O] weight in column panels
+    live: jax.Array | None = None,  # bool / i32[T]: the rows to compute (None: all); the others are 0
 ) -> jax.Array:  # f32[T, O = 64 P]: x @ weight, each element summed over I in order
     if not loaded():
         raise RuntimeError("linear_native: call native_linear.load(build_dir) first")
-    _check(x, panels)
+    _check(x, panels, live)
+    live = jnp.ones(x.shape[0], jnp.int32) if live is None else jnp.asarray(live).astype(jnp.int32)
     out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * PANEL), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(jnp.asarray(x, jnp.float32), jnp.asarray(panels, jnp.float32))
+    return jax.ffi.ffi_call(TARGET, out)(jnp.asarray(x, jnp.float32), jnp.asarray(panels, jnp.float32), live)
 
 
 def linear_ref(
     x: jax.Array,  # f32[T, I]
     panels: jax.Array,  # f32[P, I, 64]: the [I, O] weight in column panels
+    live: jax.Array | None = None,  # bool / i32[T]: the rows to compute (None: all); the others are 0
 ) -> jax.Array:  # f32[T, O = 64 P]: x @ weight
     """The same product in jnp at full f32 precision, panel by panel."""
-    _check(x, panels)
+    _check(x, panels, live)
     y = jnp.einsum("TI,PIC->TPC", jnp.asarray(x, jnp.float32), jnp.asarray(panels, jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
-    return y.reshape(x.shape[0], -1)
+                   precision=jax.lax.Precision.HIGHEST).reshape(x.shape[0], -1)
+    return y if live is None else jnp.where(jnp.asarray(live)[:, None] != 0, y, 0.0)

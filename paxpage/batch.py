@@ -53,3 +53,8 @@ class StepBatch:
     @property
     def num_tokens(self) -> int:
         return self.token_ids.shape[0]
+
+    def live_tokens(self) -> jax.Array:
+        """bool[T]: the step's real tokens. Every real token writes its K/V; padding's slot is -1.
+        A native matmul computes only these rows (models/layers.Linear's `live`)."""
+        return self.slot_mapping >= 0

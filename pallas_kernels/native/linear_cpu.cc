@@ -4,16 +4,19 @@
 // Axis legend: T tokens (rows of x), I input width, O output width, P panels (O / 64).
 //
 // Operands: x f32[T, I], w f32[P, I, 64] (models/panel_layout.py: panel p holds columns
-// [64p, 64p + 64) of the [I, O] weight, each panel one contiguous block). Result y f32[T, O].
+// [64p, 64p + 64) of the [I, O] weight, each panel one contiguous block), live s32[T] (0: a
+// padding row of the step, whose result is written as zeros and never computed). Result y f32[T, O].
 //
-// One work item is one (panel, group of up to kRowsPerItem rows) pair; items are spread over XLA's
-// intra-op threads. Within an item a register tile of up to 6 rows x 64 columns (24 accumulators)
-// walks the input width once: per input index it loads the panel's 64 weights (one cache line
-// pair, the next ones in memory) and broadcasts one input per row. A panel streams from memory
-// front to back, where the hardware prefetchers keep up, and stays in L2 (147 KB at I = 576)
-// while the item's row tiles pass over it. A row-major [I, O] weight read the same way would
-// jump O * 4 bytes between input indices, a new page every row or two, and XLA's dot repacks
-// the weight on every call: a decode step's skinny matmuls run ~1.5x faster here.
+// One work item is one (panel, group of up to kRowsPerItem live rows) pair; items are spread over
+// XLA's intra-op threads. Within an item a register tile of up to 6 rows x 64 columns (24
+// accumulators) walks the input width once: per input index it loads the panel's 64 weights (one
+// cache line pair, the next ones in memory) and broadcasts one input per row. A panel streams from
+// memory front to back, where the hardware prefetchers keep up, and stays in L2 (147 KB at
+// I = 576) while the item's row tiles pass over it. A row-major [I, O] weight read the same way
+// would jump O * 4 bytes between input indices, a new page every row or two, and XLA's dot
+// repacks the weight on every call: a decode step's skinny matmuls run ~1.5x faster here. Tiles
+// gather the live rows wherever they are, so a step's padding (the tail of each prefill row, the
+// decode rows past the batch) costs no multiply-adds.
 //
 // Each output element is sum_i x[t, i] * w[i, o], accumulated in order of i from 0 in f32 (one
 // multiply-add per i), whatever the tile, item or T it falls in: a row's result does not depend
@@ -22,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "parallel.h"
 #include "simd.h"
@@ -47,60 +51,67 @@ struct Operands {
 
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// y[R rows from row, the 64 columns from col] from the panel w (rows kPanel floats apart).
+// y[the R rows named by rows, the 64 columns from col] from the panel w (rows kPanel floats apart).
 template <int R>
-void tile(const Operands& op, const float* w, int64_t row, int64_t col) {
+void tile(const Operands& op, const float* w, const int64_t* rows, int64_t col) {
   v16 acc[R][kPanelVectors];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < kPanelVectors; ++v) acc[r][v] = v16{};
-  const float* x = op.x + row * op.in;
+  const float* x[R];
+  for (int r = 0; r < R; ++r) x[r] = op.x + rows[r] * op.in;
   for (int64_t i = 0; i < op.in; ++i) {
     const float* wi = w + i * kPanel;
     v16 b[kPanelVectors];
     for (int v = 0; v < kPanelVectors; ++v) b[v] = load16(wi + v * kLanes);
     for (int r = 0; r < R; ++r) {
-      const v16 a = v16{} + x[r * op.in + i];
+      const v16 a = v16{} + x[r][i];
       for (int v = 0; v < kPanelVectors; ++v) acc[r][v] += a * b[v];
     }
   }
-  float* y = op.y + row * op.out + col;
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kPanelVectors; ++v) store16(y + r * op.out + v * kLanes, acc[r][v]);
+  for (int r = 0; r < R; ++r) {
+    float* y = op.y + rows[r] * op.out + col;
+    for (int v = 0; v < kPanelVectors; ++v) store16(y + v * kLanes, acc[r][v]);
+  }
 }
 
-// Rows [row, row + rows) of one panel.
-void panel_rows(const Operands& op, const float* w, int64_t row, int64_t rows, int64_t col) {
+// The `count` rows named by rows, of one panel.
+void panel_rows(const Operands& op, const float* w, const int64_t* rows, int64_t count, int64_t col) {
   int64_t r = 0;
-  for (; r + kTileRows <= rows; r += kTileRows) tile<kTileRows>(op, w, row + r, col);
-  switch (rows - r) {
-    case 5: tile<5>(op, w, row + r, col); break;
-    case 4: tile<4>(op, w, row + r, col); break;
-    case 3: tile<3>(op, w, row + r, col); break;
-    case 2: tile<2>(op, w, row + r, col); break;
-    case 1: tile<1>(op, w, row + r, col); break;
+  for (; r + kTileRows <= count; r += kTileRows) tile<kTileRows>(op, w, rows + r, col);
+  switch (count - r) {
+    case 5: tile<5>(op, w, rows + r, col); break;
+    case 4: tile<4>(op, w, rows + r, col); break;
+    case 3: tile<3>(op, w, rows + r, col); break;
+    case 2: tile<2>(op, w, rows + r, col); break;
+    case 1: tile<1>(op, w, rows + r, col); break;
     default: break;
   }
 }
 
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel)
-    return ffi::Error::InvalidArgument("linear_cpu: x must be [T, I], w [P, I, 64], y [T, O]");
-  if (wd[1] != xd[1] || yd[0] != xd[0] || yd[1] != wd[0] * kPanel)
-    return ffi::Error::InvalidArgument("linear_cpu: x [T, I], w [P, I, 64] and y [T, O] disagree");
+                  ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), ld = live.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || ld.size() != 1 || yd.size() != 2 || wd[2] != kPanel)
+    return ffi::Error::InvalidArgument("linear_cpu: x must be [T, I], w [P, I, 64], live [T], y [T, O]");
+  if (wd[1] != xd[1] || ld[0] != xd[0] || yd[0] != xd[0] || yd[1] != wd[0] * kPanel)
+    return ffi::Error::InvalidArgument("linear_cpu: x [T, I], w [P, I, 64], live [T] and y [T, O] disagree");
   const Operands op{x.typed_data(), w.typed_data(), y->typed_data(), xd[1], yd[1]};
-  const int64_t rows = xd[0], num_panels = wd[0];
-  if (rows == 0 || num_panels == 0) return ffi::Error::Success();
-  if (op.in == 0) {
-    std::memset(op.y, 0, rows * op.out * sizeof(float));
-    return ffi::Error::Success();
+  const int32_t* is_live = live.typed_data();
+  const int64_t num_panels = wd[0];
+  std::vector<int64_t> rows;
+  rows.reserve(xd[0]);
+  for (int64_t t = 0; t < xd[0]; ++t) {
+    if (is_live[t] && op.in > 0) rows.push_back(t);
+    else std::memset(op.y + t * op.out, 0, op.out * sizeof(float));
   }
-  const int64_t groups = (rows + kRowsPerItem - 1) / kRowsPerItem;
+  const int64_t count = static_cast<int64_t>(rows.size());
+  if (count == 0 || num_panels == 0) return ffi::Error::Success();
+  const int64_t groups = (count + kRowsPerItem - 1) / kRowsPerItem;
   parallel_for(pool, num_panels * groups, 1, [&](int64_t item) {
     const int64_t p = item / groups, g = item % groups;
-    const int64_t row = g * kRowsPerItem, count = std::min(kRowsPerItem, rows - row);
-    panel_rows(op, op.w + p * op.in * kPanel, row, count, p * kPanel);
+    const int64_t first = g * kRowsPerItem;
+    panel_rows(op, op.w + p * op.in * kPanel, rows.data() + first, std::min(kRowsPerItem, count - first),
+               p * kPanel);
   });
   return ffi::Error::Success();
 }
@@ -112,4 +123,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxpageLinearCpu, Linear,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()    // x
                                   .Arg<ffi::Buffer<ffi::F32>>()    // w panels
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // live rows
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y

@@ -91,6 +91,31 @@ def test_bad_shapes_are_refused():
         linear_native(jnp.zeros((2, 8)), jnp.zeros((1, 8, 32)))
     with pytest.raises(ValueError, match=r"expected \[T, I\] and \[P, I, 64\]"):
         linear_ref(jnp.zeros((2, 8)), jnp.zeros((1, 9, 64)))
+    with pytest.raises(ValueError, match=r"live \(3,\) for x \(2, 8\); expected \[2\]"):
+        linear_native(jnp.zeros((2, 8)), jnp.zeros((1, 8, 64)), jnp.ones(3, bool))
+
+
+@pytest.mark.parametrize("pattern", ["all", "none", "tail", "prefill_rows", "scattered"])
+def test_only_live_rows_are_computed_and_keep_their_bits(pattern):
+    rng = np.random.default_rng(6)
+    rows = 100  # 4 decode rows then three prefill rows of 32 tokens, as a step lays them out
+    live = {"all": np.ones(rows, bool), "none": np.zeros(rows, bool),
+            "tail": np.arange(rows) < 7,  # decode rows past the batch are padding
+            "prefill_rows": np.concatenate([[1, 1, 1, 0], np.arange(96) % 32 < np.repeat([5, 32, 17], 32)]).astype(bool),
+            "scattered": rng.random(rows) < 0.5}[pattern]
+    x = rng.standard_normal((rows, 96)).astype(np.float32)
+    panels = panel_layout.to_panels(_weight(rng, 96, 192))
+    full = np.asarray(NATIVE(x, panels))
+    got = np.asarray(jax.jit(linear_native)(x, panels, live))
+    np.testing.assert_array_equal(got[live], full[live])  # a live row's bits do not depend on the others
+    np.testing.assert_array_equal(got[~live], 0.0)
+    ref = np.asarray(jax.jit(linear_ref)(x, panels, live))
+    np.testing.assert_allclose(ref[live], (x.astype(np.float64) @ from_panels64(panels))[live], **TOL)
+    np.testing.assert_array_equal(ref[~live], 0.0)
+
+
+def from_panels64(panels):
+    return np.asarray(panel_layout.from_panels(panels), np.float64)
 
 
 def test_pack_holds_packable_kernels_in_panels_and_unpack_restores_them():
