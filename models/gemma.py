@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig, RopeScaling
-from models.layers import Embedding, RMSNorm, dense, gated_mlp, paged_attention_rows, qkv_heads, sow_pooled
+from models.layers import Embedding, MatmulStep, RMSNorm, dense, gated_mlp, paged_attention_rows, qkv_heads, sow_pooled
 from models.layer_stack import run_layers
 from models.lora_ops import row_slots
 from models.llama import AttentionFn, WriteKvFn
@@ -65,8 +65,8 @@ class GemmaDecoderLayer(nn.Module):
         lora = row_slots(batch, self.lora_impl)  # each row's adapter slot, or None without LoRA
         h = _norm(cfg, dtype, "input_layernorm")(x)
         mm = self.matmul_impl
-        live = batch.live_tokens() if mm == "native" else None  # the native matmuls skip padding
-        q, k, v = qkv_heads(cfg, h, dtype, lora_slots=lora, matmul_impl=mm, live=live)  # [T, N, D], [T, K, D] x 2
+        step = MatmulStep.of(batch)  # the native matmuls skip padding, read a scanned group's panels
+        q, k, v = qkv_heads(cfg, h, dtype, lora_slots=lora, matmul_impl=mm, step=step)  # [T, N, D], [T, K, D] x 2
         if cfg.qk_norm:  # Gemma 3
             q = _norm(cfg, dtype, "q_norm")(q)
             k = _norm(cfg, dtype, "k_norm")(k)
@@ -77,11 +77,11 @@ class GemmaDecoderLayer(nn.Module):
         out = paged_attention_rows(self.attention, q, kv_pages, batch, cfg.sm_scale,
                                    sliding_window=self.sliding_window, soft_cap=cfg.attn_logit_softcap)
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim).astype(dtype)
-        out = dense(cfg.hidden_size, "o_proj", dtype, matmul_impl=mm)(out, lora, live)
+        out = dense(cfg.hidden_size, "o_proj", dtype, matmul_impl=mm)(out, lora, step)
         x = x + _norm(cfg, dtype, "post_attention_layernorm")(out)
         h = _norm(cfg, dtype, "pre_feedforward_layernorm")(x)
         mlp = gated_mlp(cfg, h, functools.partial(jax.nn.gelu, approximate=True), dtype, lora_slots=lora,
-                        matmul_impl=mm, live=live)
+                        matmul_impl=mm, step=step)
         x = x + _norm(cfg, dtype, "post_feedforward_layernorm")(mlp)
         return x, kv_pages
 

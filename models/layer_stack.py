@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import panel_layout
 from models.config import ModelConfig
 
 STACKED_KEY = "layers"
@@ -206,7 +207,8 @@ class _LayerGroup(nn.Module):
     def __call__(self, carry, group, batch):  # carry: (x [T, H], merged pool); group: i32[]
         x, pool = carry
         for j in range(self.period):
-            layer_batch = shift_pages(batch, (group * self.period + j) * self.pages_per_layer, self.page_size)
+            layer_batch = dataclasses.replace(
+                shift_pages(batch, (group * self.period + j) * self.pages_per_layer, self.page_size), scan_group=group)
             x, pool = self.make_layer(j, str(j))(x, layer_batch, pool)
         return (x, pool), None
 
@@ -218,8 +220,9 @@ def run_scanned(make_layer: Callable[[int, str], nn.Module], num_layers: int, pe
     such leaves), or one made merged (the module doc). Returns (x, kv_cache)."""
     merged = is_merged(kv_cache)
     pages_per_layer, page_size = pool_geometry(kv_cache, num_layers)
-    scanned = nn.scan(_LayerGroup, variable_axes={"params": 0}, split_rngs={"params": True},
-                      in_axes=(0, nn.broadcast), length=num_layers // period)
+    # The kernels in panels (`variables`) go to every group whole: a group's slice would be a copy.
+    scanned = nn.scan(_LayerGroup, variable_axes={"params": 0}, variable_broadcast=panel_layout.STACKED,
+                      split_rngs={"params": True}, in_axes=(0, nn.broadcast), length=num_layers // period)
     groups = jnp.arange(num_layers // period, dtype=jnp.int32)
     (x, pool), _ = scanned(make_layer, period, pages_per_layer, page_size, name=STACKED_KEY)(
         (x, merge_pool(kv_cache)), groups, batch)
@@ -229,6 +232,34 @@ def run_scanned(make_layer: Callable[[int, str], nn.Module], num_layers: int, pe
 def host_stack(params: dict, num_layers: int, period: int) -> dict:
     """`restack` on host arrays (the sharded path stacks before placing): params in either form."""
     return restack(params, num_layers, period, stack=lambda xs: np.stack([np.asarray(x) for x in xs]), host=True)
+
+
+def variables(params: dict) -> dict:
+    """The variables `model.apply` takes for `params`: {"params": params}, except that a stacked
+    stack's kernels held in panels go in a collection of their own (panel_layout.STACKED, the same
+    paths), which `run_scanned` passes whole to every group rather than slicing each group's out:
+    XLA copies a slice before a custom call takes it, every group's weights in every step."""
+    layers = params.get(STACKED_KEY)
+    if not isinstance(layers, dict) or not panel_layout.holds_panels(layers):
+        return {"params": params}
+
+    def split(tree):  # (tree without its panels, the panels alone), each None when empty
+        if not isinstance(tree, dict):
+            return tree, None
+        rest, panels = {}, {}
+        for name, value in tree.items():
+            if name == panel_layout.PANELS:
+                panels[name] = value
+                continue
+            r, p = split(value)
+            if not (isinstance(r, dict) and not r):  # a subtree of panels alone leaves nothing
+                rest[name] = r
+            if p:
+                panels[name] = p
+        return rest, panels
+
+    rest, panels = split(layers)
+    return {"params": {**params, STACKED_KEY: rest}, panel_layout.STACKED: {STACKED_KEY: panels}}
 
 
 def run_layers(make_layer: Callable[[int, str], nn.Module], num_layers: int, period: int,

@@ -7,6 +7,7 @@ The step's tokens are Bd decode rows of one token followed by Bp prefill rows of
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -66,6 +67,20 @@ def _quantized(module: nn.Module, name: str):
             offset)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MatmulStep:
+    """What a dense layer's native matmul takes from the step beside its operands."""
+
+    live: jax.Array  # bool[T]: the step's real tokens (StepBatch.live_tokens); the native matmul skips the rest
+    group: jax.Array | None = None  # i32[]: in a scanned stack, the group whose stacked panels it reads
+
+    @classmethod
+    def of(cls, batch) -> "MatmulStep":
+        """The step's, for the layer that `batch` (a StepBatch) runs."""
+        return cls(batch.live_tokens(), batch.scan_group)
+
+
 class Linear(nn.Module):
     """x @ kernel (+ bias), kernel [I, O] float or quantised (kernel_q / kernel_scale /
     kernel_offset). Float params are named as flax's nn.Dense names them. With LoRA slabs in
@@ -78,10 +93,10 @@ class Linear(nn.Module):
     matmul_impl: str = "xla"  # MATMUL_IMPLS: how a kernel held in panels is multiplied
 
     @nn.compact
-    def __call__(self, x, lora_slots=None, live=None):
-        """x [..., I] -> [..., O]. lora_slots: models/lora_ops.row_slots. live: None, or bool[T] for
-        x [T, I] (StepBatch.live_tokens): the rows the native matmul computes; the others come
-        back as 0 there (padding, never read)."""
+    def __call__(self, x, lora_slots=None, step: MatmulStep | None = None):
+        """x [..., I] -> [..., O]. lora_slots: models/lora_ops.row_slots. step: None, or for x
+        [T, I] the step's MatmulStep: the native matmul computes its live rows only (the others
+        come back 0: padding, never read)."""
         if self.matmul_impl not in MATMUL_IMPLS:
             raise ValueError(f"matmul_impl is {self.matmul_impl!r}; expected one of {MATMUL_IMPLS}")
         x = jnp.asarray(x, self.dtype)
@@ -89,11 +104,16 @@ class Linear(nn.Module):
         native = False
         if qparams is not None:
             matmul = lambda rows: quant.quantized_matmul(rows, *qparams)
-        elif self.has_variable("params", panel_layout.PANELS):
-            panels = self.get_variable("params", panel_layout.PANELS)  # [P, I, 64]
+        elif self.has_variable("params", panel_layout.PANELS) or self.has_variable(panel_layout.STACKED,
+                                                                                    panel_layout.PANELS):
             native = self.matmul_impl == "native" and jnp.dtype(self.dtype) == jnp.float32
+            group = None
+            if self.has_variable("params", panel_layout.PANELS):
+                panels = self.get_variable("params", panel_layout.PANELS)  # [P, I, 64]
+            else:  # every group's, left whole by the scan (models/layer_stack.variables): [G, P, I, 64]
+                panels, group = self.get_variable(panel_layout.STACKED, panel_layout.PANELS), step.group
             matmul = functools.partial(_panels_matmul, panels=panels.astype(self.dtype), native=native,
-                                       live=live if native else None)
+                                       live=step.live if native and step is not None else None, group=group)
         else:
             kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.dtype)
             matmul = lambda rows: jnp.dot(rows, kernel.astype(self.dtype))
@@ -107,13 +127,16 @@ class Linear(nn.Module):
         return y
 
 
-def _panels_matmul(x, panels, native: bool, live=None):
-    """x [..., I] @ the kernel held as panels [P, I, 64] -> [..., 64 P]; live: None or bool[T]
-    for x [T, I], the rows to compute (the others 0)."""
+def _panels_matmul(x, panels, native: bool, live=None, group=None):
+    """x [..., I] @ the kernel held as panels [P, I, 64] (or [G, P, I, 64] and the group) ->
+    [..., 64 P]; live: None or bool[T] for x [T, I], the rows to compute (the others 0)."""
     from pallas_kernels.native_linear import linear_native, linear_ref
 
     rows = x.reshape(-1, x.shape[-1])
-    y = linear_native(rows, panels, live) if native else linear_ref(rows, panels, live).astype(x.dtype)
+    if native:
+        y = linear_native(rows, panels, live, group)
+    else:
+        y = linear_ref(rows, panels, live, group).astype(x.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -177,13 +200,13 @@ def dense(features: int, name: str, dtype, use_bias: bool = False, batch_invaria
 
 
 def qkv_heads(cfg, h, dtype, batch_invariant: bool = False, lora_slots=None, matmul_impl: str = "xla",
-              live=None):
+              step: MatmulStep | None = None):
     """The attention's input projections of h [T, H] (q_proj, k_proj, v_proj; `cfg` a
     ModelConfig): q [T, N, D], k and v [T, K, D]. Call inside a module's compact method.
-    lora_slots: the step's adapter per row (models/lora_ops.row_slots), or None; live: Linear's."""
+    lora_slots: the step's adapter per row (models/lora_ops.row_slots), or None; step: Linear's."""
     num_tokens = h.shape[0]
     q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    q, k, v = (dense(width, name, dtype, cfg.qkv_bias, batch_invariant, matmul_impl)(h, lora_slots, live)
+    q, k, v = (dense(width, name, dtype, cfg.qkv_bias, batch_invariant, matmul_impl)(h, lora_slots, step)
                for name, width in (("q_proj", q_width), ("k_proj", kv_width), ("v_proj", kv_width)))
     return (q.reshape(num_tokens, cfg.num_heads, cfg.head_dim),
             k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim),
@@ -191,14 +214,14 @@ def qkv_heads(cfg, h, dtype, batch_invariant: bool = False, lora_slots=None, mat
 
 
 def gated_mlp(cfg, h, activation, dtype, batch_invariant: bool = False, lora_slots=None,
-              matmul_impl: str = "xla", live=None):
+              matmul_impl: str = "xla", step: MatmulStep | None = None):
     """down_proj(activation(gate_proj(h)) * up_proj(h)): h [T, H] -> [T, H] through width
     F = cfg.intermediate_size (Llama: silu; Gemma: gelu-tanh). Call inside a compact method.
-    live: Linear's (the rows the native matmul computes)."""
+    step: Linear's (the rows the native matmul computes, the stacked group it reads)."""
     mm = dict(batch_invariant=batch_invariant, matmul_impl=matmul_impl)
-    gate = dense(cfg.intermediate_size, "gate_proj", dtype, **mm)(h, lora_slots, live)
-    up = dense(cfg.intermediate_size, "up_proj", dtype, **mm)(h, lora_slots, live)
-    return dense(cfg.hidden_size, "down_proj", dtype, **mm)(activation(gate) * up, lora_slots, live)
+    gate = dense(cfg.intermediate_size, "gate_proj", dtype, **mm)(h, lora_slots, step)
+    up = dense(cfg.intermediate_size, "up_proj", dtype, **mm)(h, lora_slots, step)
+    return dense(cfg.hidden_size, "down_proj", dtype, **mm)(activation(gate) * up, lora_slots, step)
 
 
 def paged_attention_rows(attention, q, kv_pages, batch, sm_scale, *, sliding_window=None, soft_cap=None,

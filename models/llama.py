@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from models.layers import Embedding, RMSNorm, gated_mlp, paged_attention_rows, qkv_heads, sow_pooled
+from models.layers import Embedding, MatmulStep, RMSNorm, gated_mlp, paged_attention_rows, qkv_heads, sow_pooled
 from models.layers import dense as _dense
 from models.layer_stack import run_layers
 from models.lora_ops import row_slots
@@ -58,8 +58,8 @@ class DecoderLayer(nn.Module):
         lora = row_slots(batch, self.lora_impl)  # each row's adapter slot, or None without LoRA
         h = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="input_layernorm")(x)
         mm = self.matmul_impl
-        live = batch.live_tokens() if mm == "native" else None  # the native matmuls skip padding
-        q, k, v = qkv_heads(cfg, h, dtype, inv, lora, mm, live)  # [T, N, D], [T, K, D], [T, K, D]
+        step = MatmulStep.of(batch)  # the native matmuls skip padding, read a scanned group's panels
+        q, k, v = qkv_heads(cfg, h, dtype, inv, lora, mm, step)  # [T, N, D], [T, K, D], [T, K, D]
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="k_norm")(k)
@@ -74,14 +74,14 @@ class DecoderLayer(nn.Module):
         out = paged_attention_rows(self.attention, q, kv_pages, batch, cfg.head_dim**-0.5,
                                    sliding_window=self.sliding_window, sinks=sinks)
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim).astype(dtype)
-        x = x + _dense(cfg.hidden_size, "o_proj", dtype, cfg.o_proj_bias, inv, mm)(out, lora, live)
+        x = x + _dense(cfg.hidden_size, "o_proj", dtype, cfg.o_proj_bias, inv, mm)(out, lora, step)
         h = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="post_attention_layernorm")(x)
         if self.use_moe:
             moe = SparseMoe(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                             cfg.norm_topk_prob, self.moe_impl, dtype, cfg.moe_bias, cfg.swiglu_limit,
                             cfg.swiglu_alpha, self.experts_fn, name="moe")
             return x + moe(h), kv_pages
-        x = x + gated_mlp(cfg, h, nn.silu, dtype, inv, lora, mm, live)
+        x = x + gated_mlp(cfg, h, nn.silu, dtype, inv, lora, mm, step)
         return x, kv_pages
 
 

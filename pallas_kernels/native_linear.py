@@ -41,33 +41,44 @@ def loaded() -> bool:
     return LIBRARY.loaded()
 
 
-def _check(x, panels, live) -> None:
-    if x.ndim != 2 or panels.ndim != 3 or panels.shape[1] != x.shape[1] or panels.shape[2] != PANEL:
-        raise ValueError(f"linear: x {x.shape} and panels {panels.shape}; expected [T, I] and [P, I, {PANEL}]")
+def _check(x, panels, live, group) -> None:
+    stacked = panels.ndim == 4
+    if x.ndim != 2 or panels.ndim not in (3, 4) or panels.shape[-2] != x.shape[1] or panels.shape[-1] != PANEL:
+        raise ValueError(f"linear: x {x.shape} and panels {panels.shape}; expected [T, I] and [(G,) P, I, {PANEL}]")
+    if stacked != (group is not None):
+        raise ValueError(f"linear: panels {panels.shape} with group {group}; a group goes with [G, P, I, "
+                         f"{PANEL}] panels and only with them")
     if live is not None and tuple(live.shape) != (x.shape[0],):
         raise ValueError(f"linear: live {tuple(live.shape)} for x {x.shape}; expected [{x.shape[0]}]")
 
 
 def linear_native(
     x: jax.Array,  # f32[T, I]
-    panels: jax.Array,  # f32[P, I, 64]: the [I, O] weight in column panels
+    panels: jax.Array,  # f32[P, I, 64]: the [I, O] weight in column panels; or f32[G, P, I, 64]: G of them
     live: jax.Array | None = None,  # bool / i32[T]: the rows to compute (None: all); the others are 0
+    group: jax.Array | None = None,  # i32[]: which of G stacked weights (a scanned stack's group)
 ) -> jax.Array:  # f32[T, O = 64 P]: x @ weight, each element summed over I in order
+    """A scanned layer stack passes every group's panels and the group: slicing them out in the
+    scan would copy the group's weights before every call."""
     if not loaded():
         raise RuntimeError("linear_native: call native_linear.load(build_dir) first")
-    _check(x, panels, live)
+    _check(x, panels, live, group)
     live = jnp.ones(x.shape[0], jnp.int32) if live is None else jnp.asarray(live).astype(jnp.int32)
-    out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * PANEL), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(jnp.asarray(x, jnp.float32), jnp.asarray(panels, jnp.float32), live)
+    group = jnp.zeros((), jnp.int32) if group is None else jnp.asarray(group, jnp.int32).reshape(())
+    out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[-3] * PANEL), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out)(jnp.asarray(x, jnp.float32), jnp.asarray(panels, jnp.float32), group, live)
 
 
 def linear_ref(
     x: jax.Array,  # f32[T, I]
-    panels: jax.Array,  # f32[P, I, 64]: the [I, O] weight in column panels
+    panels: jax.Array,  # f32[P, I, 64]: the [I, O] weight in column panels; or f32[G, P, I, 64]: G of them
     live: jax.Array | None = None,  # bool / i32[T]: the rows to compute (None: all); the others are 0
+    group: jax.Array | None = None,  # i32[]: which of G stacked weights
 ) -> jax.Array:  # f32[T, O = 64 P]: x @ weight
     """The same product in jnp at full f32 precision, panel by panel."""
-    _check(x, panels, live)
+    _check(x, panels, live, group)
+    if group is not None:
+        panels = panels[group]
     y = jnp.einsum("TI,PIC->TPC", jnp.asarray(x, jnp.float32), jnp.asarray(panels, jnp.float32),
                    precision=jax.lax.Precision.HIGHEST).reshape(x.shape[0], -1)
     return y if live is None else jnp.where(jnp.asarray(live)[:, None] != 0, y, 0.0)

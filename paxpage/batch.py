@@ -41,6 +41,9 @@ class StepBatch:
     # LoRA (max_loras > 0): each row's adapter slot, decode rows then prefill rows; -1 = the
     # base model. None without LoRA, so such an engine's step is the same as before.
     lora_slots: jax.Array | None = None  # i32[Bd + Bp]
+    # Inside a scanned layer stack (models/layer_stack.py): the group of layers the scan runs, by
+    # which a native matmul reads its stacked panels (models/layers.MatmulStep). None outside.
+    scan_group: jax.Array | None = None  # i32[]
 
     @property
     def num_decode_rows(self) -> int:

@@ -265,9 +265,9 @@ class ModelRunner:
         batch = dataclasses.replace(batch, token_ids=token_ids)
         num_rows = batch.logits_indices.shape[0]
         if not pooled:
-            logits, kv_cache = self.model.apply({"params": params}, batch, kv_cache)
+            logits, kv_cache = self.model.apply(layer_stack.variables(params), batch, kv_cache)
             return kv_cache, logits[:num_rows], logits[num_rows:]
-        (logits, kv_cache), state = self.model.apply({"params": params}, batch, kv_cache,
+        (logits, kv_cache), state = self.model.apply(layer_stack.variables(params), batch, kv_cache,
                                                      mutable=["intermediates"])
         return kv_cache, logits[:num_rows], logits[num_rows:], state["intermediates"]["pooled"][0]
 

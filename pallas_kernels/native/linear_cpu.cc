@@ -3,9 +3,11 @@
 //
 // Axis legend: T tokens (rows of x), I input width, O output width, P panels (O / 64).
 //
-// Operands: x f32[T, I], w f32[P, I, 64] (models/panel_layout.py: panel p holds columns
-// [64p, 64p + 64) of the [I, O] weight, each panel one contiguous block), live s32[T] (0: a
-// padding row of the step, whose result is written as zeros and never computed). Result y f32[T, O].
+// Operands: x f32[T, I], w f32[P, I, 64] or f32[G, P, I, 64] (models/panel_layout.py: panel p
+// holds columns [64p, 64p + 64) of the [I, O] weight, each panel one contiguous block; G: the
+// groups of a scanned layer stack, all of them, so that the scan never copies a group's slice
+// out), group s32[] (which of the G; 0 for a rank-3 w), live s32[T] (0: a padding row of the
+// step, whose result is written as zeros and never computed). Result y f32[T, O].
 //
 // One work item is one (panel, group of up to kRowsPerItem live rows) pair; items are spread over
 // XLA's intra-op threads. Within an item a register tile of up to 6 rows x 64 columns (24
@@ -88,16 +90,22 @@ void panel_rows(const Operands& op, const float* w, const int64_t* rows, int64_t
   }
 }
 
-ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), ld = live.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || ld.size() != 1 || yd.size() != 2 || wd[2] != kPanel)
-    return ffi::Error::InvalidArgument("linear_cpu: x must be [T, I], w [P, I, 64], live [T], y [T, O]");
-  if (wd[1] != xd[1] || ld[0] != xd[0] || yd[0] != xd[0] || yd[1] != wd[0] * kPanel)
-    return ffi::Error::InvalidArgument("linear_cpu: x [T, I], w [P, I, 64], live [T] and y [T, O] disagree");
-  const Operands op{x.typed_data(), w.typed_data(), y->typed_data(), xd[1], yd[1]};
+ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w_any,
+                  ffi::Buffer<ffi::S32> group, ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd_all = w_any.dimensions(), ld = live.dimensions(), yd = y->dimensions();
+  const size_t lead = wd_all.size() == 4 ? 1 : 0;  // the groups axis of a stacked w
+  if (w_any.element_type() != ffi::DataType::F32 || (wd_all.size() != 3 && wd_all.size() != 4) ||
+      xd.size() != 2 || ld.size() != 1 || yd.size() != 2 || group.element_count() != 1)
+    return ffi::Error::InvalidArgument("linear_cpu: x must be [T, I], w f32 [(G,) P, I, 64], group [], live [T], y [T, O]");
+  const int64_t num_panels = wd_all[lead], width_in = wd_all[lead + 1];
+  if (wd_all[lead + 2] != kPanel || width_in != xd[1] || ld[0] != xd[0] || yd[0] != xd[0] ||
+      yd[1] != num_panels * kPanel)
+    return ffi::Error::InvalidArgument("linear_cpu: x [T, I], w [(G,) P, I, 64], live [T] and y [T, O] disagree");
+  const int64_t g = group.typed_data()[0], num_groups = lead ? wd_all[0] : 1;
+  if (g < 0 || g >= num_groups) return ffi::Error::InvalidArgument("linear_cpu: group outside [0, G)");
+  const float* w = static_cast<const float*>(w_any.untyped_data()) + g * num_panels * width_in * kPanel;
+  const Operands op{x.typed_data(), w, y->typed_data(), xd[1], yd[1]};
   const int32_t* is_live = live.typed_data();
-  const int64_t num_panels = wd[0];
   std::vector<int64_t> rows;
   rows.reserve(xd[0]);
   for (int64_t t = 0; t < xd[0]; ++t) {
@@ -122,6 +130,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxpageLinearCpu, Linear,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()    // x
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // w panels
+                                  .Arg<ffi::AnyBuffer>()           // w panels [(G,) P, I, 64]
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // group
                                   .Arg<ffi::Buffer<ffi::S32>>()    // live rows
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import layer_stack
 from models.config import ModelConfig
 from paxpage.batch import StepBatch
 from paxpage.config import ResolvedConfig
@@ -161,7 +162,7 @@ class DraftRunner:
         token_ids = jnp.where(prev_rows >= 0, prev_tokens[jnp.maximum(prev_rows, 0)], batch.token_ids)
         batch = dataclasses.replace(batch, token_ids=token_ids)
         # Only the pool is returned: XLA drops the final norm and LM head of the logits rows.
-        _, kv_cache = self.runner.model.apply({"params": params}, batch, kv_cache)
+        _, kv_cache = self.runner.model.apply(layer_stack.variables(params), batch, kv_cache)
         return kv_cache
 
     def _propose_fn(self, params, kv_cache, tokens, positions, limits, tables, sampling, *, num_steps: int,
@@ -186,7 +187,7 @@ class DraftRunner:
             slot = jnp.where(has_page, page * page_size + pos % page_size, -1)
             batch = StepBatch(token, pos, slot, tables, jnp.where(limits > 0, pos + 1, 0),
                               empty_pages, empty, empty, rows.astype(jnp.int32), empty, empty)
-            logits, kv_cache = self.runner.model.apply({"params": params}, batch, kv_cache)
+            logits, kv_cache = self.runner.model.apply(layer_stack.variables(params), batch, kv_cache)
             logits = logits[:num_rows].astype(jnp.float32)  # [B, V]
             best = argmax_rows(logits)
             if sampled:

@@ -87,9 +87,9 @@ def test_a_row_is_the_same_alone_and_in_any_batch():
 
 
 def test_bad_shapes_are_refused():
-    with pytest.raises(ValueError, match=r"expected \[T, I\] and \[P, I, 64\]"):
+    with pytest.raises(ValueError, match=r"expected \[T, I\] and \[\(G,\) P, I, 64\]"):
         linear_native(jnp.zeros((2, 8)), jnp.zeros((1, 8, 32)))
-    with pytest.raises(ValueError, match=r"expected \[T, I\] and \[P, I, 64\]"):
+    with pytest.raises(ValueError, match=r"expected \[T, I\] and \[\(G,\) P, I, 64\]"):
         linear_ref(jnp.zeros((2, 8)), jnp.zeros((1, 9, 64)))
     with pytest.raises(ValueError, match=r"live \(3,\) for x \(2, 8\); expected \[2\]"):
         linear_native(jnp.zeros((2, 8)), jnp.zeros((1, 8, 64)), jnp.ones(3, bool))
@@ -163,3 +163,22 @@ def test_embedding_over_table_panels_looks_up_rows_and_attends_as_the_table(matm
     x = rng.standard_normal((3, 16)).astype(np.float32)
     logits = module.apply({"params": panels}, jnp.asarray(x), method=Embedding.attend)
     np.testing.assert_allclose(np.asarray(logits), x.astype(np.float64) @ table.T.astype(np.float64), **TOL)
+
+
+def test_stacked_panels_are_read_at_the_group():
+    rng = np.random.default_rng(7)
+    stacked = np.stack([panel_layout.to_panels(_weight(rng, 96, 128)) for _ in range(3)])  # [G, P, I, 64]
+    x = rng.standard_normal((13, 96)).astype(np.float32)
+    live = np.arange(13) % 4 != 3
+    native, ref = jax.jit(linear_native), jax.jit(linear_ref)
+    for group in range(3):
+        want = np.asarray(NATIVE(x, stacked[group]))
+        got = np.asarray(native(x, stacked, None, jnp.int32(group)))
+        np.testing.assert_array_equal(got, want)  # the same kernel over the group's panels: the same bits
+        np.testing.assert_array_equal(np.asarray(native(x, stacked, live, jnp.int32(group)))[live], want[live])
+        np.testing.assert_allclose(np.asarray(ref(x, stacked, None, jnp.int32(group))),
+                                   x.astype(np.float64) @ from_panels64(stacked[group]), **TOL)
+    with pytest.raises(ValueError, match="a group goes with"):
+        linear_native(jnp.asarray(x), jnp.asarray(stacked[0]), None, jnp.int32(0))
+    with pytest.raises(ValueError, match="a group goes with"):
+        linear_ref(jnp.asarray(x), jnp.asarray(stacked))

@@ -75,6 +75,41 @@ def test_scanned_pallas_kernels_equal_unrolled_and_hf(tmp_path):
     np.testing.assert_allclose(scanned, _hf_logits(hf, prompt, 5), rtol=1e-4, atol=1e-4)
 
 
+def test_scanned_native_matmuls_read_every_groups_panels_in_place(tmp_path):
+    """The native matmul under a scan takes all groups' panels and the group (layer_stack.variables):
+    the compiled step slices no panel out of the stack (XLA copies a slice a custom call takes),
+    and its logits are bitwise those of the step that slices them."""
+    import re
+
+    from models import panel_layout
+
+    save_tiny_hf(tmp_path, "llama", num_hidden_layers=3, hidden_size=128, intermediate_size=192,
+                 num_attention_heads=4, num_key_value_heads=2)
+    model = paxpage.load(tmp_path)
+    cfg = paxpage.EngineConfig(page_size=PAGE_SIZE, num_pages=64, max_num_seqs=4, max_num_batched_tokens=64,
+                               prefill_row_len=8, scan_layers=True)
+    runner = LLMEngine(model.config, model.params, None, cfg).runner
+    if runner.matmul_impl != "native":
+        pytest.skip("the native matmul does not build here")
+    whole = layer_stack.variables(runner.params)
+    assert set(whole) == {"params", panel_layout.STACKED}
+    assert not panel_layout.holds_panels(whole["params"]["layers"])
+    assert whole[panel_layout.STACKED]["layers"]["0"]["gate_proj"]["kernel_panels"].shape == (3, 3, 128, 64)
+    sliced = {"params": runner.params}  # the panels in "params": the scan slices each group's out
+    tokens = random_prompts(1, 128, [13], seed=7)[0]
+    batch, _, _, _ = runner.packer.pack([RowPlan(tokens, list(range(16)), 0, len(tokens), 1)])
+    # a group's panels of q / k / v / o, gate / up or down: [P, 128 or 192, 64], maybe a leading 1
+    panel_slice = re.compile(r"f32\[(1,)?\d+,(128|192),64\]\S* dynamic-slice")
+    logits = {}
+    for name, variables in (("whole", whole), ("sliced", sliced)):
+        step = jax.jit(runner.model.apply)
+        hlo = step.lower(variables, batch, runner.kv_cache).compile().as_text()
+        copies = panel_slice.findall(hlo)
+        assert bool(copies) == (name == "sliced"), (name, len(copies))
+        logits[name] = np.asarray(step(variables, batch, runner.kv_cache)[0])
+    np.testing.assert_array_equal(logits["whole"], logits["sliced"])
+
+
 def test_stacked_pool_page_copy(tiny_llama_dir):
     """Copy-on-write copies a page in every layer of the stacked pool, and nothing else."""
     model = paxpage.load(tiny_llama_dir)
