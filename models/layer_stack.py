@@ -243,7 +243,7 @@ def variables(params: dict) -> dict:
     if not isinstance(layers, dict) or not panel_layout.holds_panels(layers):
         return {"params": params}
 
-    def split(tree):  # (tree without its panels, the panels alone), each None when empty
+    def split(tree):  # (the tree without its panels, its panels alone: {} when it has none)
         if not isinstance(tree, dict):
             return tree, None
         rest, panels = {}, {}

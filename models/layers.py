@@ -104,14 +104,9 @@ class Linear(nn.Module):
         native = False
         if qparams is not None:
             matmul = lambda rows: quant.quantized_matmul(rows, *qparams)
-        elif self.has_variable("params", panel_layout.PANELS) or self.has_variable(panel_layout.STACKED,
-                                                                                    panel_layout.PANELS):
+        elif (held := _held_panels(self, step)) is not None:
+            panels, group = held
             native = self.matmul_impl == "native" and jnp.dtype(self.dtype) == jnp.float32
-            group = None
-            if self.has_variable("params", panel_layout.PANELS):
-                panels = self.get_variable("params", panel_layout.PANELS)  # [P, I, 64]
-            else:  # every group's, left whole by the scan (models/layer_stack.variables): [G, P, I, 64]
-                panels, group = self.get_variable(panel_layout.STACKED, panel_layout.PANELS), step.group
             matmul = functools.partial(_panels_matmul, panels=panels.astype(self.dtype), native=native,
                                        live=step.live if native and step is not None else None, group=group)
         else:
@@ -125,6 +120,18 @@ class Linear(nn.Module):
             y = y + lora_delta(x, self.get_variable("params", "lora_a"), self.get_variable("params", "lora_b"),
                                lora_slots)
         return y
+
+
+def _held_panels(module: nn.Module, step: MatmulStep | None):
+    """(panels, group) where the module's kernel is held in panels, else None: its own [P, I, 64]
+    and no group, or in a scanned stack every group's [G, P, I, 64] (left whole by the scan,
+    models/layer_stack.variables) and the step's group."""
+    if module.has_variable("params", panel_layout.PANELS):
+        return module.get_variable("params", panel_layout.PANELS), None
+    if module.has_variable(panel_layout.STACKED, panel_layout.PANELS):
+        assert step is not None and step.group is not None, "stacked panels are read inside a scan, by group"
+        return module.get_variable(panel_layout.STACKED, panel_layout.PANELS), step.group
+    return None
 
 
 def _panels_matmul(x, panels, native: bool, live=None, group=None):

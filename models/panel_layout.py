@@ -26,13 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import table_layout
+
 PANEL = 64
 PLAIN = "kernel"
 PANELS = "kernel_panels"
 # The variable collection that holds a scanned stack's panels, every group's, so that the scan
 # passes them whole to the kernel rather than slicing (copying) each group's out (models/layer_stack.variables).
 STACKED = "stacked_panels"
-TABLE_MODULE = "embed_tokens"  # the embedding module's name in every family (models/layers.Embedding)
 TABLE = "embedding"
 TABLE_PANELS = "embedding_panels"
 
@@ -87,7 +88,7 @@ def pack(params: dict, tied_table: bool = False) -> dict:
     let go as each is packed (the caller's tree is emptied of them), so packing holds one extra
     kernel at a time."""
     out = _pack_kernels(params)
-    table = out.get(TABLE_MODULE)
+    table = out.get(table_layout.TABLE)
     if tied_table and isinstance(table, dict) and TABLE in table and packable(table[TABLE], axis=-2):
         value = table.pop(TABLE)
         table[TABLE_PANELS] = _own(table_to_panels(value))
