@@ -20,11 +20,12 @@ def wide_tiny(tmp_path_factory):
 
 
 def _run(model, prompts, batch_invariant, **config):
-    outs = paxpage.generate(model, prompts, max_tokens=12, temperature=0.9, seed=7, logprobs=0, ignore_eos=True,
-                            batch_invariant=batch_invariant, attention_impl="native", page_size=4,
+    outs = paxpage.generate(model, prompts, max_tokens=12, temperature=0.9, seed=7, logprobs=0, prompt_logprobs=0,
+                            ignore_eos=True, batch_invariant=batch_invariant, attention_impl="native", page_size=4,
                             num_pages=256, use_tqdm=False, **config)
     out = outs[0].outputs[0]
-    return out.token_ids, [next(iter(d.values())) for d in out.logprobs]
+    prompt = [next(iter(d.values())) for d in outs[0].prompt_logprobs if d]
+    return out.token_ids, [next(iter(d.values())) for d in out.logprobs], prompt
 
 
 @pytest.mark.parametrize("batch_invariant", [True, pytest.param(False, marks=pytest.mark.extended)],
@@ -36,6 +37,7 @@ def test_a_request_alone_and_batched(wide_tiny, batch_invariant):
     assert alone[0] == batched[0]  # a near tie aside, even the default keeps the tokens
     if batch_invariant:
         assert alone[1] == batched[1]  # bitwise
+        assert len(alone[2]) == 22 and alone[2] == batched[2]  # the prompt's logprobs too, chunked or not
     else:  # the default's logprobs move by rounding: what the mode exists to remove
         assert alone[1] != batched[1]
         assert max(abs(a - b) for a, b in zip(*[alone[1], batched[1]])) < 1e-4
