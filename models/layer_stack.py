@@ -36,10 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import panel_layout
 from models.config import ModelConfig
 
 STACKED_KEY = "layers"
+# The variable collection that holds a scanned stack's custom-call operands whole, every group's
+# (`variables`): XLA copies a group's slice before a custom call takes it. Its leaves: kernels in
+# column panels (models/panel_layout.py) and LoRA slabs (paxpage/lora_slab.py).
+WHOLE = "stacked_whole"
+WHOLE_LEAVES = ("kernel_panels", "lora_a", "lora_b")
 
 
 def _layer_kind(cfg: ModelConfig, layer: int) -> tuple:
@@ -220,8 +224,8 @@ def run_scanned(make_layer: Callable[[int, str], nn.Module], num_layers: int, pe
     such leaves), or one made merged (the module doc). Returns (x, kv_cache)."""
     merged = is_merged(kv_cache)
     pages_per_layer, page_size = pool_geometry(kv_cache, num_layers)
-    # The kernels in panels (`variables`) go to every group whole: a group's slice would be a copy.
-    scanned = nn.scan(_LayerGroup, variable_axes={"params": 0}, variable_broadcast=panel_layout.STACKED,
+    # The custom calls' operands (`variables`) go to every group whole: a group's slice would be a copy.
+    scanned = nn.scan(_LayerGroup, variable_axes={"params": 0}, variable_broadcast=WHOLE,
                       split_rngs={"params": True}, in_axes=(0, nn.broadcast), length=num_layers // period)
     groups = jnp.arange(num_layers // period, dtype=jnp.int32)
     (x, pool), _ = scanned(make_layer, period, pages_per_layer, page_size, name=STACKED_KEY)(
@@ -236,30 +240,33 @@ def host_stack(params: dict, num_layers: int, period: int) -> dict:
 
 def variables(params: dict) -> dict:
     """The variables `model.apply` takes for `params`: {"params": params}, except that a stacked
-    stack's kernels held in panels go in a collection of their own (panel_layout.STACKED, the same
-    paths), which `run_scanned` passes whole to every group rather than slicing each group's out:
-    XLA copies a slice before a custom call takes it, every group's weights in every step."""
+    stack's WHOLE_LEAVES (kernels in panels, LoRA slabs) go in the collection WHOLE, at the same
+    paths, which `run_scanned` passes whole to every group rather than slicing each group's out:
+    XLA copies a slice before a custom call takes it, every group's weights in every step. The
+    layers read them by the step's group (models/layers.MatmulStep)."""
     layers = params.get(STACKED_KEY)
-    if not isinstance(layers, dict) or not panel_layout.holds_panels(layers):
+    if not isinstance(layers, dict):
         return {"params": params}
 
-    def split(tree):  # (the tree without its panels, its panels alone: {} when it has none)
+    def split(tree):  # (the tree without those leaves, those leaves alone: {} when it has none)
         if not isinstance(tree, dict):
             return tree, None
-        rest, panels = {}, {}
+        rest, whole = {}, {}
         for name, value in tree.items():
-            if name == panel_layout.PANELS:
-                panels[name] = value
+            if name in WHOLE_LEAVES:
+                whole[name] = value
                 continue
-            r, p = split(value)
-            if not (isinstance(r, dict) and not r):  # a subtree of panels alone leaves nothing
+            r, w = split(value)
+            if not (isinstance(r, dict) and not r):  # a subtree of such leaves alone leaves nothing
                 rest[name] = r
-            if p:
-                panels[name] = p
-        return rest, panels
+            if w:
+                whole[name] = w
+        return rest, whole
 
-    rest, panels = split(layers)
-    return {"params": {**params, STACKED_KEY: rest}, panel_layout.STACKED: {STACKED_KEY: panels}}
+    rest, whole = split(layers)
+    if not whole:
+        return {"params": params}
+    return {"params": {**params, STACKED_KEY: rest}, WHOLE: {STACKED_KEY: whole}}
 
 
 def run_layers(make_layer: Callable[[int, str], nn.Module], num_layers: int, period: int,

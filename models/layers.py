@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import panel_layout, quant
+from models import layer_stack, panel_layout, quant
 from models.lora_ops import lora_delta
 from models.invariant_ops import norm_mean_square, stable_rows
 
@@ -116,9 +116,8 @@ class Linear(nn.Module):
         y = stable_rows(matmul, x) if self.batch_invariant and not native else matmul(x)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype).astype(self.dtype)
-        if lora_slots is not None and self.has_variable("params", "lora_a"):
-            y = y + lora_delta(x, self.get_variable("params", "lora_a"), self.get_variable("params", "lora_b"),
-                               lora_slots)
+        if lora_slots is not None and (slab := _lora_slab(self, step, lora_slots)) is not None:
+            y = y + lora_delta(x, *slab)
         return y
 
 
@@ -128,10 +127,26 @@ def _held_panels(module: nn.Module, step: MatmulStep | None):
     models/layer_stack.variables) and the step's group."""
     if module.has_variable("params", panel_layout.PANELS):
         return module.get_variable("params", panel_layout.PANELS), None
-    if module.has_variable(panel_layout.STACKED, panel_layout.PANELS):
+    if module.has_variable(layer_stack.WHOLE, panel_layout.PANELS):
         assert step is not None and step.group is not None, "stacked panels are read inside a scan, by group"
-        return module.get_variable(panel_layout.STACKED, panel_layout.PANELS), step.group
+        return module.get_variable(layer_stack.WHOLE, panel_layout.PANELS), step.group
     return None
+
+
+def _lora_slab(module: nn.Module, step: MatmulStep | None, lora_slots):
+    """(a [S, I, R], b [S, R, O], lora_slots) of the module's LoRA slab, or None without one. In a
+    scanned stack the slab is every group's, left whole by the scan (models/layer_stack.variables):
+    [G, S, ...] seen as G * S slots (a free reshape), each row's slot moved to its group's."""
+    if module.has_variable("params", "lora_a"):
+        return module.get_variable("params", "lora_a"), module.get_variable("params", "lora_b"), lora_slots
+    if not module.has_variable(layer_stack.WHOLE, "lora_a"):
+        return None
+    assert step is not None and step.group is not None, "stacked LoRA slabs are read inside a scan, by group"
+    a, b = module.get_variable(layer_stack.WHOLE, "lora_a"), module.get_variable(layer_stack.WHOLE, "lora_b")
+    num_slots = a.shape[1]
+    shift = lambda slots: jnp.where(slots >= 0, slots + step.group * num_slots, slots)  # noqa: E731
+    rows = lora_slots._replace(dec=shift(lora_slots.dec), pre=shift(lora_slots.pre))
+    return a.reshape(-1, *a.shape[2:]), b.reshape(-1, *b.shape[2:]), rows
 
 
 def _panels_matmul(x, panels, native: bool, live=None, group=None):

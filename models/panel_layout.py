@@ -31,9 +31,6 @@ from models import table_layout
 PANEL = 64
 PLAIN = "kernel"
 PANELS = "kernel_panels"
-# The variable collection that holds a scanned stack's panels, every group's, so that the scan
-# passes them whole to the kernel rather than slicing (copying) each group's out (models/layer_stack.variables).
-STACKED = "stacked_panels"
 TABLE = "embedding"
 TABLE_PANELS = "embedding_panels"
 

@@ -87,10 +87,11 @@ def _greedy(hf, ids, n, **kw):
     return out[0, len(ids):].tolist()
 
 
-def _check_mixed_batch(family, alone: bool):
+def _check_mixed_batch(family, alone: bool, **engine):
     model, base, peft_models, _ = family
+    engine = {**ENGINE, **engine}
     prompts = random_prompts(4, model.config.vocab_size, PROMPT_LENS, seed=3)
-    mixed = paxpage.generate(model, prompts, lora=MIX, max_tokens=6, temperature=0, prompt_logprobs=1, **ENGINE)
+    mixed = paxpage.generate(model, prompts, lora=MIX, max_tokens=6, temperature=0, prompt_logprobs=1, **engine)
     for ids, name, out in zip(prompts, MIX, mixed):
         hf = peft_models[name] if name else base
         ours = [out.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))]
@@ -98,7 +99,7 @@ def _check_mixed_batch(family, alone: bool):
         merged = copy.deepcopy(hf).merge_and_unload() if name else base
         assert out.token_ids == _greedy(merged, ids, 6), name
         if alone:
-            single = paxpage.generate(model, [ids], lora=name, max_tokens=6, temperature=0, **ENGINE)[0]
+            single = paxpage.generate(model, [ids], lora=name, max_tokens=6, temperature=0, **engine)[0]
             assert single.token_ids == out.token_ids, name
     return prompts
 
@@ -109,6 +110,14 @@ def test_mixed_batch_matches_peft_llama(llama):
 
 def test_mixed_batch_matches_peft_qwen3(qwen3):
     _check_mixed_batch(qwen3, alone=False)
+
+
+def test_mixed_batch_matches_peft_on_the_xla_path(llama):
+    """XLA's attention, dot and gathered LoRA delta under the layer scan, the slab read whole by
+    group (models/layer_stack.variables)."""
+    model = llama[0]
+    assert model.engine(_config(attention_impl="xla")).runner.lora_impl == "xla"
+    _check_mixed_batch(llama, alone=False, attention_impl="xla")
 
 
 def test_adapter_mix_changes_no_compile(llama):

@@ -75,10 +75,10 @@ def test_scanned_pallas_kernels_equal_unrolled_and_hf(tmp_path):
     np.testing.assert_allclose(scanned, _hf_logits(hf, prompt, 5), rtol=1e-4, atol=1e-4)
 
 
-def test_scanned_native_matmuls_read_every_groups_panels_in_place(tmp_path):
-    """The native matmul under a scan takes all groups' panels and the group (layer_stack.variables):
-    the compiled step slices no panel out of the stack (XLA copies a slice a custom call takes),
-    and its logits are bitwise those of the step that slices them."""
+def test_scanned_custom_calls_read_every_groups_weights_in_place(tmp_path):
+    """Under a scan the native matmul and LoRA delta take all groups' panels and slabs and the
+    group (layer_stack.variables): the compiled step slices none of them out of the stack (XLA
+    copies a slice a custom call takes), and its logits are bitwise those of the step that slices."""
     import re
 
     from models import panel_layout
@@ -87,27 +87,38 @@ def test_scanned_native_matmuls_read_every_groups_panels_in_place(tmp_path):
                  num_attention_heads=4, num_key_value_heads=2)
     model = paxpage.load(tmp_path)
     cfg = paxpage.EngineConfig(page_size=PAGE_SIZE, num_pages=64, max_num_seqs=4, max_num_batched_tokens=64,
-                               prefill_row_len=8, scan_layers=True)
+                               prefill_row_len=8, scan_layers=True, max_loras=2, max_lora_rank=8)
     runner = LLMEngine(model.config, model.params, None, cfg).runner
-    if runner.matmul_impl != "native":
-        pytest.skip("the native matmul does not build here")
-    whole = layer_stack.variables(runner.params)
-    assert set(whole) == {"params", panel_layout.STACKED}
+    if runner.matmul_impl != "native" or runner.lora_impl != "native":
+        pytest.skip("the native kernels do not build here")
+    from paxpage import lora_slab
+
+    rng = np.random.default_rng(8)  # a random adapter in every slot of every layer
+    slab = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape) * 0.1, x.dtype), runner.lora_slab)
+    params = lora_slab.merge(runner.params, slab)  # the step's params (ModelRunner merges them so)
+    whole = layer_stack.variables(params)
+    assert set(whole) == {"params", layer_stack.WHOLE}
     assert not panel_layout.holds_panels(whole["params"]["layers"])
-    assert whole[panel_layout.STACKED]["layers"]["0"]["gate_proj"]["kernel_panels"].shape == (3, 3, 128, 64)
-    sliced = {"params": runner.params}  # the panels in "params": the scan slices each group's out
-    tokens = random_prompts(1, 128, [13], seed=7)[0]
-    batch, _, _, _ = runner.packer.pack([RowPlan(tokens, list(range(16)), 0, len(tokens), 1)])
-    # a group's panels of q / k / v / o, gate / up or down: [P, 128 or 192, 64], maybe a leading 1
-    panel_slice = re.compile(r"f32\[(1,)?\d+,(128|192),64\]\S* dynamic-slice")
+    held = whole[layer_stack.WHOLE]["layers"]["0"]
+    assert held["gate_proj"]["kernel_panels"].shape == (3, 3, 128, 64)
+    assert held["gate_proj"]["lora_a"].shape == (3, 2, 128, 8) and "gate_proj" not in whole["params"]["layers"]["0"]
+    sliced = {"params": params}  # everything in "params": the scan slices each group's out
+    tokens = random_prompts(2, 128, [13, 6], seed=7)
+    batch, _, _, _ = runner.packer.pack([RowPlan(tokens[0], list(range(16)), 0, 13, 1, lora_slot=1),
+                                         RowPlan(tokens[1], list(range(16, 32)), 0, 6, 1, lora_slot=0)])
+    # a group's panels ([P, 128 or 192, 64]) or LoRA A ([2, 128 or 192, 8]), maybe a leading 1
+    group_slice = re.compile(r"f32\[(1,)?\d+,(128|192),(64|8)\]\S* dynamic-slice")
     logits = {}
     for name, variables in (("whole", whole), ("sliced", sliced)):
         step = jax.jit(runner.model.apply)
         hlo = step.lower(variables, batch, runner.kv_cache).compile().as_text()
-        copies = panel_slice.findall(hlo)
+        copies = group_slice.findall(hlo)
         assert bool(copies) == (name == "sliced"), (name, len(copies))
         logits[name] = np.asarray(step(variables, batch, runner.kv_cache)[0])
     np.testing.assert_array_equal(logits["whole"], logits["sliced"])
+    no_adapter = lora_slab.merge(runner.params, jax.tree.map(jnp.zeros_like, slab))
+    base = np.asarray(jax.jit(runner.model.apply)(layer_stack.variables(no_adapter), batch, runner.kv_cache)[0])
+    assert np.abs(logits["whole"][:2] - base[:2]).max() > 1e-3  # the adapters moved the logits
 
 
 def test_stacked_pool_page_copy(tiny_llama_dir):
