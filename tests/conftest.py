@@ -47,14 +47,27 @@ def _session_compilation_cache(tmp_path_factory):
         if not directory:  # pytest-xdist workers (and their subprocesses) share one cache
             root = tmp_path_factory.getbasetemp()
             directory = str((root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "xla_cache")
-        # A size limit switches on jax's file lock: workers and subprocesses write the same entries
-        settings = {"jax_compilation_cache_dir": directory, "jax_persistent_cache_min_compile_time_secs": 0.0,
-                    "jax_compilation_cache_max_size": 8 << 30}
+        settings = {"jax_compilation_cache_dir": directory, "jax_persistent_cache_min_compile_time_secs": 0.0}
         for name, value in settings.items():
             patch.setenv(name.upper(), str(value))
             jax.config.update(name, value)
+        _lock_without_eviction(patch, jax)
     yield
     patch.undo()
+
+
+def _lock_without_eviction(patch, jax) -> None:
+    """The two workers write the same entries, so their cache takes jax's file lock, which comes
+    only with a size limit. Under a limit jax's LRU cache lists, stats and reads the access time of
+    every entry on each write (`_evict_if_needed`): O(entries) per compile, ~0.3 s a write once the
+    run holds ~6,000 entries, all under the lock. A test run's cache is temporary and never needs
+    evicting, so the workers keep the lock and skip the scan. Subprocesses get no limit (no scan, no
+    lock): an entry read while another process writes it is a warning and a recompile in jax."""
+    from jax._src import lru_cache
+
+    if hasattr(lru_cache.LRUCache, "_evict_if_needed"):
+        patch.setattr(lru_cache.LRUCache, "_evict_if_needed", lambda self, *, additional_size=0: None)
+        jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 
 
 @pytest.fixture(scope="module", autouse=True)
