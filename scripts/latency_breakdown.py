@@ -20,7 +20,10 @@ Per rate, averaged over every output token after each request's first:
            sse      stream -> formatted SSE event (the route, the merged stream)
            http     event -> the client read it (uvicorn, the socket, the client's parsing)
   ttft     the first token: http_in (request to the engine loop: parsing, tokenising, submit),
-           queue_and_prefill (added -> first token out of the engine), delivery
+           to_next_step (added -> the next engine step begins: the step running when it came),
+           steps_to_first_token (that step's begin -> its first token out of the engine: the
+           steps it queued behind, its prompt's steps, and the step its token is read in),
+           delivery; and for the slowest tenth of first tokens, the same split one by one
 and the steps' batches: real and padded decode rows.
 
 Then (unless --no-profile) the device step itself, timed alone at the padded decode batch each
@@ -65,6 +68,7 @@ def breakdown(records: list, trace: dict) -> dict:
     delivery = collections.defaultdict(float)
     ttft = collections.defaultdict(float)
     itl_client, itl_engine = [], []
+    firsts = []  # per request: (TTFT at the client, engine steps from its add to its first token, parts)
     num_tokens = num_firsts = num_requests = mismatched = 0
     step_ids = set()
     for r in records:
@@ -83,9 +87,15 @@ def breakdown(records: list, trace: dict) -> dict:
             delivery["handoff"] += yields[k] - sends[k]
             delivery["sse"] += events[k] - yields[k]
             delivery["http"] += client[k] - events[k]
-        ttft["http_in"] += trace["adds"][rid] - r.start
-        ttft["queue_and_prefill"] += sends[0] - trace["adds"][rid]
-        ttft["delivery"] += client[0] - sends[0]
+        added = trace["adds"][rid]
+        first_step = bisect.bisect_left(begins, added)  # the first step that began after the add
+        first_owner = bisect.bisect_right(begins, sends[0]) - 1  # the step its first token left in
+        to_step = (begins[first_step] if first_step < len(begins) else sends[0]) - added
+        parts = {"http_in": added - r.start, "to_next_step": to_step,
+                 "steps_to_first_token": sends[0] - added - to_step, "delivery": client[0] - sends[0]}
+        for name, seconds in parts.items():
+            ttft[name] += seconds
+        firsts.append((client[0] - r.start, max(0, first_owner - first_step + 1), parts))
         num_firsts += 1
         # the step each token left the engine in: the last one that began before its send
         owner = [bisect.bisect_right(begins, t) - 1 for t in sends[:n]]
@@ -112,6 +122,10 @@ def breakdown(records: list, trace: dict) -> dict:
         "engine_s_per_token": {k: per(engine, num_tokens).get(k, 0.0) for k in ENGINE_PHASES},
         "delivery_s_per_token": {k: per(delivery, num_tokens + num_firsts).get(k, 0.0) for k in DELIVERY},
         "ttft_s": per(ttft, num_firsts),
+        "ttft_steps_mean": float(np.mean([n for _, n, _ in firsts])) if firsts else None,
+        # the slowest tenth of first tokens, each split as ttft_s is: where a TTFT tail comes from
+        "ttft_tail": [{"ttft_s": t, "steps": n, **p} for t, n, p in
+                      sorted(firsts, key=lambda f: -f[0])[:max(1, len(firsts) // 10)]],
         "steps": len(step_ids),
         "compiles": len(trace.get("compiles", ())),
         "compile_s": float(sum(c[1] for c in trace.get("compiles", ()))),
@@ -186,6 +200,10 @@ def print_rate(rate: str, b: dict, summary: dict) -> None:
           + " ms", flush=True)
     print("  delivery per token: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in b["delivery_s_per_token"].items())
           + " ms; TTFT: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in b["ttft_s"].items()) + " ms", flush=True)
+    print(f"  TTFT: {b['ttft_steps_mean'] or 0:.1f} engine steps from the add to the first token on average; "
+          "slowest tenth: " + "; ".join(
+              f"{t['ttft_s'] * 1e3:.0f} ms = " + ", ".join(f"{k} {t[k] * 1e3:.0f}" for k in b["ttft_s"])
+              + f" ({t['steps']} steps)" for t in b["ttft_tail"]), flush=True)
 
 
 def doc_tables(data: dict) -> dict:
@@ -262,15 +280,16 @@ def main(argv=None) -> int:
             work = specs(args.seed + 7919 * (2 * i + 2))
             records = run_rate(url, work, rate, args.seed + 100 + i, args.request_timeout)
             windows[rate] = (t0, time.perf_counter(), records, load.summarise(records, work))
+            errors = sorted({str(r.error) for r in records if r.error})
             print(f"rate {rate}: {windows[rate][3]['num_finished']} requests finished in "
-                  f"{windows[rate][1] - t0:.1f} s", flush=True)
+                  f"{windows[rate][1] - t0:.1f} s" + (f"; errors: {errors[:3]}" if errors else ""), flush=True)
         server.stop()
         with open(trace_path) as f:
             trace = json.load(f)
     for rate, (t0, t1, records, summary) in windows.items():
         b = breakdown(records, window(trace, t0, t1))
         print_rate(rate, b, summary)
-        summary = {k: summary[k] for k in ("num_finished", "requests_per_s", "output_tok_per_s", "ttft_s",
+        summary = {k: summary.get(k) for k in ("num_finished", "requests_per_s", "output_tok_per_s", "ttft_s",
                                            "tpot_s", "normalised_latency_s", "max_token_gap_s")}
         results[rate] = {"breakdown": b, "summary": summary}
 

@@ -140,7 +140,11 @@ def install() -> Trace:
         for name in names:
             _patch(cls, name, lambda fn, phase=phase: trace.phase(phase, fn))
     _patch(Packer, "pack", lambda fn: trace.phase("pack", trace.packed(fn)))
-    engine.fetch = trace.phase("device_wait", engine.fetch)
+    from paxpage import batch_step, booking, launched
+
+    wait = trace.phase("device_wait", launched.fetch)
+    for module in (batch_step, booking):  # each step kind reads its tokens through launched.fetch
+        module.fetch = wait
     _patch(engine_loop.EngineLoop, "_step", trace.loop_step)
 
     add, send = engine_loop.EngineLoop._add, engine_loop.EngineLoop._send
@@ -160,8 +164,8 @@ def install() -> Trace:
 
     stream = async_engine.AsyncEngine.stream
 
-    async def timed_stream(self, prompt_token_ids, sampling_params, *, request_id=None, prompt=None):
-        async for delta in stream(self, prompt_token_ids, sampling_params, request_id=request_id, prompt=prompt):
+    async def timed_stream(self, *args, request_id=None, **kwargs):
+        async for delta in stream(self, *args, request_id=request_id, **kwargs):
             trace.yields[request_id].append(time.perf_counter())
             yield delta
 

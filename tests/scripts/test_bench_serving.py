@@ -204,9 +204,51 @@ def test_latency_breakdown_attributes_each_token():
     assert engine["device_wait"] == pytest.approx(0.6) and engine["schedule"] == pytest.approx(0.025)
     assert engine["loop_between_steps"] == pytest.approx(0.15) and engine["pack"] == 0
     assert b["delivery_s_per_token"] == pytest.approx({"handoff": 0.05, "sse": 0.05, "http": 0.2})
-    assert b["ttft_s"] == pytest.approx({"http_in": 0.1, "queue_and_prefill": 1.3, "delivery": 0.2})
+    # added at -0.4, step 0 begins at 0.0, the first token leaves in it at 0.9
+    assert b["ttft_s"] == pytest.approx({"http_in": 0.1, "to_next_step": 0.4, "steps_to_first_token": 0.9,
+                                         "delivery": 0.2})
+    assert b["ttft_steps_mean"] == 1 and b["ttft_tail"] == [pytest.approx(
+        {"ttft_s": 1.6, "steps": 1, "http_in": 0.1, "to_next_step": 0.4, "steps_to_first_token": 0.9,
+         "delivery": 0.2})]
     assert (b["itl_client_s"], b["itl_engine_s"]) == (pytest.approx(1.1), pytest.approx(1.0))
     assert (b["decode_rows_real_mean"], b["decode_rows_padded_mean"]) == (1, 4)
     assert (b["compiles"], b["compile_s"]) == (2, 1.25)
     assert lb.window(trace, 1.0, 2.5)["steps"] == trace["steps"][1:]
     assert lb.window(trace, 1.0, 2.5)["compiles"] == trace["compiles"][:1]
+
+
+def test_latency_trace_hooks_time_a_real_engine(tiny_text_dir):
+    """scripts/latency_trace.py wraps the engine's methods by name: run in a process of its own (the
+    hooks patch classes), a real engine's steps must show every engine phase and each request's
+    add and token sends, or a renamed method has left the trace blind."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+sys.path.insert(0, "scripts")
+import latency_trace
+trace = latency_trace.install()
+import paxpage
+model = paxpage.load({str(tiny_text_dir)!r})
+paxpage.generate(model, [[5, 6, 7], [8, 9]], max_tokens=6, ignore_eos=True, use_tqdm=False)
+phases = set().union(*(s["phases"] for s in trace.steps))
+missing = {{"schedule", "pack", "dispatch", "device_wait", "outputs", "engine_other", "loop_send"}} - phases
+assert not missing, missing
+assert len(trace.adds) == 2 and all(trace.steps[-1]["end"] >= t for t in trace.adds.values())
+assert any(s["batch"] for s in trace.steps)
+
+import asyncio  # the server's way in: AsyncEngine.stream, its deltas timed as the event loop takes them
+from paxpage.async_engine import AsyncEngine
+
+async def stream():
+    engine = AsyncEngine(model)
+    params = paxpage.SamplingParams(max_tokens=4, ignore_eos=True)
+    return [d async for d in engine.stream([5, 6, 7], params, request_id="r", lora=None)]
+
+assert len(asyncio.run(stream())) == 4 and len(trace.yields["r"]) == 4 and len(trace.sends["r"]) == 4
+print("ok", len(trace.steps))
+"""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
