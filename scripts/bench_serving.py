@@ -21,8 +21,9 @@ core, none reserved), with the same KV budget (VLLM_CPU_KVCACHE_SPACE) and per-s
 budget, and its own page size (its CPU attention takes multiples of 32). The KV budget is the same (1 GiB, paxpage's default; HF gets as
 many 256-token blocks) and so is the per-step token budget (512); HF's torch runs on one
 thread (--hf-threads: on a busy 2-core machine OpenMP's spinning made 2 threads ~5x slower).
-Before measuring, each server gets a burst and an unmeasured pass over the rates (paxpage
-compiles each new step shape once; Poisson traffic meets shapes a burst does not). The
+Before measuring, each server gets a burst and an unmeasured pass over the rates (paxpage serve
+compiles its step shapes before listening, unless --paxpage-args=--no-precompile, when it
+compiles each on first use and Poisson traffic meets shapes a burst does not). The
 systems take turns at each rate (same prompts, same lengths, same arrival times), so machine
 noise hits both alike.
 

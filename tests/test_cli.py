@@ -164,6 +164,30 @@ def test_kv_cache_dtype_flag_reaches_the_engine_config(monkeypatch):
     assert engine_config_from_args(args).kv_cache_dtype == "int8"  # paxpage serve's engine options
 
 
+def test_serve_precompiles_on_one_host_unless_told_not_to():
+    import argparse
+
+    from paxpage.server.cli import add_serve_parser, engine_config_from_args, serving_precompile
+
+    def build_parser():
+        parser = argparse.ArgumentParser()
+        add_serve_parser(parser.add_subparsers())
+        return parser
+
+    def config(*flags, processes=1):
+        args = build_parser().parse_args(["serve", *flags])
+        return serving_precompile(engine_config_from_args(args), processes).precompile
+
+    assert config() is True and config("--precompile") is True
+    assert config("--no-precompile") is False and config("--no-precompile", processes=2) is False
+    assert config(processes=2) is None  # across processes: not supported, the backend's default
+    with pytest.raises(SystemExit):  # one or the other
+        build_parser().parse_args(["serve", "--precompile", "--no-precompile"])
+    args = build_parser().parse_args(["serve", "--no-async-scheduling"])
+    assert engine_config_from_args(args).async_scheduling is False
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).async_scheduling is True
+
+
 def test_lora_flag_runs_every_prompt_with_the_adapter(monkeypatch, tmp_path):
     import types
 

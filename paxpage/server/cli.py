@@ -5,6 +5,7 @@ connections, waiting at most --graceful-timeout seconds for them."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import threading
@@ -85,12 +86,19 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="; ".join(f"{i.name}: {i.summary}" for i in attention_impl.REGISTRY.values()))
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--no-chunked-prefill", action="store_true")
+    e.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each step's tokens before scheduling the next (default: the next step is "
+                        "scheduled while one is in flight)")
     e.add_argument("--tensor-parallel-size", type=int, default=None, help="devices each replica's weights and KV split over")
     e.add_argument("--data-parallel-size", type=int, default=None, help="engine replicas behind the server")
-    e.add_argument("--precompile", action="store_true",
+    p = e.add_mutually_exclusive_group()
+    p.add_argument("--precompile", action="store_true", default=None,
                    help="compile every step shape before listening, so no request meets a compile "
-                        "(SmolLM2 defaults on a 2-core CPU: 47 shapes, minutes cold; the executable "
-                        "cache makes later starts take seconds)")
+                        "(the default on one host; SmolLM2 on a 2-core CPU: about 2 minutes the first "
+                        "time, seconds once the executable cache holds them)")
+    p.add_argument("--no-precompile", dest="precompile", action="store_false", default=None,
+                   help="compile each step shape when a step first needs it: a faster first start, "
+                        "but the requests in that step wait for the compile")
     e.add_argument("--no-executable-cache", action="store_true",
                    help="do not keep compiled steps in paxpage's cache directory (paxpage/exec_cache.py)")
     s.set_defaults(func=run_serve)
@@ -115,11 +123,11 @@ def engine_config_from_args(args: argparse.Namespace):
         kw["enable_prefix_caching"] = False
     if args.no_chunked_prefill:
         kw["enable_chunked_prefill"] = False
-    # Every step shape compiled before listening: a compile met under load stalls every running
-    # stream for seconds. Opt-in where the shape count makes it minutes (the backend's default
-    # otherwise: on TPU only, paxpage.config.BACKEND_DEFAULTS).
-    if getattr(args, "precompile", False):
-        kw["precompile"] = True
+    if getattr(args, "no_async_scheduling", False):
+        kw["async_scheduling"] = False
+    # None: run_serve precompiles on one host (serving_precompile)
+    if getattr(args, "precompile", None) is not None:
+        kw["precompile"] = args.precompile
     if not getattr(args, "no_executable_cache", True):
         from paxpage.exec_cache import default_directory
 
@@ -152,6 +160,17 @@ def default_model_name(source: str | None) -> str:
     return name
 
 
+def serving_precompile(config, process_count: int):
+    """The server compiles every step shape before it listens unless told not to: a compile met
+    under load stalls every running stream for as long as it takes (0.3-1 s a shape on a 2-core
+    CPU, against steps of tens of ms), and Poisson traffic meets shapes one at a time for minutes.
+    The executable cache (on by default) makes every start after the first take seconds. Not
+    across processes, where precompile is not supported yet."""
+    if config.precompile is None and process_count == 1:
+        return dataclasses.replace(config, precompile=True)
+    return config
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Bad options raise ValueError before the model loads (paxpage.cli prints it on one line)."""
     config = engine_config_from_args(args)
@@ -181,6 +200,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from paxpage.async_engine import AsyncEngine
     from paxpage.server.app import DEFAULT_STALL_TIMEOUT_S, build_app
 
+    config = serving_precompile(config, jax.process_count())
     xla_cache.enable_unless_executable_cache(config)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -196,6 +216,9 @@ def run_serve(args: argparse.Namespace) -> int:
         if name == served_name:
             raise ValueError(f"--lora-modules name {name!r} is the base model's served name")
         model.load_lora(name, path)
+    if config.precompile:
+        print("paxpage serve: compiling every step shape before listening (minutes the first time, "
+              "seconds once the executable cache holds them; --no-precompile skips it)", flush=True)
     engine = AsyncEngine(model, config, max_waiting_requests=args.max_waiting_requests,
                          # a multi-host engine's followers cannot rebuild in step with it
                          restart_on_error=args.restart_on_error and jax.process_count() == 1,

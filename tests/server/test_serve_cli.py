@@ -31,7 +31,7 @@ def tiny_dir(tmp_path_factory):
 
 def _start(tiny_dir, *extra, env=None):
     cmd = [sys.executable, "-m", "paxpage.cli", "serve", "--model", str(tiny_dir), "--port", "0",
-           "--num-pages", "256", "--max-num-seqs", "4", "--log-level", "warning", *extra]
+           "--num-pages", "256", "--max-num-seqs", "4", "--log-level", "warning", "--no-precompile", *extra]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})
     lines: queue.Queue = queue.Queue()
