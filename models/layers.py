@@ -70,10 +70,11 @@ def _quantized(module: nn.Module, name: str):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MatmulStep:
-    """What a dense layer's native matmul takes from the step beside its operands."""
+    """What a dense layer takes from the step beside its operands: the native matmul reads both
+    fields, the LoRA delta the group."""
 
     live: jax.Array  # bool[T]: the step's real tokens (StepBatch.live_tokens); the native matmul skips the rest
-    group: jax.Array | None = None  # i32[]: in a scanned stack, the group whose stacked panels it reads
+    group: jax.Array | None = None  # i32[]: in a scanned stack, the group whose stacked panels and LoRA slabs it reads
 
     @classmethod
     def of(cls, batch) -> "MatmulStep":
