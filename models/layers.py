@@ -105,7 +105,7 @@ class Linear(nn.Module):
         native = False
         if qparams is not None:
             matmul = lambda rows: quant.quantized_matmul(rows, *qparams)
-        elif (held := _held_panels(self, step)) is not None:
+        elif (held := _held(self, panel_layout.PANELS, step)) is not None:
             panels, group = held
             native = self.matmul_impl == "native" and jnp.dtype(self.dtype) == jnp.float32
             matmul = functools.partial(_panels_matmul, panels=panels.astype(self.dtype), native=native,
@@ -122,30 +122,30 @@ class Linear(nn.Module):
         return y
 
 
-def _held_panels(module: nn.Module, step: MatmulStep | None):
-    """(panels, group) where the module's kernel is held in panels, else None: its own [P, I, 64]
-    and no group, or in a scanned stack every group's [G, P, I, 64] (left whole by the scan,
-    models/layer_stack.variables) and the step's group."""
-    if module.has_variable("params", panel_layout.PANELS):
-        return module.get_variable("params", panel_layout.PANELS), None
-    if module.has_variable(layer_stack.WHOLE, panel_layout.PANELS):
-        assert step is not None and step.group is not None, "stacked panels are read inside a scan, by group"
-        return module.get_variable(layer_stack.WHOLE, panel_layout.PANELS), step.group
+def _held(module: nn.Module, name: str, step: MatmulStep | None):
+    """(value, group) of the module's variable `name`: its own and no group, or in a scanned stack
+    every group's (left whole by the scan, models/layer_stack.variables) and the step's group;
+    None where it has neither."""
+    if module.has_variable("params", name):
+        return module.get_variable("params", name), None
+    if module.has_variable(layer_stack.WHOLE, name):
+        assert step is not None and step.group is not None, f"stacked {name} is read inside a scan, by group"
+        return module.get_variable(layer_stack.WHOLE, name), step.group
     return None
 
 
 def _lora_slab(module: nn.Module, step: MatmulStep | None, lora_slots):
-    """(a [S, I, R], b [S, R, O], lora_slots) of the module's LoRA slab, or None without one. In a
-    scanned stack the slab is every group's, left whole by the scan (models/layer_stack.variables):
-    [G, S, ...] seen as G * S slots (a free reshape), each row's slot moved to its group's."""
-    if module.has_variable("params", "lora_a"):
-        return module.get_variable("params", "lora_a"), module.get_variable("params", "lora_b"), lora_slots
-    if not module.has_variable(layer_stack.WHOLE, "lora_a"):
+    """(a [S, I, R], b [S, R, O], lora_slots) of the module's LoRA slab, or None without one. A
+    scanned stack's slab, every group's [G, S, ...], is seen as G * S slots (a free reshape), each
+    row's slot moved to its group's."""
+    held = _held(module, "lora_a", step)
+    if held is None:
         return None
-    assert step is not None and step.group is not None, "stacked LoRA slabs are read inside a scan, by group"
-    a, b = module.get_variable(layer_stack.WHOLE, "lora_a"), module.get_variable(layer_stack.WHOLE, "lora_b")
+    (a, group), (b, _) = held, _held(module, "lora_b", step)
+    if group is None:
+        return a, b, lora_slots
     num_slots = a.shape[1]
-    shift = lambda slots: jnp.where(slots >= 0, slots + step.group * num_slots, slots)  # noqa: E731
+    shift = lambda slots: jnp.where(slots >= 0, slots + group * num_slots, slots)  # noqa: E731
     rows = lora_slots._replace(dec=shift(lora_slots.dec), pre=shift(lora_slots.pre))
     return a.reshape(-1, *a.shape[2:]), b.reshape(-1, *b.shape[2:]), rows
 
