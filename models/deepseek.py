@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 from models import quant
 from models.config import ModelConfig
+from models.invariant_ops import stable_tokens
 from models.layer_stack import run_layers
 from models.layers import Embedding, RMSNorm, dense, paged_attention_rows, sow_pooled
 from models.llama import AttentionFn, WriteKvFn
@@ -88,12 +89,14 @@ class GatedMlp(nn.Module):
     shared experts."""
     width: int
     dtype: Any = jnp.float32
+    batch_invariant: bool = False
 
     @nn.compact
     def __call__(self, h):  # [T, H] -> [T, H]
-        gate = dense(self.width, "gate_proj", self.dtype)(h)
-        up = dense(self.width, "up_proj", self.dtype)(h)
-        return dense(h.shape[-1], "down_proj", self.dtype)(nn.silu(gate) * up)
+        inv = self.batch_invariant
+        gate = dense(self.width, "gate_proj", self.dtype, batch_invariant=inv)(h)
+        up = dense(self.width, "up_proj", self.dtype, batch_invariant=inv)(h)
+        return dense(h.shape[-1], "down_proj", self.dtype, batch_invariant=inv)(nn.silu(gate) * up)
 
 
 class DeepseekMoe(nn.Module):
@@ -104,6 +107,7 @@ class DeepseekMoe(nn.Module):
     impl: str = "auto"
     dtype: Any = jnp.float32
     experts_fn: ExpertsFn = routed_experts  # models/moe.py ExpertsFn
+    batch_invariant: bool = False  # routing and experts in models/moe.py's "stable" forms
 
     @nn.compact
     def __call__(self, x):  # [T, H]
@@ -119,8 +123,10 @@ class DeepseekMoe(nn.Module):
         weights, experts = route_grouped(x, router, bias, cfg.num_experts_per_tok,
                                          num_groups=cfg.num_expert_groups, topk_groups=cfg.topk_groups,
                                          renormalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
-                                         scoring=cfg.router_scoring, method=cfg.topk_method)
-        return self.experts_fn(x, weights, experts, gate_up, down, impl=self.impl)
+                                         scoring=cfg.router_scoring, method=cfg.topk_method,
+                                         batch_invariant=self.batch_invariant)
+        impl = "stable" if self.batch_invariant else self.impl
+        return self.experts_fn(x, weights, experts, gate_up, down, impl=impl)
 
 
 class MlaLayer(nn.Module):
@@ -132,33 +138,39 @@ class MlaLayer(nn.Module):
     moe_impl: str = "auto"
     prefill_form: str = "auto"  # PREFILL_FORMS
     experts_fn: ExpertsFn = routed_experts
+    batch_invariant: bool = False  # row-stable matmuls, fixed-order sums; prefill rows absorbed
+
+    def _per_token(self, fn, x):
+        """fn (a map over axis 0 of x [T, ...]) run on at least invariant_ops.MIN_ROWS tokens in the
+        batch-invariant mode, so a token's products do not depend on the step's token count."""
+        return stable_tokens(fn, x) if self.batch_invariant else fn(x)
 
     def _absorbed(self, q_nope, q_rope, latent_pages, batch, w_uk, w_uv, sm_scale):
         """The absorbed form over every row of `batch`: [T, N, Dv], through W_UV."""
         dtype = self.dtype
-        q_latent = jnp.einsum("TND,CND->TNC", q_nope, w_uk).astype(dtype)  # [T, N, Cr]
+        q_latent = self._per_token(lambda t: jnp.einsum("TND,CND->TNC", t, w_uk), q_nope).astype(dtype)  # [T, N, Cr]
         q_abs = jnp.concatenate([q_latent, q_rope], axis=-1)  # [T, N, C]
         attention = functools.partial(self.attention, value_dim=w_uk.shape[0])
         out = paged_attention_rows(attention, q_abs, latent_pages, batch, sm_scale)  # [T, N, Cr]
-        return jnp.einsum("TNC,CNV->TNV", out.astype(dtype), w_uv).astype(dtype)
+        return self._per_token(lambda t: jnp.einsum("TNC,CNV->TNV", t, w_uv), out.astype(dtype)).astype(dtype)
 
     @nn.compact
     def __call__(self, x, batch, latent_pages):  # x: [T, H]; latent_pages: [1, P, page_size, 1, C]
-        cfg, dtype = self.cfg, self.dtype
+        cfg, dtype, inv = self.cfg, self.dtype, self.batch_invariant
         num_tokens = x.shape[0]
         N, Dn, Dr, Dv, Cr = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                              cfg.kv_lora_rank)
-        h = RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x)
+        h = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="input_layernorm")(x)
         if cfg.q_lora_rank is None:
-            q = dense(N * (Dn + Dr), "q_proj", dtype)(h)
+            q = dense(N * (Dn + Dr), "q_proj", dtype, batch_invariant=inv)(h)
         else:
-            q = dense(cfg.q_lora_rank, "q_a_proj", dtype)(h)
-            q = RMSNorm(LATENT_NORM_EPS, dtype, name="q_a_layernorm")(q)
-            q = dense(N * (Dn + Dr), "q_b_proj", dtype)(q)
+            q = dense(cfg.q_lora_rank, "q_a_proj", dtype, batch_invariant=inv)(h)
+            q = RMSNorm(LATENT_NORM_EPS, dtype, batch_invariant=inv, name="q_a_layernorm")(q)
+            q = dense(N * (Dn + Dr), "q_b_proj", dtype, batch_invariant=inv)(q)
         q = q.reshape(num_tokens, N, Dn + Dr)
         q_nope, q_rope = q[..., :Dn], q[..., Dn:]  # [T, N, Dn], [T, N, Dr]
-        kv = dense(Cr + Dr, "kv_a_proj_with_mqa", dtype)(h)  # [T, C]
-        c = RMSNorm(LATENT_NORM_EPS, dtype, name="kv_a_layernorm")(kv[:, :Cr])  # [T, Cr]
+        kv = dense(Cr + Dr, "kv_a_proj_with_mqa", dtype, batch_invariant=inv)(h)  # [T, C]
+        c = RMSNorm(LATENT_NORM_EPS, dtype, batch_invariant=inv, name="kv_a_layernorm")(kv[:, :Cr])  # [T, Cr]
         k_rope = kv[:, None, Cr:]  # [T, 1, Dr]
         if cfg.rope_interleave:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
@@ -172,7 +184,8 @@ class MlaLayer(nn.Module):
         sm_scale = mla_softmax_scale(cfg)
         num_decode, num_prefill = batch.num_decode_rows, batch.num_prefill_rows
         row_len = (num_tokens - num_decode) // max(1, num_prefill)  # Tq, static
-        expanded = num_prefill > 0 and (self.prefill_form == "expanded" or (
+        # The batch-invariant mode absorbs every row: the expanded form's products follow the row width.
+        expanded = num_prefill > 0 and not inv and (self.prefill_form == "expanded" or (
             self.prefill_form == "auto" and prefill_uses_expanded(cfg, row_len)))
         if expanded:  # decode rows absorbed, prefill rows expanded
             outs = []
@@ -191,15 +204,15 @@ class MlaLayer(nn.Module):
         else:
             out = self._absorbed(q_nope, q_rope, latent_pages, batch, w_uk, w_uv, sm_scale)
         out = out.reshape(num_tokens, N * Dv)
-        x = x + dense(cfg.hidden_size, "o_proj", dtype)(out)
-        h = RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
+        x = x + dense(cfg.hidden_size, "o_proj", dtype, batch_invariant=inv)(out)
+        h = RMSNorm(cfg.rms_norm_eps, dtype, batch_invariant=inv, name="post_attention_layernorm")(x)
         if self.use_moe:
-            mlp = DeepseekMoe(cfg, self.moe_impl, dtype, self.experts_fn, name="moe")(h)
+            mlp = DeepseekMoe(cfg, self.moe_impl, dtype, self.experts_fn, inv, name="moe")(h)
             if cfg.num_shared_experts:
-                mlp = mlp + GatedMlp(cfg.num_shared_experts * cfg.moe_intermediate_size, dtype,
+                mlp = mlp + GatedMlp(cfg.num_shared_experts * cfg.moe_intermediate_size, dtype, inv,
                                      name="shared_experts")(h)
             return x + mlp, latent_pages
-        return x + GatedMlp(cfg.intermediate_size, dtype, name="mlp")(h), latent_pages
+        return x + GatedMlp(cfg.intermediate_size, dtype, inv, name="mlp")(h), latent_pages
 
 
 class DeepseekModel(nn.Module):
@@ -211,6 +224,7 @@ class DeepseekModel(nn.Module):
     scan_period: int = 0  # > 0: layers under a scan (models/layer_stack.py)
     prefill_form: str = "auto"  # PREFILL_FORMS
     experts_fn: ExpertsFn = routed_experts  # the routed experts (models/moe.py ExpertsFn)
+    batch_invariant: bool = False  # EngineConfig.batch_invariant (models/invariant_ops.py)
 
     def __post_init__(self):
         if self.prefill_form not in PREFILL_FORMS:
@@ -220,21 +234,21 @@ class DeepseekModel(nn.Module):
     @nn.compact
     def __call__(self, batch, kv_cache):
         """Returns (logits f32[R + Rp, V], updated kv_cache), as LlamaModel."""
-        cfg = self.cfg
-        embed = Embedding(cfg.vocab_size, cfg.hidden_size, self.dtype, name="embed_tokens")
+        cfg, inv = self.cfg, self.batch_invariant
+        embed = Embedding(cfg.vocab_size, cfg.hidden_size, self.dtype, batch_invariant=inv, name="embed_tokens")
         x = embed(batch.token_ids)  # [T, H]
 
         def make_layer(i: int, name: str) -> MlaLayer:
             return MlaLayer(cfg, self.attention, self.write_latent, self.dtype, cfg.is_moe_layer(i),
-                            self.moe_impl, self.prefill_form, self.experts_fn, name=name)
+                            self.moe_impl, self.prefill_form, self.experts_fn, inv, name=name)
 
         x, new_cache = run_layers(make_layer, cfg.num_layers, self.scan_period, x, batch, kv_cache)
         rows = jnp.concatenate([batch.logits_indices, batch.prompt_logits_indices])
-        norm = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")
+        norm = RMSNorm(cfg.rms_norm_eps, self.dtype, batch_invariant=inv, name="norm")
         sow_pooled(self, norm, x, batch)
         x = norm(x[rows])  # [R + Rp, H]
         if cfg.tie_word_embeddings:
             logits = embed.attend(x)
         else:
-            logits = dense(cfg.vocab_size, "lm_head", self.dtype)(x)
+            logits = dense(cfg.vocab_size, "lm_head", self.dtype, batch_invariant=inv)(x)
         return logits.astype(jnp.float32), new_cache

@@ -27,19 +27,10 @@ def build_model(cfg: ModelConfig, attention: AttentionFn, write_kv: WriteKvFn, d
     Latent-attention models (cfg.is_mla) take `attention` / `write_kv` of the latent pool
     (pallas_kernels/latent_attention.py; paxpage/attention_impl.functions picks them)."""
     if cfg.is_mla:
-        if batch_invariant:
-            raise ValueError("batch_invariant supports dense Llama-family models; got a latent-attention "
-                             f"{cfg.model_type} model")
-        return DeepseekModel(cfg, attention, write_kv, dtype, scan_period=scan_period, experts_fn=experts_fn)
-    if batch_invariant:
-        # Only the Llama family's dense layers have the fixed-order forms (models/invariant_ops.py).
-        if cfg.is_gemma or cfg.num_experts:
-            raise ValueError("batch_invariant supports dense Llama-family models; got "
-                             f"{'a Gemma' if cfg.is_gemma else 'a mixture-of-experts'} model")
-        return LlamaModel(cfg, attention, write_kv, dtype, scan_period=scan_period, batch_invariant=True,
-                          lora_impl=lora_impl, matmul_impl=matmul_impl)
+        return DeepseekModel(cfg, attention, write_kv, dtype, scan_period=scan_period, experts_fn=experts_fn,
+                             batch_invariant=batch_invariant)
     if cfg.is_gemma:
         return GemmaModel(cfg, attention, write_kv, dtype, scan_period=scan_period, lora_impl=lora_impl,
-                          matmul_impl=matmul_impl)
-    return LlamaModel(cfg, attention, write_kv, dtype, scan_period=scan_period, lora_impl=lora_impl,
-                      experts_fn=experts_fn, matmul_impl=matmul_impl)
+                          matmul_impl=matmul_impl, batch_invariant=batch_invariant)
+    return LlamaModel(cfg, attention, write_kv, dtype, scan_period=scan_period, batch_invariant=batch_invariant,
+                      lora_impl=lora_impl, experts_fn=experts_fn, matmul_impl=matmul_impl)

@@ -37,8 +37,8 @@ from models.llama import AttentionFn, WriteKvFn
 from models.rope import apply_rope, attention_factor, inverse_frequencies
 
 
-def _norm(cfg: ModelConfig, dtype, name: str) -> RMSNorm:
-    return RMSNorm(cfg.rms_norm_eps, dtype, unit_offset=True, name=name)
+def _norm(cfg: ModelConfig, dtype, name: str, batch_invariant: bool = False) -> RMSNorm:
+    return RMSNorm(cfg.rms_norm_eps, dtype, unit_offset=True, batch_invariant=batch_invariant, name=name)
 
 
 def _layer_rope(cfg: ModelConfig, window: int | None):
@@ -57,19 +57,20 @@ class GemmaDecoderLayer(nn.Module):
     sliding_window: int | None = None  # local layers' window; None = global layer
     lora_impl: str = "xla"  # models/lora_ops.LORA_IMPLS: how the LoRA delta runs
     matmul_impl: str = "xla"  # models/layers.MATMUL_IMPLS: how the dense layers' matmuls run
+    batch_invariant: bool = False  # row results independent of the step's other rows
 
     @nn.compact
     def __call__(self, x, batch, kv_pages):  # x: [T, H]; kv_pages: [2, P, page_size, K, D]
-        cfg, dtype = self.cfg, self.dtype
+        cfg, dtype, inv = self.cfg, self.dtype, self.batch_invariant
         num_tokens = x.shape[0]
         lora = row_slots(batch, self.lora_impl)  # each row's adapter slot, or None without LoRA
-        h = _norm(cfg, dtype, "input_layernorm")(x)
+        h = _norm(cfg, dtype, "input_layernorm", inv)(x)
         mm = self.matmul_impl
         step = MatmulStep.of(batch)  # the native matmuls skip padding, read a scanned group's panels
-        q, k, v = qkv_heads(cfg, h, dtype, lora_slots=lora, matmul_impl=mm, step=step)  # [T, N, D], [T, K, D] x 2
+        q, k, v = qkv_heads(cfg, h, dtype, inv, lora, mm, step)  # [T, N, D], [T, K, D] x 2
         if cfg.qk_norm:  # Gemma 3
-            q = _norm(cfg, dtype, "q_norm")(q)
-            k = _norm(cfg, dtype, "k_norm")(k)
+            q = _norm(cfg, dtype, "q_norm", inv)(q)
+            k = _norm(cfg, dtype, "k_norm", inv)(k)
         inv_freq, scale = _layer_rope(cfg, self.sliding_window)
         q = apply_rope(q, batch.positions, inv_freq, scale).astype(dtype)
         k = apply_rope(k, batch.positions, inv_freq, scale).astype(dtype)
@@ -77,12 +78,11 @@ class GemmaDecoderLayer(nn.Module):
         out = paged_attention_rows(self.attention, q, kv_pages, batch, cfg.sm_scale,
                                    sliding_window=self.sliding_window, soft_cap=cfg.attn_logit_softcap)
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim).astype(dtype)
-        out = dense(cfg.hidden_size, "o_proj", dtype, matmul_impl=mm)(out, lora, step)
-        x = x + _norm(cfg, dtype, "post_attention_layernorm")(out)
-        h = _norm(cfg, dtype, "pre_feedforward_layernorm")(x)
-        mlp = gated_mlp(cfg, h, functools.partial(jax.nn.gelu, approximate=True), dtype, lora_slots=lora,
-                        matmul_impl=mm, step=step)
-        x = x + _norm(cfg, dtype, "post_feedforward_layernorm")(mlp)
+        out = dense(cfg.hidden_size, "o_proj", dtype, batch_invariant=inv, matmul_impl=mm)(out, lora, step)
+        x = x + _norm(cfg, dtype, "post_attention_layernorm", inv)(out)
+        h = _norm(cfg, dtype, "pre_feedforward_layernorm", inv)(x)
+        mlp = gated_mlp(cfg, h, functools.partial(jax.nn.gelu, approximate=True), dtype, inv, lora, mm, step)
+        x = x + _norm(cfg, dtype, "post_feedforward_layernorm", inv)(mlp)
         return x, kv_pages
 
 
@@ -96,28 +96,30 @@ class GemmaModel(nn.Module):
     scan_period: int = 0
     lora_impl: str = "xla"  # models/lora_ops.LORA_IMPLS: how the LoRA delta runs
     matmul_impl: str = "xla"  # models/layers.MATMUL_IMPLS: how the dense layers' matmuls run
+    batch_invariant: bool = False  # EngineConfig.batch_invariant (models/invariant_ops.py)
 
     @nn.compact
     def __call__(self, batch, kv_cache):
         """Returns (logits f32[R + Rp, V], updated kv_cache): the sampling rows, then the
         prompt-logprob rows. kv_cache: one pool per layer, or the stacked pool when scanning."""
-        cfg = self.cfg
-        embed = Embedding(cfg.vocab_size, cfg.hidden_size, self.dtype, matmul_impl=self.matmul_impl, name="embed_tokens")
+        cfg, inv = self.cfg, self.batch_invariant
+        embed = Embedding(cfg.vocab_size, cfg.hidden_size, self.dtype, batch_invariant=inv,
+                          matmul_impl=self.matmul_impl, name="embed_tokens")
         x = embed(batch.token_ids) * jnp.asarray(math.sqrt(cfg.hidden_size), self.dtype)  # [T, H]
 
         def make_layer(i: int, name: str) -> GemmaDecoderLayer:
             return GemmaDecoderLayer(cfg, self.attention, self.write_kv, self.dtype, cfg.layer_window(i),
-                                     self.lora_impl, self.matmul_impl, name=name)
+                                     self.lora_impl, self.matmul_impl, inv, name=name)
 
         x, new_cache = run_layers(make_layer, cfg.num_layers, self.scan_period, x, batch, kv_cache)
         rows = jnp.concatenate([batch.logits_indices, batch.prompt_logits_indices])
-        norm = _norm(cfg, self.dtype, "norm")
+        norm = _norm(cfg, self.dtype, "norm", inv)
         sow_pooled(self, norm, x, batch)
         x = norm(x[rows])  # [R + Rp, H]
         if cfg.tie_word_embeddings:
             logits = embed.attend(x)
         else:
-            logits = dense(cfg.vocab_size, "lm_head", self.dtype, matmul_impl=self.matmul_impl)(x)
+            logits = dense(cfg.vocab_size, "lm_head", self.dtype, batch_invariant=inv, matmul_impl=self.matmul_impl)(x)
         logits = logits.astype(jnp.float32)
         if cfg.final_logit_softcap is not None:
             logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)

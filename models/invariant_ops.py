@@ -22,6 +22,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.xla_attention import pairwise_sum
+
 MIN_ROWS = 64  # at or past every measured row count of XLA CPU's row-stable blocking (module doc)
 
 
@@ -36,18 +38,17 @@ def stable_rows(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array
     return y[:num_rows].reshape(*lead, y.shape[-1])
 
 
-def _pairwise_sum(x: jax.Array) -> jax.Array:
-    """Sum over the last axis as a balanced tree of elementwise adds: one order for any batch."""
-    while x.shape[-1] > 1:
-        if x.shape[-1] % 2:
-            x = jnp.concatenate([x[..., :-2], x[..., -2:-1] + x[..., -1:]], axis=-1)
-        else:
-            x = x[..., 0::2] + x[..., 1::2]
-    return x[..., 0]
+def stable_tokens(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """fn (a map over axis 0, such as a per-head einsum of x [T, ...]) run on max(T, MIN_ROWS)
+    tokens, padded with zeros: `stable_rows` for products whose rows are not x's last axis."""
+    num_tokens = x.shape[0]
+    if num_tokens >= MIN_ROWS:
+        return fn(x)
+    return fn(jnp.pad(x, ((0, MIN_ROWS - num_tokens),) + ((0, 0),) * (x.ndim - 1)))[:num_tokens]
 
 
 def norm_mean_square(x32: jax.Array) -> jax.Array:
     """mean(x * x) over the last axis of f32 x [..., H] in an order that does not depend on the rows: [..., 1]."""
     h = x32.shape[-1]
     # Elementwise adds only: XLA cannot reorder them by the row count as it may a reduce.
-    return (_pairwise_sum(x32 * x32) / h)[..., None]
+    return (pairwise_sum(x32 * x32) / h)[..., None]

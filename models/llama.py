@@ -79,7 +79,7 @@ class DecoderLayer(nn.Module):
         if self.use_moe:
             moe = SparseMoe(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                             cfg.norm_topk_prob, self.moe_impl, dtype, cfg.moe_bias, cfg.swiglu_limit,
-                            cfg.swiglu_alpha, self.experts_fn, name="moe")
+                            cfg.swiglu_alpha, self.experts_fn, inv, name="moe")
             return x + moe(h), kv_pages
         x = x + gated_mlp(cfg, h, nn.silu, dtype, inv, lora, mm, step)
         return x, kv_pages
@@ -94,7 +94,7 @@ class LlamaModel(nn.Module):
     # > 0: the layers run as a scan over groups of this many (models/layer_stack.py); the params
     # hold a stacked `layers` subtree and kv_cache is the stacked pool [2, L, P, ...].
     scan_period: int = 0
-    batch_invariant: bool = False  # EngineConfig.batch_invariant: dense MLPs only (refused for MoE)
+    batch_invariant: bool = False  # EngineConfig.batch_invariant (models/invariant_ops.py, moe.py's "stable")
     lora_impl: str = "xla"  # models/lora_ops.LORA_IMPLS: how the LoRA delta runs
     experts_fn: ExpertsFn = routed_experts  # the routed experts (models/moe.py ExpertsFn)
     matmul_impl: str = "xla"  # models/layers.MATMUL_IMPLS: how the dense layers' matmuls run

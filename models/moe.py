@@ -24,6 +24,10 @@ Grouped-matmul implementations (`impl`):
                   count, so no step waits on the host for the count of tiles in use.
     "dense"       every expert on every token, combined with the routing weights (zero for the
                   experts a token did not pick): the baseline the benchmark compares against.
+    "stable"      "tiled" with tiles of invariant_ops.MIN_ROWS rows whatever the step, and each
+                  token's k expert outputs added in order: a token's result does not depend on
+                  the other tokens of its step (EngineConfig.batch_invariant, which also routes
+                  with `route(..., batch_invariant=True)`).
     "auto"        "ragged_dot" on TPU, "tiled" elsewhere.
 
 Axis legend: T tokens, H hidden, E experts, k experts per token, M = T * k routed rows,
@@ -38,7 +42,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("auto", "ragged_dot", "tiled", "dense")
+from models.invariant_ops import MIN_ROWS, pairwise_sum, stable_rows
+
+IMPLS = ("auto", "ragged_dot", "tiled", "dense", "stable")
 # routed_experts(x, weights, experts, gate_up, down, *, impl, gate_up_bias, down_bias, activation)
 # -> [T, H]: routed_experts itself, or paxpage/sharded_experts.py's split over a mesh.
 ExpertsFn = Callable[..., jax.Array]
@@ -52,26 +58,40 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
-def route(x, router, top_k: int, renormalize: bool, bias=None):
+def _row_sum(x, batch_invariant: bool):  # [..., n] -> [..., 1]
+    return pairwise_sum(x)[..., None] if batch_invariant else jnp.sum(x, axis=-1, keepdims=True)
+
+
+def route(x, router, top_k: int, renormalize: bool, bias=None, batch_invariant: bool = False):
     """Router softmax over all experts (in f32), then the top k.
 
     x [T, H], router [H, E], bias [E] or None (gpt-oss) -> (weights f32[T, k], experts i32[T, k]).
     `renormalize` rescales the k chosen probabilities to sum to 1 (Mixtral always; Qwen3-MoE when
     `norm_topk_prob`; gpt-oss's softmax over the top k logits is the same).
+    batch_invariant: the router's matmul row-stable and the sums in a fixed order
+    (models/invariant_ops.py), so a token's routing does not depend on its step's other tokens.
     """
-    logits = jnp.einsum("TH,HE->TE", x, router)
+    if batch_invariant:
+        logits = stable_rows(lambda rows: rows @ router, x)
+    else:
+        logits = jnp.einsum("TH,HE->TE", x, router)
     if bias is not None:
         logits = logits + bias.astype(logits.dtype)
     logits = logits.astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
+    if batch_invariant:
+        exp = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+        probs = exp / _row_sum(exp, True)
+    else:
+        probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / _row_sum(weights, batch_invariant)
     return weights, experts.astype(jnp.int32)
 
 
 def route_grouped(x, router, correction_bias, top_k: int, *, num_groups: int, topk_groups: int,
-                  renormalize: bool, scaling: float, scoring: str = "sigmoid", method: str = "noaux_tc"):
+                  renormalize: bool, scaling: float, scoring: str = "sigmoid", method: str = "noaux_tc",
+                  batch_invariant: bool = False):
     """DeepSeek's routers (HF DeepseekV2TopkRouter, DeepseekV3TopkRouter). The scores s are
     sigmoid(x @ router) or its softmax over the E experts (`scoring`), in f32; `method` (HF's
     topk_method) picks the top k from them:
@@ -81,13 +101,21 @@ def route_grouped(x, router, correction_bias, top_k: int, *, num_groups: int, to
         "noaux_tc"              as above on s + correction_bias, each group ranked by the sum of
                                 its two best biased scores (DeepSeek-V3).
     The chosen experts' weights are the unbiased s, rescaled to sum to 1 when `renormalize`, then
-    times `scaling` (routed_scaling_factor).
+    times `scaling` (routed_scaling_factor). batch_invariant: as `route`'s.
 
     x [T, H], router [H, E], correction_bias f32[E] ("noaux_tc") or None
     -> (weights f32[T, k], experts i32[T, k])."""
-    logits = jnp.einsum("TH,HE->TE", x.astype(jnp.float32), router.astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST)
-    scores = jax.nn.sigmoid(logits) if scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+    router32 = router.astype(jnp.float32)
+    project = lambda rows: jnp.einsum("TH,HE->TE", rows, router32, precision=jax.lax.Precision.HIGHEST)
+    x32 = x.astype(jnp.float32)
+    logits = stable_rows(project, x32) if batch_invariant else project(x32)
+    if scoring == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    elif batch_invariant:
+        exp = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+        scores = exp / _row_sum(exp, True)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
     choice = scores
     if method == "noaux_tc":
         choice = scores + correction_bias.astype(jnp.float32)[None, :]
@@ -105,7 +133,7 @@ def route_grouped(x, router, correction_bias, top_k: int, *, num_groups: int, to
     _, experts = jax.lax.top_k(choice, top_k)
     weights = jnp.take_along_axis(scores, experts, axis=1)
     if renormalize:
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        weights = weights / (_row_sum(weights, batch_invariant) + 1e-20)
     return weights * scaling, experts.astype(jnp.int32)
 
 
@@ -167,17 +195,17 @@ def _experts_ragged(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, ac
 
 
 def _experts_tiled(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, activation=swiglu,
-                   fixed_trip_count: bool | None = None):
+                   fixed_trip_count: bool | None = None, tile: int | None = None):
     """The same as `_experts_ragged` in plain jnp (see the module docstring).
     fixed_trip_count: loop over every tile (True) or the tiles in use (False); None: fixed
-    where the step lowers for a GPU.
+    where the step lowers for a GPU. tile: rows per tile (None: `tile_rows` of the step's rows).
 
     A loop over the tiles in use, each sliced from the padded rows and multiplied by its
     expert's weights (indexed in place: a batched matmul over weights gathered per tile copied
     every tile's weights and measured several times slower on CPU)."""
     num_tokens, hidden = x.shape
     num_rows, num_experts = flat_experts.shape[0], gate_up.shape[0]
-    tile = tile_rows(num_rows, num_experts)
+    tile = tile or tile_rows(num_rows, num_experts)
     # Each non-empty group pads up to < tile rows; at most min(E, M) groups are non-empty.
     num_tiles = (num_rows + min(num_experts, num_rows) * (tile - 1)) // tile
     group_sizes, rank = _group_layout(flat_experts, num_experts)
@@ -233,11 +261,12 @@ def moe_mlp(x, router, gate_up, down, *, top_k: int, renormalize: bool, impl: st
 
     x [T, H]; router [H, E]; gate_up [E, H, 2F] (gate columns, then up); down [E, F, H].
     Returns [T, H] in x's dtype: sum over the token's k experts of weight * down(silu(gate) * up).
+    impl "stable" routes in its fixed-order form too (route(..., batch_invariant=True)).
     gpt-oss: router_bias [E], gate_up_bias [E, 2F], down_bias [E, H] and its `activation`
     (route, routed_experts).
     """
     x, router = jnp.asarray(x), jnp.asarray(router)
-    weights, experts = route(x, router, top_k, renormalize, router_bias)  # [T, k]
+    weights, experts = route(x, router, top_k, renormalize, router_bias, impl == "stable")  # [T, k]
     return routed_experts(x, weights, experts, gate_up, down, impl=impl, gate_up_bias=gate_up_bias,
                           down_bias=down_bias, activation=activation)
 
@@ -252,7 +281,7 @@ def routed_experts(x, weights, experts, gate_up, down, *, impl: str = "auto", ga
     y = expert_sums(x, weights, experts, gate_up, down, impl=impl, gate_up_bias=gate_up_bias,
                     activation=activation)
     if down_bias is not None:
-        y = y + down_bias_sums(weights, experts, down_bias)
+        y = y + down_bias_sums(weights, experts, down_bias, in_order=impl == "stable")
     return y.astype(x.dtype)
 
 
@@ -270,17 +299,30 @@ def expert_sums(x, weights, experts, gate_up, down, *, impl: str = "auto", gate_
     num_tokens, hidden = x.shape
     top_k = experts.shape[1]
     flat_experts = experts.reshape(-1)  # [M]; row j is token j // k
-    experts_fn = _experts_ragged if impl == "ragged_dot" else _experts_tiled
-    y = experts_fn(x, flat_experts, top_k, gate_up, down, gate_up_bias, activation)  # [M, H]
+    if impl == "ragged_dot":
+        y = _experts_ragged(x, flat_experts, top_k, gate_up, down, gate_up_bias, activation)  # [M, H]
+    else:
+        y = _experts_tiled(x, flat_experts, top_k, gate_up, down, gate_up_bias, activation,
+                           tile=MIN_ROWS if impl == "stable" else None)
     y = y.reshape(num_tokens, top_k, hidden).astype(jnp.float32)
-    return jnp.einsum("Tk,TkH->TH", weights, y)
+    return _weighted(weights, y, in_order=impl == "stable")
 
 
-def down_bias_sums(weights, experts, down_bias):
+def _weighted(weights, y, in_order: bool):
+    """sum_k weights[T, k] * y[T, k, H] -> f32[T, H]; in_order: k adds in turn (a fixed order)."""
+    if not in_order:
+        return jnp.einsum("Tk,TkH->TH", weights, y)
+    total = weights[:, 0, None] * y[:, 0]
+    for j in range(1, y.shape[1]):
+        total = total + weights[:, j, None] * y[:, j]
+    return total
+
+
+def down_bias_sums(weights, experts, down_bias, in_order: bool = False):
     """The down projection's bias of each token's experts, weighted: weights f32[T, k], experts
-    i32[T, k], down_bias [E, H] -> f32[T, H]."""
+    i32[T, k], down_bias [E, H] -> f32[T, H]. in_order: as expert_sums' "stable" impl adds."""
     bias = jnp.asarray(down_bias)[experts].astype(jnp.float32)  # [T, k, H]
-    return jnp.einsum("Tk,TkH->TH", weights, bias)
+    return _weighted(weights, bias, in_order)
 
 
 class SparseMoe(nn.Module):
@@ -297,6 +339,7 @@ class SparseMoe(nn.Module):
     swiglu_limit: float | None = None  # set: clamped_swiglu(swiglu_limit, swiglu_alpha)
     swiglu_alpha: float = 1.0
     experts_fn: ExpertsFn = routed_experts
+    batch_invariant: bool = False  # routing and experts in the "stable" forms, whatever `impl`
 
     @nn.compact
     def __call__(self, x):  # [T, H]
@@ -308,5 +351,7 @@ class SparseMoe(nn.Module):
         biases = {name: self.param(name, nn.initializers.zeros, shape, self.dtype) if self.bias else None
                   for name, shape in (("router_bias", (E,)), ("gate_up_bias", (E, 2 * F)), ("down_bias", (E, H)))}
         activation = swiglu if self.swiglu_limit is None else clamped_swiglu(self.swiglu_limit, self.swiglu_alpha)
-        weights, experts = route(x, router, self.top_k, self.renormalize, biases.pop("router_bias"))  # [T, k]
-        return self.experts_fn(x, weights, experts, gate_up, down, impl=self.impl, activation=activation, **biases)
+        weights, experts = route(x, router, self.top_k, self.renormalize, biases.pop("router_bias"),
+                                 self.batch_invariant)  # [T, k]
+        impl = "stable" if self.batch_invariant else self.impl
+        return self.experts_fn(x, weights, experts, gate_up, down, impl=impl, activation=activation, **biases)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.xla_attention import fold_chunks, pages_per_chunk
+from pallas_kernels.xla_attention import INVARIANT_CHUNK_TOKENS, fold_chunks, pages_per_chunk, pairwise_sum, token_rows
 
 
 def write_latent(
@@ -110,18 +110,29 @@ def latent_attention_xla(
     value_dim: int,
     chunk_tokens: int = 256,  # keys per loop step, at most (whole pages, ~1 MiB of latents)
     early_exit: bool | None = None,  # xla_attention.fold_chunks: None decides by platform
+    batch_invariant: bool = False,  # xla_attention's batch-invariant form: each token alone, fixed chunks
 ) -> jax.Array:  # [B, Tq, N, R]
     """`latent_attention_ref` in chunks: the loop's trip count is the longest row's length in chunks
     (a traced value; lowered for a GPU, the table's width: xla_attention.fold_chunks), each step
     gathers one chunk of pages of every row and folds it into a running max / sum / output. Keys
     past a row's length or after a query are masked, and zeroed before the products, so stale or
-    NaN slots never reach the output."""
-    batch, num_q, num_heads, width = q.shape
+    NaN slots never reach the output.
+    batch_invariant: every query token a row of its own over chunks of xla_attention's
+    INVARIANT_CHUNK_TOKENS keys from key 0, sums in a fixed order (as paged_attention_xla's form)."""
     _check(q, latent_pages, page_indices, kv_lens, q_lens, value_dim)
+    if batch_invariant and q.shape[1] > 1:
+        tok_q, tables, tok_kv_lens, tok_q_lens = token_rows(q, page_indices, kv_lens, q_lens)
+        out = latent_attention_xla(tok_q, latent_pages, tables, tok_kv_lens, tok_q_lens, sm_scale=sm_scale,
+                                   value_dim=value_dim, early_exit=early_exit, batch_invariant=True)
+        return out.reshape(*q.shape[:3], value_dim)
+    batch, num_q, num_heads, width = q.shape
     page_size = latent_pages.shape[2]
     pages_per_seq = page_indices.shape[1]
-    chunk_pages = pages_per_chunk(batch, page_size * width * latent_pages.dtype.itemsize, page_size,
-                                  pages_per_seq, chunk_tokens)
+    if batch_invariant:
+        chunk_pages = max(1, INVARIANT_CHUNK_TOKENS // page_size)
+    else:
+        chunk_pages = pages_per_chunk(batch, page_size * width * latent_pages.dtype.itemsize, page_size,
+                                      pages_per_seq, chunk_tokens)
     q32 = q.astype(jnp.float32) * sm_scale
     exact = lax.Precision.HIGHEST
 
@@ -130,7 +141,7 @@ def latent_attention_xla(
         return scores, lambda p: jnp.einsum("BTNS,BSR->BTNR", p, keys[:, :, :value_dim], precision=exact)
 
     return _attend_in_chunks(latent_pages, page_indices, kv_lens, q_lens, num_q, num_heads, value_dim,
-                             chunk_pages, early_exit, scores_and_values, q.dtype)
+                             chunk_pages, early_exit, scores_and_values, q.dtype, in_order=batch_invariant)
 
 
 def prefill_uses_expanded(num_q: int, *, latent_width: int, value_dim: int, qk_head_dim: int,
@@ -202,13 +213,15 @@ def latent_attention_expanded(
 
 
 def _attend_in_chunks(latent_pages, page_indices, kv_lens, q_lens, num_q: int, num_heads: int, out_dim: int,
-                      chunk_pages: int, early_exit, scores_and_values, out_dtype) -> jax.Array:
+                      chunk_pages: int, early_exit, scores_and_values, out_dtype,
+                      in_order: bool = False) -> jax.Array:
     """Causal attention of every row's queries over its cached latents, `chunk_pages` pages of
     each row per loop step, with a running max / sum / output (xla_attention.fold_chunks).
     `scores_and_values(latents f32[B, S, C])` gives the chunk's scaled scores f32[B, Tq, N, S]
     and a function of the probabilities p f32[B, Tq, N, S] to their values' sum f32[B, Tq, N,
     out_dim]. Keys past a row's length or after a query are masked, and their latents zeroed
-    before any product, so stale or NaN slots never reach the output. -> [B, Tq, N, out_dim]."""
+    before any product, so stale or NaN slots never reach the output. -> [B, Tq, N, out_dim].
+    in_order: the sums over a chunk's keys in a fixed pairwise order (the batch-invariant form)."""
     batch, pages_per_seq = page_indices.shape
     _, num_pages, page_size, _, width = latent_pages.shape
     chunk_len = chunk_pages * page_size  # S
@@ -234,7 +247,7 @@ def _attend_in_chunks(latent_pages, page_indices, kv_lens, q_lens, num_q: int, n
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(scores - m_safe[..., None])  # masked keys: exp(-inf) = 0
         rescale = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
-        l = l * rescale + jnp.sum(p, axis=-1)
+        l = l * rescale + (pairwise_sum(p) if in_order else jnp.sum(p, axis=-1))
         acc = acc * rescale[..., None] + weigh(p)
         return c + 1, m_new, l, acc
 

@@ -39,6 +39,14 @@ a row's first visible key are zeroed like those past its end (released pages may
 Soft cap c (static): scores become c * tanh(scores / c). Sinks (traced f32[N], gpt-oss) join
 the final normaliser once, after the loop: l + exp(sink - m) at the common max. With all three
 None the traced step is the plain causal one, op for op.
+Batch-invariant form (batch_invariant=True, EngineConfig.batch_invariant): every query token
+runs as a decode row of its own (its keys up to its position), over chunks of a fixed
+INVARIANT_CHUNK_TOKENS keys counted from key 0, with the softmax's sums over a chunk in a fixed
+pairwise order. A token's scores, sums and output then come from dots and adds of shapes that do
+not depend on the step (on XLA CPU a batched dot's per-row bits do not depend on the batch count;
+a masked chunk past or before a row's keys adds exact zeros), so they are bitwise the same alone,
+beside 255 other rows, chunked or not. A prefill token gathers its row's keys for itself, so a
+prefill of T tokens over L keys gathers T x L keys where the default gathers L.
 Quantised pool (kv_quant.QuantizedKV): the scales are viewed as rows of whole pages too,
 [2 * P, page_size * K], gathered with the same indices, and each chunk's int8/fp8 keys and
 values are dequantised (values * scales, f32) right after the gather; a plain pool traces no
@@ -94,6 +102,30 @@ from pallas_kernels import kv_quant
 CHUNK_BYTES = 1 << 20
 # Pages of at most this many bytes (one half, K or V) are gathered K and V together, in one op.
 MERGED_GATHER_MAX_PAGE_BYTES = 4096
+# Keys per chunk in the batch-invariant form: one chunk grid for every step, counted from key 0.
+INVARIANT_CHUNK_TOKENS = 64
+
+
+def pairwise_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis as a balanced tree of elementwise adds: one order for any batch
+    (XLA CPU may order a reduce by the row count)."""
+    while x.shape[-1] > 1:
+        if x.shape[-1] % 2:
+            x = jnp.concatenate([x[..., :-2], x[..., -2:-1] + x[..., -1:]], axis=-1)
+        else:
+            x = x[..., 0::2] + x[..., 1::2]
+    return x[..., 0]
+
+
+def token_rows(q, page_indices, kv_lens, q_lens):
+    """Every query token as a decode row of its own: (q [B * Tq, 1, N, D], tables, kv_lens, q_lens),
+    a token at position p seeing keys 0..p of its row's table; padding tokens get length 0."""
+    batch, num_q = q.shape[:2]
+    q_lens = q_lens.astype(jnp.int32)
+    q_pos = (kv_lens.astype(jnp.int32) - q_lens)[:, None] + jnp.arange(num_q)[None, :]  # [B, Tq]
+    valid = jnp.arange(num_q)[None, :] < q_lens[:, None]
+    return (q.reshape(batch * num_q, 1, *q.shape[2:]), jnp.repeat(page_indices, num_q, axis=0),
+            jnp.where(valid, q_pos + 1, 0).reshape(-1), valid.astype(jnp.int32).reshape(-1))
 
 
 def fold_chunks(body, init, stop, num_slots: int, early_exit: bool | None = None):
@@ -137,7 +169,14 @@ def paged_attention_xla(
     sinks: jax.Array | None = None,  # f32[N] per query head: a logit in the denominator only
     chunk_tokens: int = 64,
     early_exit: bool | None = None,  # fold_chunks: None decides by platform
+    batch_invariant: bool = False,  # each token alone, fixed chunks, fixed-order sums (module doc)
 ) -> jax.Array:  # [B, Tq, N, D]
+    if batch_invariant and q.shape[1] > 1:
+        tok_q, tables, tok_kv_lens, tok_q_lens = token_rows(q, page_indices, kv_lens, q_lens)
+        out = paged_attention_xla(tok_q, kv_pages, tables, tok_kv_lens, tok_q_lens, sm_scale=sm_scale,
+                                  sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+                                  early_exit=early_exit, batch_invariant=True)
+        return out.reshape(q.shape)
     batch, num_q, num_heads, head_dim = q.shape
     kv_pages, scales = kv_quant.split(kv_pages)
     _, num_pages, page_size, num_kv_heads, _ = kv_pages.shape
@@ -146,8 +185,12 @@ def paged_attention_xla(
     pages_per_seq = page_indices.shape[1]
     # A quantised chunk is dequantised to f32 right away: size chunks by that working set.
     itemsize = kv_pages.dtype.itemsize if scales is None else 4
-    chunk_pages = pages_per_chunk(batch, page_size * width * itemsize, page_size,
-                                  pages_per_seq, chunk_tokens)
+    if batch_invariant:  # one chunk grid whatever the batch and the table's width
+        chunk_pages = max(1, INVARIANT_CHUNK_TOKENS // page_size)
+    else:
+        chunk_pages = pages_per_chunk(batch, page_size * width * itemsize, page_size,
+                                      pages_per_seq, chunk_tokens)
+    row_sum = pairwise_sum if batch_invariant else (lambda x: jnp.sum(x, axis=-1))
     chunk_len = chunk_pages * page_size  # S
     num_chunk_slots = -(-pages_per_seq // chunk_pages)
     # Pad the table to whole chunks and clamp it into the pool (entries past a row's pages
@@ -232,7 +275,7 @@ def paged_attention_xla(
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - m_safe[..., None])
         alpha = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
-        l = alpha * l + jnp.sum(p, axis=-1)
+        l = alpha * l + row_sum(p)
         if expanded:
             pv = own_columns(jnp.einsum("BMS,BSJ->BMJ", p, v))  # [B, M, D]
         else:

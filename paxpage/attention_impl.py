@@ -39,7 +39,7 @@ class AttentionImpl:
 
 REGISTRY: dict[str, AttentionImpl] = {impl.name: impl for impl in (
     AttentionImpl("native", "the C++ CPU kernel, built with g++ on first use (else xla)", True, False, ("cpu",)),
-    AttentionImpl("xla", "paged attention in XLA ops", False, False, ()),
+    AttentionImpl("xla", "paged attention in XLA ops", False, False, ("cpu",)),
     AttentionImpl("pallas", "the Pallas kernels (GPU / TPU default)", False, True, ("gpu",)),
     AttentionImpl("pallas-interpret", "the Pallas kernels, interpreted (tests)", False, True, ("gpu",)),
 )}
@@ -61,7 +61,7 @@ def default(backend: str) -> str:
 def check_batch_invariant(impl: str, family: str | None) -> None:
     """ValueError unless `impl` has a batch-invariant form on its kernel family (None: the CPU's)."""
     if (family or "cpu") not in get(impl).batch_invariant:
-        raise ValueError("batch_invariant needs the native CPU attention or the Pallas GPU kernel; "
+        raise ValueError("batch_invariant needs the native or XLA CPU attention or the Pallas GPU kernel; "
                          f"attention_impl resolved to {impl!r}" + (f" for {family}" if family else ""))
 
 
@@ -129,19 +129,25 @@ def functions(impl: str, backend: str | None = None, batch_invariant: bool = Fal
     backend: "gpu" or "tpu" makes the Pallas kernels lower for that family whatever this host
     is (pallas_kernels/dispatch.py); None: the compile target's. layout: the pool's
     pallas_kernels.kv_layout name, "tpu" only with the TPU family's Pallas kernels.
-    batch_invariant: the Pallas GPU kernel's fixed-split plan (the native kernel's order per row
-    is fixed already; the XLA path has no such form)."""
+    batch_invariant: the Pallas GPU kernel's fixed-split plan, the XLA path's token-per-row form (the
+    native kernel's order per row is fixed already)."""
     if layout != "canonical" and not get(impl).pallas:
         raise ValueError(f"attention impl {impl!r} reads the canonical KV layout; got {layout!r}")
     if latent:
         assert impl == "xla", impl
-        return latent_attention.latent_attention_xla, latent_attention.write_latent
+        attention = latent_attention.latent_attention_xla
+        if batch_invariant:
+            attention = functools.partial(attention, batch_invariant=True)
+        return attention, latent_attention.write_latent
     if impl == "native":
         from pallas_kernels.native_attention import paged_attention_native
 
         return paged_attention_native, reference.write_kv
     if impl == "xla":
-        return paged_attention_xla, reference.write_kv
+        attention = paged_attention_xla
+        if batch_invariant:
+            attention = functools.partial(attention, batch_invariant=True)
+        return attention, reference.write_kv
     from pallas_kernels import dispatch  # imported lazily: Pallas is not needed on the fast CPU path
 
     return (

@@ -126,10 +126,10 @@ class EngineConfig:
     # Adaptive: a step speculates only while at most this many sequences run ("auto":
     # AUTO_SPECULATIVE_MAX_BATCH); past it verification costs more than it saves.
     speculative_max_batch: int | str = "auto"
-    # A request's logits and tokens bitwise the same whatever shares its step: matmuls padded to
-    # XLA's row-stable row counts, norms in a fixed order (models/invariant_ops.py). Needs "native" attention (its
-    # per-row order is fixed) or the Pallas GPU kernel (fixed key segments); the XLA path's
-    # order follows the padding width.
+    # A request's logits and tokens bitwise the same whatever shares its step: row-stable matmuls,
+    # norms and softmax sums in a fixed order (models/invariant_ops.py), attention whose order per
+    # token is fixed: the native kernel, the XLA path's token-per-row form or the Pallas GPU kernel's
+    # fixed key segments (the TPU kernels are refused when the runner resolves them).
     batch_invariant: bool = False
     # LoRA adapters (docs/lora.md): max_loras > 0 gives the step a device slab of that many
     # adapter slots, each up to max_lora_rank; requests then name an adapter (or the base).
@@ -179,10 +179,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if not isinstance(self.batch_invariant, bool):
             raise TypeError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
-        if self.batch_invariant and self.attention_impl is not None and not attention_impl.get(
-                self.attention_impl).batch_invariant:
-            raise ValueError("batch_invariant needs attention_impl 'native', 'pallas' (GPU) or "
-                             f"'pallas-interpret' (or None), got {self.attention_impl!r}")
         if self.mesh is not None and not isinstance(self.mesh, jax.sharding.Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(self.mesh).__name__}")
 

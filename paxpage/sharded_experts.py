@@ -82,7 +82,7 @@ def shard_experts(mesh: Mesh, plan: ShardingPlan, experts_fn: ExpertsFn = routed
             args, specs = (*args, gate_up_bias), (*specs, bias_spec)
         y = shard_map(local, mesh=mesh, in_specs=specs, out_specs=rep)(*args)  # f32[T, H]
         if down_bias is not None:
-            y = y + down_bias_sums(weights, experts, down_bias)
+            y = y + down_bias_sums(weights, experts, down_bias, in_order=impl == "stable")
         return y.astype(x.dtype)
 
     return sharded

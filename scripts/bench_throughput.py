@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import paxpage  # noqa: E402
 import vllm_peer  # noqa: E402
 import workload as wl  # noqa: E402
-from paxpage import compile_counter  # noqa: E402
+from paxpage import attention_impl, compile_counter  # noqa: E402
 from step_profile import profile_decode_step  # noqa: E402
 from throughput_pass import FIRST_TOKENS, rates, run_paxpage  # noqa: E402
 # the peers (scripts/throughput_peers.py) and the run's figures (scripts/throughput_report.py);
@@ -121,6 +121,8 @@ def main(argv=None) -> int:
                         help="compile every step shape when the engine is built (EngineConfig.precompile)")
     parser.add_argument("--xla-cache", metavar="DIR", default=None,
                         help="jax's persistent compilation cache directory (paxpage/xla_cache.py); off by default")
+    parser.add_argument("--attention-impl", default=None, choices=list(attention_impl.NAMES),
+                        help="the engine's attention (default: the backend's, native on CPU)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="also time EngineConfig(batch_invariant=True) on the same workload, passes "
                              "interleaved with the default's, and print the two side by side")
@@ -145,7 +147,8 @@ def main(argv=None) -> int:
                                max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=args.max_num_batched_tokens,
                                max_model_len=max_model_len, kv_cache_bytes=args.kv_cache_bytes,
-                               num_pages=args.num_pages, precompile=args.precompile)
+                               num_pages=args.num_pages, precompile=args.precompile,
+                               attention_impl=args.attention_impl)
     summary = work.summary()
     print(f"workload: {summary['num_requests']} requests, {summary['prompt_tokens']} prompt + "
           f"{summary['output_tokens']} output tokens; prompt len median {summary['prompt_len']['median']:.0f} "

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.invariant_ops import pairwise_sum
 from paxpage.sampling.penalty_counts import distinct_counts
 from paxpage.sampling import fields
 from paxpage.sampling.draw import (argmax_rows, by_platform, cond_or_select, draw, largest_threshold,
@@ -381,7 +382,7 @@ def _sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int, greedy_onl
     proposal, branchless: see draw.py draw)."""
     best = jnp.max(logits, axis=-1)  # [R]
     # log_softmax's own terms, so a gathered logprob equals its entry of log_softmax(logits)
-    log_total = jnp.log(jnp.sum(jnp.exp(logits - best[:, None]), axis=-1))  # [R]
+    log_total = log_normaliser(logits, best)  # [R]
     greedy = t.temperature <= GREEDY_TEMPERATURE
 
     def draw_rows(logits):
@@ -403,6 +404,13 @@ def _sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int, greedy_onl
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
     return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids.astype(jnp.int32),
                          top_logprobs=top_logprobs)
+
+
+def log_normaliser(logits: jax.Array, best: jax.Array) -> jax.Array:
+    """log sum exp(logits - best) per row of f32[R, V] -> f32[R], summed in a fixed pairwise order:
+    XLA CPU's reduce over V orders a row's sum by the row count at some widths (V = 128: from 33
+    rows), and a reported logprob must not depend on what shares the step (batch_invariant)."""
+    return jnp.log(pairwise_sum(jnp.exp(logits - best[:, None])))
 
 
 def _logprobs_of(logprobs: jax.Array, token_ids: jax.Array, num_top: int):
@@ -428,7 +436,9 @@ class PromptLogprobs:
 def score_prompt(logits: jax.Array, targets: jax.Array, num_top: int) -> PromptLogprobs:
     """Prompt logprobs, vLLM semantics: log-softmax of the raw model logits (no penalties,
     no temperature). logits f32[Rp, V], targets i32[Rp]."""
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logits = logits.astype(jnp.float32)
+    best = jnp.max(logits, axis=-1)
+    logprobs = (logits - best[:, None]) - log_normaliser(logits, best)[:, None]
     return PromptLogprobs(*_logprobs_of(logprobs, targets, num_top))
 
 

@@ -107,6 +107,6 @@ def verify(logits: jax.Array, t: sampler_lib.SamplingTensors, draft_ids: jax.Arr
         accepted = jnp.where(sampled, accepted_s, accepted)
         tokens = jnp.where(sampled, jnp.where(accepted_s, drafts, residual), tokens)
     best = jnp.max(penalised, axis=-1)
-    log_total = jnp.log(jnp.sum(jnp.exp(penalised - best[:, None]), axis=-1))
+    log_total = sampler_lib.log_normaliser(penalised, best)
     chosen = (jnp.take_along_axis(penalised, tokens[:, None], -1)[:, 0] - best) - log_total
     return sampler_lib.SamplerOutput(tokens, chosen, out.top_ids, out.top_logprobs), accepted

@@ -7,6 +7,9 @@ and which row widths choose the expanded form."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -166,3 +169,23 @@ def test_expanded_shapes_are_checked():
     with pytest.raises(ValueError, match=r"must be \[R, 3, ...\]"):
         latent_attention_expanded(jnp.zeros((2, 4, 3, 24)), pool, *lens, jnp.zeros((32, 4, 16)),
                                   jnp.zeros((32, 4, 16)), sm_scale=1.0)
+
+
+def test_batch_invariant_token_alone_equals_batched():
+    """The batch-invariant form (each token a row of its own, fixed 64-key chunks): token 5 of a
+    9-token prefill over 150 keys is bitwise the lone decode row at its position, beside other rows
+    and over a wider table; it equals the reference."""
+    rng = np.random.default_rng(7)
+    kv_lens, q_lens = [150, 40, 3], [9, 1, 3]
+    q, pool, tables = _pool(rng, kv_lens, 8, 48, jnp.float32, num_q=9)
+    attend = functools.partial(latent_attention_xla, sm_scale=0.3, value_dim=32, batch_invariant=True)
+    lens, qs = jnp.asarray(kv_lens, jnp.int32), jnp.asarray(q_lens, jnp.int32)
+    batched = np.asarray(jax.jit(attend)(q, pool, tables, lens, qs))[0, 5]
+    own = jnp.asarray([150 - 9 + 6], jnp.int32)  # the token's keys: through its own position
+    one = jnp.ones(1, jnp.int32)
+    alone = np.asarray(jax.jit(attend)(q[:1, 5:6], pool, tables[:1, :19], own, one))[0, 0]
+    np.testing.assert_array_equal(batched, alone)
+    want = latent_attention_ref(q[:1, 5:6], jnp.nan_to_num(pool), tables[:1], own, one, sm_scale=0.3, value_dim=32)
+    np.testing.assert_allclose(batched, np.asarray(want)[0, 0], **TOLERANCE[jnp.float32])
+    default = np.asarray(jax.jit(functools.partial(attend, batch_invariant=False))(q, pool, tables, lens, qs))[0, 5]
+    np.testing.assert_allclose(default, batched, **TOLERANCE[jnp.float32])

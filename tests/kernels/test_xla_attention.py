@@ -4,6 +4,9 @@ early_exit=False), which reads the masked chunks past the rows and before their 
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -163,3 +166,56 @@ def test_sinks(cfg, wc, kind, early_exit):
 ])
 def test_pages_per_chunk(batch, page_bytes, page_size, pages_per_seq, chunk_tokens, want):
     assert pages_per_chunk(batch, page_bytes, page_size, pages_per_seq, chunk_tokens) == want
+
+
+def _token_alone_and_batched(batch_invariant: bool, **masking):
+    """Token 4 of row 0's 9-token prefill (position 40 + 4 over a 49-key row) in a mixed batch over
+    an 80-page table, the same token as a decode row alone over a 12-page table, and the reference
+    for it: (batched, alone, want), each [N, D]."""
+    rng = np.random.default_rng(12)
+    kv_lens, q_lens = [49, 37, 700, 5, 64], [9, 1, 1, 5, 3]
+    case = make_case(rng, dtype=jnp.float32, page_size=8, ratio=3, head_dim=64, num_kv_heads=2,
+                     kv_lens=kv_lens, q_lens=q_lens, pages_per_seq=90)
+    attend = functools.partial(paged_attention_xla, sm_scale=0.125, batch_invariant=batch_invariant, **masking)
+    pool, q = jnp.asarray(case.kv_pages), jnp.asarray(case.q)
+    batched = jax.jit(attend)(q, pool, case.page_indices, case.kv_lens, case.q_lens)[0, 4]
+    alone_lens = jnp.asarray([45], jnp.int32)  # the token's own keys: 40 cached + 5 of the prefill
+    alone = jax.jit(attend)(q[:1, 4:5], pool, case.page_indices[:1, :12], alone_lens, jnp.ones(1, jnp.int32))[0, 0]
+    want = paged_attention_ref(q[:1, 4:5], jnp.asarray(reference_pool(case.kv_pages)), case.page_indices[:1],
+                               alone_lens, jnp.ones(1, jnp.int32), sm_scale=0.125, **masking)[0, 0]
+    return np.asarray(batched), np.asarray(alone), want
+
+
+@pytest.mark.parametrize("masking", [{}, dict(sliding_window=20, soft_cap=30.0)], ids=["causal", "window-cap"])
+def test_batch_invariant_token_alone_equals_batched(masking):
+    """Each token as a row of its own over fixed 64-key chunks: a prefill token's output is bitwise
+    the one it gets as a lone decode row (another Tq, batch and table width)."""
+    batched, alone, want = _token_alone_and_batched(True, **masking)
+    np.testing.assert_array_equal(batched, alone)
+    assert_close(batched, want, jnp.float32)
+
+
+def test_default_form_moves_with_the_batch():
+    """What the invariant form removes: the default's prefill form and its batch-sized chunks give the
+    same token other bits."""
+    batched, alone, want = _token_alone_and_batched(False)
+    assert not np.array_equal(batched, alone)
+    assert_close(batched, want, jnp.float32)
+
+
+@pytest.mark.parametrize("kind", sorted(LENGTH_CASES))
+def test_batch_invariant_form_matches_reference(kind):
+    """NaN in unused pages and slots, padding rows and tokens: as the default form, exact zeros."""
+    kv_lens, q_lens = LENGTH_CASES[kind]
+    rng = np.random.default_rng(11)
+    dtype, page_size, ratio, head_dim, num_kv_heads = CONFIGS[1]
+    case = make_case(rng, dtype=dtype, page_size=page_size, ratio=ratio, head_dim=head_dim,
+                     num_kv_heads=num_kv_heads, kv_lens=kv_lens, q_lens=q_lens, pages_per_seq=6)
+    sinks = jnp.asarray(make_sinks(rng, ratio * num_kv_heads))
+    got = paged_attention_xla(jnp.asarray(case.q), jnp.asarray(case.kv_pages), case.page_indices, case.kv_lens,
+                              case.q_lens, sm_scale=head_dim ** -0.5, sinks=sinks, batch_invariant=True)
+    want = paged_attention_ref(jnp.asarray(case.q), jnp.asarray(reference_pool(case.kv_pages)), case.page_indices,
+                               case.kv_lens, case.q_lens, sm_scale=head_dim ** -0.5, sinks=sinks)
+    assert_close(got, want, dtype)
+    pad = np.arange(case.q.shape[1])[None, :] >= case.q_lens[:, None]
+    assert not np.asarray(got)[pad].any()

@@ -38,7 +38,7 @@ def _weights(rng, num_tokens, hidden, num_experts, width, skew=0.0):
     return x, router, gate_up, down
 
 
-@pytest.mark.parametrize("impl", ["tiled", "ragged_dot", "dense"])
+@pytest.mark.parametrize("impl", ["tiled", "ragged_dot", "dense", "stable"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,renormalize,skew", [
     (1, 4, 2, True, 0.0),      # one token: most experts get no rows
     (13, 8, 2, False, 0.0),    # Qwen3-MoE without norm_topk_prob
@@ -81,3 +81,21 @@ def test_tiled_over_every_tile_matches_reference(num_tokens, skew):
                        jax.numpy.asarray(down), fixed_trip_count=True)
     out = np.einsum("Tk,TkH->TH", np.asarray(weights), np.asarray(y).reshape(num_tokens, 2, -1))
     np.testing.assert_allclose(out, numpy_moe(x, router, gate_up, down, 2, True), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("impl", ["stable", "tiled"])
+def test_stable_token_alone_equals_batched(impl):
+    """impl "stable" (the batch-invariant mode): a token's output is bitwise the one it gets alone,
+    whatever shares its step (2, 9 or 70 tokens); "tiled" sizes its tiles by the step and moves it.
+    Widths at which XLA CPU's matmul rows change their bits with the row count."""
+    rng = np.random.default_rng(4)
+    x, router, gate_up, down = _weights(rng, 70, 576, 4, 256)
+    fn = jax.jit(functools.partial(moe_mlp, top_k=2, renormalize=True, impl=impl))
+    alone = np.asarray(fn(x[5:6], router, gate_up, down))[0]
+    batched = [np.asarray(fn(x[lo:hi], router, gate_up, down))[5 - lo] for lo, hi in ((4, 6), (0, 9), (0, 70))]
+    if impl == "stable":
+        for row in batched:
+            np.testing.assert_array_equal(row, alone)
+    else:
+        assert any(not np.array_equal(row, alone) for row in batched)
+    np.testing.assert_allclose(alone, numpy_moe(x[5:6], router, gate_up, down, 2, True)[0], rtol=2e-4, atol=2e-4)
