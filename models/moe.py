@@ -62,6 +62,13 @@ def _row_sum(x, batch_invariant: bool):  # [..., n] -> [..., 1]
     return pairwise_sum(x)[..., None] if batch_invariant else jnp.sum(x, axis=-1, keepdims=True)
 
 
+def _softmax(logits, batch_invariant: bool):  # over the last axis; its sum in a fixed order if asked
+    if not batch_invariant:
+        return jax.nn.softmax(logits, axis=-1)
+    exp = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    return exp / _row_sum(exp, True)
+
+
 def route(x, router, top_k: int, renormalize: bool, bias=None, batch_invariant: bool = False):
     """Router softmax over all experts (in f32), then the top k.
 
@@ -77,12 +84,7 @@ def route(x, router, top_k: int, renormalize: bool, bias=None, batch_invariant: 
         logits = jnp.einsum("TH,HE->TE", x, router)
     if bias is not None:
         logits = logits + bias.astype(logits.dtype)
-    logits = logits.astype(jnp.float32)
-    if batch_invariant:
-        exp = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
-        probs = exp / _row_sum(exp, True)
-    else:
-        probs = jax.nn.softmax(logits, axis=-1)
+    probs = _softmax(logits.astype(jnp.float32), batch_invariant)
     weights, experts = jax.lax.top_k(probs, top_k)
     if renormalize:
         weights = weights / _row_sum(weights, batch_invariant)
@@ -109,13 +111,7 @@ def route_grouped(x, router, correction_bias, top_k: int, *, num_groups: int, to
     project = lambda rows: jnp.einsum("TH,HE->TE", rows, router32, precision=jax.lax.Precision.HIGHEST)
     x32 = x.astype(jnp.float32)
     logits = stable_rows(project, x32) if batch_invariant else project(x32)
-    if scoring == "sigmoid":
-        scores = jax.nn.sigmoid(logits)
-    elif batch_invariant:
-        exp = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
-        scores = exp / _row_sum(exp, True)
-    else:
-        scores = jax.nn.softmax(logits, axis=-1)
+    scores = jax.nn.sigmoid(logits) if scoring == "sigmoid" else _softmax(logits, batch_invariant)
     choice = scores
     if method == "noaux_tc":
         choice = scores + correction_bias.astype(jnp.float32)[None, :]
