@@ -62,3 +62,22 @@ def test_speculative_verify_rows_alone_and_batched(wide_tiny):
     alone = _run(wide_tiny, prompts[:1], True, **spec)
     batched = _run(wide_tiny, prompts, True, max_num_batched_tokens=16, prefill_row_len=8, **spec)
     assert alone == batched
+
+
+def test_beam_search_alone_and_batched(wide_tiny):
+    """A beam-search request's beams and their scores, bitwise, alone and beside sampled requests
+    in chunked prefill (its candidates are the sampler's top logprobs)."""
+    from paxpage.sampling.params import SamplingParams
+
+    prompts = random_prompts(4, 128, [19, 6, 27, 9], seed=12)
+    beam = SamplingParams(beam_width=3, max_tokens=8, ignore_eos=True)
+    others = SamplingParams(max_tokens=8, temperature=0.9, seed=3, ignore_eos=True)
+    config = dict(batch_invariant=True, attention_impl="native", page_size=4, num_pages=256, use_tqdm=False)
+
+    def beams(prompt_list, params, **extra):
+        out = paxpage.generate(wide_tiny, prompt_list, sampling_params=params, **config, **extra)[0]
+        return [(c.token_ids, c.cumulative_logprob) for c in out.outputs]
+
+    alone = beams(prompts[:1], [beam])
+    batched = beams(prompts, [beam] + [others] * 3, max_num_batched_tokens=16, prefill_row_len=8)
+    assert len(alone) == 3 and alone == batched

@@ -139,3 +139,19 @@ def test_models_without_tokenizer_reject_structured_requests(tiny_llama_dir):
         assert not engine.has_unfinished()
     finally:
         model.close()
+
+
+def test_batch_invariant_constrained_requests_alone_and_batched(tiny_text):
+    """batch_invariant=True with grammar masks: each constrained (or unconstrained) request's tokens
+    and logprobs are bitwise those it gets alone."""
+    prompts, params = _workload()
+    params = [p.replace(logprobs=0) for p in params[:5]]
+    config = EngineConfig(page_size=8, num_pages=64, max_model_len=96, max_num_seqs=8, max_num_batched_tokens=16,
+                          prefill_row_len=8, batch_invariant=True)
+
+    def run(ps, sps):
+        outs = paxpage.generate(tiny_text, ps, sampling_params=sps, engine_config=config, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [next(iter(d.values())) for d in o.outputs[0].logprobs]) for o in outs]
+
+    batched = run(prompts[:5], params)
+    assert batched == [run([p], [sp])[0] for p, sp in zip(prompts[:5], params)]
