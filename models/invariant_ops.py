@@ -27,24 +27,19 @@ from pallas_kernels.xla_attention import pairwise_sum
 MIN_ROWS = 64  # at or past every measured row count of XLA CPU's row-stable blocking (module doc)
 
 
-def stable_rows(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
-    """fn (a per-row map such as x @ W) applied to x [..., T, I] as one [max(T, MIN_ROWS), I] matmul."""
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, x.shape[-1])  # [T, I]
-    num_rows = flat.shape[0]
-    if num_rows < MIN_ROWS:
-        flat = jnp.pad(flat, ((0, MIN_ROWS - num_rows), (0, 0)))
-    y = fn(flat)  # [max(T, MIN_ROWS), O]
-    return y[:num_rows].reshape(*lead, y.shape[-1])
-
-
 def stable_tokens(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
-    """fn (a map over axis 0, such as a per-head einsum of x [T, ...]) run on max(T, MIN_ROWS)
-    tokens, padded with zeros: `stable_rows` for products whose rows are not x's last axis."""
+    """fn (a map over axis 0, such as x @ W or a per-head einsum of x [T, ...]) run on
+    max(T, MIN_ROWS) tokens, padded with zeros, as one product."""
     num_tokens = x.shape[0]
     if num_tokens >= MIN_ROWS:
         return fn(x)
     return fn(jnp.pad(x, ((0, MIN_ROWS - num_tokens),) + ((0, 0),) * (x.ndim - 1)))[:num_tokens]
+
+
+def stable_rows(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """fn (a per-row map such as x @ W) applied to x [..., T, I] as one [max(T, MIN_ROWS), I] matmul."""
+    y = stable_tokens(fn, x.reshape(-1, x.shape[-1]))  # [T, O]
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def norm_mean_square(x32: jax.Array) -> jax.Array:
