@@ -15,7 +15,8 @@ Axis legend: P pages, page_size slots per page, K kv heads, D head dim.
 
 A quantised pool (kv_quant.QuantizedKV) has its values in the same layout as a plain one and
 its per-(token, kv head, K | V) scales beside them:
-- canonical: SCALE_DTYPES["canonical"] (bf16) [2, P, page_size, K], the values' leading axes.
+- canonical: SCALE_DTYPES["canonical"] (bf16) [2, P, page_size, K], the values' leading axes;
+  f32 in the pools of the XLA-op and native paths (XLA_CANONICAL), holding the same bf16 values.
 - tpu: f32 [K, R, 1, W], head-major rows of W = 128 lanes (`ScaleRows`): row r of head h holds
   the scales of pages r * pages_per_row .. (r + 1) * pages_per_row - 1, page p's at lanes
   (p % pages_per_row) * lanes_per_page + half * page_size + slot. A bf16 [2, P, page_size, K]
@@ -80,6 +81,10 @@ class KVLayout:
     """One layer's pool layout (a static value: hashable, usable as a jit static argument)."""
 
     name: str  # one of LAYOUTS
+    # Canonical scales held in f32 (the bf16 scales kv_quant.quantize makes, stored exactly): the
+    # pools of the XLA-op and native attention paths. XLA CPU scatters a bf16 array by converting all of it to f32 and back,
+    # in every layer of every step (~0.6 s per SmolLM2 int8 step); an f32 one it updates in place.
+    wide_scales: bool = False
 
     def __post_init__(self):
         if self.name not in LAYOUTS:
@@ -117,7 +122,7 @@ class KVLayout:
     @property
     def scale_dtype(self):
         """A quantised pool's scale dtype in this layout."""
-        return jnp.dtype(SCALE_DTYPES[self.name])
+        return jnp.dtype(jnp.float32 if self.wide_scales else SCALE_DTYPES[self.name])
 
     def scale_shape(self, num_pages: int, page_size: int, num_kv_heads: int) -> tuple[int, ...]:
         """A quantised pool's scales array shape."""
@@ -220,7 +225,21 @@ class KVLayout:
         return scales.at[:, dst_row, 0, dst_lane].set(taken, mode="drop")
 
 
+def two_token_scatter(slot_mapping: jax.Array, *rows: jax.Array) -> tuple[jax.Array, ...]:
+    """(slot_mapping, *rows) for a pool scatter of T tokens (rows [T, ...]), with one padding
+    token (slot -1, dropped) appended when T is 1. XLA rewrites a one-index scatter as a
+    select around a dynamic-update-slice; where the updated pool then has two users (a scanned
+    layer's carry and XLA attention's row view of the pool) that fusion is duplicated and the
+    whole pool copied per layer: a one-row SmolLM2 decode step took 7-10 s instead of ~30 ms
+    (jax 0.10.2, CPU). A scatter of two indices stays in place."""
+    if slot_mapping.shape[0] != 1:
+        return (slot_mapping, *rows)
+    pad = jnp.full((1,), -1, slot_mapping.dtype)
+    return (jnp.concatenate([slot_mapping, pad]), *(jnp.concatenate([r, jnp.zeros_like(r)]) for r in rows))
+
+
 CANONICAL = KVLayout("canonical")
+XLA_CANONICAL = KVLayout("canonical", wide_scales=True)  # the "xla" / "native" attention pools
 TPU = KVLayout("tpu")
 
 

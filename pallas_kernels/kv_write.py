@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import kv_quant, tpu_target
+from pallas_kernels import kv_layout, kv_quant, tpu_target
 from pallas_kernels.decode_attention import check_backend, check_pool, interpret_arg, tpu_params, triton_params
 
 
@@ -203,6 +203,8 @@ def write_kv(
     # Out-of-range slots would write outside the pool: treat them like padding, as the reference's
     # mode="drop" does.
     slots = jnp.where(slots < num_pages * page_size, slots, -1)
+    if layout.name == "tpu":  # XLA scatters: keep them scatters (kv_layout.two_token_scatter)
+        slots, k, v = kv_layout.two_token_scatter(slots, k, v)
     ks = vs = None
     if scales is None:
         k = k.astype(kv_pages.dtype)

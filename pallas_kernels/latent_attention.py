@@ -36,7 +36,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.kv_layout import two_token_scatter
 from pallas_kernels.xla_attention import INVARIANT_CHUNK_TOKENS, fold_chunks, pages_per_chunk, pairwise_sum, token_rows
+
+
+def check_latent_rows(latent_pages: jax.Array, latent: jax.Array) -> None:
+    """ValueError unless latent_pages is a latent pool [1, P, page_size, 1, C] and latent [T, 1, C] its rows."""
+    if latent_pages.ndim != 5 or latent_pages.shape[0] != 1 or latent_pages.shape[3] != 1:
+        raise ValueError(f"a latent pool is [1, P, page_size, 1, C]; got {latent_pages.shape}")
+    if latent.shape[1:] != latent_pages.shape[3:]:
+        raise ValueError(f"latents {latent.shape} do not fit the pool's rows {latent_pages.shape[3:]}")
 
 
 def write_latent(
@@ -45,11 +54,9 @@ def write_latent(
     slot_mapping: jax.Array,  # i32[T] page_id * page_size + offset; -1 = padding, not written
 ) -> jax.Array:
     """Returns the pool with token t's latent stored at slot_mapping[t]."""
-    if latent_pages.ndim != 5 or latent_pages.shape[0] != 1 or latent_pages.shape[3] != 1:
-        raise ValueError(f"a latent pool is [1, P, page_size, 1, C]; got {latent_pages.shape}")
-    if latent.shape[1:] != latent_pages.shape[3:]:
-        raise ValueError(f"latents {latent.shape} do not fit the pool's rows {latent_pages.shape[3:]}")
+    check_latent_rows(latent_pages, latent)
     _, num_pages, page_size, _, _ = latent_pages.shape
+    slot_mapping, latent = two_token_scatter(slot_mapping, latent)
     page = jnp.where(slot_mapping < 0, num_pages, slot_mapping // page_size)  # padding: out of bounds
     offset = slot_mapping % page_size
     return latent_pages.at[0, page, offset].set(latent.astype(latent_pages.dtype), mode="drop")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import kv_quant
+from pallas_kernels import kv_layout, kv_quant
 
 
 def write_kv(
@@ -25,6 +25,7 @@ def write_kv(
     head) when the pool is a QuantizedKV)."""
     pages, scales = kv_quant.split(kv_pages)
     _, num_pages, page_size, _, _ = pages.shape
+    slot_mapping, k, v = kv_layout.two_token_scatter(slot_mapping, k, v)
     # Index (page, offset) directly: reshaping the pool to flat slots first makes XLA copy
     # the whole pool when the update degenerates to one slot (measured: ~1 s per step).
     page = jnp.where(slot_mapping < 0, num_pages, slot_mapping // page_size)  # padding: out of bounds

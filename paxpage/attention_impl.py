@@ -19,6 +19,8 @@ import functools
 import logging
 import os
 
+import jax
+
 from pallas_kernels import kv_layout, latent_attention, reference
 from pallas_kernels.xla_attention import paged_attention_xla
 
@@ -96,7 +98,21 @@ def resolve(impl: str) -> str:
     from models.cache import native_dir
     from pallas_kernels import native_attention
 
-    return "native" if native_attention.load(native_dir()) else "xla"
+    if not native_attention.load(native_dir()):
+        return "xla"
+    native_kv_write_loaded()  # when it cannot load, the native path writes with XLA's scatter
+    return "native"
+
+
+def native_kv_write_loaded() -> bool:
+    """Whether the native CPU KV write (pallas_kernels/native_kv_write.py) is built and loaded,
+    loading it first; False when the native kernels are off (PAXPAGE_NATIVE_ATTENTION=0)."""
+    if os.environ.get("PAXPAGE_NATIVE_ATTENTION", "1") == "0":
+        return False
+    from models.cache import native_dir
+    from pallas_kernels import native_kv_write
+
+    return native_kv_write.load(native_dir())
 
 
 def kernel_family(impl: str) -> str | None:
@@ -110,11 +126,12 @@ def kernel_family(impl: str) -> str | None:
 
 def pool_layout(impl: str, backend: str | None, latent: bool = False) -> kv_layout.KVLayout:
     """The layout a runner's pool gets (pallas_kernels/kv_layout.py), scanned layers or not: its
-    Pallas kernel family's (the TPU kernels' tiles on "tpu"), canonical for "native" / "xla" and
-    for a latent pool. backend: the compile target's ("cpu" or None: this host's kernels;
-    compiled "pallas" has none there, and the runner says so)."""
+    Pallas kernel family's (the TPU kernels' tiles on "tpu"), canonical for "native" / "xla"
+    (with f32 scales: kv_layout.XLA_CANONICAL) and for a latent pool. backend: the compile
+    target's ("cpu" or None: this host's kernels; compiled "pallas" has none there, and the
+    runner says so)."""
     if not get(impl).pallas:
-        return kv_layout.for_backend(None, latent=latent)
+        return kv_layout.XLA_CANONICAL
     if backend in ("gpu", "tpu"):
         family = backend
     else:
@@ -138,11 +155,16 @@ def functions(impl: str, backend: str | None = None, batch_invariant: bool = Fal
         attention = latent_attention.latent_attention_xla
         if batch_invariant:
             attention = functools.partial(attention, batch_invariant=True)
+        if backend in (None, "cpu") and jax.default_backend() == "cpu" and native_kv_write_loaded():
+            from pallas_kernels import native_kv_write
+
+            return attention, native_kv_write.write_latent
         return attention, latent_attention.write_latent
     if impl == "native":
         from pallas_kernels.native_attention import paged_attention_native
+        from pallas_kernels.native_kv_write import write_kv
 
-        return paged_attention_native, reference.write_kv
+        return paged_attention_native, write_kv
     if impl == "xla":
         attention = paged_attention_xla
         if batch_invariant:

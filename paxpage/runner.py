@@ -463,11 +463,13 @@ _CONTEXT_SKIP = frozenset({
 def _cache_context(model_cfg: ModelConfig, cfg: ResolvedConfig, draw_impl: str, lora_impl: str = "xla",
                    matmul_impl: str = "xla") -> str:
     """The executable cache's key material besides the arguments: the model config, the
-    engine config fields that shape a step, the sampler's draw_impl and the step's lora_impl and matmul_impl
-    (exec_cache.py)."""
+    engine config fields that shape a step, the sampler's draw_impl, the step's lora_impl and matmul_impl,
+    and whether its KV write is the native kernel (exec_cache.py)."""
     fields = {f.name: getattr(cfg.engine, f.name) for f in dataclasses.fields(cfg.engine)}
     # The resolved values win over the engine's (attention_impl None -> "native" or "xla", etc.).
     fields.update({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "engine"})
     kept = sorted((k, repr(v)) for k, v in fields.items() if k not in _CONTEXT_SKIP)
+    from pallas_kernels import native_kv_write  # a step built with it calls its custom-call target
+
     return (f"model={model_cfg!r}\nengine={kept!r}\ndraw_impl={draw_impl}\nlora_impl={lora_impl}"
-            f"\nmatmul_impl={matmul_impl}")
+            f"\nmatmul_impl={matmul_impl}\nnative_kv_write={native_kv_write.LIBRARY.loaded()}")
