@@ -104,6 +104,11 @@ def resolve(impl: str) -> str:
     return "native"
 
 
+def _on_cpu(backend: str | None) -> bool:
+    """Whether a step for `backend` (the compile target's; None: this host's) runs on this CPU."""
+    return backend in (None, "cpu") and jax.default_backend() == "cpu"
+
+
 def native_kv_write_loaded() -> bool:
     """Whether the native CPU KV write (pallas_kernels/native_kv_write.py) is built and loaded,
     loading it first; False when the native kernels are off (PAXPAGE_NATIVE_ATTENTION=0)."""
@@ -155,7 +160,7 @@ def functions(impl: str, backend: str | None = None, batch_invariant: bool = Fal
         attention = latent_attention.latent_attention_xla
         if batch_invariant:
             attention = functools.partial(attention, batch_invariant=True)
-        if backend in (None, "cpu") and jax.default_backend() == "cpu" and native_kv_write_loaded():
+        if _on_cpu(backend) and native_kv_write_loaded():
             from pallas_kernels import native_kv_write
 
             return attention, native_kv_write.write_latent
@@ -169,6 +174,10 @@ def functions(impl: str, backend: str | None = None, batch_invariant: bool = Fal
         attention = paged_attention_xla
         if batch_invariant:
             attention = functools.partial(attention, batch_invariant=True)
+        if _on_cpu(backend) and native_kv_write_loaded():
+            from pallas_kernels import native_kv_write
+
+            return attention, native_kv_write.write_kv
         return attention, reference.write_kv
     from pallas_kernels import dispatch  # imported lazily: Pallas is not needed on the fast CPU path
 

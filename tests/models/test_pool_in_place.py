@@ -64,10 +64,9 @@ def decode_step_hlo(model, rows: int, **config) -> tuple[str, object]:
     return step.lower(layer_stack.variables(runner.params), batch, runner.kv_cache).compile().as_text(), runner.kv_cache
 
 
-# (attention impl, model dtype, kv_cache_dtype). The native path writes with its own kernel
-# (native_kv_write.py), so bf16 pools stay in place there; XLA's scatter converts a bf16 or fp8
-# array whole on CPU, so the "xla" path is held to it for f32 models, and fp8 pools for neither
-# (their reads convert the pool too).
+# (attention impl, model dtype, kv_cache_dtype). The KV write is the native kernel on CPU
+# (native_kv_write.py); XLA CPU's gather converts a bf16 or fp8 operand whole, so the "xla" path's
+# reads of a bf16 pool and every path's reads of an fp8 pool are not held to it (docs/architecture.md).
 CASES = [("native", "float32", "auto"), ("native", "float32", "int8"), ("native", "bfloat16", "auto"),
          ("native", "bfloat16", "int8"), ("xla", "float32", "auto"), ("xla", "float32", "int8")]
 
