@@ -82,8 +82,9 @@ class KVLayout:
 
     name: str  # one of LAYOUTS
     # Canonical scales held in f32 (the bf16 scales kv_quant.quantize makes, stored exactly): the
-    # pools of the XLA-op and native attention paths. XLA CPU scatters a bf16 array by converting all of it to f32 and back,
-    # in every layer of every step (~0.6 s per SmolLM2 int8 step); an f32 one it updates in place.
+    # pools of the XLA-op and native attention paths. XLA CPU scatters a bf16 array by converting
+    # all of it to f32 and back, in every layer of every step (~0.6 s per SmolLM2 int8 step on a
+    # 2-core AMD EPYC, jax 0.10.2); an f32 one it updates in place.
     wide_scales: bool = False
 
     def __post_init__(self):
@@ -231,7 +232,7 @@ def two_token_scatter(slot_mapping: jax.Array, *rows: jax.Array) -> tuple[jax.Ar
     select around a dynamic-update-slice; where the updated pool then has two users (a scanned
     layer's carry and XLA attention's row view of the pool) that fusion is duplicated and the
     whole pool copied per layer: a one-row SmolLM2 decode step took 7-10 s instead of ~30 ms
-    (jax 0.10.2, CPU). A scatter of two indices stays in place."""
+    (2-core AMD EPYC, jax 0.10.2). A scatter of two indices stays in place."""
     if slot_mapping.shape[0] != 1:
         return (slot_mapping, *rows)
     pad = jnp.full((1,), -1, slot_mapping.dtype)
