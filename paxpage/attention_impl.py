@@ -98,10 +98,7 @@ def resolve(impl: str) -> str:
     from models.cache import native_dir
     from pallas_kernels import native_attention
 
-    if not native_attention.load(native_dir()):
-        return "xla"
-    native_kv_write_loaded()  # when it cannot load, the native path writes with XLA's scatter
-    return "native"
+    return "native" if native_attention.load(native_dir()) else "xla"
 
 
 def _on_cpu(backend: str | None) -> bool:
@@ -109,15 +106,17 @@ def _on_cpu(backend: str | None) -> bool:
     return backend in (None, "cpu") and jax.default_backend() == "cpu"
 
 
-def native_kv_write_loaded() -> bool:
-    """Whether the native CPU KV write (pallas_kernels/native_kv_write.py) is built and loaded,
-    loading it first; False when the native kernels are off (PAXPAGE_NATIVE_ATTENTION=0)."""
-    if os.environ.get("PAXPAGE_NATIVE_ATTENTION", "1") == "0":
-        return False
-    from models.cache import native_dir
-    from pallas_kernels import native_kv_write
+def _kv_write(backend: str | None, latent: bool):
+    """The KV write of the "native" / "xla" / latent paths: on this CPU the native kernel where it
+    builds and loads (pallas_kernels/native_kv_write.py; not with PAXPAGE_NATIVE_ATTENTION=0),
+    else XLA's scatter (reference.write_kv, latent_attention.write_latent)."""
+    if _on_cpu(backend) and os.environ.get("PAXPAGE_NATIVE_ATTENTION", "1") != "0":
+        from models.cache import native_dir
+        from pallas_kernels import native_kv_write
 
-    return native_kv_write.load(native_dir())
+        if native_kv_write.load(native_dir()):
+            return native_kv_write.write_latent if latent else native_kv_write.write_kv
+    return latent_attention.write_latent if latent else reference.write_kv
 
 
 def kernel_family(impl: str) -> str | None:
@@ -160,25 +159,16 @@ def functions(impl: str, backend: str | None = None, batch_invariant: bool = Fal
         attention = latent_attention.latent_attention_xla
         if batch_invariant:
             attention = functools.partial(attention, batch_invariant=True)
-        if _on_cpu(backend) and native_kv_write_loaded():
-            from pallas_kernels import native_kv_write
-
-            return attention, native_kv_write.write_latent
-        return attention, latent_attention.write_latent
+        return attention, _kv_write(backend, latent=True)
     if impl == "native":
         from pallas_kernels.native_attention import paged_attention_native
-        from pallas_kernels.native_kv_write import write_kv
 
-        return paged_attention_native, write_kv
+        return paged_attention_native, _kv_write(backend, latent=False)
     if impl == "xla":
         attention = paged_attention_xla
         if batch_invariant:
             attention = functools.partial(attention, batch_invariant=True)
-        if _on_cpu(backend) and native_kv_write_loaded():
-            from pallas_kernels import native_kv_write
-
-            return attention, native_kv_write.write_kv
-        return attention, reference.write_kv
+        return attention, _kv_write(backend, latent=False)
     from pallas_kernels import dispatch  # imported lazily: Pallas is not needed on the fast CPU path
 
     return (
