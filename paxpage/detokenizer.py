@@ -6,8 +6,12 @@ token list: text is decoded over a short window [prefix_offset:] and only what g
 decode of [prefix_offset:read_offset] is new, and only once it does not end in U+FFFD. The
 window also gives SentencePiece tokenizers the left context they need for leading spaces. With a
 fast tokenizer the window runs in Rust (tokenizers' DecodeStream, the same algorithm, seeded with
-the prompt context); other tokenizers go through `tokenizer.decode`. Either way a token costs a
-few microseconds whatever the length of the text (scripts/bench_detokenizer.py).
+the prompt context); other tokenizers go through `tokenizer.decode`. A byte-level BPE (GPT-2,
+Llama 3, Qwen, SmolLM2: a ByteLevel decoder alone) needs no window: its text is the UTF-8 of its
+tokens' bytes, so a token whose bytes are whole characters is its own text, read from a table
+(`_byte_level_pieces`), and only a token that splits a character (or an added token) goes
+through the stream. Either way a token costs a few microseconds or less whatever the length of
+the text (scripts/bench_detokenizer.py).
 
 Stop strings are searched in the decoded text across token boundaries. Text that could still
 turn out to be the start of a stop string is held back from the streamed deltas (unless the stop
@@ -26,9 +30,9 @@ from typing import Any
 
 try:
     from tokenizers import Tokenizer as _RustTokenizer
-    from tokenizers.decoders import DecodeStream as _DecodeStream
+    from tokenizers.decoders import ByteLevel as _ByteLevel, DecodeStream as _DecodeStream
 except ImportError:  # tokenizers without DecodeStream: decode the window in Python
-    _RustTokenizer = _DecodeStream = None
+    _RustTokenizer = _DecodeStream = _ByteLevel = None
 
 # Prompt tokens kept as left context for the first output token (vLLM uses 5 as well).
 _CONTEXT_TOKENS = 5
@@ -51,21 +55,34 @@ class IncrementalDetokenizer:
         self._max_stop_len = max(map(len, self._stop), default=0)
         self._min_tokens = min_tokens  # stop strings count only from this many output tokens
 
+        # A delta with none of these characters streams as it is while nothing is held back: a
+        # new match ends in the delta (so holds a stop string's last character) and, when the
+        # held-back tail is empty, also starts in it (no suffix of the streamed text begins a
+        # stop string: the tail is the longest that does), and so does any text to hold back.
+        self._stop_chars = frozenset(s[-1] if include_stop_str_in_output else s[0] for s in self._stop)
+
         context = [i for i in prompt_token_ids if i not in self._special_ids][-_CONTEXT_TOKENS:]
-        self._ids: list[int] = list(context)  # context + output tokens still to be decoded
-        self._read_offset = len(context)
-        # A fast tokenizer runs the same window algorithm in Rust (tokenizers' DecodeStream):
-        # one call per token instead of two decodes through transformers' Python wrapper.
         self._stream = None
+        self._pieces: list[str | None] | None = None
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if _DecodeStream is not None and isinstance(backend, _RustTokenizer):
+            self._backend = backend
+            if isinstance(backend.decoder, _ByteLevel):  # no left context needed: see the docstring
+                self._pieces = _byte_level_pieces(backend)
+                context = []
+        # context + output tokens still to be decoded; with the piece table only the tokens of a
+        # character still incomplete (none left of them matters)
+        self._ids: list[int] = list(context)
+        self._read_offset = len(context)
+        if self._pieces is None and hasattr(self, "_backend"):
+            # A fast tokenizer runs the same window algorithm in Rust (tokenizers' DecodeStream):
+            # one call per token instead of two decodes through transformers' Python wrapper.
             try:
                 self._stream = _DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
-                self._backend = backend
             except TypeError:  # an older DecodeStream without prompt context
                 self._stream = None
-        # With the stream, the window's text is only needed by finish(): decoded there.
-        self._prefix_text = self._decode(self._ids) if self._stream is None else None
+        # With the stream or the table, the window's text is only needed by finish(): decoded there.
+        self._prefix_text = self._decode(self._ids) if self._stream is None and self._pieces is None else None
 
         self.output_token_ids: list[int] = []
         self._text = ""  # output text returned as deltas so far (grown in place: see _emit)
@@ -94,32 +111,18 @@ class IncrementalDetokenizer:
 
         Once a stop string is matched, `stopped_by` is set, the returned delta ends the text
         and further calls return "" (the engine should stop the sequence)."""
-        if self.finished:
+        if self._finished or self._stopped_by is not None:
             return ""
         self.output_token_ids.append(token_id)
         if token_id in self._special_ids:
             return ""
-        ids = self._ids
-        ids.append(token_id)
-        # Between calls the window starts at 0: [0, read_offset) is the prefix (tokens whose text
-        # was consumed last), [read_offset, len) the tokens still to produce text.
-        if self._stream is not None:
-            delta = self._stream.step(self._backend, token_id)
+        pieces = self._pieces
+        if pieces is None or self._ids or token_id >= len(pieces) or (delta := pieces[token_id]) is None:
+            delta = self._decode_next(token_id)
             if delta is None:
                 return ""  # an incomplete character: wait for the tokens that finish it
-        else:
-            new_text = self._decode(ids)
-            if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
-                return ""  # an incomplete character: wait for the tokens that finish it
-            delta = new_text[len(self._prefix_text):]
-        # Slide the window: the new prefix is the tokens just consumed; the ones left of it are
-        # forgotten, so the list stays short.
-        self._ids = ids = ids[self._read_offset:]
-        self._read_offset = len(ids)
-        if self._stream is None:
-            self._prefix_text = self._decode(ids)
-        if not self._stop:  # no stop string to search for or hold text back for
-            return self._emit(delta)
+        if not self._stop or (not self._tail and self._stop_chars.isdisjoint(delta)):
+            return self._emit(delta)  # no stop string can end or begin in it
         return self._append_text(delta)
 
     def finish(self) -> str:
@@ -142,6 +145,35 @@ class IncrementalDetokenizer:
         return delta
 
     # ---- internals ----
+
+    def _decode_next(self, token_id: int) -> str | None:
+        """The window's new text once `token_id` joins it, or None while a character is
+        incomplete. Between calls the window starts at 0: [0, read_offset) is the prefix
+        (tokens whose text was consumed last), [read_offset, len) the tokens still to produce
+        text. With the piece table the window holds only such tokens, from a fresh stream."""
+        ids = self._ids
+        if self._pieces is not None and not ids:
+            self._stream = _DecodeStream(ids=[], skip_special_tokens=self._skip_special)
+        ids.append(token_id)
+        if self._stream is not None:
+            delta = self._stream.step(self._backend, token_id)
+            if delta is None:
+                return None
+        else:
+            new_text = self._decode(ids)
+            if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+                return None
+            delta = new_text[len(self._prefix_text):]
+        if self._pieces is not None:  # every token so far is text: the table takes the next
+            self._ids = []
+            return delta
+        # Slide the window: the new prefix is the tokens just consumed; the ones left of it are
+        # forgotten, so the list stays short.
+        self._ids = ids = ids[self._read_offset:]
+        self._read_offset = len(ids)
+        if self._stream is None:
+            self._prefix_text = self._decode(ids)
+        return delta
 
     def _decode(self, ids: Sequence[int]) -> str:
         if not ids:
@@ -200,3 +232,22 @@ class IncrementalDetokenizer:
             text += delta
             self._text = text
         return delta
+
+
+_PIECES: dict[int, tuple[object, list[str | None]]] = {}  # id(backend) -> (backend, its table)
+
+
+def _byte_level_pieces(backend) -> list[str | None]:
+    """Each token's text where its bytes are whole UTF-8 characters (None for the others, whose
+    text depends on their neighbours, and for added tokens), built once per tokenizer (~20 ms
+    for 49k tokens: one batched decode)."""
+    cached = _PIECES.get(id(backend))
+    if cached is not None and cached[0] is backend:
+        return cached[1]
+    size = backend.get_vocab_size(with_added_tokens=True)
+    texts = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+    added = backend.get_added_tokens_decoder()
+    pieces = [None if (not text or _REPLACEMENT_CHAR in text or i in added) else text
+              for i, text in enumerate(texts)]
+    _PIECES[id(backend)] = (backend, pieces)
+    return pieces

@@ -4,7 +4,10 @@ Feeds 2000 tokens of a mixed English / code / CJK / emoji text through Increment
 one at a time, as the engine does (add, then read .text and slice off the new part), and prints
 the median microseconds per token over tokens 0-99 and 1900-1999 of the same run, with no stop
 strings and with two. A cost that does not grow with the text gives equal columns. Variants:
-  stream    this detokenizer on the fast tokenizer (tokenizers' DecodeStream)
+  table     this detokenizer on the fast tokenizer as it runs for SmolLM2 (a byte-level BPE: each
+            token's text from a table, DecodeStream only for tokens that split a character)
+  stream    this detokenizer on the fast tokenizer with every token through tokenizers'
+            DecodeStream (as for a tokenizer whose decoder is not byte-level alone)
   window    this detokenizer through tokenizer.decode (a tokenizer without a Rust backend)
   baseline  another detokenizer.py (--baseline PATH), e.g. the main checkout's
 
@@ -29,6 +32,18 @@ from paxpage import detokenizer as detok_lib  # noqa: E402
 
 TEXT = ("The quick brown fox jumps over the lazy dog; 日本語のテキスト 🤗 and naïve café. "
         "def f(x):\n    return x * 2  # comment\n") * 200
+
+
+class _StreamOnly:
+    """IncrementalDetokenizer as it runs for a fast tokenizer whose decoder is not byte-level
+    alone: every token through tokenizers' DecodeStream."""
+
+    def __new__(cls, *args, **kwargs):
+        byte_level, detok_lib._ByteLevel = detok_lib._ByteLevel, type("NotByteLevel", (), {})
+        try:
+            return detok_lib.IncrementalDetokenizer(*args, **kwargs)
+        finally:
+            detok_lib._ByteLevel = byte_level
 
 
 class _PythonOnly:
@@ -79,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     tok = _tokenizer()
     ids = tok.encode(TEXT)[:2000]
     prompt = tok.encode("Q: say something")
-    variants = {"stream": (detok_lib.IncrementalDetokenizer, tok),
+    variants = {"table": (detok_lib.IncrementalDetokenizer, tok), "stream": (_StreamOnly, tok),
                 "window": (detok_lib.IncrementalDetokenizer, _PythonOnly(tok))}
     if args.baseline:
         spec = importlib.util.spec_from_file_location("baseline_detokenizer", args.baseline)

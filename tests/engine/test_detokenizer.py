@@ -2,10 +2,12 @@
 
 import importlib.util
 import os
+import random
 
 import pytest
 from transformers import AutoTokenizer
 
+from paxpage import detokenizer
 from paxpage.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
@@ -151,19 +153,74 @@ class _PythonOnly:
         return self._tok.decode(*args, **kwargs)
 
 
+def _stream_only(tok, monkeypatch, *args):
+    """A detokenizer on the fast tokenizer that decodes every token through tokenizers'
+    DecodeStream, as for a tokenizer whose decoder is not byte-level alone."""
+    with monkeypatch.context() as m:
+        m.setattr(detokenizer, "_ByteLevel", type("NotByteLevel", (), {}))
+        return IncrementalDetokenizer(tok, *args)
+
+
+def _paths(tok, monkeypatch, *args):
+    """The same detokenizer on each of its three decoding paths."""
+    window = IncrementalDetokenizer(_PythonOnly(tok), *args)
+    stream = _stream_only(tok, monkeypatch, *args)
+    table = IncrementalDetokenizer(tok, *args)
+    assert window._stream is None and window._pieces is None
+    assert stream._stream is not None and stream._pieces is None
+    assert table._pieces is not None  # SmolLM2's decoder is ByteLevel alone
+    return {"window": window, "stream": stream, "table": table}
+
+
 @pytest.mark.parametrize("skip", [True, False])
 @pytest.mark.parametrize("stop", [(), ("テキ", "the ", "  ")])
-def test_python_window_path_matches_the_full_decode(tok, stop, skip):
+def test_every_decoding_path_matches_the_full_decode(tok, monkeypatch, stop, skip):
     for text in TEXTS + ["Hi<|im_end|> after", " 🤗🤗 x"]:
         ids = tok.encode(text)
-        slow = IncrementalDetokenizer(_PythonOnly(tok), tok.encode("Q:"), skip, stop)
-        fast = IncrementalDetokenizer(tok, tok.encode("Q:"), skip, stop)
-        assert slow._stream is None and fast._stream is not None
-        slow_deltas = [slow.add(i) for i in ids] + [slow.finish()]
-        fast_deltas = [fast.add(i) for i in ids] + [fast.finish()]
-        assert slow_deltas == fast_deltas and slow.stopped_by == fast.stopped_by
+        runs = {}
+        for name, detok in _paths(tok, monkeypatch, tok.encode("Q:"), skip, stop).items():
+            runs[name] = ([detok.add(i) for i in ids] + [detok.finish()], detok.stopped_by, detok.text)
+        assert runs["window"] == runs["stream"] == runs["table"], text
         if not stop:
-            assert slow.text == tok.decode(ids, skip_special_tokens=skip)
+            assert runs["table"][2] == tok.decode(ids, skip_special_tokens=skip)
+
+
+def _reference(tok, ids, stop, include, skip):
+    """(text, stopped_by) by brute force: the first prefix of the tokens whose whole decode
+    holds a stop string (a prefix ending inside a character does not count) is cut at the
+    earliest one; without a match the whole decode."""
+    for k in range(1, len(ids) + 1):
+        text = tok.decode(ids[:k], skip_special_tokens=skip)
+        if text.endswith("\ufffd") and k < len(ids):
+            continue
+        found = [(text.find(s), n, s) for n, s in enumerate(stop) if s in text]
+        if found:
+            start, _, s = min(found)
+            return text[:start + (len(s) if include else 0)], s
+    return tok.decode(ids, skip_special_tokens=skip), None
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_random_tokens_and_stop_strings_on_every_path(tok, monkeypatch, include):
+    """Random token ids from the whole vocabulary (characters split across tokens, special and
+    added tokens included) with stop strings cut from their own text, against a brute-force
+    reference on the tokenizer's full decode."""
+    rng = random.Random(0)
+    size = len(tok)
+    multibyte = tok.encode(" 🤗 世界 naïve ½ 👩‍👩‍👧")
+    for trial in range(40):
+        ids = [rng.choice(multibyte) if rng.random() < 0.2 else rng.randrange(size) for _ in range(30)]
+        skip = trial % 3 != 0
+        full = tok.decode(ids, skip_special_tokens=skip)
+        stop = ()
+        if trial % 4:
+            stop = tuple(full[i:i + rng.randint(1, 4)] for i in rng.sample(range(len(full) - 4), rng.randint(1, 3)))
+            stop = tuple(s for s in stop if s.strip() and "\ufffd" not in s) or ("zzzq",)
+        expected = _reference(tok, ids, stop, include, skip)
+        for name, detok in _paths(tok, monkeypatch, [], skip, stop, include).items():
+            deltas = [detok.add(i) for i in ids] + [detok.finish()]
+            assert ("".join(deltas), detok.stopped_by) == (detok.text, detok.stopped_by)
+            assert (detok.text, detok.stopped_by) == expected, (name, trial, ids, stop)
 
 
 def test_long_output_matches_the_full_decode_and_stops_late(tok):
