@@ -124,9 +124,10 @@ def test_abandoned_stream_frees_its_pages_within_a_step(tiny, prompts, how):
         del gen
     _wait_until(lambda: _all_pages_free(tiny))
     # Aborts are applied before the loop's next step; the step in flight may finish. The loop
-    # keeps stepping while this thread abandons the stream, so a fast step fits another one or two
-    # in that window (3 seen once in a full run); a missed abort would run ~197 more.
-    assert engine.stats.steps - steps <= 4
+    # keeps stepping while this thread abandons the stream, and a tiny model's step takes about a
+    # millisecond, so that window holds a few steps (6 seen under a loaded full run); a missed
+    # abort would run ~197 more.
+    assert engine.stats.steps - steps <= 24
 
 
 def test_validation_error_runs_none_of_the_call(tiny, prompts):
