@@ -16,7 +16,7 @@ Axis legend: P pages, page_size slots per page, K kv heads, D head dim.
 A quantised pool (kv_quant.QuantizedKV) has its values in the same layout as a plain one and
 its per-(token, kv head, K | V) scales beside them:
 - canonical: SCALE_DTYPES["canonical"] (bf16) [2, P, page_size, K], the values' leading axes;
-  f32 in the pools of the XLA-op and native paths (XLA_CANONICAL), holding the same bf16 values.
+  f32 in the XLA-op path's pools (XLA_CANONICAL), holding the same bf16 values.
 - tpu: f32 [K, R, 1, W], head-major rows of W = 128 lanes (`ScaleRows`): row r of head h holds
   the scales of pages r * pages_per_row .. (r + 1) * pages_per_row - 1, page p's at lanes
   (p % pages_per_row) * lanes_per_page + half * page_size + slot. A bf16 [2, P, page_size, K]
@@ -240,7 +240,7 @@ def two_token_scatter(slot_mapping: jax.Array, *rows: jax.Array) -> tuple[jax.Ar
 
 
 CANONICAL = KVLayout("canonical")
-XLA_CANONICAL = KVLayout("canonical", wide_scales=True)  # the "xla" / "native" attention pools
+XLA_CANONICAL = KVLayout("canonical", wide_scales=True)  # the "xla" attention path's pools
 TPU = KVLayout("tpu")
 
 

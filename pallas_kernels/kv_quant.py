@@ -28,7 +28,7 @@ from pallas_kernels import kv_layout
 # EngineConfig.kv_cache_dtype values other than "auto" -> storage dtype.
 KV_CACHE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 # bf16 scales: 2 bytes per 64-value row, so int8 holds 128 / 66 = 1.94x bf16's tokens at head_dim
-# 64 (f32 scales: 1.88x); the attention error is the same to the measured precision
+# 64 (f32 scales, TPU and the CPU's XLA-ops path: 1.88x); the attention error is the same to the measured precision
 # (scripts/kv_quant_error.py, docs/quantisation.md). The stored scale is the one values are divided by.
 SCALE_DTYPE = kv_layout.SCALE_DTYPES["canonical"]
 # Largest magnitude a stored value may have: int8 127 (symmetric: -128 never used), e4m3 448.

@@ -9,8 +9,9 @@ The library is compiled with g++ on first use into a directory the caller names 
 its cache directory + /native), keyed by source, flags, compiler, jaxlib and CPU (native/build.py),
 and registered with `jax.ffi.register_ffi_target` for the CPU platform. `load` says whether that
 worked; when it did not (no compiler, a failed build) it warns once and the caller uses the XLA-ops
-path. A quantised pool (kv_quant.QuantizedKV) and pools other than f32 / bf16 take the XLA-ops
-path here too.
+path. Pools are f32 or bf16, or int8 / fp8 (kv_quant.QuantizedKV, canonical layout) read as stored
+with their f32 or bf16 per-token scales: a key's score is scaled, and a value's weight, so no
+dequantised copy of the pool is made. Other pools take the XLA-ops path.
 
 Axis legend: B rows, Tq query tokens per row, N query heads, K kv heads, D head dim, P pages.
 """
@@ -31,6 +32,8 @@ TARGET = "paxpage_paged_attention_cpu"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "paged_attention_cpu.cc")
 _SYMBOL = "PaxpagePagedAttentionCpu"
 KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+QUANTISED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 LIBRARY = native_build.NativeLibrary(SOURCE, {TARGET: _SYMBOL}, "the native CPU attention kernel")
 
@@ -58,7 +61,8 @@ def paged_attention_native(
     sinks: jax.Array | None = None,  # f32[N] per query head: a logit in the denominator only
 ) -> jax.Array:  # [B, Tq, N, D]; padding query tokens are zeros
     masking = dict(sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
-    if isinstance(kv_pages, kv_quant.QuantizedKV) or jnp.dtype(kv_pages.dtype) not in KV_DTYPES:
+    pages, scales = kv_quant.split(kv_pages)
+    if not _native_pool(pages, scales):
         return paged_attention_xla(q, kv_pages, page_indices, kv_lens, q_lens, sm_scale=sm_scale, **masking)
     if not loaded():
         raise RuntimeError("paged_attention_native: call native_attention.load(build_dir) first")
@@ -72,7 +76,18 @@ def paged_attention_native(
     # No sinks: an empty operand, and the kernel's final normalisation is the plain one.
     sinks = jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    out = call(q.astype(jnp.float32), kv_pages, page_indices.astype(jnp.int32), kv_lens.astype(jnp.int32),
+    if scales is None:  # a plain pool: an empty scales operand
+        scales = jnp.zeros((0,), jnp.float32)
+    out = call(q.astype(jnp.float32), pages, scales, page_indices.astype(jnp.int32), kv_lens.astype(jnp.int32),
                q_lens.astype(jnp.int32), sinks, sm_scale=np.float32(sm_scale),
                sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
     return out.astype(q.dtype)
+
+
+def _native_pool(pages, scales) -> bool:
+    """Whether the kernel reads this pool: f32 / bf16 values, or int8 / fp8 values with f32 / bf16
+    scales [2, P, page_size, K] (the canonical layout)."""
+    if scales is None:
+        return jnp.dtype(pages.dtype) in KV_DTYPES
+    return (jnp.dtype(pages.dtype) in QUANTISED_DTYPES and jnp.dtype(scales.dtype) in SCALE_DTYPES
+            and pages.ndim == 5 and scales.shape == pages.shape[:4])

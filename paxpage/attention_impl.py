@@ -130,10 +130,14 @@ def kernel_family(impl: str) -> str | None:
 
 def pool_layout(impl: str, backend: str | None, latent: bool = False) -> kv_layout.KVLayout:
     """The layout a runner's pool gets (pallas_kernels/kv_layout.py), scanned layers or not: its
-    Pallas kernel family's (the TPU kernels' tiles on "tpu"), canonical for "native" / "xla"
-    (with f32 scales: kv_layout.XLA_CANONICAL) and for a latent pool. backend: the compile
-    target's ("cpu" or None: this host's kernels; compiled "pallas" has none there, and the
-    runner says so)."""
+    Pallas kernel family's (the TPU kernels' tiles on "tpu"), canonical for "native" (the kernel
+    reads a quantised pool's bf16 scales as stored) and "xla" (with f32 scales,
+    kv_layout.XLA_CANONICAL: XLA CPU's gather would convert a bf16 scales array whole in every
+    layer) and for a latent pool. `impl` as asked: a "native" that resolves to "xla" keeps its
+    pool (and its sizing). backend: the compile target's ("cpu" or None: this host's kernels;
+    compiled "pallas" has none there, and the runner says so)."""
+    if impl == "native":
+        return kv_layout.CANONICAL
     if not get(impl).pallas:
         return kv_layout.XLA_CANONICAL
     if backend in ("gpu", "tpu"):

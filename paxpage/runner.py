@@ -73,7 +73,7 @@ class ModelRunner:
         # stacked array (or, in the tpu layout, one pool of L * P pages) instead of a list of L.
         self.scanned = cfg.scan_period > 0
         # The pool's layout (pallas_kernels/kv_layout.py): the TPU kernels' tiles on TPU.
-        self.kv_layout = attention_impl.pool_layout(impl, cfg.backend, model_cfg.is_mla)
+        self.kv_layout = attention_impl.pool_layout(asked or impl, cfg.backend, model_cfg.is_mla)  # as sized
         attention, write_kv = attention_impl.functions(impl, backend, cfg.batch_invariant, latent=model_cfg.is_mla,
                                                        layout=self.kv_layout.name)
         pool_sharding = None  # None: the default device

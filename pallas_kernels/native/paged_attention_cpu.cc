@@ -5,8 +5,10 @@
 // Axis legend: B rows, Tq query tokens per row, N query heads, K kv heads, G = N / K, D head dim,
 // P pages.
 //
-// Operands: q f32[B, Tq, N, D] (already f32; the Python wrapper casts), kv_pages f32 or bf16
-// [2, P, page_size, K, D], page_indices i32[B, pages_per_seq], kv_lens i32[B], q_lens i32[B],
+// Operands: q f32[B, Tq, N, D] (already f32; the Python wrapper casts), kv_pages f32, bf16, int8
+// or float8_e4m3fn [2, P, page_size, K, D], kv_scales f32 or bf16 [2, P, page_size, K] for an
+// int8 / fp8 pool (token j of head h holds kv_pages[..., j, h, :] * kv_scales[..., j, h]) or f32[0]
+// for a plain one, page_indices i32[B, pages_per_seq], kv_lens i32[B], q_lens i32[B],
 // sinks f32[N] (gpt-oss: a per-query-head logit in the softmax's denominator only) or f32[0] for none.
 // Attributes: sm_scale, sliding_window (0 = none), soft_cap (0 = none). Result f32[B, Tq, N, D].
 //
@@ -25,13 +27,15 @@
 // (GCC vector extensions: AVX-512 with -march=native, split into narrower registers elsewhere);
 // with page_size % 16 == 0 the scores of 16 keys are reduced together by a shuffle tree, exp is a
 // vectorised polynomial, and the accumulators stay in registers across a page's keys. Other head
-// dims take plain loops.
+// dims take plain loops. A quantised pool is read as stored (1 byte a value): a key's score is its
+// scale times q . k, and a value's weight p times its scale, so nothing is dequantised in memory.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -77,6 +81,48 @@ inline v16 load16(const uint16_t* p) {
   std::memcpy(&x, &bits, sizeof(x));
   return x;
 }
+
+// int8 values of a quantised pool (the scale applies outside: see attend).
+inline float load(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
+
+inline v16 load16(const int8_t* p) {
+  int8_t h[kLanes];
+  std::memcpy(h, p, sizeof(h));
+  v16i x;
+  for (int j = 0; j < kLanes; ++j) x[j] = h[j];
+  return __builtin_convertvector(x, v16);
+}
+
+// float8_e4m3fn values (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinities,
+// S.1111.111 is NaN), decoded through a 256-entry table.
+struct Fp8 {
+  uint8_t bits;
+};
+
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int exponent = (b >> 3) & 15, mantissa = b & 7;
+      float x = exponent == 0 ? std::ldexp(mantissa / 8.0f, -6) : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+      if (exponent == 15 && mantissa == 7) x = std::numeric_limits<float>::quiet_NaN();
+      value[b] = (b & 128) ? -x : x;
+    }
+  }
+};
+const Fp8Table kFp8;
+
+inline float load(const Fp8* p, int64_t i) { return kFp8.value[p[i].bits]; }
+
+inline v16 load16(const Fp8* p) {
+  v16 x;
+  for (int j = 0; j < kLanes; ++j) x[j] = kFp8.value[p[j].bits];
+  return x;
+}
+
+// Pools stored with a scale per (token, kv head).
+template <typename KV>
+constexpr bool kScaled = std::is_same_v<KV, int8_t> || std::is_same_v<KV, Fp8>;
 
 // Demand-loads every 64-byte line of [k, k + bytes) and of [v, v + bytes), the two runs
 // interleaved in address order (the result is discarded). Folding a page reads it head by head, a
@@ -156,6 +202,8 @@ inline void axpy(float* acc, float p, const KV* v, int64_t d_len) {
 struct Problem {
   const float* q;
   const void* kv;
+  const void* scales;  // [2, P, page_size, K] of a quantised pool, f32 or bf16 (scales_bf16); else nullptr
+  bool scales_bf16;
   const int32_t* page_indices;
   const int32_t* kv_lens;
   const int32_t* q_lens;
@@ -166,22 +214,24 @@ struct Problem {
   float sm_scale;
   int64_t window;  // 0: none
   float soft_cap;  // 0: none
-  bool bf16;
 };
 
 // Scratch of one thread, reused across items and calls.
 struct Scratch {
-  std::vector<float> q, acc, m, l, s;
+  std::vector<float> q, acc, m, l, s, ks, vs;
 };
 
 inline int64_t padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
-// Keys [first, last) of one page, one kv head: key j at k + j * stride, its value at v + j * stride.
+// Keys [first, last) of one page, one kv head: key j at k + j * stride, its value at v + j * stride;
+// for a quantised pool their scales ks[j], vs[j] (padded(page_size) floats each, 0 past the page).
 template <typename KV>
 struct Block {
   const KV* k;
   const KV* v;
   int64_t stride, first, last;
+  const float* ks = nullptr;
+  const float* vs = nullptr;
 };
 
 // Folds one page's keys into the online softmax of the G query heads q [G, D] that share a kv
@@ -208,6 +258,7 @@ inline void attend(const Problem& pr, const Block<KV>& blk, int64_t group, int64
             for (int c = 1; c < C; ++c) a[j] += qv[c] * load16(kj + c * kLanes);
           }
           v16 sc = fold16x16(a);
+          if constexpr (kScaled<KV>) sc *= load16(blk.ks + j0);
           for (int j = 0; j < kLanes; ++j)
             if (j0 + j < blk.first || j0 + j >= blk.last) sc[j] = neg_inf;
           std::memcpy(sg + j0, &sc, sizeof(sc));
@@ -219,6 +270,7 @@ inline void attend(const Problem& pr, const Block<KV>& blk, int64_t group, int64
           v16 a = qv[0] * load16(kj);
           for (int c = 1; c < C; ++c) a += qv[c] * load16(kj + c * kLanes);
           sg[j] = fold16(a);
+          if constexpr (kScaled<KV>) sg[j] *= blk.ks[j];
         }
         for (int64_t j = blk.last; j < width; ++j) sg[j] = neg_inf;
       }
@@ -243,7 +295,8 @@ inline void attend(const Problem& pr, const Block<KV>& blk, int64_t group, int64
       for (int c = 0; c < C; ++c) a[c] = load16(acc + g * D + c * kLanes) * alpha;
       for (int64_t j = blk.first; j < blk.last; ++j) {
         const KV* vj = blk.v + j * blk.stride;
-        const float p = sg[j];
+        float p = sg[j];
+        if constexpr (kScaled<KV>) p *= blk.vs[j];
         for (int c = 0; c < C; ++c) a[c] += p * load16(vj + c * kLanes);
       }
       for (int c = 0; c < C; ++c) std::memcpy(acc + g * D + c * kLanes, &a[c], sizeof(v16));
@@ -256,6 +309,7 @@ inline void attend(const Problem& pr, const Block<KV>& blk, int64_t group, int64
       float page_max = -std::numeric_limits<float>::infinity();
       for (int64_t j = blk.first; j < blk.last; ++j) {
         float x = dot<0>(qg, blk.k + j * blk.stride, d_len);
+        if constexpr (kScaled<KV>) x *= blk.ks[j];
         if (pr.soft_cap > 0.0f) x = pr.soft_cap * std::tanh(x / pr.soft_cap);
         sg[j] = x;
         page_max = std::max(page_max, x);
@@ -267,7 +321,7 @@ inline void attend(const Problem& pr, const Block<KV>& blk, int64_t group, int64
       for (int64_t j = blk.first; j < blk.last; ++j) {
         const float p = std::exp(sg[j] - m_new);
         sum += p;
-        axpy<0>(ag, p, blk.v + j * blk.stride, d_len);
+        axpy<0>(ag, kScaled<KV> ? p * blk.vs[j] : p, blk.v + j * blk.stride, d_len);
       }
       l[g] = alpha * l[g] + sum;
       m[g] = m_new;
@@ -304,6 +358,11 @@ void run_item(const Problem& pr, int64_t item, Scratch& sc) {
   sc.m.assign(num_m, -std::numeric_limits<float>::infinity());
   sc.l.assign(num_m, 0.0f);
   sc.s.resize(group * padded(pr.page_size));
+  const int64_t width = padded(pr.page_size);
+  if constexpr (kScaled<KV>) {  // [heads_per_item, width] each: one page's scales, as f32
+    sc.ks.assign(pr.heads_per_item * width, 0.0f);
+    sc.vs.assign(pr.heads_per_item * width, 0.0f);
+  }
   for (int64_t t = 0; t < q_len; ++t) {
     const float* src = head_row(pr.q, t);
     float* dst = sc.q.data() + t * heads * d_len;
@@ -358,6 +417,24 @@ void run_item(const Problem& pr, int64_t item, Scratch& sc) {
     const int64_t s0 = pi * pr.page_size;
     const KV* k_page = pool + page * pr.page_size * token_stride;
     const KV* v_page = k_page + half;
+    if constexpr (kScaled<KV>) {  // the page's scales of the item's heads (slots past kv_len too:
+      // their scores are replaced and their values never read, whatever they hold)
+      const int64_t per_half = pr.num_pages * pr.page_size * pr.num_kv_heads;
+      for (int64_t kh = kh0; kh < kh1; ++kh) {
+        float* ks = sc.ks.data() + (kh - kh0) * width;
+        float* vs = sc.vs.data() + (kh - kh0) * width;
+        for (int64_t j = 0; j < pr.page_size; ++j) {
+          const int64_t i = (page * pr.page_size + j) * pr.num_kv_heads + kh;  // (K half, page, j, kh)
+          if (pr.scales_bf16) {
+            ks[j] = load(static_cast<const uint16_t*>(pr.scales), i);
+            vs[j] = load(static_cast<const uint16_t*>(pr.scales), i + per_half);
+          } else {
+            ks[j] = static_cast<const float*>(pr.scales)[i];
+            vs[j] = static_cast<const float*>(pr.scales)[i + per_half];
+          }
+        }
+      }
+    }
     for (int64_t t = 0; t < q_len; ++t) {
       const int64_t pos = base + t;
       const int64_t first = std::max(s0, pr.window > 0 ? pos - pr.window + 1 : int64_t{0}) - s0;
@@ -366,7 +443,8 @@ void run_item(const Problem& pr, int64_t item, Scratch& sc) {
       for (int64_t kh = kh0; kh < kh1; ++kh) {
         if (ahead >= 0 && spread) prefetch(ahead, kh - kh0, pr.heads_per_item);
         const int64_t m0 = (t * pr.heads_per_item + (kh - kh0)) * group;
-        const Block<KV> blk{k_page + kh * d_len, v_page + kh * d_len, token_stride, first, last};
+        const Block<KV> blk{k_page + kh * d_len, v_page + kh * d_len, token_stride, first, last,
+                            sc.ks.data() + (kh - kh0) * width, sc.vs.data() + (kh - kh0) * width};
         attend<D>(pr, blk, group, d_len, sc.q.data() + m0 * d_len, sc.acc.data() + m0 * d_len,
                   sc.m.data() + m0, sc.l.data() + m0, s);
       }
@@ -401,7 +479,7 @@ void run_item_any_dim(const Problem& pr, int64_t item, Scratch& sc) {
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
-                          ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> kv_lens,
+                          ffi::AnyBuffer kv_scales, ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> kv_lens,
                           ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::F32> sinks, float sm_scale, int64_t sliding_window,
                           float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   const auto q_dims = q.dimensions();
@@ -410,11 +488,23 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   if (q_dims.size() != 4 || kv_dims.size() != 5 || table_dims.size() != 2 || kv_dims[0] != 2)
     return ffi::Error::InvalidArgument("paged_attention_cpu: unexpected operand ranks");
   const auto kv_type = kv_pages.element_type();
-  if (kv_type != ffi::DataType::F32 && kv_type != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("paged_attention_cpu: kv_pages must be f32 or bf16");
+  const bool quantised = kv_type == ffi::DataType::S8 || kv_type == ffi::DataType::F8E4M3FN;
+  if (kv_type != ffi::DataType::F32 && kv_type != ffi::DataType::BF16 && !quantised)
+    return ffi::Error::InvalidArgument("paged_attention_cpu: kv_pages must be f32, bf16, int8 or float8_e4m3fn");
+  const auto scale_type = kv_scales.element_type();
+  const auto scale_dims = kv_scales.dimensions();
+  if (quantised != (kv_scales.element_count() > 0) ||
+      (quantised && (scale_dims.size() != 4 || scale_dims[0] != 2 || scale_dims[1] != kv_dims[1] ||
+                     scale_dims[2] != kv_dims[2] || scale_dims[3] != kv_dims[3] ||
+                     (scale_type != ffi::DataType::F32 && scale_type != ffi::DataType::BF16))))
+    return ffi::Error::InvalidArgument(
+        "paged_attention_cpu: an int8 / fp8 pool needs f32 or bf16 kv_scales [2, P, page_size, K], "
+        "a plain one f32[0]");
   Problem pr;
   pr.q = q.typed_data();
   pr.kv = kv_pages.untyped_data();
+  pr.scales = quantised ? kv_scales.untyped_data() : nullptr;
+  pr.scales_bf16 = scale_type == ffi::DataType::BF16;
   pr.page_indices = page_indices.typed_data();
   pr.kv_lens = kv_lens.typed_data();
   pr.q_lens = q_lens.typed_data();
@@ -431,7 +521,6 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   pr.sm_scale = sm_scale;
   pr.window = sliding_window;
   pr.soft_cap = soft_cap;
-  pr.bf16 = kv_type == ffi::DataType::BF16;
   if (pr.num_kv_heads <= 0 || pr.num_heads % pr.num_kv_heads != 0 || kv_dims[4] != pr.head_dim ||
       table_dims[0] != pr.batch || pr.num_pages <= 0 ||
       (sinks.element_count() != 0 && sinks.element_count() != pr.num_heads))
@@ -440,12 +529,13 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   // split rows by kv head too, so a step of a few prefill rows still spreads over the threads.
   pr.heads_per_item = pr.num_q == 1 ? pr.num_kv_heads : 1;
   const int64_t num_items = pr.batch * (pr.num_kv_heads / pr.heads_per_item);
-  parallel_for(pool, num_items, 4, [&pr](int64_t item) {
+  parallel_for(pool, num_items, 4, [&pr, kv_type](int64_t item) {
     thread_local Scratch scratch;
-    if (pr.bf16) {
-      run_item_any_dim<uint16_t>(pr, item, scratch);
-    } else {
-      run_item_any_dim<float>(pr, item, scratch);
+    switch (kv_type) {
+      case ffi::DataType::BF16: return run_item_any_dim<uint16_t>(pr, item, scratch);
+      case ffi::DataType::S8: return run_item_any_dim<int8_t>(pr, item, scratch);
+      case ffi::DataType::F8E4M3FN: return run_item_any_dim<Fp8>(pr, item, scratch);
+      default: return run_item_any_dim<float>(pr, item, scratch);
     }
   });
   return ffi::Error::Success();
@@ -458,6 +548,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PaxpagePagedAttentionCpu, PagedAttention,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()    // q
                                   .Arg<ffi::AnyBuffer>()           // kv_pages
+                                  .Arg<ffi::AnyBuffer>()           // kv_scales: [2, P, page_size, K] or f32[0]
                                   .Arg<ffi::Buffer<ffi::S32>>()    // page_indices
                                   .Arg<ffi::Buffer<ffi::S32>>()    // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()    // q_lens

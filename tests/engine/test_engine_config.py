@@ -172,11 +172,12 @@ def test_kv_cache_dtype_validated():
 
 def test_quantized_pool_holds_more_tokens_at_one_budget():
     # SmolLM2-135M's KV shape: 30 layers, 3 kv heads of 64. A 16-token page per (K or V, layer,
-    # kv head): f32 16 * 64 * 4 = 4096 bytes, bf16 2048, int8 / fp8 16 * (64 + 4-byte scale) = 1088
-    # (a CPU pool holds its bf16 scales in f32: kv_layout.XLA_CANONICAL).
+    # kv head): f32 16 * 64 * 4 = 4096 bytes, bf16 2048, int8 / fp8 16 * (64 + 2-byte bf16 scale) = 1056
+    # (the native kernel, the CPU default, reads bf16 scales; the XLA-ops path's pool holds them
+    # in f32, kv_layout.XLA_CANONICAL: 1088).
     smollm2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                           num_kv_heads=3, head_dim=64, max_position_embeddings=8192)
-    per_page = {"float32": 4096, "bfloat16": 2048, "int8": 1088, "fp8": 1088}
+    per_page = {"float32": 4096, "bfloat16": 2048, "int8": 1056, "fp8": 1056}
     budget = 1 << 30
     pages = {}
     for name, want in per_page.items():
@@ -184,11 +185,14 @@ def test_quantized_pool_holds_more_tokens_at_one_budget():
         resolved = EngineConfig(dtype=dtype, kv_cache_dtype=kv, kv_cache_bytes=budget).resolve(smollm2, backend="cpu")
         assert resolved.page_bytes == 2 * 30 * 3 * want
         pages[name] = resolved.num_pages
-    assert pages["int8"] == pages["fp8"] == budget // (180 * 1088) == 5482
+    assert pages["int8"] == pages["fp8"] == budget // (180 * 1056) == 5648
     assert pages["bfloat16"] == budget // (180 * 2048) == 2912
-    # 2x bf16's tokens and 4x f32's, less the scales' 4 bytes per 64 values (1/17).
-    assert pages["int8"] / pages["bfloat16"] == pytest.approx(2 * 64 / 68, rel=1e-3)
-    assert pages["int8"] / pages["float32"] == pytest.approx(4 * 64 / 68, rel=1e-3)
+    # 2x bf16's tokens and 4x f32's, less the scales' 2 bytes per 64 values (1/33): 1.94x bf16's.
+    assert pages["int8"] / pages["bfloat16"] == pytest.approx(2 * 64 / 66, rel=1e-3)
+    assert pages["int8"] / pages["float32"] == pytest.approx(4 * 64 / 66, rel=1e-3)
+    xla = EngineConfig(dtype="bfloat16", kv_cache_dtype="int8", kv_cache_bytes=budget,
+                       attention_impl="xla").resolve(smollm2, backend="cpu")
+    assert xla.page_bytes == 2 * 30 * 3 * 1088
 
 
 def test_tpu_pool_sizing_counts_the_f32_scale_rows_it_allocates(tiny_params):
@@ -208,17 +212,17 @@ def test_tpu_pool_sizing_counts_the_f32_scale_rows_it_allocates(tiny_params):
         held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool))
         assert held == 16 * resolved.page_bytes, kv
     canonical = EngineConfig(page_size=8, num_pages=16, kv_cache_dtype="int8", dtype="bfloat16").resolve(cfg, backend="cpu")
-    # per (token, kv head, K or V): one f32 scale on CPU, one f32 lane on TPU (16 lanes a page here)
-    assert resolved.page_bytes == canonical.page_bytes
-    bf16_scales = EngineConfig(page_size=8, num_pages=16, kv_cache_dtype="int8", dtype="bfloat16",
-                               attention_impl="pallas-interpret").resolve(cfg, backend="cpu")
-    assert canonical.page_bytes - bf16_scales.page_bytes == 2 * cfg.num_layers * 8 * cfg.num_kv_heads * 2
+    # per (token, kv head, K or V): one bf16 scale in the native kernel's pool, one f32 lane on TPU
+    assert resolved.page_bytes - canonical.page_bytes == 2 * cfg.num_layers * 8 * cfg.num_kv_heads * 2
+    f32_scales = EngineConfig(page_size=8, num_pages=16, kv_cache_dtype="int8", dtype="bfloat16",
+                              attention_impl="xla").resolve(cfg, backend="cpu")
+    assert f32_scales.page_bytes == resolved.page_bytes  # the XLA-ops path's pool: one f32 scale
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_runner_builds_and_copies_a_quantized_pool(tiny_params, scan_layers):
     """Per-layer caches or the scanned layers' one stacked cache [2, L, P, ...]: fp8 pages with
-    f32 scales (kv_layout.XLA_CANONICAL), and a page copy moves a page's scales with its values in every layer."""
+    bf16 scales (the native kernel's pool), and a page copy moves a page's scales with its values in every layer."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -238,7 +242,7 @@ def test_runner_builds_and_copies_a_quantized_pool(tiny_params, scan_layers):
         assert isinstance(layer, QuantizedKV)
         assert layer.pages.shape == (*lead, 6, 8, cfg.num_kv_heads, cfg.head_dim)
         assert layer.pages.dtype == jnp.float8_e4m3fn
-        assert layer.scales.shape == (*lead, 6, 8, cfg.num_kv_heads) and layer.scales.dtype == jnp.float32
+        assert layer.scales.shape == (*lead, 6, 8, cfg.num_kv_heads) and layer.scales.dtype == jnp.bfloat16
     leaves, tree = jax.tree.flatten(runner.kv_cache)
     filled = [jnp.asarray(np.arange(x.size).reshape(x.shape) % 7, x.dtype) for x in leaves]
     runner.kv_cache = jax.tree.unflatten(tree, filled)

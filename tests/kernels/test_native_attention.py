@@ -15,7 +15,7 @@ import pytest
 from kernel_cases import (CONFIGS, SINK_CASES, WINDOW_CASES, assert_close, assert_sinks_matter, config_id,
                           make_case, make_sinks, quant_case_id, quantize_case, QUANT_CASES, reference_pool,
                           release_outside_window, window_case_id)
-from pallas_kernels import native_attention
+from pallas_kernels import kv_quant, native_attention
 from pallas_kernels.native import build as native_build
 from pallas_kernels.reference import paged_attention_ref
 from pallas_kernels.xla_attention import paged_attention_xla
@@ -143,14 +143,47 @@ def test_many_rows_spread_over_threads():
     assert_close(_run(case, sm_scale=0.125), _want(case, sm_scale=0.125), jnp.float32)
 
 
-@pytest.mark.parametrize("qc", QUANT_CASES[:1], ids=quant_case_id)
-def test_quantised_pool_takes_the_xla_path(qc):
+# Quantised pools: int8 / fp8 values read as stored, with bf16 scales (the engine's native pool)
+# or f32 ones (the XLA path's); the generic head-dim path (24) and a window with a cap too.
+QUANT_NATIVE_CASES = [(kind, cfg) for kind, cfg in QUANT_CASES] + [("fp8", EXTRA_CONFIGS[0]), ("int8", CONFIGS[3])]
+
+
+@pytest.mark.parametrize("qc", QUANT_NATIVE_CASES, ids=quant_case_id)
+@pytest.mark.parametrize("kind", sorted(LENGTH_CASES))
+@pytest.mark.parametrize("scale_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("wc", [(None, None), (16, 3.0)], ids=window_case_id)
+def test_quantised_pool_matches_the_reference(qc, kind, scale_dtype, wc):
+    """Against the jnp reference on the dequantised pool. Unused rows have NaN scales (their
+    values are finite): a stray read poisons the output."""
     kv_cache_dtype, (dtype, page_size, ratio, head_dim, num_kv_heads) = qc
-    case = make_case(np.random.default_rng(9), dtype=dtype, page_size=page_size, ratio=ratio,
-                     head_dim=head_dim, num_kv_heads=num_kv_heads, kv_lens=[5, 33], q_lens=[1, 1],
-                     pages_per_seq=4)
-    pool, _ = quantize_case(case, kv_cache_dtype)
+    window, cap = wc
+    kv_lens, q_lens = LENGTH_CASES[kind]
+    case = make_case(np.random.default_rng(13), dtype=dtype, page_size=page_size, ratio=ratio,
+                     head_dim=head_dim, num_kv_heads=num_kv_heads, kv_lens=kv_lens, q_lens=q_lens,
+                     pages_per_seq=-(-70 // page_size) + 2)
+    case = release_outside_window(case, window)
+    pool, ref_pool = quantize_case(case, kv_cache_dtype)
+    pool = kv_quant.QuantizedKV(pool.pages, pool.scales.astype(scale_dtype))
+    kw = dict(sm_scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap)
     args = (jnp.asarray(case.q), pool, case.page_indices, case.kv_lens, case.q_lens)
+    got = jax.jit(lambda *a: native_attention.paged_attention_native(*a, **kw))(*args)
+    hlo = jax.jit(lambda *a: native_attention.paged_attention_native(*a, **kw)).lower(*args).as_text()
+    assert native_attention.TARGET in hlo  # the kernel ran, not the XLA-ops fallback
+    want = paged_attention_ref(jnp.asarray(case.q), ref_pool, case.page_indices, case.kv_lens, case.q_lens, **kw)
+    assert got.dtype == case.q.dtype
+    assert_close(got, want, dtype)
+    pad = np.arange(case.q.shape[1])[None, :] >= case.q_lens[:, None]
+    assert not np.asarray(jnp.asarray(got, jnp.float32))[pad].any()
+
+
+def test_a_pool_it_cannot_read_takes_the_xla_path():
+    """float16 values (no native form) go through XLA ops, equal to the XLA path's result."""
+    case = make_case(np.random.default_rng(9), dtype=jnp.float32, page_size=8, ratio=2, head_dim=16,
+                     num_kv_heads=2, kv_lens=[5, 13], q_lens=[1, 1], pages_per_seq=3)
+    pool = jnp.asarray(reference_pool(case.kv_pages), jnp.float16)
+    args = (jnp.asarray(case.q), pool, case.page_indices, case.kv_lens, case.q_lens)
+    hlo = jax.jit(lambda *a: native_attention.paged_attention_native(*a, sm_scale=0.1)).lower(*args).as_text()
+    assert native_attention.TARGET not in hlo
     got = native_attention.paged_attention_native(*args, sm_scale=0.1)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(paged_attention_xla(*args, sm_scale=0.1)))
 

@@ -67,8 +67,9 @@ def decode_step_hlo(model, rows: int, **config) -> tuple[str, object]:
 # (attention impl, model dtype, kv_cache_dtype). The KV write is the native kernel on CPU
 # (native_kv_write.py); XLA CPU's gather converts a bf16 or fp8 operand whole, so the "xla" path's
 # reads of a bf16 pool and every path's reads of an fp8 pool are not held to it (docs/architecture.md).
-CASES = [("native", "float32", "auto"), ("native", "float32", "int8"), ("native", "bfloat16", "auto"),
-         ("native", "bfloat16", "int8"), ("xla", "float32", "auto"), ("xla", "float32", "int8")]
+CASES = [("native", "float32", "auto"), ("native", "float32", "int8"), ("native", "float32", "fp8"),
+         ("native", "bfloat16", "auto"), ("native", "bfloat16", "int8"), ("xla", "float32", "auto"),
+         ("xla", "float32", "int8")]
 
 
 @pytest.mark.parametrize("impl,dtype,kv_cache_dtype", CASES)

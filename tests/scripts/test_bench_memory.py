@@ -37,13 +37,12 @@ def test_bench_memory_kv_dtypes_smoke(tiny_model_dir, tmp_path):
                      "--max-model-len", "64", "--kv-dtypes", "float32,int8", "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())["kv_dtypes"]
-    # int8: rows of 16 bytes + a scale (bf16 held in f32 on CPU: 4 bytes) instead of 64: 640 B pages,
-    # 24 * 2048 // 640 = 76 of them
-    assert (data["float32"]["num_pages"], data["int8"]["num_pages"]) == (24, 76)
+    # int8: rows of 16 bytes + a bf16 scale (2 bytes) instead of 64: 576 B pages, 24 * 2048 // 576 = 85 of them
+    assert (data["float32"]["num_pages"], data["int8"]["num_pages"]) == (24, 85)
     assert data["int8"]["max_running"] >= data["float32"]["max_running"]
-    assert data["int8"]["ratios"]["pages"] == pytest.approx(76 / 24)
+    assert data["int8"]["ratios"]["pages"] == pytest.approx(85 / 24)
     rows = _check_record(json.loads(out.read_text()), "kv_dtypes")
-    assert [r[:3] for r in rows] == [["float32", 24, 2048], ["int8", 76, 640]]
+    assert [r[:3] for r in rows] == [["float32", 24, 2048], ["int8", 85, 576]]
 
 
 def test_bench_memory_mla_smoke(tmp_path):
