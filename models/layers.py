@@ -24,6 +24,9 @@ from models.invariant_ops import norm_mean_square, stable_rows
 # result never depends on the other rows, so the batch-invariant mode needs no row padding there),
 # or "xla", XLA's dot. Chosen once per runner (paxpage/held_form.py).
 MATMUL_IMPLS = ("xla", "native")
+# The dtypes whose panels the native matmul reads as stored (a bf16 model's too: XLA CPU runs a
+# bf16 dot by converting both operands, the whole weight included, to f32 on every call; jax 0.10.2).
+NATIVE_MATMUL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 class RMSNorm(nn.Module):
@@ -107,7 +110,7 @@ class Linear(nn.Module):
             matmul = lambda rows: quant.quantized_matmul(rows, *qparams)
         elif (held := _held(self, panel_layout.PANELS, step)) is not None:
             panels, group = held
-            native = self.matmul_impl == "native" and jnp.dtype(self.dtype) == jnp.float32
+            native = self.matmul_impl == "native" and jnp.dtype(self.dtype) in NATIVE_MATMUL_DTYPES
             matmul = functools.partial(_panels_matmul, panels=panels.astype(self.dtype), native=native,
                                        live=step.live if native and step is not None else None, group=group)
         else:
@@ -156,8 +159,8 @@ def _panels_matmul(x, panels, native: bool, live=None, group=None):
     from pallas_kernels.native_linear import linear_native, linear_ref
 
     rows = x.reshape(-1, x.shape[-1])
-    if native:
-        y = linear_native(rows, panels, live, group)
+    if native:  # f32 sums, rounded once to the model's dtype
+        y = linear_native(rows, panels, live, group).astype(x.dtype)
     else:
         y = linear_ref(rows, panels, live, group).astype(x.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -208,7 +211,7 @@ class Embedding(nn.Module):
         if self.qtable is not None:
             head = lambda rows: quant.quantized_attend(rows, *self.qtable)
         elif self.panels is not None:
-            native = self.matmul_impl == "native" and jnp.dtype(self.dtype) == jnp.float32
+            native = self.matmul_impl == "native" and jnp.dtype(self.dtype) in NATIVE_MATMUL_DTYPES
             head = functools.partial(_panels_matmul, panels=self.panels.astype(self.dtype), native=native)
         else:
             head = lambda rows: jnp.dot(rows, self.embedding.astype(self.dtype).T)

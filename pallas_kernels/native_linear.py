@@ -1,8 +1,10 @@
 """A dense layer's matmul as a native CPU kernel (native/linear_cpu.cc, an XLA FFI custom call),
 beside `linear_ref`, the same product in jnp with the same signature.
 
-The weight comes in column panels (models/panel_layout.py: f32[P, I, 64], panel p holding columns
-[64p, 64p + 64) of the [I, O] weight), each one contiguous block. XLA's CPU dot repacks a
+The weight comes in column panels (models/panel_layout.py: f32 or bf16 [P, I, 64], panel p holding
+columns [64p, 64p + 64) of the [I, O] weight), each one contiguous block; bf16 panels are widened to
+f32 as the kernel loads them (XLA CPU runs a bf16 dot by converting both operands, the whole
+weight included, to f32 on every call; jax 0.10.2). XLA's CPU dot repacks a
 row-major weight on every call and runs a decode step's skinny matmuls (a few to 64 rows) at
 about half the machine's f32 rate; the kernel streams each panel once, front to back, while
 register tiles of 6 rows x 64 columns pass over it, and splits (panel, row group) items over
@@ -30,6 +32,7 @@ TARGET = "paxpage_linear_cpu"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "linear_cpu.cc")
 LIBRARY = native_build.NativeLibrary(SOURCE, {TARGET: "PaxpageLinearCpu"}, "the native CPU matmul")
 PANEL = 64  # columns per panel (the kernel's kPanel)
+PANEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the kernel reads as stored
 
 
 def load(build_dir: str, compiler: str = "g++") -> bool:
@@ -53,11 +56,11 @@ def _check(x, panels, live, group) -> None:
 
 
 def linear_native(
-    x: jax.Array,  # f32[T, I]
-    panels: jax.Array,  # f32[P, I, 64]: the [I, O] weight in column panels; or f32[G, P, I, 64]: G of them
+    x: jax.Array,  # f32[T, I] (another float dtype is cast to f32)
+    panels: jax.Array,  # f32 / bf16 [P, I, 64]: the [I, O] weight in column panels; or [G, P, I, 64]: G of them
     live: jax.Array | None = None,  # bool / i32[T]: the rows to compute (None: all); the others are 0
     group: jax.Array | None = None,  # i32[]: which of G stacked weights (a scanned stack's group)
-) -> jax.Array:  # f32[T, O = 64 P]: x @ weight, each element summed over I in order
+) -> jax.Array:  # f32[T, O = 64 P]: x @ weight, each element summed over I in order in f32
     """A scanned layer stack passes every group's panels and the group: slicing them out in the
     scan would copy the group's weights before every call."""
     if not loaded():
@@ -66,7 +69,9 @@ def linear_native(
     live = jnp.ones(x.shape[0], jnp.int32) if live is None else jnp.asarray(live).astype(jnp.int32)
     group = jnp.zeros((), jnp.int32) if group is None else jnp.asarray(group, jnp.int32).reshape(())
     out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[-3] * PANEL), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(jnp.asarray(x, jnp.float32), jnp.asarray(panels, jnp.float32), group, live)
+    if jnp.dtype(panels.dtype) not in PANEL_DTYPES:
+        panels = jnp.asarray(panels, jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out)(jnp.asarray(x, jnp.float32), panels, group, live)
 
 
 def linear_ref(

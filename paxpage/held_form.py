@@ -30,11 +30,11 @@ def native_kernels(cfg) -> bool:
 
 def runs_native_matmul(model_cfg: ModelConfig, cfg) -> bool:
     """Whether that engine multiplies its dense kernels with the native CPU matmul, and so takes
-    them in column panels: native kernels, f32 weights, a model whose layers take it (latent
-    attention keeps XLA's dot), and the kernel builds and loads here."""
+    them in column panels: native kernels, f32 or bf16 weights, a model whose layers take it
+    (latent attention keeps XLA's dot), and the kernel builds and loads here."""
     from models.layers import resolve_matmul_impl
 
-    allowed = native_kernels(cfg) and cfg.dtype == "float32" and not model_cfg.is_mla
+    allowed = native_kernels(cfg) and cfg.dtype in ("float32", "bfloat16") and not model_cfg.is_mla
     return resolve_matmul_impl(allowed) == "native"
 
 

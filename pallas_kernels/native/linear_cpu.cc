@@ -3,7 +3,7 @@
 //
 // Axis legend: T tokens (rows of x), I input width, O output width, P panels (O / 64).
 //
-// Operands: x f32[T, I], w f32[P, I, 64] or f32[G, P, I, 64] (models/panel_layout.py: panel p
+// Operands: x f32[T, I], w f32 or bf16 [P, I, 64] or [G, P, I, 64] (models/panel_layout.py: panel p
 // holds columns [64p, 64p + 64) of the [I, O] weight, each panel one contiguous block; G: the
 // groups of a scanned layer stack, all of them, so that the scan never copies a group's slice
 // out), group s32[] (which of the G; 0 for a rank-3 w), live s32[T] (0: a padding row of the
@@ -14,7 +14,8 @@
 // accumulators) walks the input width once: per input index it loads the panel's 64 weights (one
 // cache line pair, the next ones in memory) and broadcasts one input per row. A panel streams from
 // memory front to back, where the hardware prefetchers keep up, and stays in L2 (147 KB at
-// I = 576) while the item's row tiles pass over it. A row-major [I, O] weight read the same way
+// I = 576 in f32) while the item's row tiles pass over it. bf16 panels (a bf16 model's) are widened
+// to f32 as they are loaded: half the bytes to stream, the same f32 arithmetic. A row-major [I, O] weight read the same way
 // would jump O * 4 bytes between input indices, a new page every row or two, and XLA's dot
 // repacks the weight on every call: a decode step's skinny matmuls run ~1.5x faster here. Tiles
 // gather the live rows wherever they are, so a step's padding (the tail of each prefill row, the
@@ -46,23 +47,23 @@ constexpr int64_t kRowsPerItem = 48;  // rows of one work item (a multiple of kT
 
 struct Operands {
   const float* x;
-  const float* w;
   float* y;
   int64_t in, out;
 };
 
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// y[the R rows named by rows, the 64 columns from col] from the panel w (rows kPanel floats apart).
-template <int R>
-void tile(const Operands& op, const float* w, const int64_t* rows, int64_t col) {
+// y[the R rows named by rows, the 64 columns from col] from the panel w (rows kPanel values apart;
+// W float, or uint16_t holding bf16).
+template <int R, typename W>
+void tile(const Operands& op, const W* w, const int64_t* rows, int64_t col) {
   v16 acc[R][kPanelVectors];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < kPanelVectors; ++v) acc[r][v] = v16{};
   const float* x[R];
   for (int r = 0; r < R; ++r) x[r] = op.x + rows[r] * op.in;
   for (int64_t i = 0; i < op.in; ++i) {
-    const float* wi = w + i * kPanel;
+    const W* wi = w + i * kPanel;
     v16 b[kPanelVectors];
     for (int v = 0; v < kPanelVectors; ++v) b[v] = load16(wi + v * kLanes);
     for (int r = 0; r < R; ++r) {
@@ -77,15 +78,16 @@ void tile(const Operands& op, const float* w, const int64_t* rows, int64_t col) 
 }
 
 // The `count` rows named by rows, of one panel.
-void panel_rows(const Operands& op, const float* w, const int64_t* rows, int64_t count, int64_t col) {
+template <typename W>
+void panel_rows(const Operands& op, const W* w, const int64_t* rows, int64_t count, int64_t col) {
   int64_t r = 0;
-  for (; r + kTileRows <= count; r += kTileRows) tile<kTileRows>(op, w, rows + r, col);
+  for (; r + kTileRows <= count; r += kTileRows) tile<kTileRows, W>(op, w, rows + r, col);
   switch (count - r) {
-    case 5: tile<5>(op, w, rows + r, col); break;
-    case 4: tile<4>(op, w, rows + r, col); break;
-    case 3: tile<3>(op, w, rows + r, col); break;
-    case 2: tile<2>(op, w, rows + r, col); break;
-    case 1: tile<1>(op, w, rows + r, col); break;
+    case 5: tile<5, W>(op, w, rows + r, col); break;
+    case 4: tile<4, W>(op, w, rows + r, col); break;
+    case 3: tile<3, W>(op, w, rows + r, col); break;
+    case 2: tile<2, W>(op, w, rows + r, col); break;
+    case 1: tile<1, W>(op, w, rows + r, col); break;
     default: break;
   }
 }
@@ -94,17 +96,21 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
                   ffi::Buffer<ffi::S32> group, ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd_all = w_any.dimensions(), ld = live.dimensions(), yd = y->dimensions();
   const size_t lead = wd_all.size() == 4 ? 1 : 0;  // the groups axis of a stacked w
-  if (w_any.element_type() != ffi::DataType::F32 || (wd_all.size() != 3 && wd_all.size() != 4) ||
+  const bool bf16 = w_any.element_type() == ffi::DataType::BF16;
+  if ((w_any.element_type() != ffi::DataType::F32 && !bf16) || (wd_all.size() != 3 && wd_all.size() != 4) ||
       xd.size() != 2 || ld.size() != 1 || yd.size() != 2 || group.element_count() != 1)
-    return ffi::Error::InvalidArgument("linear_cpu: x must be [T, I], w f32 [(G,) P, I, 64], group [], live [T], y [T, O]");
+    return ffi::Error::InvalidArgument(
+        "linear_cpu: x must be [T, I], w f32 or bf16 [(G,) P, I, 64], group [], live [T], y [T, O]");
   const int64_t num_panels = wd_all[lead], width_in = wd_all[lead + 1];
   if (wd_all[lead + 2] != kPanel || width_in != xd[1] || ld[0] != xd[0] || yd[0] != xd[0] ||
       yd[1] != num_panels * kPanel)
     return ffi::Error::InvalidArgument("linear_cpu: x [T, I], w [(G,) P, I, 64], live [T] and y [T, O] disagree");
   const int64_t g = group.typed_data()[0], num_groups = lead ? wd_all[0] : 1;
   if (g < 0 || g >= num_groups) return ffi::Error::InvalidArgument("linear_cpu: group outside [0, G)");
-  const float* w = static_cast<const float*>(w_any.untyped_data()) + g * num_panels * width_in * kPanel;
-  const Operands op{x.typed_data(), w, y->typed_data(), xd[1], yd[1]};
+  const int64_t w0 = g * num_panels * width_in * kPanel;  // the group's first value
+  const float* w32 = static_cast<const float*>(w_any.untyped_data()) + w0;
+  const uint16_t* w16 = static_cast<const uint16_t*>(w_any.untyped_data()) + w0;
+  const Operands op{x.typed_data(), y->typed_data(), xd[1], yd[1]};
   const int32_t* is_live = live.typed_data();
   std::vector<int64_t> rows;
   rows.reserve(xd[0]);
@@ -118,8 +124,12 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   parallel_for(pool, num_panels * groups, 1, [&](int64_t item) {
     const int64_t p = item / groups, g = item % groups;
     const int64_t first = g * kRowsPerItem;
-    panel_rows(op, op.w + p * op.in * kPanel, rows.data() + first, std::min(kRowsPerItem, count - first),
-               p * kPanel);
+    const int64_t n = std::min(kRowsPerItem, count - first);
+    if (bf16) {
+      panel_rows(op, w16 + p * op.in * kPanel, rows.data() + first, n, p * kPanel);
+    } else {
+      panel_rows(op, w32 + p * op.in * kPanel, rows.data() + first, n, p * kPanel);
+    }
   });
   return ffi::Error::Success();
 }

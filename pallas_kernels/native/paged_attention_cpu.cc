@@ -47,7 +47,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using namespace paxpage_native;  // simd.h, parallel.h
-using paxpage_native::load16;  // overloaded below for bf16: a using-directive alone would be hidden
+using paxpage_native::load16;  // overloaded below for int8 / fp8: a using-directive alone would be hidden
 
 // Pages ahead whose lines are prefetched (tiny 256 x 1536 on the 2-core EPYC: 1-4 within noise).
 constexpr int64_t kPrefetchPages = 2;
@@ -70,16 +70,6 @@ inline float load(const uint16_t* p, int64_t i) {  // bf16 -> f32: the high half
   float out;
   std::memcpy(&out, &bits, sizeof(out));
   return out;
-}
-
-inline v16 load16(const uint16_t* p) {
-  uint16_t h[kLanes];
-  std::memcpy(h, p, sizeof(h));
-  v16i bits;
-  for (int j = 0; j < kLanes; ++j) bits[j] = static_cast<int32_t>(static_cast<uint32_t>(h[j]) << 16);
-  v16 x;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
 }
 
 // int8 values of a quantised pool (the scale applies outside: see attend).

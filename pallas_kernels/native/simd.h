@@ -22,6 +22,16 @@ inline v16 load16(const float* p) {
   return x;
 }
 
+inline v16 load16(const uint16_t* p) {  // 16 bf16 values (their bits) -> f32: the high half of each
+  uint16_t h[kLanes];
+  std::memcpy(h, p, sizeof(h));
+  v16i bits;
+  for (int j = 0; j < kLanes; ++j) bits[j] = static_cast<int32_t>(static_cast<uint32_t>(h[j]) << 16);
+  v16 x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
 inline float fold16(v16 x) {  // the sum of the 16 lanes, by halving shuffles
   x += __builtin_shuffle(x, v16i{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
   x += __builtin_shuffle(x, v16i{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});

@@ -182,3 +182,25 @@ def test_stacked_panels_are_read_at_the_group():
         linear_native(jnp.asarray(x), jnp.asarray(stacked[0]), None, jnp.int32(0))
     with pytest.raises(ValueError, match="a group goes with"):
         linear_ref(jnp.asarray(x), jnp.asarray(stacked))
+
+
+@pytest.mark.parametrize("rows, width_in, width_out, stacked", [(1, 576, 576, False), (7, 96, 128, True),
+                                                                 (64, 576, 1536, False)])
+def test_bf16_panels_are_read_as_stored(rows, width_in, width_out, stacked):
+    """A bf16 model's panels: the product of the bf16 values in f32 (against float64 of the same
+    bf16 values), never a widened copy of the weight; live rows and a stack's group as for f32."""
+    rng = np.random.default_rng(rows + width_out)
+    x = jnp.asarray(rng.standard_normal((rows, width_in)), jnp.bfloat16)
+    w = jnp.asarray(_weight(rng, width_in, width_out), jnp.bfloat16)
+    panels = panel_layout.to_panels(w)
+    group = None
+    if stacked:
+        panels, group = jnp.stack([panels * 2, panels]), jnp.int32(1)
+    live = np.arange(rows) % 3 != 1
+    fn = jax.jit(linear_native)
+    hlo = fn.lower(x, panels, live, group).compile().as_text()
+    assert f"f32[{','.join(map(str, panels.shape))}]" not in hlo  # no f32 copy of the panels
+    got = np.asarray(fn(x, panels, live, group))
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    np.testing.assert_allclose(got[live], want[live], **TOL)
+    np.testing.assert_array_equal(got[~live], 0.0)
