@@ -71,17 +71,16 @@ def test_bench_step_rows_and_case_names():
     tables = bench.doc_tables({"cases": [row, arrivals], "steps": 16, "read_bandwidth_gb_per_s": 70.4})
     committed = _committed("step", "step")
     assert tables["step"]["columns"] == committed["columns"]
-    assert tables["step"]["rows"][0] == committed["rows"][0]  # wall / max(host CPU, busy) = 2.5 / 2.0
+    # wall / max(host CPU, busy) = 2.5 / 2.0; overlap, shares and GB/s as given
+    assert tables["step"]["rows"][0] == ["tiny 32 x 128", 0.4, 0.4, 2.0, 2.0, 2.5, 1.25, "0%", "8%", 28.2]
     assert "read bandwidth 70.4 GB/s" in tables["step"]["caption"]
     assert tables["step_every"]["rows"] == [
         ["tiny 32 x 128", 0.4, 0.6, 0.6, "15 / 16", "32 to 32", "", ""],
         ["tiny 256 x 1536, a request arriving every 4 steps", 0.4, 180.0, 3.0, "8 / 16", "256 to 260", "1.2 / 1.5",
          "2.5 / 3.0"]]
-    # The steady cases are the committed record's; the others name what they add to it.
-    labels = {bench.case_label(dataclasses.asdict(c)) for c in bench.CASES if c.steady}
-    assert labels == {r[0] for r in committed["rows"]}
-    others = [bench.case_label(dataclasses.asdict(c)) for c in bench.CASES if not c.steady]
-    assert len(set(others)) == len(others) and not set(others) & labels
+    # The committed record holds every case; the cases off the steady state name what they add to it.
+    labels = [bench.case_label(dataclasses.asdict(c)) for c in bench.CASES]
+    assert len(set(labels)) == len(labels) and set(labels) == {r[0] for r in committed["rows"]}
     assert bench.case_label(dataclasses.asdict(bench.QUICK_CASES[-1])) == (
         "tiny 8 x 32, temperature 0.7, prefix caching off, prompts of 24 to 32 tokens, 50% of rows ending in "
         'the window, a request arriving every step, n 2, logprobs 2, stop ["xyz"]')
