@@ -6,13 +6,13 @@ A Linear's float kernel [I, O] with O a multiple of 64 may be held as `kernel_pa
 weights, the same bytes; only the order in memory differs. Stacked params carry their leading
 layer axis in front: [L, P, I, 64] against [L, I, O].
 
-`paxpage.load` holds an f32 model's kernels this way on CPU where the default engine runs the
-native matmul (paxpage/held_form.py), so the weights are held once in the form that runs.
+`paxpage.load` holds an f32 or bf16 model's kernels this way on CPU where the default engine runs
+the native matmul (paxpage/held_form.py), so the weights are held once in the form that runs.
 Runners that run XLA's dot (tensor parallelism, `attention_impl="xla"`) take a copy in the plain
 form (models/param_forms.py), and a checkpoint is always written plain (`Model.per_layer_params`).
 Kernels whose O is not a multiple of 64, and quantised ones, stay as they are.
 
-A tied LM head multiplies by the embedding table's transpose, so a tied f32 table [V, H] with V
+A tied LM head multiplies by the embedding table's transpose, so a tied float table [V, H] with V
 a multiple of 64 is held the same way, as `embedding_panels` [V / 64, H, 64] (panel p: vocabulary
 rows [64p, 64p + 64), each transposed): the head runs as the native matmul, and a token's
 embedding row is gathered across its panel (H values 64 apart).
@@ -68,8 +68,10 @@ def table_from_panels(panels):
 
 
 def packable(kernel, axis: int = -1) -> bool:
-    """An f32 array whose `axis` (a kernel's output width; a table's vocabulary) splits into panels."""
-    return kernel.ndim >= 2 and kernel.shape[axis] % PANEL == 0 and jnp.dtype(kernel.dtype) == jnp.float32
+    """An f32 or bf16 array (what the native matmul reads) whose `axis` (a kernel's output width;
+    a table's vocabulary) splits into panels."""
+    return (kernel.ndim >= 2 and kernel.shape[axis] % PANEL == 0
+            and jnp.dtype(kernel.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)))
 
 
 def holds_panels(params) -> bool:
