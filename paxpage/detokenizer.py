@@ -64,6 +64,7 @@ class IncrementalDetokenizer:
         context = [i for i in prompt_token_ids if i not in self._special_ids][-_CONTEXT_TOKENS:]
         self._stream = None
         self._pieces: list[str | None] | None = None
+        self._backend = None  # the fast tokenizer's Rust one, where there is one
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if _DecodeStream is not None and isinstance(backend, _RustTokenizer):
             self._backend = backend
@@ -74,7 +75,7 @@ class IncrementalDetokenizer:
         # character still incomplete (none left of them matters)
         self._ids: list[int] = list(context)
         self._read_offset = len(context)
-        if self._pieces is None and hasattr(self, "_backend"):
+        if self._pieces is None and self._backend is not None:
             # A fast tokenizer runs the same window algorithm in Rust (tokenizers' DecodeStream):
             # one call per token instead of two decodes through transformers' Python wrapper.
             try:
