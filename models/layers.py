@@ -24,9 +24,6 @@ from models.invariant_ops import norm_mean_square, stable_rows
 # result never depends on the other rows, so the batch-invariant mode needs no row padding there),
 # or "xla", XLA's dot. Chosen once per runner (paxpage/held_form.py).
 MATMUL_IMPLS = ("xla", "native")
-# The dtypes whose panels the native matmul reads as stored (a bf16 model's too: XLA CPU runs a
-# bf16 dot by converting both operands, the whole weight included, to f32 on every call; jax 0.10.2).
-NATIVE_MATMUL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 class RMSNorm(nn.Module):
@@ -110,7 +107,7 @@ class Linear(nn.Module):
             matmul = lambda rows: quant.quantized_matmul(rows, *qparams)
         elif (held := _held(self, panel_layout.PANELS, step)) is not None:
             panels, group = held
-            native = self.matmul_impl == "native" and jnp.dtype(self.dtype) in NATIVE_MATMUL_DTYPES
+            native = self.matmul_impl == "native" and jnp.dtype(self.dtype) in panel_layout.DTYPES
             matmul = functools.partial(_panels_matmul, panels=panels.astype(self.dtype), native=native,
                                        live=step.live if native and step is not None else None, group=group)
         else:
@@ -211,7 +208,7 @@ class Embedding(nn.Module):
         if self.qtable is not None:
             head = lambda rows: quant.quantized_attend(rows, *self.qtable)
         elif self.panels is not None:
-            native = self.matmul_impl == "native" and jnp.dtype(self.dtype) in NATIVE_MATMUL_DTYPES
+            native = self.matmul_impl == "native" and jnp.dtype(self.dtype) in panel_layout.DTYPES
             head = functools.partial(_panels_matmul, panels=self.panels.astype(self.dtype), native=native)
         else:
             head = lambda rows: jnp.dot(rows, self.embedding.astype(self.dtype).T)

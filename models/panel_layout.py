@@ -27,12 +27,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import table_layout
+from pallas_kernels.native_linear import PANEL_DTYPES
 
 PANEL = 64
 PLAIN = "kernel"
 PANELS = "kernel_panels"
 TABLE = "embedding"
 TABLE_PANELS = "embedding_panels"
+# The dtypes held in panels: those the native matmul reads as stored.
+DTYPES = PANEL_DTYPES
 
 
 def to_panels(kernel):
@@ -70,8 +73,7 @@ def table_from_panels(panels):
 def packable(kernel, axis: int = -1) -> bool:
     """An f32 or bf16 array (what the native matmul reads) whose `axis` (a kernel's output width;
     a table's vocabulary) splits into panels."""
-    return (kernel.ndim >= 2 and kernel.shape[axis] % PANEL == 0
-            and jnp.dtype(kernel.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)))
+    return kernel.ndim >= 2 and kernel.shape[axis] % PANEL == 0 and jnp.dtype(kernel.dtype) in DTYPES
 
 
 def holds_panels(params) -> bool:

@@ -82,9 +82,9 @@ class KVLayout:
 
     name: str  # one of LAYOUTS
     # Canonical scales held in f32 (the bf16 scales kv_quant.quantize makes, stored exactly): the
-    # pools of the XLA-op and native attention paths. XLA CPU scatters and gathers a bf16 array by
-    # converting all of it to f32, in every layer of every step (~0.6 s per SmolLM2 int8 step on a
-    # 2-core AMD EPYC, jax 0.10.2); an f32 one it reads and updates in place.
+    # XLA-op attention path's pools. XLA CPU gathers a bf16 array by converting all of it to f32,
+    # in every layer of every step (~0.6 s per SmolLM2 int8 step on a 2-core AMD EPYC, jax
+    # 0.10.2); an f32 one it reads in place. The native kernel reads bf16 scales as stored.
     wide_scales: bool = False
 
     def __post_init__(self):

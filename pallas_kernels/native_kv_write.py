@@ -1,5 +1,6 @@
 """The KV write as a native CPU kernel (native/kv_write_cpu.cc, an XLA FFI custom call that
-updates the pool in place): the "native" attention path's write, and a latent pool's on CPU.
+updates the pool in place): the KV write of the native and XLA-op attention paths and of a latent
+pool on CPU.
 
 Same signature and semantics as `reference.write_kv`. XLA CPU scatters a bf16 or fp8 array by
 converting all of it to f32 / f16 and back, so the reference's scatter costs a bf16 pool, an

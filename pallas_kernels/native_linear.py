@@ -32,7 +32,9 @@ TARGET = "paxpage_linear_cpu"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "linear_cpu.cc")
 LIBRARY = native_build.NativeLibrary(SOURCE, {TARGET: "PaxpageLinearCpu"}, "the native CPU matmul")
 PANEL = 64  # columns per panel (the kernel's kPanel)
-PANEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the kernel reads as stored
+# What the kernel reads as stored: a bf16 model's panels too (XLA CPU runs a bf16 dot by converting
+# both operands, the whole weight included, to f32 on every call; jax 0.10.2).
+PANEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def load(build_dir: str, compiler: str = "g++") -> bool:

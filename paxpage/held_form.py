@@ -14,7 +14,9 @@ kernels run: both `held_form` and the runner (paxpage/runner.py) ask them.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
+from models import panel_layout
 from models.config import ModelConfig
 from paxpage import attention_impl
 from paxpage.config import EngineConfig
@@ -34,7 +36,7 @@ def runs_native_matmul(model_cfg: ModelConfig, cfg) -> bool:
     (latent attention keeps XLA's dot), and the kernel builds and loads here."""
     from models.layers import resolve_matmul_impl
 
-    allowed = native_kernels(cfg) and cfg.dtype in ("float32", "bfloat16") and not model_cfg.is_mla
+    allowed = native_kernels(cfg) and jnp.dtype(cfg.dtype) in panel_layout.DTYPES and not model_cfg.is_mla
     return resolve_matmul_impl(allowed) == "native"
 
 
@@ -42,7 +44,7 @@ def held_form(config: ModelConfig, params: dict, engine_config: EngineConfig | N
     """`params` (per-layer, as loaded) in the form `engine_config` (None: this backend's default
     engine) runs, so that the weights are held once. `params` is consumed: its per-layer subtrees
     are let go as they are stacked, its plain kernels as they are packed."""
-    from models import layer_stack, panel_layout, table_layout
+    from models import layer_stack, table_layout
 
     resolved = (engine_config or EngineConfig()).resolve(config)
     period = resolved.scan_period
