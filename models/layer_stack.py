@@ -41,9 +41,10 @@ from models.config import ModelConfig
 STACKED_KEY = "layers"
 # The variable collection that holds a scanned stack's custom-call operands whole, every group's
 # (`variables`): XLA copies a group's slice before a custom call takes it. Its leaves: kernels in
-# column panels (models/panel_layout.py) and LoRA slabs (paxpage/lora_slab.py).
+# column panels, quantised ones too (models/panel_layout.py), and LoRA slabs (paxpage/lora_slab.py).
 WHOLE = "stacked_whole"
-WHOLE_LEAVES = ("kernel_panels", "lora_a", "lora_b")
+WHOLE_LEAVES = ("kernel_panels", "kernel_panels_q", "kernel_panels_scale", "kernel_panels_offset", "lora_a",
+                "lora_b")
 
 
 def _layer_kind(cfg: ModelConfig, layer: int) -> tuple:

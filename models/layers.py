@@ -105,6 +105,13 @@ class Linear(nn.Module):
         native = False
         if qparams is not None:
             matmul = lambda rows: quant.quantized_matmul(rows, *qparams)
+        elif (held := _held(self, panel_layout.PANELS_Q, step)) is not None:  # quantised, in panels
+            q, group = held
+            scale, offset = (_held(self, name, step) for name in (panel_layout.PANELS_SCALE, panel_layout.PANELS_OFFSET))
+            native = self.matmul_impl == "native" and jnp.dtype(self.dtype) in panel_layout.DTYPES
+            matmul = functools.partial(_panels_matmul, panels=q, native=native, scale=scale[0],
+                                       offset=None if offset is None else offset[0],
+                                       live=step.live if native and step is not None else None, group=group)
         elif (held := _held(self, panel_layout.PANELS, step)) is not None:
             panels, group = held
             native = self.matmul_impl == "native" and jnp.dtype(self.dtype) in panel_layout.DTYPES
@@ -150,16 +157,17 @@ def _lora_slab(module: nn.Module, step: MatmulStep | None, lora_slots):
     return a.reshape(-1, *a.shape[2:]), b.reshape(-1, *b.shape[2:]), rows
 
 
-def _panels_matmul(x, panels, native: bool, live=None, group=None):
+def _panels_matmul(x, panels, native: bool, live=None, group=None, scale=None, offset=None):
     """x [..., I] @ the kernel held as panels [P, I, 64] (or [G, P, I, 64] and the group) ->
-    [..., 64 P]; live: None or bool[T] for x [T, I], the rows to compute (the others 0)."""
+    [..., 64 P]; live: None or bool[T] for x [T, I], the rows to compute (the others 0); int8
+    panels with their scale (and offset) panels (models/panel_layout.py)."""
     from pallas_kernels.native_linear import linear_native, linear_ref
 
     rows = x.reshape(-1, x.shape[-1])
     if native:  # f32 sums, rounded once to the model's dtype
-        y = linear_native(rows, panels, live, group).astype(x.dtype)
+        y = linear_native(rows, panels, live, group, scale, offset).astype(x.dtype)
     else:
-        y = linear_ref(rows, panels, live, group).astype(x.dtype)
+        y = linear_ref(rows, panels, live, group, scale, offset).astype(x.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -178,8 +186,8 @@ class Embedding(nn.Module):
     """Token embedding [V, H], float ("embedding", as flax's nn.Embed names it), quantised
     (embedding_q / _scale / _offset: a lookup dequantises just the gathered rows) or, for a tied
     LM head run by the native matmul, in column panels of its transpose ("embedding_panels"
-    [V / 64, H, 64], models/panel_layout.py: a lookup gathers each row across its panel); `attend`
-    is the tied LM head over the same table."""
+    [V / 64, H, 64], or embedding_panels_q / _scale / _offset quantised; models/panel_layout.py:
+    a lookup gathers each row across its panel); `attend` is the tied LM head over the same table."""
     num_embeddings: int
     features: int
     dtype: Any = jnp.float32
@@ -190,7 +198,9 @@ class Embedding(nn.Module):
         self.qtable = _quantized(self, "embedding")
         self.panels = (self.get_variable("params", panel_layout.TABLE_PANELS)
                        if self.has_variable("params", panel_layout.TABLE_PANELS) else None)
-        if self.qtable is None and self.panels is None:
+        # a quantised table in panels: (q, scale, offset | None), each [V / 64, ., 64]
+        self.qpanels = _quantized(self, panel_layout.TABLE_PANELS)
+        if self.qtable is None and self.panels is None and self.qpanels is None:
             init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
             self.embedding = self.param("embedding", init, (self.num_embeddings, self.features), self.dtype)
 
@@ -200,6 +210,10 @@ class Embedding(nn.Module):
             return quant.dequantize_rows(q[ids], scale[ids], None if offset is None else offset[ids], self.dtype)
         if self.panels is not None:
             return self.panels[ids // panel_layout.PANEL, :, ids % panel_layout.PANEL].astype(self.dtype)
+        if self.qpanels is not None:
+            q, scale, offset = (None if a is None else a[ids // panel_layout.PANEL, :, ids % panel_layout.PANEL]
+                                for a in self.qpanels)
+            return quant.dequantize_rows(q, scale, offset, self.dtype)
         return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
 
     def attend(self, x):  # [R, H] -> [R, V]
@@ -210,6 +224,10 @@ class Embedding(nn.Module):
         elif self.panels is not None:
             native = self.matmul_impl == "native" and jnp.dtype(self.dtype) in panel_layout.DTYPES
             head = functools.partial(_panels_matmul, panels=self.panels.astype(self.dtype), native=native)
+        elif self.qpanels is not None:
+            native = self.matmul_impl == "native" and jnp.dtype(self.dtype) in panel_layout.DTYPES
+            q, scale, offset = self.qpanels
+            head = functools.partial(_panels_matmul, panels=q, native=native, scale=scale, offset=offset)
         else:
             head = lambda rows: jnp.dot(rows, self.embedding.astype(self.dtype).T)
         # The native kernel's rows are row-stable as they are: no padding to stable row counts.

@@ -2,10 +2,13 @@
 
 A GGUF file is decoded once and kept in the on-disk cache of models/cache.py, its quantised weights
 in their exact int8 form (models/gguf_quants.py). `quantization` then picks what the model holds:
-    None    the source's own form where it pays: on a GPU / TPU a GGUF's quantised weights stay
-            quantised (XLA fuses the dequantisation into the matmul); on CPU, where XLA dequantises
-            in a separate pass every step (measured: decode ~2.8x slower, docs/quantisation.md),
-            the f32 expansion, as "none". Float sources stay float.
+    None    the source's own form where it runs as fast: a GGUF's quantised weights stay
+            quantised on a GPU / TPU (XLA fuses the dequantisation into the matmul) and on CPU
+            where the native matmul runs (it dequantises each weight as it streams it, rounded
+            as the f32 expansion rounds it: the same outputs bit for bit at about a third of the
+            bytes); elsewhere on CPU, where XLA dequantises in a separate pass every step
+            (measured: decode ~2.8x slower, docs/quantisation.md), the f32 expansion, as "none".
+            Float sources stay float.
     "gguf"  the same, but only for GGUF files (ValueError for other sources)
     "none"  every weight in `dtype` (a GGUF's f32 expansion, what paxpage held before)
     "int8"  every Linear kernel and the embedding / LM head as int8 per output channel
@@ -106,14 +109,21 @@ def load_model(source: str | os.PathLike | None = None, *, dtype: Any = "float32
     )
 
 
-def default_gguf_quantization(backend: str | None = None) -> str:
+def default_gguf_quantization(backend: str | None = None, native_matmul: bool | None = None) -> str:
     """What quantization=None means for a GGUF file on `backend` (default: jax's): "gguf" on an
-    accelerator, "none" on CPU (module docstring)."""
+    accelerator, and on CPU where the native matmul runs (`native_matmul`; None: whether it builds
+    and loads here), else "none" (module docstring)."""
     if backend is None:
         import jax
 
         backend = jax.default_backend()
-    return "none" if backend == "cpu" else "gguf"
+    if backend != "cpu":
+        return "gguf"
+    if native_matmul is None:
+        from models.layers import resolve_matmul_impl
+
+        native_matmul = resolve_matmul_impl(True) == "native"
+    return "gguf" if native_matmul else "none"
 
 
 def _load_gguf_cached(gguf_path: str, dtype: Any, quantization: str | None) -> tuple[ModelConfig, dict, Any]:

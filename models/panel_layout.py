@@ -10,12 +10,19 @@ layer axis in front: [L, P, I, 64] against [L, I, O].
 the native matmul (paxpage/held_form.py), so the weights are held once in the form that runs.
 Runners that run XLA's dot (tensor parallelism, `attention_impl="xla"`) take a copy in the plain
 form (models/param_forms.py), and a checkpoint is always written plain (`Model.per_layer_params`).
-Kernels whose O is not a multiple of 64, and quantised ones, stay as they are.
+Kernels whose O is not a multiple of 64 stay as they are.
+
+A quantised kernel (models/quant.py: kernel_q i8[I, O], kernel_scale / kernel_offset f32[I / Q, O])
+goes into panels the same way, each of its arrays: `kernel_panels_q` [P, I, 64] and
+`kernel_panels_scale` / `kernel_panels_offset` [P, I / Q, 64], which the native matmul
+dequantises as it streams them.
 
 A tied LM head multiplies by the embedding table's transpose, so a tied float table [V, H] with V
 a multiple of 64 is held the same way, as `embedding_panels` [V / 64, H, 64] (panel p: vocabulary
 rows [64p, 64p + 64), each transposed): the head runs as the native matmul, and a token's
-embedding row is gathered across its panel (H values 64 apart).
+embedding row is gathered across its panel (H values 64 apart). A quantised tied table
+(embedding_q [V, H], embedding_scale / _offset [V, H / Q]) likewise: `embedding_panels_q`
+[V / 64, H, 64] and `embedding_panels_scale` / `_offset` [V / 64, H / Q, 64].
 
 Axis legend: L layers, I input width, O output width, P panels.
 """
@@ -26,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import table_layout
+from models import quant, table_layout
 from pallas_kernels.native_linear import PANEL_DTYPES
 
 PANEL = 64
@@ -36,6 +43,14 @@ TABLE = "embedding"
 TABLE_PANELS = "embedding_panels"
 # The dtypes held in panels: those the native matmul reads as stored.
 DTYPES = PANEL_DTYPES
+# A quantised weight's arrays (models/quant.py suffixes) and their names in panels.
+QUANT_SUFFIXES = (quant.Q, quant.SCALE, quant.OFFSET)
+PANELS_Q, PANELS_SCALE, PANELS_OFFSET = (PANELS + suffix for suffix in QUANT_SUFFIXES)
+TABLE_PANELS_Q, TABLE_PANELS_SCALE, TABLE_PANELS_OFFSET = (TABLE_PANELS + suffix for suffix in QUANT_SUFFIXES)
+# plain name -> its name in panels, and how each goes back
+_PLAIN_OF = {PANELS: (PLAIN, "kernel"), TABLE_PANELS: (TABLE, "table"),
+             **{PANELS + x: (PLAIN + x, "kernel") for x in QUANT_SUFFIXES},
+             **{TABLE_PANELS + x: (TABLE + x, "table") for x in QUANT_SUFFIXES}}
 
 
 def to_panels(kernel):
@@ -76,11 +91,19 @@ def packable(kernel, axis: int = -1) -> bool:
     return kernel.ndim >= 2 and kernel.shape[axis] % PANEL == 0 and jnp.dtype(kernel.dtype) in DTYPES
 
 
+def packable_quantized(params: dict, name: str, axis: int = -1) -> bool:
+    """Whether `params` holds `name` quantised (name_q int8, name_scale) with `axis` of name_q (a
+    kernel's output width; a table's vocabulary) splitting into panels."""
+    q, scale = params.get(name + quant.Q), params.get(name + quant.SCALE)
+    return q is not None and scale is not None and q.ndim >= 2 and q.shape[axis] % PANEL == 0 \
+        and jnp.dtype(q.dtype) == jnp.int8
+
+
 def holds_panels(params) -> bool:
     """Whether any kernel (or the table) of `params` is held in panels."""
     if not isinstance(params, dict):
         return False
-    return PANELS in params or TABLE_PANELS in params or any(holds_panels(v) for v in params.values())
+    return any(name in _PLAIN_OF for name in params) or any(holds_panels(v) for v in params.values())
 
 
 def pack(params: dict, tied_table: bool = False) -> dict:
@@ -90,22 +113,30 @@ def pack(params: dict, tied_table: bool = False) -> dict:
     kernel at a time."""
     out = _pack_kernels(params)
     table = out.get(table_layout.TABLE)
-    if tied_table and isinstance(table, dict) and TABLE in table and packable(table[TABLE], axis=-2):
-        value = table.pop(TABLE)
-        table[TABLE_PANELS] = _own(table_to_panels(value))
-        del value
+    if tied_table and isinstance(table, dict):
+        if TABLE in table and packable(table[TABLE], axis=-2):
+            value = table.pop(TABLE)
+            table[TABLE_PANELS] = _own(table_to_panels(value))
+            del value
+        elif packable_quantized(table, TABLE, axis=-2):
+            for suffix in QUANT_SUFFIXES:
+                if TABLE + suffix in table:
+                    value = table.pop(TABLE + suffix)
+                    table[TABLE_PANELS + suffix] = _own(table_to_panels(value))
+                    del value
     return out
 
 
 def _pack_kernels(params: dict) -> dict:
     out = {}
+    quantised = packable_quantized(params, PLAIN)
     for name in list(params):
         value = params[name]
         if isinstance(value, dict):
             out[name] = _pack_kernels(value)
-        elif name == PLAIN and packable(value):
+        elif name == PLAIN and packable(value) or quantised and name in (PLAIN + x for x in QUANT_SUFFIXES):
             del params[name]
-            out[PANELS] = _own(to_panels(value))
+            out[PANELS + name[len(PLAIN):]] = _own(to_panels(value))
             del value
         else:
             out[name] = value
@@ -116,9 +147,14 @@ def unpack(params):
     """`params` with every kernel (and the table) in panels back in the plain form (a copy of those)."""
     if not isinstance(params, dict):
         return params
-    plain = {PANELS: (PLAIN, from_panels), TABLE_PANELS: (TABLE, table_from_panels)}
-    return {plain[name][0] if name in plain else name: plain[name][1](v) if name in plain else unpack(v)
-            for name, v in params.items()}
+    out = {}
+    for name, value in params.items():
+        if name in _PLAIN_OF:
+            plain, kind = _PLAIN_OF[name]
+            out[plain] = (from_panels if kind == "kernel" else table_from_panels)(value)
+        else:
+            out[name] = unpack(value)
+    return out
 
 
 def _own(x):

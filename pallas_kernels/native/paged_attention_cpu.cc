@@ -47,7 +47,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using namespace paxpage_native;  // simd.h, parallel.h
-using paxpage_native::load16;  // overloaded below for int8 / fp8: a using-directive alone would be hidden
+using paxpage_native::load16;  // overloaded below for fp8: a using-directive alone would be hidden
 
 // Pages ahead whose lines are prefetched (tiny 256 x 1536 on the 2-core EPYC: 1-4 within noise).
 constexpr int64_t kPrefetchPages = 2;
@@ -74,14 +74,6 @@ inline float load(const uint16_t* p, int64_t i) {  // bf16 -> f32: the high half
 
 // int8 values of a quantised pool (the scale applies outside: see attend).
 inline float load(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
-
-inline v16 load16(const int8_t* p) {
-  int8_t h[kLanes];
-  std::memcpy(h, p, sizeof(h));
-  v16i x;
-  for (int j = 0; j < kLanes; ++j) x[j] = h[j];
-  return __builtin_convertvector(x, v16);
-}
 
 // float8_e4m3fn values (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinities,
 // S.1111.111 is NaN), decoded through a 256-entry table.

@@ -1,11 +1,15 @@
-// 16-lane f32 vectors for the native CPU kernels (GCC vector extensions): the type, an unaligned
-// load, a lane sum and a lane-wise exp.
+// 16-lane f32 vectors for the native CPU kernels (GCC vector extensions): the type, unaligned
+// loads (f32, bf16 and int8 values to f32 lanes), a lane sum and a lane-wise exp.
 
 #ifndef PAXPAGE_NATIVE_SIMD_H_
 #define PAXPAGE_NATIVE_SIMD_H_
 
 #include <cstdint>
 #include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace paxpage_native {
 
@@ -30,6 +34,22 @@ inline v16 load16(const uint16_t* p) {  // 16 bf16 values (their bits) -> f32: t
   v16 x;
   std::memcpy(&x, &bits, sizeof(x));
   return x;
+}
+
+inline v16 load16(const int8_t* p) {  // 16 int8 values -> f32
+#if defined(__AVX512F__)
+  // GCC's generic vector conversions extract int8 lanes one at a time (g++ 12): one vpmovsxbd here
+  const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  v16 out;
+  std::memcpy(&out, &x, sizeof(out));
+  return out;
+#else
+  int8_t h[kLanes];
+  std::memcpy(h, p, sizeof(h));
+  v16i x;
+  for (int j = 0; j < kLanes; ++j) x[j] = h[j];
+  return __builtin_convertvector(x, v16);
+#endif
 }
 
 inline float fold16(v16 x) {  // the sum of the 16 lanes, by halving shuffles

@@ -204,3 +204,121 @@ def test_bf16_panels_are_read_as_stored(rows, width_in, width_out, stacked):
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     np.testing.assert_allclose(got[live], want[live], **TOL)
     np.testing.assert_array_equal(got[~live], 0.0)
+
+
+def _quantised(rng, width_in, width_out, block, with_offset):
+    """A quantised kernel as models/quant.py holds it: q i8[I, O], scale (and offset) f32[I / block, O]."""
+    q = rng.integers(-127, 128, (width_in, width_out)).astype(np.int8)
+    scale = (rng.random((width_in // block, width_out)) / (64 * np.sqrt(width_in)) + 1e-4).astype(np.float32)
+    offset = (rng.standard_normal(scale.shape) / (8 * np.sqrt(width_in))).astype(np.float32) if with_offset else None
+    return q, scale, offset
+
+
+def _expanded(q, scale, offset):
+    """numpy's f32 expansion of the plain quantised kernel (the quantization="none" form)."""
+    from models import quant
+
+    flat = {"w/kernel_q": q, "w/kernel_scale": scale}
+    if offset is not None:
+        flat["w/kernel_offset"] = offset
+    return quant.dequantize_flat(flat)["w/kernel"]
+
+
+@pytest.mark.parametrize("rows, width_in, width_out, block, with_offset, stacked", [
+    (1, 576, 576, 32, True, False),  # a decode row, GGUF Q4_1's layout: dequantised in the tile
+    (5, 64, 128, 16, False, True),  # Q6_K-sized blocks, no offset, a stack's group
+    (7, 96, 128, 96, False, False),  # int8 per output channel (one block), two row tiles: the panel expanded once
+    (64, 1536, 576, 32, True, False),  # down_proj at the CPU decode batch
+    (200, 576, 192, 32, True, True),  # two items of rows (192 an item) in a stack
+])
+def test_quantised_panels_equal_the_f32_kernel_on_their_expansion(rows, width_in, width_out, block, with_offset,
+                                                                  stacked):
+    """int8 panels with their scale / offset panels give the bits the f32 kernel gives on numpy's
+    f32 expansion of the same weight (each weight rounded as numpy rounds it), and the float64
+    product within f32 rounding; the jnp twin too. Padding rows stay 0."""
+    rng = np.random.default_rng(rows + width_in + block)
+    x = rng.standard_normal((rows, width_in)).astype(np.float32)
+    q, scale, offset = _quantised(rng, width_in, width_out, block, with_offset)
+    w = _expanded(q, scale, offset)
+    panels = [panel_layout.to_panels(a) if a is not None else None for a in (q, scale, offset)]
+    group = None
+    if stacked:  # the wanted weight is group 1 of 2; group 0 is another one
+        other = [None if a is None else -a if a.dtype == np.int8 else a * 2 for a in panels]
+        panels = [None if a is None else np.stack([b, a]) for a, b in zip(panels, other)]
+        group = jnp.int32(1)
+    live = np.arange(rows) % 5 != 2 if rows > 1 else None
+    q_panels, scale_panels, offset_panels = panels
+    got = np.asarray(jax.jit(linear_native)(x, q_panels, live, group, scale_panels, offset_panels))
+    same = np.asarray(NATIVE(x, panel_layout.to_panels(w)))
+    mask = np.ones(rows, bool) if live is None else live
+    np.testing.assert_array_equal(got[mask], same[mask])
+    np.testing.assert_array_equal(got[~mask], 0.0)
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(got[mask], want[mask], **TOL)
+    ref = np.asarray(jax.jit(linear_ref)(x, q_panels, live, group, scale_panels, offset_panels))
+    np.testing.assert_allclose(ref[mask], want[mask], **TOL)
+
+
+def test_quantised_panels_need_matching_scales():
+    x, q = jnp.zeros((2, 64)), jnp.zeros((1, 64, 64), jnp.int8)
+    with pytest.raises(ValueError, match="int8 panels take a scale"):
+        linear_native(x, q)
+    with pytest.raises(ValueError, match="int8 panels take a scale"):
+        linear_ref(x, jnp.zeros((1, 64, 64)), scale=jnp.ones((1, 2, 64)))
+    with pytest.raises(ValueError, match=r"expected \[\(G,\) P, I / Q, 64\] with Q dividing I"):
+        linear_native(x, q, scale=jnp.ones((1, 3, 64)))  # 3 blocks do not divide 64 inputs
+    with pytest.raises(ValueError, match=r"expected \[\(G,\) P, I / Q, 64\]"):
+        linear_native(x, q, scale=jnp.ones((1, 2, 64)), offset=jnp.ones((1, 4, 64)))
+
+
+def test_pack_holds_quantised_kernels_and_a_tied_table_in_panels():
+    rng = np.random.default_rng(8)
+    q, scale, offset = _quantised(rng, 64, 128, 32, True)
+    table_q = rng.integers(-127, 128, (128, 64)).astype(np.int8)  # a tied table [V, H], one scale per row
+    table_scale = rng.random((128, 1)).astype(np.float32)
+    tree = {"layers_0": {"up_proj": {"kernel_q": q, "kernel_scale": scale, "kernel_offset": offset},
+                         "k_proj": {"kernel_q": q[:, :32].copy(), "kernel_scale": scale[:, :32].copy()}},
+            "embed_tokens": {"embedding_q": table_q, "embedding_scale": table_scale}}
+    packed = panel_layout.pack({k: {n: dict(v) for n, v in sub.items()} if k == "layers_0" else dict(sub)
+                                for k, sub in tree.items()}, tied_table=True)
+    up = packed["layers_0"]["up_proj"]
+    assert {n: a.shape for n, a in up.items()} == {"kernel_panels_q": (2, 64, 64), "kernel_panels_scale": (2, 2, 64),
+                                                   "kernel_panels_offset": (2, 2, 64)}
+    np.testing.assert_array_equal(up["kernel_panels_scale"][1], scale[:, 64:])  # panel 1: columns 64..127
+    assert set(packed["layers_0"]["k_proj"]) == {"kernel_q", "kernel_scale"}  # O = 32: as it is
+    table = packed["embed_tokens"]
+    assert {n: a.shape for n, a in table.items()} == {"embedding_panels_q": (2, 64, 64),
+                                                      "embedding_panels_scale": (2, 1, 64)}
+    np.testing.assert_array_equal(table["embedding_panels_q"][1, :, 3], table_q[67])  # vocabulary row 67
+    assert panel_layout.holds_panels(packed)
+    back = panel_layout.unpack(packed)
+    for name in ("layers_0/up_proj", "layers_0/k_proj", "embed_tokens"):
+        a, b = name.split("/") if "/" in name else (name, None)
+        want, got = (tree[a][b], back[a][b]) if b else (tree[a], back[a])
+        assert set(got) == set(want)
+        for leaf in want:
+            np.testing.assert_array_equal(got[leaf], want[leaf])
+
+
+@pytest.mark.parametrize("matmul_impl", ["native", "xla"])
+def test_embedding_over_quantised_table_panels(matmul_impl):
+    """A quantised tied table in panels: a lookup is numpy's expansion of the row, the LM head the
+    float64 product with the expanded table."""
+    from models import quant
+    from models.layers import Embedding
+
+    rng = np.random.default_rng(9)
+    q = rng.integers(-127, 128, (128, 64)).astype(np.int8)
+    scale = (rng.random((128, 2)) / 500).astype(np.float32)  # blocks of 32 along H
+    offset = (rng.standard_normal((128, 2)) / 100).astype(np.float32)
+    table = quant.dequantize_flat({"t/embedding_q": q, "t/embedding_scale": scale,
+                                   "t/embedding_offset": offset})["t/embedding"]
+    held = panel_layout.pack({"embed_tokens": {"embedding_q": q, "embedding_scale": scale,
+                                               "embedding_offset": offset}}, tied_table=True)["embed_tokens"]
+    assert set(held) == {"embedding_panels_q", "embedding_panels_scale", "embedding_panels_offset"}
+    module = Embedding(128, 64, matmul_impl=matmul_impl)
+    ids = jnp.array([0, 5, 127, 64, 5], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(module.apply({"params": held}, ids)), table[np.asarray(ids)])
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    logits = module.apply({"params": held}, jnp.asarray(x), method=Embedding.attend)
+    np.testing.assert_allclose(np.asarray(logits), x.astype(np.float64) @ table.T.astype(np.float64), **TOL)

@@ -94,31 +94,51 @@ def test_quantized_model_cannot_be_saved_as_float_checkpoint(tiny, tmp_path):
 
 
 def test_gguf_default_form_per_backend():
-    """quantization=None keeps a GGUF's own form on accelerators, the f32 expansion on CPU."""
+    """quantization=None keeps a GGUF's own form on accelerators and on CPU where the native matmul
+    runs; the f32 expansion on CPU without it."""
     from models.loading import default_gguf_quantization
 
-    assert default_gguf_quantization("cpu") == "none"
+    assert default_gguf_quantization("cpu", native_matmul=True) == "gguf"
+    assert default_gguf_quantization("cpu", native_matmul=False) == "none"
     assert default_gguf_quantization("gpu") == default_gguf_quantization("tpu") == "gguf"
 
 
 @pytest.mark.slow
 def test_gguf_native_greedy_equals_hf_and_holds_less(hf_smollm2):
     """quantization="gguf" keeps the GGUF's Q4_1 / Q8_0 weights as int8 + f32 scales: exactly what
-    transformers dequantises, so greedy continuations agree token for token."""
-    smollm2 = paxpage.load(quantization="gguf")
-    flat = flatten(smollm2.per_layer_params())
+    transformers dequantises, so greedy continuations agree token for token. On CPU the native
+    matmul reads them in panels as held, each weight rounded as numpy's f32 expansion rounds it:
+    the logprobs are those of the f32 expansion (quantization="none") bit for bit, which is why a
+    GGUF's default form there is "gguf"."""
+    import jax
+
+    from models.loading import default_gguf_quantization
+
+    smollm2_q = paxpage.load(quantization="gguf")
+    flat = flatten(smollm2_q.per_layer_params())
     assert flat["layers_0/q_proj/kernel_q"].dtype == np.int8
     assert flat["layers_0/q_proj/kernel_scale"].shape == (576 // 32, 576)  # Q4_1: groups of 32
     assert "layers_0/q_proj/kernel_offset" in flat and "embed_tokens/embedding_offset" not in flat  # Q8_0
     held = sum(x.size * x.dtype.itemsize for x in flat.values())
-    expanded = sum(int(np.prod(shape)) * 4 for shape, _, _ in param_specs(smollm2.config).values())
+    expanded = sum(int(np.prod(shape)) * 4 for shape, _, _ in param_specs(smollm2_q.config).values())
     assert held < 0.32 * expanded, (held, expanded)  # 1.25 bytes a 4-bit weight, 1.125 for Q8_0, vs 4
-    prompts = [smollm2.tokenizer.encode(text) for text in ("The capital of France is", "def fibonacci(n):")]
+    prompts = [smollm2_q.tokenizer.encode(text) for text in ("The capital of France is", "def fibonacci(n):")]
     config = paxpage.EngineConfig(max_num_seqs=8, num_pages=256)  # test_smollm2.py's: its compiled steps
-    outs = paxpage.generate(smollm2, prompts, engine_config=config, max_tokens=16, temperature=0,
-                            ignore_eos=True, use_tqdm=False)
+    outs = paxpage.generate(smollm2_q, prompts, engine_config=config, max_tokens=16, temperature=0,
+                            ignore_eos=True, logprobs=3, use_tqdm=False)
     for ids, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(hf_smollm2, ids, 16), smollm2.tokenizer.decode(ids)
+        assert out.token_ids == hf_greedy(hf_smollm2, ids, 16), smollm2_q.tokenizer.decode(ids)
+    if jax.default_backend() == "cpu" and smollm2_q.engine(config).runner.matmul_impl == "native":
+        assert default_gguf_quantization() == "gguf"
+        params = smollm2_q.params  # held in quantised panels, as the native matmul reads them
+        assert params["layers"]["0"]["q_proj"]["kernel_panels_q"].dtype == np.int8
+        assert params["embed_tokens"]["embedding_panels_q"].shape == (49152 // 64, 576, 64)
+        expanded = paxpage.load(quantization="none")
+        plain = paxpage.generate(expanded, prompts, engine_config=config, max_tokens=16, temperature=0,
+                                 ignore_eos=True, logprobs=3, use_tqdm=False)
+        expanded.close()
+        for a, b in zip(outs, plain):
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
 @pytest.fixture(scope="module")
