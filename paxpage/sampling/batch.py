@@ -22,7 +22,7 @@ import numpy as np
 
 from paxpage.sampling import fields
 from paxpage.sampling.params import SamplingParams
-from paxpage.sampling.penalty_counts import RunningCounts
+from paxpage.sampling.penalty_counts import CountSlab, RunningCounts
 from paxpage.sampling.sampler import SamplingTensors, hash_seeds, keys_of_hashed
 
 _MASK64 = (1 << 64) - 1
@@ -45,7 +45,9 @@ class SamplingBatch:
         self._alloc(capacity)
         # the tensors last built, when they need no per-step data (see _Reusable)
         self._reusable: _Reusable | None = None
-        self._counts: dict[int, RunningCounts] = {}  # per penalised slot (penalty_counts.py)
+        # per penalised slot (penalty_counts.py), its counts row `slot` of one slab
+        self._counts: dict[int, RunningCounts] = {}
+        self._slab = CountSlab(capacity)
 
     def _alloc(self, capacity: int) -> None:
         def grow(name, dtype):
@@ -83,7 +85,9 @@ class SamplingBatch:
             if slot is not None:
                 self._reusable = None
                 self._params[slot] = None
-                self._counts.pop(slot, None)
+                counts = self._counts.pop(slot, None)
+                if counts is not None:
+                    counts.release()
                 self._free.append(slot)
 
     def retain(self, live_keys) -> None:
@@ -97,8 +101,9 @@ class SamplingBatch:
         request's n parallel samples), token position steps[r] (its output tokens so far, as
         `RowInfo.step` and for min_tokens). `row_tokens(r) -> (prompt_ids, output_ids)` is called
         only for rows with a penalty (output_ids may end in the pending token: see __init__);
-        their counts run on per slot (penalty_counts.RunningCounts), so a row whose output list is
-        the one it had last step costs only its new tokens. Rows n .. pad_rows_to are padding
+        their counts run on per slot (penalty_counts.RunningCounts, row `slot` of one CountSlab),
+        so a row whose output list is the one it had last step costs only its new tokens, and the
+        step's lists are one gather of the slab's rows. Rows n .. pad_rows_to are padding
         (greedy, no penalties). All index arrays are integer[n]."""
         n = slots.shape[0]
         num_rows = n if pad_rows_to is None else pad_rows_to
@@ -139,9 +144,22 @@ class SamplingBatch:
         banned = {}
         for r in np.flatnonzero(below):  # rare: below min_tokens
             banned[int(r)] = self._params[slots[r]].banned_token_ids(int(steps[r]), self.eos_token_ids)
+
+        def lists(counted: np.ndarray, with_prompt: np.ndarray):
+            counted_slots = slots[counted]
+            if len(np.unique(counted_slots)) < len(counted_slots):
+                # a slot in several rows (a verify step's draft positions, each its own history):
+                # each row counted afresh into a slab of its own
+                slab = CountSlab(len(counted))
+                sizes = [RunningCounts(*self._known(*row_tokens(r), prompt), slab, j).n
+                         for j, (r, prompt) in enumerate(zip(counted.tolist(), with_prompt.tolist()))]
+                return slab, np.arange(len(counted)), np.asarray(sizes, np.int64)
+            sizes = [self._row_counts(slot, *row_tokens(r), prompt)
+                     for r, slot, prompt in zip(counted.tolist(), counted_slots.tolist(), with_prompt.tolist())]
+            return self._slab, counted_slots, np.asarray(sizes, np.int64)
+
         tensors = SamplingTensors.from_host(
-            {f.name: rows_of(getattr(self, f.name), f.neutral) for f in fields.FIELDS}, keys, banned,
-            lambda r, with_prompt: self._row_counts(int(slots[r]), *row_tokens(r), with_prompt),
+            {f.name: rows_of(getattr(self, f.name), f.neutral) for f in fields.FIELDS}, keys, banned, lists,
             self.token_width)
         self._reusable = None
         if plain:
@@ -156,15 +174,21 @@ class SamplingBatch:
         keys[:, :steps.shape[0]] = keys_of_hashed(cached.hashed_seeds[None, :], window)
         return {window[t].tobytes(): dataclasses.replace(cached.tensors, keys=keys[t]) for t in range(KEYS_AHEAD)}
 
-    def _row_counts(self, slot: int, prompt_ids, output_ids, with_prompt: bool) -> tuple[np.ndarray, np.ndarray]:
-        prompt_ids = prompt_ids if with_prompt else ()
+    def _known(self, prompt_ids, output_ids, with_prompt: bool) -> tuple:
+        """(prompt_ids counted, output_ids, how many of them are known: all but a trailing pending token)."""
         num_known = len(output_ids)
         if num_known and output_ids[-1] == self.pending_token:
             num_known -= 1
+        return prompt_ids if with_prompt else (), output_ids, num_known
+
+    def _row_counts(self, slot: int, prompt_ids, output_ids, with_prompt: bool) -> int:
+        """Brings slot's counts (its row of the slab) up to date; the number of its distinct ids."""
+        prompt_ids, output_ids, num_known = self._known(prompt_ids, output_ids, with_prompt)
         counts = self._counts.get(slot)
         if counts is None:
-            counts = self._counts[slot] = RunningCounts(prompt_ids, output_ids, num_known)
-        return counts.counts_of(prompt_ids, output_ids, num_known)
+            counts = self._counts[slot] = RunningCounts(prompt_ids, output_ids, num_known, self._slab, slot)
+            return counts.n
+        return counts.update(prompt_ids, output_ids, num_known)
 
     def _take(self) -> int:
         if not self._free:

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.invariant_ops import pairwise_sum
-from paxpage.sampling.penalty_counts import distinct_counts
+from paxpage.sampling.penalty_counts import CountSlab, RunningCounts
 from paxpage.sampling import fields
 from paxpage.sampling.draw import (argmax_rows, by_platform, cond_or_select, draw, largest_threshold,
                                    sortable_keys)
@@ -176,40 +176,48 @@ class SamplingTensors:
             banned[i] = p.banned_token_ids(len(out), eos_token_ids)
         keys = np.zeros((num_rows, 2), np.uint32)
         keys[:num_real] = row_keys(seeds[:num_real], steps[:num_real])
-        return cls.from_host(arrays, keys, banned,
-                             lambda i, with_prompt: distinct_counts(rows[i].prompt_ids if with_prompt else (),
-                                                                    rows[i].output_ids), token_width)
+        def lists(counted: np.ndarray, with_prompt: np.ndarray):
+            slab = CountSlab(max(len(counted), 1))
+            sizes = [RunningCounts(rows[i].prompt_ids if prompt else (), rows[i].output_ids, slab=slab, row=j).n
+                     for j, (i, prompt) in enumerate(zip(counted.tolist(), with_prompt.tolist()))]
+            return slab, np.arange(len(counted)), np.asarray(sizes, np.int64)
+
+        return cls.from_host(arrays, keys, banned, lists, token_width)
 
     @classmethod
-    def from_host(cls, arrays: dict[str, np.ndarray], keys, banned: dict[int, Sequence[int]], row_counts,
+    def from_host(cls, arrays: dict[str, np.ndarray], keys, banned: dict[int, Sequence[int]], lists,
                   token_width: int | None = None) -> SamplingTensors:
         """The tensors from per-row numpy arrays (arrays: {field name: [R] array}, every field of
         the table, padding rows included; keys u32[R, 2]), the banned ids of the rows that have
-        any ({row: ids}), and `row_counts(i, with_prompt) -> (ids, counts)`, called only for rows
-        with a penalty: penalty_counts.py distinct_counts of the row's prompt (when with_prompt,
-        i.e. a repetition penalty) and output tokens, ids in any order. `build` and batch.py
-        SamplingBatch both end here. The leaves stay numpy (see the end)."""
+        any ({row: ids}), and `lists(rows, with_prompt) -> (slab, slab_rows, sizes)`, called with
+        the rows that have a penalty (int64[k]) and whether each counts its prompt (a repetition
+        penalty): penalty_counts.py's distinct_counts of each one's prompt (when with_prompt) and
+        output tokens, kept as row slab_rows[j] of the CountSlab `slab`, sizes[j] ids long (one
+        gather lays them out). `build` and batch.py SamplingBatch both end here. The leaves stay
+        numpy (see the end)."""
         num_rows = keys.shape[0]
         # Distinct penalty tokens only for rows that use them. A batch without penalties ships
         # the smallest width (the same shape as a short penalised batch, so no extra compile)
         # and its penalty stage is skipped on device.
         needs_output = fields.counted_rows(arrays.__getitem__)
-        rep = arrays["repetition_penalty"]
-        distinct: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        for i in np.flatnonzero(needs_output):
-            distinct[i] = row_counts(i, bool(rep[i] != 1.0))
-        needed = max((len(ids) for ids, _ in distinct.values()), default=0)
+        counted = np.flatnonzero(needs_output)
+        slab, slab_rows, sizes = None, None, np.zeros(0, np.int64)
+        if len(counted):
+            slab, slab_rows, sizes = lists(counted, arrays["repetition_penalty"][counted] != 1.0)
+        needed = int(sizes.max(initial=0))
         if token_width is not None and token_width < needed:
             raise ValueError(f"token_width={token_width} is smaller than the {needed} distinct "
                              "penalty tokens (prompt + output) of the row with the most")
         width = _bucket(needed, _MIN_TOKEN_WIDTH)
         if token_width is not None:
             width = min(width, max(token_width, needed))
-        token_ids = np.full((num_rows, width), -1, np.int32)
-        token_counts = np.zeros((num_rows, width), np.int32)
-        for i, (ids, counts) in distinct.items():
-            token_ids[i, :len(ids)] = ids
-            token_counts[i, :len(ids)] = counts
+        if slab is None:
+            token_ids = np.full((num_rows, width), -1, np.int32)
+            token_counts = np.zeros((num_rows, width), np.int32)
+        else:
+            rows = np.full(num_rows, -1, np.int64)
+            rows[counted] = slab_rows
+            token_ids, token_counts = slab.gather(rows, width)
         banned_ids = np.full((num_rows, _bucket(max(map(len, banned.values()), default=0), _MIN_BANNED_WIDTH)),
                              -1, np.int32)
         for i, ids in banned.items():
@@ -336,7 +344,8 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
     all ones). The two are separate executables, so unconstrained batches pay nothing for it;
     which rows are constrained is data again.
     draw_impl: "xla", or "native" (CPU only, once `resolve_draw_impl` returned it): the proposal
-    draw of sampled rows without top-k runs as the native kernel (pallas_kernels/native_sampling.py);
+    draw of sampled rows without top-k runs as the native kernel (pallas_kernels/native_sampling.py),
+    and the penalties as theirs (pallas_kernels/native_penalties.py);
     or "select": no stage behind a branch on any platform, as "xla" lowers for a GPU on its own
     (draw.py by_platform; tests run it on the CPU).
     pending: None, or i32[R] each row's output token that t's penalty lists leave out (-1: none;
@@ -347,7 +356,7 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
     if t.greedy_only:  # nothing to ban or penalise, every row takes its argmax
         return _sample(logits, t, num_logprobs, greedy_only=True)
     if t.penalised:
-        logits = apply_penalties(logits, t, pending)
+        logits = _penalties(draw_impl)(logits, t, pending)
     return _sample(logits, t, num_logprobs, proposal=_proposal(draw_impl),
                    branchless=True if draw_impl == "select" else None)
 
@@ -357,13 +366,22 @@ DRAW_IMPLS = ("xla", "native", "select")
 
 def resolve_draw_impl(native_allowed: bool) -> str:
     """"native" when native kernels are allowed here (the runner's attention resolved to its native
-    CPU kernel) and the native proposal draw builds and loads, else "xla"."""
+    CPU kernel) and the native proposal draw and penalties build and load, else "xla"."""
     if not native_allowed:
         return "xla"
     from models.cache import native_dir
-    from pallas_kernels import native_sampling
+    from pallas_kernels import native_penalties, native_sampling
 
-    return "native" if native_sampling.load(native_dir()) else "xla"
+    ok = native_sampling.load(native_dir()) and native_penalties.load(native_dir())
+    return "native" if ok else "xla"
+
+
+def _penalties(draw_impl: str):
+    if draw_impl != "native":
+        return apply_penalties
+    from pallas_kernels.native_penalties import apply_penalties_native
+
+    return apply_penalties_native
 
 
 def _proposal(draw_impl: str):
