@@ -406,7 +406,8 @@ class ModelRunner:
 
         logits, prompt_logits = logits
         out, accepted = verify_lib.verify(logits, sampling, draft_ids, draft_dists, num_logprobs, allowed,
-                                          self._pending(batch, sampling, prev_rows, prev_tokens))
+                                          self._pending(batch, sampling, prev_rows, prev_tokens),
+                                          draw_impl=self.draw_impl)
         prompt = None
         if batch.prompt_targets.shape[0]:
             prompt = self._calls["score_prompt"](prompt_logits, batch.prompt_targets, num_prompt_logprobs)

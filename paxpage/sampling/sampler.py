@@ -356,7 +356,7 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
     if t.greedy_only:  # nothing to ban or penalise, every row takes its argmax
         return _sample(logits, t, num_logprobs, greedy_only=True)
     if t.penalised:
-        logits = _penalties(draw_impl)(logits, t, pending)
+        logits = penalties(draw_impl)(logits, t, pending)
     return _sample(logits, t, num_logprobs, proposal=_proposal(draw_impl),
                    branchless=True if draw_impl == "select" else None)
 
@@ -376,7 +376,8 @@ def resolve_draw_impl(native_allowed: bool) -> str:
     return "native" if ok else "xla"
 
 
-def _penalties(draw_impl: str):
+def penalties(draw_impl: str):
+    """`apply_penalties`, or its native CPU kernel where draw_impl is "native"."""
     if draw_impl != "native":
         return apply_penalties
     from pallas_kernels.native_penalties import apply_penalties_native

@@ -73,23 +73,23 @@ def accept_rows(p: jax.Array, draft_ids: jax.Array, q: jax.Array | None, keys: j
     return accepted, residual_draw(p, q, keys)
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+@functools.partial(jax.jit, static_argnames=("num_logprobs", "draw_impl"))
 def verify(logits: jax.Array, t: sampler_lib.SamplingTensors, draft_ids: jax.Array,
            draft_dists: jax.Array | None = None, num_logprobs: int = 0, allowed: jax.Array | None = None,
-           pending=None) -> tuple[sampler_lib.SamplerOutput, jax.Array]:
+           pending=None, draw_impl: str = "xla") -> tuple[sampler_lib.SamplerOutput, jax.Array]:
     """logits f32[R, V], draft_ids i32[R] (-1 none), draft_dists f32[R, V] or None (one-hot),
     allowed i32[R, W] structured-outputs bitmask or None, pending None or (rows, prev) (as the
-    runner's sampler takes them: sampler.sample_rows) -> (SamplerOutput whose token_ids /
-    logprobs are each row's `token`, accepted bool[R])."""
+    runner's sampler takes them: sampler.sample_rows), draw_impl the runner's (sampler.sample)
+    -> (SamplerOutput whose token_ids / logprobs are each row's `token`, accepted bool[R])."""
     logits = logits.astype(jnp.float32)
     if allowed is not None:
         logits = sampler_lib.apply_bitmask(logits, allowed)
     pending = sampler_lib.pending_tokens(pending)
-    out = sampler_lib.sample(logits, t, num_logprobs, pending=pending)
+    out = sampler_lib.sample(logits, t, num_logprobs, draw_impl=draw_impl, pending=pending)
     has_draft = draft_ids >= 0
     drafts = jnp.maximum(draft_ids, 0)
     # t.penalised: the host knows whether a row is penalised or bans tokens (as `sample` does)
-    penalised = sampler_lib.apply_penalties(logits, t, pending) if t.penalised else logits
+    penalised = sampler_lib.penalties(draw_impl)(logits, t, pending) if t.penalised else logits
     accepted = has_draft & (drafts == out.token_ids)
     tokens = out.token_ids
     if draft_dists is not None:  # rejection sampling against the draft's q

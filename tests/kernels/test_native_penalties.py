@@ -112,3 +112,22 @@ def test_the_sampler_penalises_through_the_native_kernel():
     for impl in ("native", "xla"):
         out = sampler_lib.sample(jnp.asarray(logits), t, draw_impl=impl, pending=jnp.asarray(pending))
         np.testing.assert_array_equal(np.asarray(out.token_ids), want)
+
+
+def test_speculative_verify_penalises_through_the_native_kernel():
+    """A verify step (paxpage/speculative/verify.py) with the runner's draw_impl "native": greedy
+    penalised rows take the definition's argmax and accept the drafts that equal it, as with "xla"."""
+    from paxpage.speculative.verify import verify
+
+    assert sampler_lib.resolve_draw_impl(True) == "native"
+    logits, t, params, prompts, outputs, banned, pending = _case(5, num_rows=8, vocab=500)
+    t = t.__class__(**{**{f: getattr(t, f) for f in t.__dataclass_fields__},
+                       "temperature": np.zeros(8, np.float32)})
+    want = _definition(logits, params, prompts, outputs, banned, pending).argmax(-1)
+    drafts = np.where(np.arange(8) % 2 == 0, want, (want + 1) % 500).astype(np.int32)
+    drafts[7] = -1
+    for impl in ("native", "xla"):
+        out, accepted = verify(jnp.asarray(logits), t, jnp.asarray(drafts),
+                               pending=(jnp.arange(8, dtype=jnp.int32), jnp.asarray(pending)), draw_impl=impl)
+        np.testing.assert_array_equal(np.asarray(out.token_ids), want)
+        np.testing.assert_array_equal(np.asarray(accepted), (np.arange(8) % 2 == 0) & (drafts >= 0))
