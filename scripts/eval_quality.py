@@ -222,10 +222,13 @@ QUALITY_COLUMNS = ["variant", "agree (all / prefix)", "mean KL", "ppl", "ppl vs 
 
 
 def doc_tables(result: dict) -> dict:
-    """The docs' table (docs/quantisation.md): one row per variant, skipped ones with the reason."""
+    """The docs' table (docs/quantisation.md): one row per variant in VARIANTS' order (a record's
+    JSON may hold them sorted), skipped ones with the reason."""
+    order = {v.name: i for i, v in enumerate(VARIANTS)}
+    measured = sorted(result["rows"].items(), key=lambda item: order.get(item[0], len(order)))
     rows = [[name, f"{r['agree']:.3f} / {r['prefix']:.3f}", f"{r['kl']:.2e}", round(r["ppl"], 3),
              f"{100 * r['ppl_change']:+.2f}%", "yes" if r["finite"] else "NO", round(r["weights_bytes"] / 1e6, 1),
-             r["kv_bytes_per_token"], round(r["tok_s"], 1)] for name, r in result["rows"].items()]
+             r["kv_bytes_per_token"], round(r["tok_s"], 1)] for name, r in measured]
     rows += [[name, why, *[""] * (len(QUALITY_COLUMNS) - 2)] for name, why in result["skipped"].items()]
     caption = (f"{result['model']} against f32 on the same weights: {result['prompts']} prompts x "
                f"{result['tokens']} greedy tokens; perplexity over {result['ppl_tokens']} tokens of Python "

@@ -137,7 +137,7 @@ def test_bench_structured_quality_and_kv_error_rows():
     quality = _load_script("eval_quality").doc_tables(
         {"model": "m", "prompts": 4, "tokens": 8, "ppl_tokens": 31, "python": "3.11.7", "speed_seqs": 4,
          "rows": {"f32": dict(agree=1.0, prefix=1.0, kl=0.0, ppl=16.7581, ppl_change=0.0, finite=True,
-                              weights_bytes=538.1e6, kv_bytes_per_token=46080, tok_s=152.52)},
+                              weights_bytes=538.1e6, kv_bytes_per_token=46080, tok_s=482.68)},
          "skipped": {"GGUF-native": "n/a: not a GGUF"}})
     committed = _committed("quality", "quality")
     assert quality["quality"]["columns"] == committed["columns"]
