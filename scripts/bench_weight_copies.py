@@ -8,7 +8,7 @@ reports after each the bytes of the live device buffers other than the engines' 
 weights and any copies of them; on CPU the device is host memory) and the process's VmRSS (which
 also holds compiled code, and memory the allocator kept from loading).
 
-    python scripts/bench_weight_copies.py            # SmolLM2-135M in f32
+    python scripts/bench_weight_copies.py            # SmolLM2-135M as paxpage.load holds it
     python scripts/bench_weight_copies.py --model DIR --dtype bfloat16
     python scripts/bench_weight_copies.py --json docs/benchmarks/weight_copies.json
 """
