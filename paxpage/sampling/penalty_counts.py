@@ -51,7 +51,7 @@ class CountSlab:
         capacity, current = self.ids.shape
         if rows <= capacity and width <= current:
             return
-        shape = (max(rows, capacity) if rows <= capacity else max(rows, 2 * capacity),
+        shape = (capacity if rows <= capacity else max(rows, 2 * capacity),
                  current if width <= current else max(width, 2 * current))
         ids, counts = np.full(shape, -1, np.int32), np.zeros(shape, np.int32)
         ids[:capacity, :current], counts[:capacity, :current] = self.ids, self.counts
@@ -65,11 +65,11 @@ class CountSlab:
         """(ids, counts) int32[len(rows), width] of slab rows `rows` (-1: an empty row), each
         row's first `width` entries (at least its ids)."""
         self.ensure(1, width)
-        ids = np.full((len(rows), width), -1, np.int32)
-        counts = np.zeros((len(rows), width), np.int32)
         taken = np.flatnonzero(rows >= 0)
         if len(taken) == len(rows):
             return self.ids[rows, :width], self.counts[rows, :width]
+        ids = np.full((len(rows), width), -1, np.int32)
+        counts = np.zeros((len(rows), width), np.int32)
         ids[taken], counts[taken] = self.ids[rows[taken], :width], self.counts[rows[taken], :width]
         return ids, counts
 
