@@ -105,17 +105,12 @@ class Linear(nn.Module):
         native = False
         if qparams is not None:
             matmul = lambda rows: quant.quantized_matmul(rows, *qparams)
-        elif (held := _held(self, panel_layout.PANELS_Q, step)) is not None:  # quantised, in panels
-            q, group = held
-            scale, offset = (_held(self, name, step) for name in (panel_layout.PANELS_SCALE, panel_layout.PANELS_OFFSET))
+        elif (held := _held_panels(self, step)) is not None:
+            panels, group, scale, offset = held
+            if scale is None:  # float panels run in the model's dtype
+                panels = panels.astype(self.dtype)
             native = self.matmul_impl == "native" and jnp.dtype(self.dtype) in panel_layout.DTYPES
-            matmul = functools.partial(_panels_matmul, panels=q, native=native, scale=scale[0],
-                                       offset=None if offset is None else offset[0],
-                                       live=step.live if native and step is not None else None, group=group)
-        elif (held := _held(self, panel_layout.PANELS, step)) is not None:
-            panels, group = held
-            native = self.matmul_impl == "native" and jnp.dtype(self.dtype) in panel_layout.DTYPES
-            matmul = functools.partial(_panels_matmul, panels=panels.astype(self.dtype), native=native,
+            matmul = functools.partial(_panels_matmul, panels=panels, native=native, scale=scale, offset=offset,
                                        live=step.live if native and step is not None else None, group=group)
         else:
             kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.dtype)
@@ -139,6 +134,18 @@ def _held(module: nn.Module, name: str, step: MatmulStep | None):
         assert step is not None and step.group is not None, f"stacked {name} is read inside a scan, by group"
         return module.get_variable(layer_stack.WHOLE, name), step.group
     return None
+
+
+def _held_panels(module: nn.Module, step: MatmulStep | None):
+    """(panels, group, scale, offset) of the module's kernel held in column panels
+    (models/panel_layout.py): float panels with scale and offset None, or quantised ones (int8,
+    their scales, their offsets or None); None where the kernel is not in panels."""
+    held = _held(module, panel_layout.PANELS_Q, step)
+    if held is None:
+        held = _held(module, panel_layout.PANELS, step)
+        return None if held is None else (*held, None, None)
+    scale, offset = (_held(module, name, step) for name in (panel_layout.PANELS_SCALE, panel_layout.PANELS_OFFSET))
+    return (*held, scale[0], None if offset is None else offset[0])
 
 
 def _lora_slab(module: nn.Module, step: MatmulStep | None, lora_slots):
@@ -221,13 +228,10 @@ class Embedding(nn.Module):
         native = False
         if self.qtable is not None:
             head = lambda rows: quant.quantized_attend(rows, *self.qtable)
-        elif self.panels is not None:
+        elif self.panels is not None or self.qpanels is not None:
             native = self.matmul_impl == "native" and jnp.dtype(self.dtype) in panel_layout.DTYPES
-            head = functools.partial(_panels_matmul, panels=self.panels.astype(self.dtype), native=native)
-        elif self.qpanels is not None:
-            native = self.matmul_impl == "native" and jnp.dtype(self.dtype) in panel_layout.DTYPES
-            q, scale, offset = self.qpanels
-            head = functools.partial(_panels_matmul, panels=q, native=native, scale=scale, offset=offset)
+            panels, scale, offset = self.qpanels or (self.panels.astype(self.dtype), None, None)
+            head = functools.partial(_panels_matmul, panels=panels, native=native, scale=scale, offset=offset)
         else:
             head = lambda rows: jnp.dot(rows, self.embedding.astype(self.dtype).T)
         # The native kernel's rows are row-stable as they are: no padding to stable row counts.

@@ -60,11 +60,12 @@ def base_name(path: str) -> str:
 # ------------------------------------------------------------------ in the jitted step
 
 def dequantize_kernel(q, scale, offset, dtype):
-    """q i8[I, O], scale/offset f32[I / G, O] -> dtype[I, O]."""
-    num_groups, out = scale.shape
-    w = q.reshape(num_groups, -1, out).astype(jnp.float32) * scale[:, None, :]
+    """q i8[..., I, O], scale/offset f32[..., I / G, O] -> dtype[..., I, O] (leading axes: a
+    stack's layers, or a kernel's column panels, models/panel_layout.py)."""
+    *lead, num_groups, out = scale.shape
+    w = q.reshape(*lead, num_groups, -1, out).astype(jnp.float32) * scale[..., :, None, :]
     if offset is not None:
-        w = w + offset[:, None, :]
+        w = w + offset[..., :, None, :]
     return w.reshape(q.shape).astype(dtype)
 
 

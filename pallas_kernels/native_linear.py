@@ -114,19 +114,11 @@ def linear_ref(
     _check(x, panels, live, group, scale, offset)
     if group is not None:
         panels, scale, offset = (None if a is None else a[group] for a in (panels, scale, offset))
-    if scale is not None:
-        panels = dequantize_panels(panels, scale, offset)
+    if scale is not None:  # each panel is an [I, 64] kernel with its [I / Q, 64] scales
+        from models.quant import dequantize_kernel
+
+        panels = dequantize_kernel(panels, scale, offset, jnp.float32)
     y = jnp.einsum("TI,PIC->TPC", jnp.asarray(x, jnp.float32), jnp.asarray(panels, jnp.float32),
                    precision=jax.lax.Precision.HIGHEST).reshape(x.shape[0], -1)
     return y if live is None else jnp.where(jnp.asarray(live)[:, None] != 0, y, 0.0)
 
-
-def dequantize_panels(q: jax.Array, scale: jax.Array, offset: jax.Array | None = None) -> jax.Array:
-    """i8[..., P, I, 64] with scale / offset f32[..., P, I / Q, 64] -> f32[..., P, I, 64]:
-    q * scale (+ offset), each scale over its Q inputs."""
-    *lead, p, i, c = q.shape
-    blocks = scale.shape[-2]
-    w = q.reshape(*lead, p, blocks, i // blocks, c).astype(jnp.float32) * scale[..., :, None, :]
-    if offset is not None:
-        w = w + offset[..., :, None, :]
-    return w.reshape(q.shape)

@@ -43,15 +43,12 @@ def apply_penalties_native(logits: jax.Array, t, pending: jax.Array | None = Non
     """`apply_penalties_ref` as the native kernel: logits f32[R, V], t the step's
     SamplingTensors (token_ids / token_counts [R, S], banned_ids [R, E], the penalty fields [R]),
     pending None or i32[R] (one more output token per penalised row, -1 none)."""
-    from paxpage.sampling import fields
+    from paxpage.sampling.sampler import counted_pending
 
     if not loaded():
         raise RuntimeError("apply_penalties_native: call native_penalties.load(build_dir) first")
     num_rows = logits.shape[0]
-    if pending is None:
-        pending = jnp.full((num_rows,), -1, jnp.int32)
-    else:  # only rows with a penalty count it (a row that only bans ids does not)
-        pending = jnp.where(fields.counted_rows(lambda name: getattr(t, name)), pending, -1).astype(jnp.int32)
+    pending = jnp.full((num_rows,), -1, jnp.int32) if pending is None else counted_pending(t, pending)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(logits.shape, jnp.float32), input_output_aliases={0: 0})
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731

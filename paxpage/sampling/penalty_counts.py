@@ -57,6 +57,12 @@ class CountSlab:
         ids[:capacity, :current], counts[:capacity, :current] = self.ids, self.counts
         self.ids, self.counts = ids, counts
 
+    def write(self, row: int, ids: np.ndarray, counts: np.ndarray) -> None:
+        """Row `row` holds ids / counts (its entries past them must be -1 / 0 already)."""
+        n = len(ids)
+        self.ensure(row + 1, n)
+        self.ids[row, :n], self.counts[row, :n] = ids, counts
+
     def clear(self, row: int, n: int) -> None:
         if row < self.ids.shape[0]:
             self.ids[row, :n], self.counts[row, :n] = -1, 0
@@ -90,11 +96,9 @@ class RunningCounts:
     def _recount(self, prompt_ids: Sequence[int], output_ids: list[int], num_known: int) -> None:
         known = output_ids if num_known == len(output_ids) else output_ids[:num_known]
         ids, counts = distinct_counts(prompt_ids, known)
-        slab, row, n = self.slab, self.row, len(ids)
-        slab.clear(row, self.n)
-        slab.ensure(row + 1, n)
-        slab.ids[row, :n], slab.counts[row, :n] = ids, counts
-        self.n = n
+        self.slab.clear(self.row, self.n)
+        self.slab.write(self.row, ids, counts)
+        self.n = n = len(ids)
         self.index: dict[int, int] = dict(zip(ids.tolist(), range(n)))
         self.prompt_ids, self.out, self.seen = prompt_ids, output_ids, num_known
         self.last = output_ids[num_known - 1] if num_known else None

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.invariant_ops import pairwise_sum
-from paxpage.sampling.penalty_counts import CountSlab, RunningCounts
+from paxpage.sampling.penalty_counts import CountSlab, distinct_counts
 from paxpage.sampling import fields
 from paxpage.sampling.draw import (argmax_rows, by_platform, cond_or_select, draw, largest_threshold,
                                    sortable_keys)
@@ -177,9 +177,11 @@ class SamplingTensors:
         keys = np.zeros((num_rows, 2), np.uint32)
         keys[:num_real] = row_keys(seeds[:num_real], steps[:num_real])
         def lists(counted: np.ndarray, with_prompt: np.ndarray):
-            slab = CountSlab(max(len(counted), 1))
-            sizes = [RunningCounts(rows[i].prompt_ids if prompt else (), rows[i].output_ids, slab=slab, row=j).n
-                     for j, (i, prompt) in enumerate(zip(counted.tolist(), with_prompt.tolist()))]
+            slab, sizes = CountSlab(max(len(counted), 1)), []
+            for j, (i, prompt) in enumerate(zip(counted.tolist(), with_prompt.tolist())):
+                ids, counts = distinct_counts(rows[i].prompt_ids if prompt else (), rows[i].output_ids)
+                slab.write(j, ids, counts)
+                sizes.append(len(ids))
             return slab, np.arange(len(counted)), np.asarray(sizes, np.int64)
 
         return cls.from_host(arrays, keys, banned, lists, token_width)
@@ -255,6 +257,12 @@ class SamplerOutput:
     top_logprobs: jax.Array  # f32[R, L]
 
 
+def counted_pending(t: SamplingTensors, pending: jax.Array) -> jax.Array:
+    """i32[R]: `pending` (apply_penalties') where a row has a penalty, else -1 (a row that only
+    bans ids counts no tokens)."""
+    return jnp.where(fields.counted_rows(lambda name: getattr(t, name)), pending, -1).astype(jnp.int32)
+
+
 def apply_penalties(logits: jax.Array, t: SamplingTensors, pending: jax.Array | None = None) -> jax.Array:
     """Banned ids, then repetition (HF), presence and frequency (OpenAI) penalties. [R, V].
 
@@ -269,8 +277,7 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors, pending: jax.Array | 
     num_rows, vocab_size = logits.shape
     ids, counts = t.token_ids, t.token_counts  # [R, S]
     if pending is not None:
-        penalised = fields.counted_rows(lambda name: getattr(t, name))
-        pending = jnp.where(penalised, pending, -1)[:, None]  # [R, 1]
+        pending = counted_pending(t, pending)[:, None]  # [R, 1]
         listed = (ids == pending) & (pending >= 0)  # [R, S]: at most one per row (ids are distinct)
         new = jnp.where(jnp.any(listed, axis=-1, keepdims=True), -1, pending)
         ids = jnp.concatenate([ids, new], axis=1)  # [R, S + 1]
