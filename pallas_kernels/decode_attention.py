@@ -64,6 +64,16 @@ def tpu_params(dimension_semantics: tuple[str, ...]):
     return cls(dimension_semantics=dimension_semantics)
 
 
+def in_hbm(x, interpret: bool):
+    """x kept in HBM for a Mosaic TPU kernel that reads blocks of it. An operand this small (a
+    quantised pool's scales: 1.5 MiB a layer for SmolLM2) XLA would otherwise copy whole into
+    VMEM before each call that reads it, to read a few rows."""
+    constrain = getattr(pltpu, "with_memory_space_constraint", None)
+    if interpret or x is None or constrain is None:
+        return x
+    return constrain(x, pltpu.HBM)
+
+
 def interpret_arg(backend: str, interpret: bool):
     """What `pallas_call(interpret=...)` gets: the TPU interpreter simulates DMAs and SMEM."""
     if not interpret:
@@ -371,7 +381,8 @@ def _decode_tpu(q4, kv_pages, table, lengths, scales, *, sm_scale, num_splits, i
             compiler_params=tpu_params(("parallel", "parallel", "arbitrary")),
             interpret=interpret_arg("tpu", interpret),
             name="paxpage_decode_attention_tpu",
-        )(lengths, table.reshape(-1), q4, *[kv_pages] * len(pool_specs), *[scales] * len(scale_block_specs))
+        )(lengths, table.reshape(-1), q4, *[in_hbm(kv_pages, interpret)] * len(pool_specs),
+          *[in_hbm(scales, interpret)] * len(scale_block_specs))
 
 
 # ---------------------------------------------------------------- public wrapper

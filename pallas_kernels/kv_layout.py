@@ -195,7 +195,8 @@ class KVLayout:
                      kv_scales: jax.Array) -> jax.Array:
         """scales (this layout) with kv_scales [2, T, K] stored at token t's slot (page_id *
         page_size + offset); padding (-1) and slots past the pool are dropped. An in-place XLA
-        scatter on the donated scales."""
+        scatter on the donated scales; on the tpu layout the reference of the TPU write, which
+        updates whole rows by DMA (kv_write._write_scale_rows_tpu)."""
         if self.name == "canonical":
             num_pages = scales.shape[1]
             # (page, offset) directly: a flat-slot reshape makes XLA copy the whole buffer

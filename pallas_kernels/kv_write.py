@@ -16,7 +16,9 @@ Quantised pool (kv_quant.QuantizedKV): K/V are quantised per (token, kv head) in
 (kv_quant.SCALE_DTYPE) together, both buffers aliased. On TPU the kernel stores the values and the
 scales go in by an in-place XLA scatter beside it: a scale row is one 16-bit element of a tiled
 [page_size, K] slab, and Mosaic DMAs only at tile-aligned offsets along it. On the tpu layout the
-values go in by the fused scatter and the scales by `KVLayout.write_scales` (one f32 lane each).
+values go in by the fused scatter and the scales by `_write_scale_rows_tpu`: each (1, W) row of
+scales the step touches is read, updated and written back whole by DMA (`KVLayout.write_scales`,
+an XLA scatter of single lanes, is its reference).
 A plain pool traces exactly the unquantised kernel.
 """
 
@@ -175,6 +177,88 @@ def _kv_write_tpu_fused(kv_pages, k, v, slots):
     return kv_pages.at[page[:, None], heads, (slots % page_size)[:, None]].set(rows, mode="drop")
 
 
+def _scale_rows_kernel_tpu(rows_ref, new_ref, _, scales_ref, held_ref, sem):
+    # rows_ref SMEM i32[U_pad]: the scale row entry u updates (-1: none); new_ref VMEM [K, block,
+    # 1, W] entry u's new scales, -inf where the row keeps its own; scales_ref HBM [K, R, 1, W]
+    # (input 2 is the aliased scales); held_ref VMEM [K, block, 1, W].
+    block = held_ref.shape[1]
+    u0 = pl.program_id(0) * block
+
+    def each(store: bool, wait: bool):
+        def body(u, carry):
+            row = rows_ref[u0 + u]
+            held, pool = held_ref.at[:, pl.ds(u, 1)], scales_ref.at[:, pl.ds(row, 1)]
+
+            @pl.when(row >= 0)
+            def _():
+                dma = pltpu.make_async_copy(held, pool, sem) if store else pltpu.make_async_copy(pool, held, sem)
+                dma.wait() if wait else dma.start()
+
+            return carry
+
+        lax.fori_loop(0, block, body, 0)
+
+    # The rows are distinct: the block's rows loaded at once, updated, stored at once.
+    each(store=False, wait=False)
+    each(store=False, wait=True)
+    new = new_ref[...]
+    held_ref[...] = jnp.where(new == -jnp.inf, held_ref[...], new)
+    each(store=True, wait=False)
+    each(store=True, wait=True)
+
+
+SCALE_ROWS_BLOCK = 32  # scale rows updated per grid step
+
+
+def _write_scale_rows_tpu(scales, page_size, slots, kv_scales, *, interpret):
+    """The tpu layout's scales [K, R, 1, W] (kv_layout.ScaleRows) with kv_scales [2, T, K] at
+    the tokens' slots, as `KVLayout.write_scales` stores them: each row the tokens touch is read,
+    updated and written back whole by DMA, in place. XLA's scatter of single lanes staged a
+    layer's scales through VMEM and wrote them back to a fresh HBM buffer (a temporary of the
+    scales' size per layer, for the rest of the step). A scale is never -inf (amax / qmax), so
+    -inf marks the lanes a row keeps."""
+    rows = kv_layout.ScaleRows(page_size)
+    num_kv_heads, num_rows, _, width = scales.shape
+    num_tokens = slots.shape[0]
+    page = jnp.maximum(slots, 0) // page_size
+    row = jnp.where(slots < 0, num_rows, page // rows.pages_per_row)  # padding sorts last
+    # The distinct rows (entries), and each token's entry
+    order = jnp.argsort(row)
+    sorted_row = row[order]
+    first = jnp.concatenate([jnp.ones((1,), bool), sorted_row[1:] != sorted_row[:-1]])
+    entry_sorted = jnp.cumsum(first.astype(jnp.int32)) - 1
+    entry = jnp.zeros((num_tokens,), jnp.int32).at[order].set(entry_sorted)
+    num_entries = pl.cdiv(num_tokens, SCALE_ROWS_BLOCK) * SCALE_ROWS_BLOCK
+    target = jnp.full((num_entries,), -1, jnp.int32).at[entry_sorted].set(
+        jnp.where(sorted_row < num_rows, sorted_row, -1).astype(jnp.int32))
+    half = jnp.arange(2)[:, None, None]  # [2, 1, 1] against [2, T, K]
+    lane = rows.lane(page[None, :, None], half, (jnp.maximum(slots, 0) % page_size)[None, :, None])
+    head = jnp.arange(num_kv_heads)[None, None, :]
+    at = jnp.broadcast_to(entry[None, :, None], kv_scales.shape)
+    new = jnp.full((num_kv_heads, num_entries, 1, width), -jnp.inf, scales.dtype)
+    new = new.at[head, at, 0, lane].set(kv_scales.astype(scales.dtype))
+    block = (num_kv_heads, SCALE_ROWS_BLOCK, 1, width)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(num_entries // SCALE_ROWS_BLOCK,),
+        in_specs=[pl.BlockSpec(block, lambda i, rows_ref: (0, i, 0, 0)),
+                  pl.BlockSpec(memory_space=getattr(pltpu, "ANY", None) or pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=getattr(pltpu, "ANY", None) or pl.ANY),
+        scratch_shapes=[pltpu.VMEM(block, scales.dtype), pltpu.SemaphoreType.DMA(())],
+    )
+    with tpu_target.pinned("tpu", interpret):
+        return pl.pallas_call(
+            _scale_rows_kernel_tpu,
+            grid_spec=grid_spec,
+            # In HBM: XLA would otherwise stage scales this small through VMEM around the call
+            out_shape=pltpu.HBM(scales.shape, scales.dtype),
+            input_output_aliases={2: 0},  # operand 2: the scales (the scalar-prefetch rows count)
+            compiler_params=tpu_params(("arbitrary",)),
+            interpret=interpret_arg("tpu", interpret),
+            name="paxpage_kv_scale_rows_tpu",
+        )(target, new, scales)
+
+
 @functools.partial(jax.jit, static_argnames=("block_t", "backend", "interpret", "layout"), donate_argnums=(0,))
 def write_kv(
     kv_pages,  # one layer's pool in `layout` (canonical [2, P, page_size, K, D]; tpu [P, K,
@@ -215,7 +299,8 @@ def write_kv(
         pages = _kv_write_tpu_fused(kv_pages, k, v, slots)
         if scales is None:
             return pages
-        return kv_quant.join(pages, layout.write_scales(scales, page_size, slots, jnp.stack([ks, vs])))
+        return kv_quant.join(pages, _write_scale_rows_tpu(scales, page_size, slots, jnp.stack([ks, vs]),
+                                                          interpret=interpret))
     if backend == "gpu":
         out = _kv_write_gpu(kv_pages, k, v, slots, scales, ks, vs, interpret=interpret)
     else:

@@ -54,6 +54,7 @@ from pallas_kernels.decode_attention import (
     check_window_and_cap,
     dequantize_rows,
     fold_sink,
+    in_hbm,
     interpret_arg,
     online_softmax_step,
     page_specs,
@@ -261,8 +262,8 @@ def _ragged_tpu(qw, kv_pages, table, cu, kv_lens, first, last, scales, sink_rows
             compiler_params=tpu_params(("arbitrary", "arbitrary")),
             interpret=interpret_arg("tpu", interpret),
             name="paxpage_ragged_attention_tpu",
-        )(cu, kv_lens, table.reshape(-1), wb, ws, wi, wv, qw, *[kv_pages] * len(pool_specs),
-          *[scales] * len(scale_block_specs), *sink_args)
+        )(cu, kv_lens, table.reshape(-1), wb, ws, wi, wv, qw, *[in_hbm(kv_pages, interpret)] * len(pool_specs),
+          *[in_hbm(scales, interpret)] * len(scale_block_specs), *sink_args)
 
 
 # ---------------------------------------------------------------- public wrapper

@@ -32,9 +32,10 @@ The engine step and the roofline are scripts/tpu_step_check.py, what a compiled 
 shows scripts/tpu_hlo.py, the chips and model shapes scripts/tpu_targets.py.
 
 --quick (what the test runs, ~2 minutes): twelve kernel cases per chip, the layout on v5e (a
-quantised pool in the TPU pool's layout only), and the engine step of SmolLM2 (one chip and tp 8) and of
-the 8B shape (tp 8, bf16 and int8) with two of their layers (every layer is the same program;
-the full layer counts take minutes per compile), no roofline.
+quantised pool in the TPU pool's layout only), and the engine step of SmolLM2 (one chip, a
+mixed int8 step on one chip, tp 8) and of the 8B shape (tp 8, bf16 and int8) with two of their
+layers (every layer is the same program; the full layer counts take minutes per compile), no
+roofline.
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ def step_cases(quick: bool):
     if quick:
         two = lambda m: dataclasses.replace(m, num_layers=2)
         return [("smollm2 1 chip, 2 layers", two(SMOLLM2), "v5e:2x2", 1, 64, 4096, [(64, 0)], "auto", "auto"),
+                ("smollm2 1 chip int8, 2 layers", two(SMOLLM2), "v5e:2x2", 1, 64, 4096, [(48, 8)], "int8", "auto"),
                 ("smollm2 tp8, 2 layers", two(SMOLLM2), TP_TOPOLOGY, 8, 64, 4096, [(64, 0)], "auto", "auto"),
                 ("llama8b tp8, 2 layers", two(LLAMA3_8B), TP_TOPOLOGY, 8, 64, 8192, [(64, 0)], "auto", "auto"),
                 ("llama8b tp8 int8, 2 layers", two(LLAMA3_8B), TP_TOPOLOGY, 8, 64, 8192, [(64, 0)], "int8",

@@ -114,3 +114,42 @@ def test_write_kv_quantized_exact(name, backend):
         got = kv_layout.TPU.to_canonical(got)
         np.testing.assert_array_equal(np.asarray(got.pages, np.float32), np.asarray(want.pages, np.float32))
         np.testing.assert_array_equal(np.asarray(got.scales, np.float32), np.asarray(want.scales, np.float32))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 100])
+def test_write_kv_quantized_tpu_layout_many_rows(num_tokens):
+    """On the tpu layout the scales' rows a step touches are read, updated and written back by
+    DMA, in blocks of rows: tokens spread over more rows than one block holds, several tokens in
+    one row, padding and slots past the pool. Values equal reference.write_kv's; the whole scale
+    array (untouched rows and lanes, NaN ones included) equals the jnp scatter's."""
+    from kernel_cases import KV_QUANT_DTYPES
+    from pallas_kernels import kv_quant
+
+    skip_unless_runnable("tpu")
+    rng = np.random.default_rng(7)
+    num_pages, page_size, num_kv_heads, head_dim = 160, 16, 2, 32  # 4 pages a row: 40 rows
+    values, scales = kv_quant.quantize(jnp.asarray(rng.standard_normal(
+        (2, num_pages, page_size, num_kv_heads, head_dim)), jnp.float32), KV_QUANT_DTYPES["int8"])
+    scales = scales.at[:, 9].set(jnp.nan)
+    k = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32)
+    slots = rng.permutation(num_pages * page_size)[:num_tokens].astype(np.int32)
+    if num_tokens > 1:
+        slots[:6] = 40 * page_size + np.arange(6)  # six tokens in one page's row
+        slots[[10, 30]] = -1
+        slots[20] = num_pages * page_size + 3  # past the pool: dropped
+    rows = kv_layout.ScaleRows(page_size)
+    if num_tokens > 1:
+        real = slots[(slots >= 0) & (slots < num_pages * page_size)]
+        assert len(set(real // page_size // rows.pages_per_row)) > 32
+    want = reference.write_kv(kv_quant.QuantizedKV(values, scales), jnp.asarray(k), jnp.asarray(v), slots)
+    tpu = kv_layout.TPU.from_canonical(kv_quant.QuantizedKV(values, scales))
+    kept = np.asarray(slots < num_pages * page_size)
+    want_rows = kv_layout.TPU.write_scales(tpu.scales, page_size, jnp.asarray(np.where(kept, slots, -1)),
+                                           kv_quant.quantize(jnp.stack([jnp.asarray(k), jnp.asarray(v)]),
+                                                             KV_QUANT_DTYPES["int8"])[1])
+    got = write_kv(tpu, jnp.asarray(k), jnp.asarray(v), slots, backend="tpu", interpret=INTERPRET, layout="tpu")
+    np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want_rows))
+    got = kv_layout.TPU.to_canonical(got)
+    np.testing.assert_array_equal(np.asarray(got.pages, np.float32), np.asarray(want.pages, np.float32))
+    np.testing.assert_array_equal(np.asarray(got.scales, np.float32), np.asarray(want.scales, np.float32))
