@@ -175,14 +175,18 @@ def _scatter_index(dest, size: int, fill: int):
     return jnp.full((size,), fill, jnp.int32).at[dest].set(jnp.arange(dest.shape[0], dtype=jnp.int32))
 
 
-def _experts_ragged(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, activation=swiglu):
+def _experts_ragged(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, activation=swiglu,
+                    dropped: bool = False):
     """x [T, H], flat_experts i32[M] (row j is token j // top_k) -> [M, H] in row order (before
-    the down projection's bias)."""
-    group_sizes, rank = _group_layout(flat_experts, gate_up.shape[0])
+    the down projection's bias). dropped: rows of expert E (one past the last) are grouped last
+    and not multiplied (their outputs are junk for the caller to discard)."""
+    num_experts = gate_up.shape[0]
+    group_sizes, rank = _group_layout(flat_experts, num_experts + dropped)
     start = jnp.cumsum(group_sizes) - group_sizes
     dest = start[flat_experts] + rank  # [M] grouped position of each row
     rows = _scatter_index(dest, dest.shape[0], 0)  # grouped position -> row
     x_sorted = x[rows // top_k]  # [M, H]
+    group_sizes = group_sizes[:num_experts]  # rows past their sum: not computed
     h = jax.lax.ragged_dot(x_sorted, gate_up, group_sizes)  # [M, 2F]
     if gate_up_bias is not None:
         h = h + gate_up_bias[flat_experts[rows]].astype(h.dtype)
@@ -191,10 +195,12 @@ def _experts_ragged(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, ac
 
 
 def _experts_tiled(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, activation=swiglu,
-                   fixed_trip_count: bool | None = None, tile: int | None = None):
+                   fixed_trip_count: bool | None = None, tile: int | None = None, dropped: bool = False):
     """The same as `_experts_ragged` in plain jnp (see the module docstring).
     fixed_trip_count: loop over every tile (True) or the tiles in use (False); None: fixed
     where the step lowers for a GPU. tile: rows per tile (None: `tile_rows` of the step's rows).
+    dropped: as `_experts_ragged`'s; the loop over the tiles in use stops before those rows
+    (a fixed trip count covers them: any row may be a local expert's).
 
     A loop over the tiles in use, each sliced from the padded rows and multiplied by its
     expert's weights (indexed in place: a batched matmul over weights gathered per tile copied
@@ -203,9 +209,9 @@ def _experts_tiled(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, act
     num_rows, num_experts = flat_experts.shape[0], gate_up.shape[0]
     tile = tile or tile_rows(num_rows, num_experts)
     # Each non-empty group pads up to < tile rows; at most min(E, M) groups are non-empty.
-    num_tiles = (num_rows + min(num_experts, num_rows) * (tile - 1)) // tile
-    group_sizes, rank = _group_layout(flat_experts, num_experts)
-    padded = (group_sizes + tile - 1) // tile * tile  # [E]
+    num_tiles = (num_rows + min(num_experts + dropped, num_rows) * (tile - 1)) // tile
+    group_sizes, rank = _group_layout(flat_experts, num_experts + dropped)
+    padded = (group_sizes + tile - 1) // tile * tile  # [E] (+ 1 when dropped)
     padded_end = jnp.cumsum(padded)
     dest = (padded_end - padded)[flat_experts] + rank  # [M] slot of each row in the padded rows
     # Each slot's token; num_tokens (a zero row) for padding.
@@ -226,7 +232,7 @@ def _experts_tiled(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, act
     y = jnp.zeros((num_tiles * tile, hidden), x.dtype)
 
     def until_used(y):  # the loop stops at the last tile in use: unused tiles cost nothing
-        return jax.lax.fori_loop(0, padded_end[-1] // tile, one_tile, y)
+        return jax.lax.fori_loop(0, padded_end[num_experts - 1] // tile, one_tile, y)
 
     def every_tile(y):
         # XLA:GPU copies a data-dependent trip count to the host every iteration; a fixed one
@@ -282,25 +288,39 @@ def routed_experts(x, weights, experts, gate_up, down, *, impl: str = "auto", ga
 
 
 def expert_sums(x, weights, experts, gate_up, down, *, impl: str = "auto", gate_up_bias=None,
-                activation=swiglu):
+                activation=swiglu, expert_offset=None):
     """routed_experts without the down projection's bias, in f32[T, H]. Each expert's output is a
     sum over its F columns, so over a split of F (gate_up and its bias on their last axis, each
     part holding its own gate then up columns; down on its F axis) the parts' results add up to
-    the whole's: what tensor parallelism sums across devices."""
+    the whole's: what tensor parallelism sums across devices.
+
+    expert_offset (expert parallelism): gate_up / down (and the bias) hold only experts
+    offset .. offset + E_local - 1 (E_local = their leading axis); a row routed elsewhere adds
+    nothing and costs no expert matmul (its rows are grouped after the local experts', past the
+    rows the grouped matmul computes). Over a split of E the parts add up to the whole."""
     impl = resolve_impl(impl)
     x, gate_up, down = (jnp.asarray(a) for a in (x, gate_up, down))
     gate_up_bias = None if gate_up_bias is None else jnp.asarray(gate_up_bias)
-    if impl == "dense":
+    local = None
+    if expert_offset is not None:
+        num_local = gate_up.shape[0]
+        experts = experts - expert_offset
+        local = (experts >= 0) & (experts < num_local)
+        experts = jnp.where(local, experts, num_local)  # a group past the local experts'
+    if impl == "dense":  # one_hot of the id past the local experts is all zeros
         return _experts_dense(x, weights, experts, gate_up, down, gate_up_bias, activation)
     num_tokens, hidden = x.shape
     top_k = experts.shape[1]
     flat_experts = experts.reshape(-1)  # [M]; row j is token j // k
+    dropped = local is not None
     if impl == "ragged_dot":
-        y = _experts_ragged(x, flat_experts, top_k, gate_up, down, gate_up_bias, activation)  # [M, H]
+        y = _experts_ragged(x, flat_experts, top_k, gate_up, down, gate_up_bias, activation, dropped)  # [M, H]
     else:
         y = _experts_tiled(x, flat_experts, top_k, gate_up, down, gate_up_bias, activation,
-                           tile=MIN_ROWS if impl == "stable" else None)
+                           tile=MIN_ROWS if impl == "stable" else None, dropped=dropped)
     y = y.reshape(num_tokens, top_k, hidden).astype(jnp.float32)
+    if local is not None:  # rows of other devices' experts: never computed here (or junk), zero
+        y = jnp.where(local[..., None], y, 0.0)
     return _weighted(weights, y, in_order=impl == "stable")
 
 

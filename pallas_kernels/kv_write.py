@@ -210,6 +210,13 @@ def _scale_rows_kernel_tpu(rows_ref, new_ref, _, scales_ref, held_ref, sem):
 SCALE_ROWS_BLOCK = 32  # scale rows updated per grid step
 
 
+def _in_hbm_shape(x):
+    """x's shape and dtype, to be kept in HBM: XLA would otherwise stage an array this small (a
+    quantised pool's scales) through VMEM around the call and copy it back to a fresh buffer."""
+    hbm = getattr(pltpu, "HBM", None)
+    return hbm(x.shape, x.dtype) if hbm is not None else jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
 def _write_scale_rows_tpu(scales, page_size, slots, kv_scales, *, interpret):
     """The tpu layout's scales [K, R, 1, W] (kv_layout.ScaleRows) with kv_scales [2, T, K] at
     the tokens' slots, as `KVLayout.write_scales` stores them: each row the tokens touch is read,
@@ -250,8 +257,7 @@ def _write_scale_rows_tpu(scales, page_size, slots, kv_scales, *, interpret):
         return pl.pallas_call(
             _scale_rows_kernel_tpu,
             grid_spec=grid_spec,
-            # In HBM: XLA would otherwise stage scales this small through VMEM around the call
-            out_shape=pltpu.HBM(scales.shape, scales.dtype),
+            out_shape=_in_hbm_shape(scales),
             input_output_aliases={2: 0},  # operand 2: the scales (the scalar-prefetch rows count)
             compiler_params=tpu_params(("arbitrary",)),
             interpret=interpret_arg("tpu", interpret),

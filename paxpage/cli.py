@@ -38,6 +38,7 @@ def _generate(args: argparse.Namespace) -> int:
                                   data_parallel_size=args.data_parallel_size,
                                   kv_cache_dtype=args.kv_cache_dtype,
                                   batch_invariant=args.batch_invariant,
+                                  enable_expert_parallel=args.enable_expert_parallel,
                                   executable_cache_dir=default_directory())
     from paxpage import kv_sizing
 
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p = g.add_argument_group("parallelism (docs/parallelism.md)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the weights and KV split over")
     p.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="a MoE model's routed experts split whole over the tensor-parallel devices")
     p.add_argument("--coordinator-address", default=None,
                    help="multi-host: process 0's HOST:PORT (or PAXPAGE_COORDINATOR_ADDRESS)")
     p.add_argument("--num-processes", type=int, default=None, help="multi-host: processes (or PAXPAGE_NUM_PROCESSES)")

@@ -113,6 +113,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     mesh: jax.sharding.Mesh | None = None
+    # Expert parallelism: a MoE model's routed experts split whole over the tensor-parallel
+    # devices (E / tp experts each, full width) instead of each expert's width over them.
+    enable_expert_parallel: bool = False
     # Speculative decoding (paxpage/speculative/, docs/speculative-decoding.md): None, "ngram" (prompt
     # lookup of the sequence's own earlier tokens) or "draft" (a smaller paxpage model,
     # `draft_model`). Each decoding sequence proposes up to num_speculative_tokens tokens that
@@ -179,6 +182,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if not isinstance(self.batch_invariant, bool):
             raise TypeError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise TypeError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
         if self.mesh is not None and not isinstance(self.mesh, jax.sharding.Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(self.mesh).__name__}")
 
@@ -243,7 +248,7 @@ class EngineConfig:
         # Per device: a tensor-parallel split of the KV heads shrinks it (kv_cache_bytes is a
         # per-device budget, so tp devices hold up to tp times the pages; sharding.py).
         # A quantised pool counts its 1-byte values and its scales.
-        plan = ShardingPlan.for_model(model, self.tensor_parallel_size)
+        plan = ShardingPlan.for_model(model, self.tensor_parallel_size, self.enable_expert_parallel)
         scan_period = self._scan_period(model, impl, defaults.scan_pallas)
         layout = attention_impl.pool_layout(impl, backend, model.is_mla)  # as the runner's
         page_bytes = kv_page_bytes_per_device(model, plan, self.page_size, itemsize, self.kv_cache_dtype, layout)

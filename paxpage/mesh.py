@@ -156,7 +156,8 @@ def _abstract_array(x, dtype=None):
 
 
 def shard_runner_state(model_cfg, params, dtype, mesh: Mesh, attention, write_kv, kv_cache_dtype: str = "auto",
-                       stacked_pool: bool = False, abstract: bool = False, layout=None):
+                       stacked_pool: bool = False, abstract: bool = False, layout=None,
+                       expert_parallel: bool = False):
     """What ModelRunner needs on a tensor-parallel mesh: (model config the step runs, plan,
     sharded params, the KV cache's sharding, a pytree like one layer's cache (each layer's
     cache: `cache_zeros(shape, kv_cache_dtype, dtype, it)`; with stacked_pool the one stacked
@@ -165,11 +166,12 @@ def shard_runner_state(model_cfg, params, dtype, mesh: Mesh, attention, write_kv
     layer params (models/layer_stack.py) keep their leading layer axis unsharded. abstract:
     `params` may be jax.ShapeDtypeStructs and the params come back as ShapeDtypeStructs with their
     shardings (nothing placed: ahead-of-time compilation).
-    layout: the pool's pallas_kernels.kv_layout (None: canonical), split on its kv-head axis."""
+    layout: the pool's pallas_kernels.kv_layout (None: canonical), split on its kv-head axis.
+    expert_parallel: routed experts split whole over the devices (sharding.ShardingPlan)."""
     from paxpage import sharded_experts
     from paxpage.sharding import replicate_kv_heads
 
-    plan = ShardingPlan.for_model(model_cfg, mesh.shape[MODEL_AXIS])
+    plan = ShardingPlan.for_model(model_cfg, mesh.shape[MODEL_AXIS], expert_parallel)
     to_array, place_fn = (_abstract_array, place_abstract) if abstract else (_host_array, place)
     params = cast_params(params, dtype, to_array=to_array)  # quantised: int8 values, f32 scales
     params = sharded_experts.regroup(plan, replicate_kv_heads(plan, model_cfg, params))

@@ -114,7 +114,8 @@ class ModelRunner:
             (model_cfg, self.plan, self.params, pool_sharding, attention, write_kv, experts_fn, step_shardings,
              copy_shardings) = mesh_lib.shard_runner_state(model_cfg, params, dtype, mesh, attention, write_kv,
                                                            cfg.kv_cache_dtype, stacked_pool=self.scanned,
-                                                           abstract=abstract, layout=self.kv_layout)
+                                                           abstract=abstract, layout=self.kv_layout,
+                                                           expert_parallel=cfg.enable_expert_parallel)
             if row_major_table:
                 self.params = table_layout.row_major_tables(self.params)
         self.step_model_cfg = model_cfg  # the config the step runs (sharded: KV heads maybe replicated)

@@ -16,8 +16,14 @@ gate columns, then its own up columns: each device sees the one-device layout at
 and the expert code runs on it unchanged. Only the placed arrays are regrouped; checkpoints,
 caches and one-device runs keep the gate-then-up layout.
 
-Whole experts per device with routed tokens exchanged between devices (expert parallelism) is not
-done.
+Expert parallelism (EngineConfig.enable_expert_parallel) splits the experts whole instead: device
+d holds experts d * E / tp .. (d + 1) * E / tp - 1 with their full width (gate_up, its bias and
+down split on E). Under tensor parallelism every device already holds every token's hidden state,
+so no token is sent anywhere: each device groups the rows routed to its own experts, multiplies
+only those (models/moe.expert_sums' expert_offset; the rest cost nothing where the loop stops at
+the tiles in use), and the same one psum adds the devices' outputs. Worth it where Fe does not
+split (DeepSeek-V2-Lite's 1408 at tp 3 keeps whole experts on every device otherwise) and where
+wide experts multiply faster than narrow slices.
 
 Axis legend: T tokens, H hidden, E experts, k experts per token, Fe one expert's MLP width.
 """
@@ -62,9 +68,10 @@ def regroup(plan: ShardingPlan, params) -> dict:
 
 def shard_experts(mesh: Mesh, plan: ShardingPlan, experts_fn: ExpertsFn = routed_experts) -> ExpertsFn:
     """models/moe.py's routed_experts, each device running its own share of every expert's width
-    (weights placed by `regroup` and sharding.PARAM_AXES), then one psum. `experts_fn` itself when
-    the plan keeps experts whole (GSPMD then runs them replicated)."""
-    if not plan.split_experts:
+    (weights placed by `regroup` and sharding.PARAM_AXES) or, with expert parallelism, its own
+    whole experts, then one psum. `experts_fn` itself when the plan keeps every expert on every
+    device (GSPMD then runs them replicated)."""
+    if not (plan.split_experts or plan.expert_parallel):
         return experts_fn
     rep = PartitionSpec()
     gate_up_spec, bias_spec, down_spec = (plan.spec(PARAM_AXES[name]) for name in
@@ -72,9 +79,12 @@ def shard_experts(mesh: Mesh, plan: ShardingPlan, experts_fn: ExpertsFn = routed
 
     def sharded(x, weights, experts, gate_up, down, *, impl="auto", gate_up_bias=None, down_bias=None,
                 activation=swiglu):
-        def local(x, weights, experts, gate_up, down, *bias):  # this device's columns -> its partial sum
+        def local(x, weights, experts, gate_up, down, *bias):  # this device's share -> its partial sum
+            # expert parallelism: this device's experts start at d * E_local
+            offset = jax.lax.axis_index(MODEL_AXIS) * gate_up.shape[0] if plan.expert_parallel else None
             part = expert_sums(x, weights, experts, gate_up, down, impl=impl,
-                               gate_up_bias=bias[0] if bias else None, activation=activation)
+                               gate_up_bias=bias[0] if bias else None, activation=activation,
+                               expert_offset=offset)
             return jax.lax.psum(part, MODEL_AXIS)
 
         args, specs = (x, weights, experts, gate_up, down), (rep, rep, rep, gate_up_spec, down_spec)

@@ -66,11 +66,12 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "gate_proj/kernel": (None, "mlp"),  # [H, F]
     "up_proj/kernel": (None, "mlp"),
     "down_proj/kernel": ("mlp", None),  # [F, H]
-    # Routed experts, split on Fe; gate_up's last axis is regrouped per device first
-    # (sharded_experts.regroup: device d's block holds its gate, then its up columns).
-    "moe/gate_up_proj": (None, None, "expert_mlp"),  # [E, H, 2*Fe]
-    "moe/gate_up_bias": (None, "expert_mlp"),  # [E, 2*Fe]
-    "moe/down_proj": (None, "expert_mlp", None),  # [E, Fe, H]
+    # Routed experts, split on Fe (gate_up's last axis regrouped per device first,
+    # sharded_experts.regroup: device d's block holds its gate, then its up columns) or, with
+    # expert parallelism, on E (whole experts per device). Never both.
+    "moe/gate_up_proj": ("experts", None, "expert_mlp"),  # [E, H, 2*Fe]
+    "moe/gate_up_bias": ("experts", "expert_mlp"),  # [E, 2*Fe]
+    "moe/down_proj": ("experts", "expert_mlp", None),  # [E, Fe, H]
     "lm_head/kernel": (None, "vocab"),  # [H, V]
     # LoRA slabs (paxpage/lora_slab.py): lora_a [S, I, R], lora_b [S, R, O], split with their
     # layer's kernel (the rank axis never); the others' halves are replicated.
@@ -103,18 +104,25 @@ class ShardingPlan:
     kv_replicas: int = 1  # r: each KV head repeated r times so K * r heads split over tp
     latent_pool: bool = False  # latent attention: the pool [1, P, page_size, 1, C] is replicated
     split_experts: bool | None = None  # routed experts over Fe; None: the model has none
+    expert_parallel: bool = False  # routed experts over E instead: E / tp whole experts per device
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, tensor_parallel_size: int) -> "ShardingPlan":
+    def for_model(cls, cfg: ModelConfig, tensor_parallel_size: int,
+                  expert_parallel: bool = False) -> "ShardingPlan":
+        """expert_parallel: split the routed experts whole over the devices (E / tp each; E must
+        be a multiple of tp) rather than each expert's width."""
         tp = tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
         plan = cls._for_attention_and_mlp(cfg, tp)
+        if expert_parallel:
+            check_expert_parallel(cfg, tp)
         if not cfg.num_experts:
             return plan
         dense = cfg.num_shared_experts or any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-        return dataclasses.replace(plan, split_experts=tp > 1 and cfg.moe_intermediate_size % tp == 0,
-                                   split_mlp=plan.split_mlp if dense else None)
+        whole = expert_parallel and tp > 1
+        return dataclasses.replace(plan, split_experts=not whole and tp > 1 and cfg.moe_intermediate_size % tp == 0,
+                                   expert_parallel=whole, split_mlp=plan.split_mlp if dense else None)
 
     @classmethod
     def _for_attention_and_mlp(cls, cfg: ModelConfig, tp: int) -> "ShardingPlan":
@@ -134,7 +142,7 @@ class ShardingPlan:
     def mesh_axis(self, logical: str | None) -> str | None:
         split = {"heads": self.split_heads, "kv_heads": self.split_heads,
                  "mlp": bool(self.split_mlp), "vocab": self.split_vocab,
-                 "expert_mlp": bool(self.split_experts)}.get(logical, False)
+                 "expert_mlp": bool(self.split_experts), "experts": self.expert_parallel}.get(logical, False)
         return MODEL_AXIS if split else None
 
     def spec(self, logical_axes: tuple[str | None, ...]) -> PartitionSpec:
@@ -201,12 +209,24 @@ class ShardingPlan:
         if self.tensor_parallel_size == 1:
             return "tp=1: one device holds everything"
         heads = "heads (latent pool replicated)" if self.latent_pool else "heads/KV pool"
+        experts = None if self.split_experts is None else self.split_experts or self.expert_parallel
         parts = [f"{name} {'split' if split else 'replicated'}" for name, split in
                  ((heads, self.split_heads), ("MLP", self.split_mlp), ("vocab", self.split_vocab),
-                  ("experts", self.split_experts)) if split is not None]
+                  ("experts", experts)) if split is not None]
+        if self.expert_parallel:
+            parts[-1] += " (whole experts per device)"
         if self.kv_replicas > 1:
             parts[0] += f" (each KV head x{self.kv_replicas})"
         return f"tp={self.tensor_parallel_size}: " + ", ".join(parts)
+
+
+def check_expert_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> None:
+    """Expert parallelism needs routed experts, a whole number of them per device."""
+    if not cfg.num_experts:
+        raise ValueError(f"enable_expert_parallel is set but {cfg.model_type} has no routed experts")
+    if cfg.num_experts % tensor_parallel_size:
+        raise ValueError(f"enable_expert_parallel: {cfg.num_experts} routed experts do not split over "
+                         f"tensor_parallel_size {tensor_parallel_size} (it must divide them)")
 
 
 def kv_pool_axes(layout=None) -> tuple[str | None, ...]:

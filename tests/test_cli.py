@@ -147,7 +147,7 @@ def test_generate_leaves_unset_options_to_the_model(monkeypatch, capsys, argv, m
     assert (seen[0].temperature, seen[0].top_k) == want
 
 
-def test_kv_cache_dtype_flag_reaches_the_engine_config(monkeypatch):
+def test_kv_cache_dtype_and_expert_parallel_flags_reach_the_engine_config(monkeypatch):
     import types
 
     from models.generation_config import GenerationConfig
@@ -159,7 +159,9 @@ def test_kv_cache_dtype_flag_reaches_the_engine_config(monkeypatch):
     monkeypatch.setattr(paxpage, "generate", lambda model, inputs, sampling_params, engine_config=None, lora=None:
                         seen.append(engine_config) or [])
     assert main(["generate", "hi", "--kv-cache-dtype", "fp8"]) == 0
-    assert seen[0].kv_cache_dtype == "fp8"
+    assert seen[0].kv_cache_dtype == "fp8" and seen[0].enable_expert_parallel is False
+    assert main(["generate", "hi", "--tensor-parallel-size", "2", "--enable-expert-parallel"]) == 0
+    assert seen[1].enable_expert_parallel is True and seen[1].tensor_parallel_size == 2
     args = types.SimpleNamespace(kv_cache_dtype="int8", no_prefix_caching=False, no_chunked_prefill=False)
     assert engine_config_from_args(args).kv_cache_dtype == "int8"  # paxpage serve's engine options
 
@@ -186,6 +188,8 @@ def test_serve_precompiles_on_one_host_unless_told_not_to():
     args = build_parser().parse_args(["serve", "--no-async-scheduling"])
     assert engine_config_from_args(args).async_scheduling is False
     assert engine_config_from_args(build_parser().parse_args(["serve"])).async_scheduling is True
+    assert engine_config_from_args(build_parser().parse_args(["serve", "--enable-expert-parallel"])).enable_expert_parallel
+    assert not engine_config_from_args(build_parser().parse_args(["serve"])).enable_expert_parallel
 
 
 def test_lora_flag_runs_every_prompt_with_the_adapter(monkeypatch, tmp_path):

@@ -91,6 +91,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "scheduled while one is in flight)")
     e.add_argument("--tensor-parallel-size", type=int, default=None, help="devices each replica's weights and KV split over")
     e.add_argument("--data-parallel-size", type=int, default=None, help="engine replicas behind the server")
+    e.add_argument("--enable-expert-parallel", action="store_true",
+                   help="a MoE model's routed experts split whole over the tensor-parallel devices")
     p = e.add_mutually_exclusive_group()
     p.add_argument("--precompile", action="store_true", default=None,
                    help="compile every step shape before listening, so no request meets a compile "
@@ -119,6 +121,8 @@ def engine_config_from_args(args: argparse.Namespace):
         kw["max_loras"] = min(len(modules), 8)
     if getattr(args, "batch_invariant", False):
         kw["batch_invariant"] = True
+    if getattr(args, "enable_expert_parallel", False):
+        kw["enable_expert_parallel"] = True
     if args.no_prefix_caching:
         kw["enable_prefix_caching"] = False
     if args.no_chunked_prefill:

@@ -95,6 +95,39 @@ def test_routed_experts_split_on_their_width_when_tp_divides_it():
     assert "MLP split" in ShardingPlan.for_model(lite, 2).describe()
 
 
+def test_expert_parallel_splits_whole_experts():
+    """enable_expert_parallel: Qwen3-30B-A3B's 128 experts split 128 / tp per device on E, each
+    device holding 1 / tp of the expert bytes; DeepSeek-V2-Lite's 64 at tp 2 too (at tp 3 they
+    do not divide: refused, as for a model with no experts)."""
+    from models.random_init import PRESETS
+
+    from paxpage.config import EngineConfig
+
+    qwen = PRESETS["qwen3-30b-a3b"]
+    experts = qwen.num_layers * qwen.num_experts * 3 * qwen.hidden_size * qwen.moe_intermediate_size
+    for tp in (2, 8):
+        plan = ShardingPlan.for_model(qwen, tp, expert_parallel=True)
+        assert plan.expert_parallel and not plan.split_experts
+        assert plan.describe().endswith("experts split (whole experts per device)")
+        assert plan.param_spec("layers_5/moe/gate_up_proj", 3) == P("model", None, None)
+        assert plan.param_spec("layers/5/moe/down_proj", 4) == P(None, "model", None, None)  # stacked
+        assert plan.param_spec("layers_5/moe/router", 2) == P()
+        whole = dataclasses.replace(plan, expert_parallel=False)
+        assert param_bytes_per_device(qwen, plan, 2) == param_bytes_per_device(qwen, whole, 2) - 2 * experts * (tp - 1) // tp
+    oss = ShardingPlan.for_model(PRESETS["gpt-oss-20b"], 4, expert_parallel=True)
+    assert oss.param_spec("layers_0/moe/gate_up_bias", 2) == P("model", None)
+    assert oss.param_spec("layers_0/moe/down_bias", 2) == P()  # added once, after the sum
+    lite = PRESETS["deepseek-v2-lite"]
+    assert ShardingPlan.for_model(lite, 2, expert_parallel=True).expert_parallel
+    assert not ShardingPlan.for_model(qwen, 1, expert_parallel=True).expert_parallel  # one device: nothing to split
+    with pytest.raises(ValueError, match="64 routed experts do not split over tensor_parallel_size 3"):
+        ShardingPlan.for_model(lite, 3, expert_parallel=True)
+    with pytest.raises(ValueError, match="enable_expert_parallel is set but llama has no routed experts"):
+        ShardingPlan.for_model(SMOLLM2, 2, expert_parallel=True)
+    with pytest.raises(TypeError, match="enable_expert_parallel must be a bool"):
+        EngineConfig(enable_expert_parallel="yes")
+
+
 def test_kv_heads_replicated_when_tp_exceeds_them():
     cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=4,
                       num_kv_heads=2, head_dim=4)

@@ -2,7 +2,7 @@
 mixture-of-experts model generated with several tensor-parallel sizes; prints one JSON object on
 its last line.
 
-    python -m tests.parallel.moe_tp_worker MODEL_DIR TP,TP,... MAX_TOKENS [--hlo] [--one]
+    python -m tests.parallel.moe_tp_worker MODEL_DIR TP,TP,... MAX_TOKENS [--hlo] [--one] [--ep]
 
 Per tp: "greedy" tokens and "logprobs" (each sampled token's) of three prompts (--one: only the
 second, 19 tokens: fewer step shapes to compile), the "plan"
@@ -10,7 +10,8 @@ second, 19 tokens: fewer step shapes to compile), the "plan"
 shape), "weight_bytes" (measured from the placed arrays and by the shape rules). --hlo: also
 "collectives", the compiled decode step's all-reduce / all-gather / reduce-scatter / all-to-all
 counts, the shapes each all-gather produces, and the all-reduces inside a MoE block ("moe_all_reduces";
-a scanned step holds one layer's body once).
+a scanned step holds one layer's body once). --ep: with expert parallelism (whole experts per
+device).
 """
 
 from __future__ import annotations
@@ -44,15 +45,16 @@ def main(argv: list[str]) -> None:
     prompts = [[(7 * i + 3) % cfg.vocab_size for i in range(n)] for n in lengths]
     result = {"num_devices": jax.device_count(), "greedy": {}, "logprobs": {}, "plan": {}, "experts": {},
               "weight_bytes": {}, "collectives": {}}
+    ep = "--ep" in argv
     for tp in sizes:
         config = paxpage.EngineConfig(tensor_parallel_size=tp, num_pages=48, page_size=4, max_num_seqs=4,
-                                      max_num_batched_tokens=64, prefill_row_len=8)
+                                      max_num_batched_tokens=64, prefill_row_len=8, enable_expert_parallel=ep)
         outs = paxpage.generate(model, prompts, engine_config=config, max_tokens=max_tokens, temperature=0,
                                 logprobs=0, ignore_eos=True, use_tqdm=False)
         result["greedy"][tp] = [o.outputs[0].token_ids for o in outs]
         result["logprobs"][tp] = [[next(iter(d.values())) for d in o.outputs[0].logprobs] for o in outs]
         runner = model.engine(config).runner
-        plan = ShardingPlan.for_model(cfg, tp)
+        plan = ShardingPlan.for_model(cfg, tp, ep)
         result["plan"][tp] = plan.describe()
         first = next(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
         if runner.scanned:  # stacked [L, ...] leaves: drop the layer axis (never split)

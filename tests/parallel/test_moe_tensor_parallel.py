@@ -11,11 +11,11 @@ from tests.conftest import hf_greedy, save_tiny_deepseek, save_tiny_hf
 from tests.parallel.helpers import run_json
 
 
-def _run(path, hf, sizes: str = "1,2,4", max_tokens: int = 6, one: bool = False) -> dict:
+def _run(path, hf, sizes: str = "1,2,4", max_tokens: int = 6, one: bool = False, ep: bool = False) -> dict:
     """The worker's results, checked against HF's greedy tokens and one device's logprobs.
-    one: only the worker's 19-token prompt (fewer step shapes to compile)."""
-    out = run_json(["tests.parallel.moe_tp_worker", str(path), sizes, str(max_tokens), "--hlo"] + ["--one"] * one,
-                   timeout=420)
+    one: only the worker's 19-token prompt (fewer step shapes to compile). ep: expert parallelism."""
+    out = run_json(["tests.parallel.moe_tp_worker", str(path), sizes, str(max_tokens), "--hlo"] + ["--one"] * one
+                   + ["--ep"] * ep, timeout=420)
     assert out["num_devices"] == 4
     vocab = hf.config.vocab_size
     prompts = [[(7 * i + 3) % vocab for i in range(n)] for n in ((19,) if one else (5, 19, 40))]
@@ -30,11 +30,12 @@ def _run(path, hf, sizes: str = "1,2,4", max_tokens: int = 6, one: bool = False)
     return out
 
 
-def _expert_shards(out, tp: int, num_experts: int, hidden: int, width: int) -> None:
-    """At `tp`, each device holds `width` columns of every expert."""
+def _expert_shards(out, tp: int, num_experts: int, hidden: int, width: int, held: int | None = None) -> None:
+    """At `tp`, each device holds `width` columns of `held` experts (default: every expert)."""
     experts = out["experts"][str(tp)]
-    assert experts["gate_up_proj"] == [[num_experts, hidden, 2 * width]] * tp
-    assert experts["down_proj"] == [[num_experts, width, hidden]] * tp
+    held = num_experts if held is None else held
+    assert experts["gate_up_proj"] == [[held, hidden, 2 * width]] * tp
+    assert experts["down_proj"] == [[held, width, hidden]] * tp
     assert experts["router"] == [[hidden, num_experts]] * tp
 
 
@@ -48,6 +49,17 @@ def test_qwen3_moe_experts_split_at_tp_2_and_4(tmp_path):
         assert out["plan"][str(tp)].endswith("experts split")
         # the scanned body's o_proj and MoE sums, and the vocabulary-split embedding's
         assert out["collectives"][str(tp)]["all-reduce"] == 3 and out["collectives"][str(tp)]["moe_all_reduces"] == 1
+
+
+def test_qwen3_moe_expert_parallel_at_tp_2_and_4(tmp_path):
+    """enable_expert_parallel: 8 whole experts split 4 / 2 per device, each at its full width 32;
+    HF's greedy tokens, one device's logprobs, one MoE all-reduce in the scanned layer body."""
+    hf = save_tiny_hf(tmp_path, "qwen3_moe", num_attention_heads=8, num_key_value_heads=4)
+    out = _run(tmp_path, hf, one=True, ep=True)
+    for tp in (2, 4):
+        _expert_shards(out, tp, 8, 64, 32, held=8 // tp)
+        assert out["plan"][str(tp)].endswith("experts split (whole experts per device)")
+        assert out["collectives"][str(tp)]["moe_all_reduces"] == 1
 
 
 @pytest.mark.extended  # ~35 s each: a fresh interpreter with forced devices, three tp sizes
