@@ -204,10 +204,14 @@ class Packer:
                 last_token_index[i] = row
                 if rows[i].num_prompt_tokens - 1 > rows[i].start:  # a 1-token prompt chunk
                     prompt_rows.append((i, rows[i].start, row, rows[i].token_ids[rows[i].start + 1]))
-        for row, (i, lo, hi) in enumerate(pre_rows):
+        # A sequence's prefill rows are consecutive and all full but its last, so its tokens fill
+        # one flat run: laid out per sequence with array operations, not per row or token.
+        row = 0
+        for i in prefill:
             plan = rows[i]
+            lo, k = plan.start, plan.num_new
+            hi, num_rows = lo + k, -(-k // row_len)
             flat = num_dec + row * row_len
-            k = hi - lo
             pos = np.arange(lo, hi, dtype=np.int32)
             pages = table[slot_of[i]]
             token_ids[flat:flat + k] = plan.token_ids[lo:hi]
@@ -215,14 +219,16 @@ class Packer:
             slots[flat:flat + k] = pages[pos // page_size] * page_size + pos % page_size
             for p in range(lo, min(hi, plan.num_prompt_tokens - 1)):
                 prompt_rows.append((i, p, flat + p - lo, plan.token_ids[p + 1]))
-            pre_pages[row] = pages
-            pre_lens[row] = hi
-            pre_q[row] = k
+            starts = lo + row_len * np.arange(num_rows, dtype=np.int32)
+            ends = np.minimum(starts + row_len, hi)
+            pre_pages[row:row + num_rows] = pages
+            pre_lens[row:row + num_rows] = ends
+            pre_q[row:row + num_rows] = ends - starts
             last_token_index[i] = flat + k - 1
             if plan.num_drafts:  # verify rows: every position from the sequence's last token on
-                first = plan.start + plan.num_new - 1 - plan.num_drafts
-                verify_index.setdefault(i, []).extend(
-                    flat + p - lo for p in range(max(lo, first), hi))
+                first = hi - 1 - plan.num_drafts
+                verify_index[i] = [flat + p - lo for p in range(max(lo, first), hi)]
+            row += num_rows
         self.tables.release(transient)
 
         logits_plan = [i for i, r in enumerate(rows) for _ in range(r.num_samples)]
