@@ -65,9 +65,10 @@ def tpu_params(dimension_semantics: tuple[str, ...]):
 
 
 def in_hbm(x, interpret: bool):
-    """x kept in HBM for a Mosaic TPU kernel that reads blocks of it. An operand this small (a
-    quantised pool's scales: 1.5 MiB a layer for SmolLM2) XLA would otherwise copy whole into
-    VMEM before each call that reads it, to read a few rows."""
+    """x (a layer's pool or its scales) kept in HBM for a Mosaic TPU kernel that reads blocks of
+    it. Left free, XLA moves operands that fit into VMEM: a quantised pool's scales (1.5 MiB a
+    layer for SmolLM2) copied whole before each call that reads a few rows of them, and an int8
+    layer's values (24 MiB) scattered in VMEM by the KV write and copied back."""
     constrain = getattr(pltpu, "with_memory_space_constraint", None)
     if interpret or x is None or constrain is None:
         return x
