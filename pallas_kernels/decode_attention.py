@@ -75,6 +75,14 @@ def in_hbm(x, interpret: bool):
     return constrain(x, pltpu.HBM)
 
 
+def hbm_shape(x):
+    """A Mosaic TPU kernel's output of x's shape and dtype, declared in HBM: an output this small
+    (a quantised pool's scales, aliased to its input) XLA would otherwise place in VMEM and copy
+    back to a fresh HBM buffer after the call."""
+    hbm = getattr(pltpu, "HBM", None)
+    return hbm(x.shape, x.dtype) if hbm is not None else jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
 def interpret_arg(backend: str, interpret: bool):
     """What `pallas_call(interpret=...)` gets: the TPU interpreter simulates DMAs and SMEM."""
     if not interpret:

@@ -33,7 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import kv_layout, kv_quant, tpu_target
-from pallas_kernels.decode_attention import check_backend, check_pool, interpret_arg, tpu_params, triton_params
+from pallas_kernels.decode_attention import (check_backend, check_pool, hbm_shape, interpret_arg, tpu_params,
+                                              triton_params)
 
 
 def _kv_write_kernel_gpu(slots_ref, k_ref, v_ref, *refs, page_size: int, quantized: bool):
@@ -94,6 +95,11 @@ def _kv_write_gpu(kv_pages, k, v, slots, scales, ks, vs, *, interpret):
     return pages, scales[..., 0]
 
 
+def _any_spec() -> pl.BlockSpec:
+    """An operand left where it is (HBM), for the kernel's own DMAs."""
+    return pl.BlockSpec(memory_space=getattr(pltpu, "ANY", None) or pl.ANY)
+
+
 def _kv_write_kernel_tpu(slots_ref, k_ref, v_ref, _, pool_ref, sem, *, page_size: int):
     # slots_ref SMEM i32[T_pad]; k_ref/v_ref [block_t, K, D] VMEM; pool_ref HBM [2, P, page_size, K, D]
     # (input 3 is the aliased pool). Canonical layout only (the tpu layout: _kv_write_tpu_fused).
@@ -140,7 +146,7 @@ def _kv_write_tpu(kv_pages, k, v, slots, scales, ks, vs, *, block_t, interpret):
     k = jnp.pad(k, ((0, pad), (0, 0), (0, 0)))
     v = jnp.pad(v, ((0, pad), (0, 0), (0, 0)))
     tok = pl.BlockSpec((block_t, num_kv_heads, head_dim), lambda i, slots_ref: (i, 0, 0))
-    any_spec = pl.BlockSpec(memory_space=getattr(pltpu, "ANY", None) or pl.ANY)
+    any_spec = _any_spec()
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(num_blocks,),
@@ -210,13 +216,6 @@ def _scale_rows_kernel_tpu(rows_ref, new_ref, _, scales_ref, held_ref, sem):
 SCALE_ROWS_BLOCK = 32  # scale rows updated per grid step
 
 
-def _in_hbm_shape(x):
-    """x's shape and dtype, to be kept in HBM: XLA would otherwise stage an array this small (a
-    quantised pool's scales) through VMEM around the call and copy it back to a fresh buffer."""
-    hbm = getattr(pltpu, "HBM", None)
-    return hbm(x.shape, x.dtype) if hbm is not None else jax.ShapeDtypeStruct(x.shape, x.dtype)
-
-
 def _write_scale_rows_tpu(scales, page_size, slots, kv_scales, *, interpret):
     """The tpu layout's scales [K, R, 1, W] (kv_layout.ScaleRows) with kv_scales [2, T, K] at
     the tokens' slots, as `KVLayout.write_scales` stores them: each row the tokens touch is read,
@@ -226,22 +225,19 @@ def _write_scale_rows_tpu(scales, page_size, slots, kv_scales, *, interpret):
     -inf marks the lanes a row keeps."""
     rows = kv_layout.ScaleRows(page_size)
     num_kv_heads, num_rows, _, width = scales.shape
-    num_tokens = slots.shape[0]
     page = jnp.maximum(slots, 0) // page_size
-    row = jnp.where(slots < 0, num_rows, page // rows.pages_per_row)  # padding sorts last
-    # The distinct rows (entries), and each token's entry
-    order = jnp.argsort(row)
-    sorted_row = row[order]
-    first = jnp.concatenate([jnp.ones((1,), bool), sorted_row[1:] != sorted_row[:-1]])
-    entry_sorted = jnp.cumsum(first.astype(jnp.int32)) - 1
-    entry = jnp.zeros((num_tokens,), jnp.int32).at[order].set(entry_sorted)
-    num_entries = pl.cdiv(num_tokens, SCALE_ROWS_BLOCK) * SCALE_ROWS_BLOCK
-    target = jnp.full((num_entries,), -1, jnp.int32).at[entry_sorted].set(
-        jnp.where(sorted_row < num_rows, sorted_row, -1).astype(jnp.int32))
+    row = jnp.where(slots < 0, num_rows, page // rows.pages_per_row)  # padding: row R, never written
+    # The distinct rows the tokens touch (entries; at most T, and at most R + 1 with padding's)
+    # and each token's entry
+    size = min(slots.shape[0], num_rows + 1)
+    distinct, entry = jnp.unique(row, size=size, fill_value=num_rows, return_inverse=True)
+    num_entries = pl.cdiv(size, SCALE_ROWS_BLOCK) * SCALE_ROWS_BLOCK
+    target = jnp.full((num_entries,), -1, jnp.int32).at[:size].set(
+        jnp.where(distinct < num_rows, distinct, -1).astype(jnp.int32))
     half = jnp.arange(2)[:, None, None]  # [2, 1, 1] against [2, T, K]
     lane = rows.lane(page[None, :, None], half, (jnp.maximum(slots, 0) % page_size)[None, :, None])
     head = jnp.arange(num_kv_heads)[None, None, :]
-    at = jnp.broadcast_to(entry[None, :, None], kv_scales.shape)
+    at = jnp.broadcast_to(entry.reshape(-1)[None, :, None], kv_scales.shape)
     new = jnp.full((num_kv_heads, num_entries, 1, width), -jnp.inf, scales.dtype)
     new = new.at[head, at, 0, lane].set(kv_scales.astype(scales.dtype))
     block = (num_kv_heads, SCALE_ROWS_BLOCK, 1, width)
@@ -249,15 +245,15 @@ def _write_scale_rows_tpu(scales, page_size, slots, kv_scales, *, interpret):
         num_scalar_prefetch=1,
         grid=(num_entries // SCALE_ROWS_BLOCK,),
         in_specs=[pl.BlockSpec(block, lambda i, rows_ref: (0, i, 0, 0)),
-                  pl.BlockSpec(memory_space=getattr(pltpu, "ANY", None) or pl.ANY)],
-        out_specs=pl.BlockSpec(memory_space=getattr(pltpu, "ANY", None) or pl.ANY),
+                  _any_spec()],
+        out_specs=_any_spec(),
         scratch_shapes=[pltpu.VMEM(block, scales.dtype), pltpu.SemaphoreType.DMA(())],
     )
     with tpu_target.pinned("tpu", interpret):
         return pl.pallas_call(
             _scale_rows_kernel_tpu,
             grid_spec=grid_spec,
-            out_shape=_in_hbm_shape(scales),
+            out_shape=hbm_shape(scales),  # in place in HBM, not staged through VMEM
             input_output_aliases={2: 0},  # operand 2: the scales (the scalar-prefetch rows count)
             compiler_params=tpu_params(("arbitrary",)),
             interpret=interpret_arg("tpu", interpret),
