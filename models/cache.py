@@ -41,7 +41,7 @@ from models.tokenizer import FAST_CLASSES, load_tokenizer, save_tokenizer
 
 log = logging.getLogger(__name__)
 
-VERSION = 4  # bump when the entry layout or the GGUF conversion changes
+VERSION = 5  # bump when the entry layout or the GGUF conversion changes
 KEY = "paxpage_gguf_cache"  # not the checkpoint marker: load_model(entry) must not take an entry for a checkpoint
 META_FILE = "config.json"
 PARAMS_FILE = "params.safetensors"

@@ -48,7 +48,7 @@ from models.invariant_ops import stable_tokens
 from models.layer_stack import run_layers
 from models.layers import Embedding, RMSNorm, dense, paged_attention_rows, sow_pooled
 from models.llama import AttentionFn, WriteKvFn
-from models.moe import ExpertsFn, route_grouped, routed_experts
+from models.moe import ExpertsFn, expert_params, route_grouped, routed_experts
 from pallas_kernels import latent_attention
 from models.rope import apply_rope, attention_factor, deinterleave, inverse_frequencies, mla_softmax_scale
 
@@ -118,8 +118,7 @@ class DeepseekMoe(nn.Module):
         bias = None
         if cfg.topk_method == "noaux_tc":
             bias = self.param("e_score_correction_bias", nn.initializers.zeros, (E,), self.dtype)
-        gate_up = self.param("gate_up_proj", init, (E, H, 2 * F), self.dtype)
-        down = self.param("down_proj", init, (E, F, H), self.dtype)
+        gate_up, down = expert_params(self, E, H, F, self.dtype)
         weights, experts = route_grouped(x, router, bias, cfg.num_experts_per_tok,
                                          num_groups=cfg.num_expert_groups, topk_groups=cfg.topk_groups,
                                          renormalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,

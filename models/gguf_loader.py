@@ -1,7 +1,8 @@
 """GGUF files: metadata -> ModelConfig, tensors under HF names and HF layout: dequantised to f32, or
-(`keep_quantized`) the 2-D Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weights kept in their exact int8 form
-(`Quantized`, models/gguf_quants.py). Other types (F32 norms, F16, Q5_x, other K-quants) and the
-3-D MoE expert tensors are always dequantised.
+(`keep_quantized`) the Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weights (linear kernels, the embedding and
+the 3-D MoE expert tensors) kept in their exact int8 form (`Quantized`, models/gguf_quants.py).
+Other types (F32 norms, F16, Q5_x, other K-quants) are always dequantised, and so are an expert
+layer's gate and up tensors when their two formats differ (they are joined into one tensor).
 
 llama.cpp's HF->GGUF converter permutes the rows of q_proj/k_proj (weights and biases) for the
 "llama" architecture only, so that its interleaved-pair RoPE matches HF's rotate-half RoPE;
@@ -64,7 +65,8 @@ _LAYER_NAMES = {
     "ffn_down_exps.weight": "mlp.experts.down_proj",  # [E, H, Fe]
 }
 # HF names of the weights models/layers.py's Linear and Embedding can hold quantised (not the MoE router).
-_QUANTIZABLE_TARGETS = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
+_QUANTIZABLE_TARGETS = ("_proj.weight", "embed_tokens.weight", "lm_head.weight", "mlp.experts.down_proj",
+                        _GATE_EXPS, _UP_EXPS)
 # Gemma's four norms per block (llama.cpp's "ffn_norm" is the pre-MLP norm there, not the post-attention one).
 _GEMMA_LAYER_NAMES = {
     **_LAYER_NAMES,
@@ -165,7 +167,7 @@ def _rope_scaling_from_freqs(path: str, meta: dict[str, Any], arch: str, freqs: 
 
 
 def _read_tensor(path: str, tensor, keep_quantized: bool):
-    if keep_quantized and tensor.tensor_type.name in gguf_quants.FORMATS and len(tensor.data.shape) == 2:
+    if keep_quantized and tensor.tensor_type.name in gguf_quants.FORMATS and len(tensor.data.shape) in (2, 3):
         return Quantized(*gguf_quants.decode(tensor.data, tensor.tensor_type.name))
     return _dequantize(path, tensor)
 
@@ -221,5 +223,16 @@ def read_gguf(path: str, keep_quantized: bool = False) -> tuple[ModelConfig, dic
         up = tensors.pop(layer + _UP_EXPS, None)
         if up is None:
             raise ValueError(f"GGUF file {path!r} has {gate_name!r} but no matching ffn_up_exps tensor")
-        tensors[layer + "mlp.experts.gate_up_proj"] = np.concatenate([tensors.pop(gate_name), up], axis=1)
+        tensors[layer + "mlp.experts.gate_up_proj"] = _join_experts(path, tensors.pop(gate_name), up)
     return cfg, tensors, meta
+
+
+def _join_experts(path: str, gate, up):
+    """[E, Fe, H] gate and up tensors -> [E, 2*Fe, H]: quantised when both are in one format (their
+    scale and offset rows join as the values' rows), else the f32 expansions joined."""
+    pair = (gate, up)
+    if all(isinstance(x, Quantized) for x in pair) and gate.scale.shape == up.scale.shape \
+            and (gate.offset is None) == (up.offset is None):
+        return Quantized(*(None if a is None else np.concatenate([a, b], axis=1) for a, b in zip(gate, up)))
+    gate, up = (gguf_quants.dequantize(*x) if isinstance(x, Quantized) else x for x in pair)
+    return np.concatenate([gate, up], axis=1)

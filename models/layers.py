@@ -56,17 +56,6 @@ def sow_pooled(module: nn.Module, norm: nn.Module, x, batch) -> None:
     module.sow("intermediates", "pooled", jax.ops.segment_sum(h, batch.pool_rows, num_segments=num_rows))
 
 
-def _quantized(module: nn.Module, name: str):
-    """(q, scale, offset | None) when the module's params hold `name` quantised (models/quant.py),
-    else None: the params tree decides, so one model definition runs f32, int8 and GGUF weights."""
-    if not module.has_variable("params", name + quant.Q):
-        return None
-    offset = module.get_variable("params", name + quant.OFFSET) if module.has_variable(
-        "params", name + quant.OFFSET) else None
-    return (module.get_variable("params", name + quant.Q), module.get_variable("params", name + quant.SCALE),
-            offset)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MatmulStep:
@@ -101,7 +90,7 @@ class Linear(nn.Module):
         if self.matmul_impl not in MATMUL_IMPLS:
             raise ValueError(f"matmul_impl is {self.matmul_impl!r}; expected one of {MATMUL_IMPLS}")
         x = jnp.asarray(x, self.dtype)
-        qparams = _quantized(self, "kernel")
+        qparams = quant.module_weight(self, "kernel")
         native = False
         if qparams is not None:
             matmul = lambda rows: quant.quantized_matmul(rows, *qparams)
@@ -202,11 +191,11 @@ class Embedding(nn.Module):
     matmul_impl: str = "xla"  # MATMUL_IMPLS: how the LM head over a table in panels is multiplied
 
     def setup(self):
-        self.qtable = _quantized(self, "embedding")
+        self.qtable = quant.module_weight(self, "embedding")
         self.panels = (self.get_variable("params", panel_layout.TABLE_PANELS)
                        if self.has_variable("params", panel_layout.TABLE_PANELS) else None)
         # a quantised table in panels: (q, scale, offset | None), each [V / 64, ., 64]
-        self.qpanels = _quantized(self, panel_layout.TABLE_PANELS)
+        self.qpanels = quant.module_weight(self, panel_layout.TABLE_PANELS)
         if self.qtable is None and self.panels is None and self.qpanels is None:
             init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
             self.embedding = self.param("embedding", init, (self.num_embeddings, self.features), self.dtype)

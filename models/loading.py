@@ -11,8 +11,11 @@ in their exact int8 form (models/gguf_quants.py). `quantization` then picks what
             Float sources stay float.
     "gguf"  the same, but only for GGUF files (ValueError for other sources)
     "none"  every weight in `dtype` (a GGUF's f32 expansion, what paxpage held before)
-    "int8"  every Linear kernel and the embedding / LM head as int8 per output channel
-            (models/quant.py), re-quantised from the f32 expansion for a GGUF; MoE experts stay float
+    "int8"  every Linear kernel, the embedding / LM head and the MoE experts as int8 per output
+            channel (models/quant.py), re-quantised from the f32 expansion for a GGUF; experts
+            that come quantised (gpt-oss's MXFP4) keep their exact form
+A HF checkpoint's MXFP4 experts (gpt-oss) are held in their exact int8 form (models/moe_layout.py)
+unless quantization is "none", which expands them to `dtype`.
 """
 
 from __future__ import annotations
@@ -95,8 +98,10 @@ def load_model(source: str | os.PathLike | None = None, *, dtype: Any = "float32
         else:
             (cfg, params), tokenizer = load_hf_dir(path, float_dtype), load_tokenizer(path)
         if quantization == "int8":
-            flat = quant.quantize_flat_int8({k: np.asarray(v, np.float32) for k, v in flatten(params).items()})
+            flat = quant.quantize_flat_int8({k: np.asarray(v) for k, v in flatten(params).items()})
             params = params_from_flat(cfg, flat, dtype, source=path)
+        elif quantization == "none" and any(quant.base_name(k) != k for k in flatten(params)):
+            params = params_from_flat(cfg, quant.dequantize_flat(flatten(params)), dtype, source=path)
         return cfg, params, tokenizer
     ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
     if len(ggufs) == 1:

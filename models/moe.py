@@ -30,6 +30,16 @@ Grouped-matmul implementations (`impl`):
                   with `route(..., batch_invariant=True)`).
     "auto"        "ragged_dot" on TPU, "tiled" elsewhere.
 
+Expert weights may be held quantised (models/quant.QuantizedWeight: int8 values with scales per
+group of inputs, e.g. gpt-oss's MXFP4 experts held exactly, or `quantization="int8"`): "tiled"
+and "stable" expand only the expert of each tile as they multiply it (compiled for a TPU, XLA
+fuses that into the matmul: ~1 MiB of temporaries at gpt-oss-20b's expert shapes and 64
+tokens); "ragged_dot" takes the int8 values as its operand and scales the product when there is
+one scale per output channel, and runs as "tiled" when scales come per group of inputs (MXFP4):
+expanded for ragged_dot, every expert's weights would be written out again each step (1 GiB of
+bf16, 3 GiB of temporaries at those shapes, from the TPU compiler; scripts/tpu_moe_check.py);
+"dense" expands them all (it multiplies every expert anyway).
+
 Axis legend: T tokens, H hidden, E experts, k experts per token, M = T * k routed rows,
 F expert MLP width, G tiles, R rows in one tile.
 """
@@ -42,7 +52,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models import quant
 from models.invariant_ops import MIN_ROWS, pairwise_sum, stable_rows
+from models.quant import QuantizedWeight
 
 IMPLS = ("auto", "ragged_dot", "tiled", "dense", "stable")
 # routed_experts(x, weights, experts, gate_up, down, *, impl, gate_up_bias, down_bias, activation)
@@ -175,6 +187,23 @@ def _scatter_index(dest, size: int, fill: int):
     return jnp.full((size,), fill, jnp.int32).at[dest].set(jnp.arange(dest.shape[0], dtype=jnp.int32))
 
 
+def _expert(w, e):
+    """Expert e's kernel [I, O] of the expert weights [E, I, O] (float or quantised)."""
+    return jax.tree.map(lambda a: a[e], w)
+
+
+def _ragged_matmul(x, w, group_sizes, row_experts):
+    """jax.lax.ragged_dot of the grouped rows x [M, I] with expert weights w [E, I, O] (float or
+    quantised; row_experts i32[M]: each row's expert, for a per-channel scale) -> [M, O]."""
+    if not isinstance(w, QuantizedWeight):
+        return jax.lax.ragged_dot(x, w, group_sizes)
+    assert w.per_channel, "grouped scales take the tiled loop (expert_sums)"
+    # The int8 values are the operand as held (a TPU's grouped matmul reads them as they are: a
+    # converted copy would be every expert's weights again, each step); the product is scaled.
+    y = jax.lax.ragged_dot(x, w.q, group_sizes, preferred_element_type=x.dtype)
+    return (y.astype(jnp.float32) * w.scale[row_experts, 0]).astype(x.dtype)
+
+
 def _experts_ragged(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, activation=swiglu,
                     dropped: bool = False):
     """x [T, H], flat_experts i32[M] (row j is token j // top_k) -> [M, H] in row order (before
@@ -187,10 +216,11 @@ def _experts_ragged(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, ac
     rows = _scatter_index(dest, dest.shape[0], 0)  # grouped position -> row
     x_sorted = x[rows // top_k]  # [M, H]
     group_sizes = group_sizes[:num_experts]  # rows past their sum: not computed
-    h = jax.lax.ragged_dot(x_sorted, gate_up, group_sizes)  # [M, 2F]
+    row_experts = flat_experts[rows]  # [M] the expert of each grouped row
+    h = _ragged_matmul(x_sorted, gate_up, group_sizes, row_experts)  # [M, 2F]
     if gate_up_bias is not None:
-        h = h + gate_up_bias[flat_experts[rows]].astype(h.dtype)
-    y_sorted = jax.lax.ragged_dot(activation(h), down, group_sizes)  # [M, H]
+        h = h + gate_up_bias[row_experts].astype(h.dtype)
+    y_sorted = _ragged_matmul(activation(h), down, group_sizes, row_experts)  # [M, H]
     return y_sorted[dest]
 
 
@@ -223,10 +253,10 @@ def _experts_tiled(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, act
     def one_tile(g, y):
         e = tile_expert[g]
         x_tile = jax.lax.dynamic_slice_in_dim(x_padded, g * tile, tile)  # [R, H]
-        h = x_tile @ gate_up[e]  # [R, 2F]
+        h = quant.matmul(x_tile, _expert(gate_up, e))  # [R, 2F]
         if gate_up_bias is not None:
             h = h + gate_up_bias[e].astype(h.dtype)
-        out = activation(h) @ down[e]  # [R, H]
+        out = quant.matmul(activation(h), _expert(down, e))  # [R, H]
         return jax.lax.dynamic_update_slice_in_dim(y, out.astype(y.dtype), g * tile, 0)
 
     y = jnp.zeros((num_tiles * tile, hidden), x.dtype)
@@ -248,6 +278,7 @@ def _experts_tiled(x, flat_experts, top_k, gate_up, down, gate_up_bias=None, act
 def _experts_dense(x, weights, experts, gate_up, down, gate_up_bias=None, activation=swiglu):
     """Every expert on every token. x [T, H] -> f32[T, H] (before the down projection's bias)."""
     num_experts = gate_up.shape[0]
+    gate_up, down = (quant.expand(w, x.dtype) if isinstance(w, QuantizedWeight) else w for w in (gate_up, down))
     h = jnp.einsum("TH,EHF->ETF", x, gate_up)
     if gate_up_bias is not None:
         h = h + gate_up_bias[:, None, :].astype(h.dtype)
@@ -261,7 +292,8 @@ def moe_mlp(x, router, gate_up, down, *, top_k: int, renormalize: bool, impl: st
             gate_up_bias=None, down_bias=None, activation=swiglu):
     """The sparse MoE MLP.
 
-    x [T, H]; router [H, E]; gate_up [E, H, 2F] (gate columns, then up); down [E, F, H].
+    x [T, H]; router [H, E]; gate_up [E, H, 2F] (gate columns, then up); down [E, F, H], each
+    float or a quant.QuantizedWeight.
     Returns [T, H] in x's dtype: sum over the token's k experts of weight * down(silu(gate) * up).
     impl "stable" routes in its fixed-order form too (route(..., batch_invariant=True)).
     gpt-oss: router_bias [E], gate_up_bias [E, 2F], down_bias [E, H] and its `activation`
@@ -299,7 +331,7 @@ def expert_sums(x, weights, experts, gate_up, down, *, impl: str = "auto", gate_
     nothing and costs no expert matmul (its rows are grouped after the local experts', past the
     rows the grouped matmul computes). Over a split of E the parts add up to the whole."""
     impl = resolve_impl(impl)
-    x, gate_up, down = (jnp.asarray(a) for a in (x, gate_up, down))
+    x, gate_up, down = (jax.tree.map(jnp.asarray, a) for a in (x, gate_up, down))
     gate_up_bias = None if gate_up_bias is None else jnp.asarray(gate_up_bias)
     local = None
     if expert_offset is not None:
@@ -313,7 +345,8 @@ def expert_sums(x, weights, experts, gate_up, down, *, impl: str = "auto", gate_
     top_k = experts.shape[1]
     flat_experts = experts.reshape(-1)  # [M]; row j is token j // k
     dropped = local is not None
-    if impl == "ragged_dot":
+    grouped = any(isinstance(w, QuantizedWeight) and not w.per_channel for w in (gate_up, down))
+    if impl == "ragged_dot" and not grouped:
         y = _experts_ragged(x, flat_experts, top_k, gate_up, down, gate_up_bias, activation, dropped)  # [M, H]
     else:
         y = _experts_tiled(x, flat_experts, top_k, gate_up, down, gate_up_bias, activation,
@@ -341,9 +374,21 @@ def down_bias_sums(weights, experts, down_bias, in_order: bool = False):
     return _weighted(weights, bias, in_order)
 
 
+def expert_params(module: nn.Module, num_experts: int, hidden: int, width: int, dtype):
+    """A MoE module's expert weights (gate_up_proj [E, H, 2F], down_proj [E, F, H]): float params,
+    or quant.QuantizedWeights where the params tree holds them quantised (`<name>_q` ...)."""
+    init = nn.initializers.lecun_normal()
+    weights = []
+    for name, shape in (("gate_up_proj", (num_experts, hidden, 2 * width)), ("down_proj", (num_experts, width, hidden))):
+        held = quant.module_weight(module, name)
+        weights.append(held if held is not None else module.param(name, init, shape, dtype))
+    return weights
+
+
 class SparseMoe(nn.Module):
-    """Parameters: router [H, E], gate_up_proj [E, H, 2F], down_proj [E, F, H]; with `bias`
-    (gpt-oss) also router_bias [E], gate_up_bias [E, 2F], down_bias [E, H] (models/param_layout.py)."""
+    """Parameters: router [H, E], gate_up_proj [E, H, 2F], down_proj [E, F, H] (float or
+    quantised, `expert_params`); with `bias` (gpt-oss) also router_bias [E], gate_up_bias [E, 2F],
+    down_bias [E, H] (models/param_layout.py)."""
 
     num_experts: int
     top_k: int
@@ -362,8 +407,7 @@ class SparseMoe(nn.Module):
         E, F, H = self.num_experts, self.intermediate_size, x.shape[-1]
         init = nn.initializers.lecun_normal()
         router = self.param("router", init, (H, E), self.dtype)
-        gate_up = self.param("gate_up_proj", init, (E, H, 2 * F), self.dtype)
-        down = self.param("down_proj", init, (E, F, H), self.dtype)
+        gate_up, down = expert_params(self, E, H, F, self.dtype)
         biases = {name: self.param(name, nn.initializers.zeros, shape, self.dtype) if self.bias else None
                   for name, shape in (("router_bias", (E,)), ("gate_up_bias", (E, 2 * F)), ("down_bias", (E, H)))}
         activation = swiglu if self.swiglu_limit is None else clamped_swiglu(self.swiglu_limit, self.swiglu_alpha)

@@ -12,8 +12,10 @@ gate rows, then its up rows) and `mlp.experts.down_proj` [E, H, Fe]. Checkpoints
 gpt-oss (cfg.moe_bias) holds `mlp.experts.gate_up_proj` [E, H, 2*Fe] with gate and up columns
 interleaved (gate at even columns), and its released checkpoints store the expert weights as
 MXFP4 (`<name>_blocks` [E, O, I/32, 16] u8 of packed 4-bit values, low nibble first, and
-`<name>_scales` [E, O, I/32] u8 exponents biased by 127, one per 32 inputs): decoded exactly here,
-then transposed to [E, I, O], and the gate / up columns regrouped as gate, then up.
+`<name>_scales` [E, O, I/32] u8 exponents biased by 127, one per 32 inputs): read exactly here into
+models/quant.py's int8 form (twice each 4-bit value is an integer in [-12, 12]; half the block's
+power of two is its scale), transposed to [E, I, O] with scales [E, I/32, O], and the gate / up
+columns regrouped as gate, then up. `quantization="none"` expands them to floats.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from models.config import ModelConfig
+from models.quant import QuantizedWeight
 
 # (gate, up, down) per-expert names under a layer's MoE prefix.
 _PER_EXPERT = {
@@ -92,7 +95,26 @@ def decode_mxfp4(blocks, scales) -> np.ndarray:
     return values.reshape(*blocks.shape[:-2], -1).astype(np.float32)
 
 
-def _gate_then_up(x) -> np.ndarray:  # [..., 2*Fe], gate / up interleaved -> gate columns, then up
+# Twice each e2m1 value: an exact int8 (-0 is 0).
+FP4_E2M1_X2 = (2 * FP4_E2M1).astype(np.int8)
+
+
+def mxfp4_to_int8(blocks, scales) -> tuple[np.ndarray, np.ndarray]:
+    """MXFP4 blocks u8[..., G, 16] and scales u8[..., G] -> (q i8[..., G * 32], scale f32[..., G]),
+    q * scale (per block of 32) exactly `decode_mxfp4`'s values: q is twice the e2m1 value, the
+    scale 2 ** (s - 128) (an exact f32, subnormal at s = 0)."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape} do not pair "
+                         "(blocks [..., G, 16], scales [..., G])")
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    q = FP4_E2M1_X2[codes].reshape(*blocks.shape[:-2], -1)
+    return q, np.ldexp(np.float32(1.0), scales.astype(np.int32) - 128).astype(np.float32)
+
+
+def _gate_then_up(x):  # [..., 2*Fe], gate / up interleaved -> gate columns, then up
+    if isinstance(x, QuantizedWeight):  # scales share the values' columns
+        return QuantizedWeight(*(None if a is None else _gate_then_up(a) for a in x))
     x = np.asarray(x)
     return np.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
@@ -102,8 +124,10 @@ def _gpt_oss_experts(get_tensor: Callable[[str], Any]) -> Callable[[str], Any]:
         try:
             return np.asarray(get_tensor(name))
         except KeyError:
-            blocks, scales = get_tensor(name + "_blocks"), get_tensor(name + "_scales")
-            return decode_mxfp4(blocks, scales).swapaxes(-1, -2)  # [E, O, I] -> [E, I, O]
+            q, scale = mxfp4_to_int8(get_tensor(name + "_blocks"), get_tensor(name + "_scales"))
+            # [E, O, I] and [E, O, I / 32] -> [E, I, O] and [E, I / 32, O]
+            return QuantizedWeight(np.ascontiguousarray(q.swapaxes(-1, -2)),
+                                   np.ascontiguousarray(scale.swapaxes(-1, -2)))
 
     def get(name: str):
         if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):

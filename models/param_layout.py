@@ -29,7 +29,9 @@ E experts, Fe one expert's MLP width (cfg.moe_intermediate_size), Q q_lora_rank,
 Dn / Dr / Dv qk_nope / qk_rope / v head dims.
 Quantised weights (models/quant.py) replace a `kernel` leaf by `kernel_q` (int8, same shape),
 `kernel_scale` and optionally `kernel_offset` (f32, one row per group of inputs), and likewise
-`embedding` by `embedding_q` / `embedding_scale` [/ `embedding_offset`] (groups along H).
+`embedding` by `embedding_q` / `embedding_scale` [/ `embedding_offset`] (groups along H), and
+MoE experts `gate_up_proj` / `down_proj` by `gate_up_proj_q` / `gate_up_proj_scale` ... (groups
+along each expert's inputs: scale [E, I / G, O]).
 
 Expert tensors are named here as transformers 5 holds them in memory (fused 3-D tensors,
 `mlp.experts.gate_up_proj` [E, 2*Fe, H]); models/moe_layout.py also assembles them from the
@@ -193,7 +195,10 @@ def check_dtype(dtype: Any) -> jnp.dtype:
 def params_from_hf(
     cfg: ModelConfig, get_tensor: Callable[[str], Any], dtype: Any, source: str
 ) -> dict[str, Any]:
-    """Builds the tree from HF-named tensors. `get_tensor(name)` raises KeyError when absent."""
+    """Builds the tree from HF-named tensors. `get_tensor(name)` raises KeyError when absent.
+    Experts stored quantised (gpt-oss's MXFP4) come as models/quant.py's int8 leaves."""
+    from models import quant
+
     dt = check_dtype(dtype)
     get_tensor = with_expert_tensors(cfg, get_tensor)
     flat = {}
@@ -207,6 +212,9 @@ def params_from_hf(
             raise ValueError(
                 f"{source}: tensor {hf_name!r} has shape {tuple(x.shape)}; config implies {expected}"
             )
+        if isinstance(x, quant.QuantizedWeight):  # read quantised (gpt-oss's MXFP4 experts), in paxpage layout
+            flat[path + quant.Q], flat[path + quant.SCALE] = jnp.asarray(x.q), jnp.asarray(x.scale, jnp.float32)
+            continue
         flat[path] = from_hf_layout(jnp.asarray(x, dtype=dt), transpose)
     return unflatten(flat)
 
@@ -247,13 +255,14 @@ def check_flat(cfg: ModelConfig, flat: dict[str, Any], source: str) -> None:
             if tuple(x.shape) != shape:
                 raise ValueError(f"{source}: {path} has shape {tuple(x.shape)}; config implies {shape}")
             continue
-        axis = 0 if base.endswith("kernel") else 1  # the contraction axis: kernels [I, O], the table [V, H]
+        # the contraction axis: kernels [I, O] and experts [E, I, O]; the table [V, H]
+        axis = len(shape) - (1 if base.endswith("embedding") else 2)
         if path.endswith(quant.Q):
             if tuple(x.shape) != shape or x.dtype != jnp.int8 or base + quant.SCALE not in flat:
                 raise ValueError(f"{source}: {path} is {x.dtype}{tuple(x.shape)} (scale given: "
                                  f"{base + quant.SCALE in flat}); expected int8{shape} with a scale")
             continue
-        groups = x.shape[axis] if len(x.shape) == 2 else 0
+        groups = x.shape[axis] if len(x.shape) == len(shape) else 0
         expected = tuple(groups if a == axis else d for a, d in enumerate(shape))
         if base + quant.Q not in flat or tuple(x.shape) != expected or not groups or shape[axis] % groups:
             raise ValueError(f"{source}: {path} has shape {tuple(x.shape)}; {base} is {shape}, quantised in "

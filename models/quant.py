@@ -10,11 +10,14 @@ offset) per group of G consecutive weights along the contraction axis:
         w[i, o] = kernel_q[i, o] * kernel_scale[i // G, o] (+ kernel_offset[i // G, o])
     Embedding table [V, H] (rows gathered; the tied LM head contracts over H):
         embedding_q i8[V, H], embedding_scale f32[V, H / G], embedding_offset f32[V, H / G]
+    MoE experts [E, I, O] (gate_up_proj, down_proj; each expert a kernel):
+        gate_up_proj_q i8[E, I, O], gate_up_proj_scale f32[E, I / G, O] (and so on)
 
 int8 per output channel (`quantization="int8"`) is the case G = I (one group: scale [1, O]; the
 tied embedding gets one scale per vocabulary row, i.e. per LM-head output channel); a GGUF
 file's Q8_0 / Q4_0 / Q4_1 / Q4_K tensors are G = 32 and Q6_K G = 16 (models/gguf_quants.py),
-held exactly. 4-bit values sit one per int8 byte (not packed two per byte): 1.25 bytes a weight
+held exactly; gpt-oss's MXFP4 experts are G = 32 with power-of-two scales (models/moe_layout.py),
+held exactly too. 4-bit values sit one per int8 byte (not packed two per byte): 1.25 bytes a weight
 for Q4_x, against 4 for f32.
 
 Scales and offsets stay f32 whatever the model dtype (a bf16 scale would round GGUF's exact
@@ -31,7 +34,7 @@ named arrays. This module keeps all of those unchanged.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +43,28 @@ import numpy as np
 QUANTIZATIONS = (None, "none", "gguf", "int8")
 # Quantised leaves: "<name>_q", "<name>_scale", "<name>_offset" replace the float leaf <name>.
 Q, SCALE, OFFSET = "_q", "_scale", "_offset"
-# The float leaves that may be quantised: Linear kernels and the embedding table.
-QUANTIZABLE = ("kernel", "embedding")
+# The float leaves that may be quantised: Linear kernels, the embedding table and MoE experts.
+QUANTIZABLE = ("kernel", "embedding", "gate_up_proj", "down_proj")
+# Of those, the ones that are kernels ([..., I, O], contracted over I): all but the embedding.
+EXPERT_LEAVES = ("gate_up_proj", "down_proj")
+
+
+class QuantizedWeight(NamedTuple):
+    """A quantised kernel as a step holds it (a pytree: q i8[..., I, O], scale / offset
+    f32[..., I / G, O], offset None for the symmetric formats): MoE experts pass through the
+    grouped matmuls in this form (models/moe.py)."""
+    q: Any
+    scale: Any
+    offset: Any = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+    @property
+    def per_channel(self) -> bool:
+        """One scale per output channel and no offset: the product is scaled, not the weight."""
+        return self.scale.shape[-2] == 1 and self.offset is None
 
 
 def is_scale_path(path: str) -> bool:
@@ -86,6 +109,30 @@ def dequantize_rows(q, scale, offset, dtype):
     return w.reshape(q.shape).astype(dtype)
 
 
+def expand(w, dtype):
+    """A kernel as floats: a float array cast to `dtype`, a QuantizedWeight dequantised."""
+    if isinstance(w, QuantizedWeight):
+        return dequantize_kernel(w.q, w.scale, w.offset, dtype)
+    return w.astype(dtype)
+
+
+def matmul(x, w):
+    """x [..., I] @ a kernel [I, O], float or a QuantizedWeight -> [..., O] in x's dtype."""
+    if isinstance(w, QuantizedWeight):
+        return quantized_matmul(x, w.q, w.scale, w.offset)
+    return x @ w
+
+
+def module_weight(module, name: str):
+    """(q, scale, offset | None) when a flax module's params hold `name` quantised, else None:
+    the params tree decides, so one model definition runs float, int8 and GGUF weights."""
+    if not module.has_variable("params", name + Q):
+        return None
+    offset = module.get_variable("params", name + OFFSET) if module.has_variable("params", name + OFFSET) else None
+    return QuantizedWeight(module.get_variable("params", name + Q), module.get_variable("params", name + SCALE),
+                           offset)
+
+
 def quantized_attend(x, q, scale, offset=None):
     """x [R, H] against every row of the quantised table [V, H] -> [R, V] (the tied LM head)."""
     if scale.shape[-1] == 1 and offset is None:  # one scale per row = per output channel
@@ -107,16 +154,24 @@ def quantize_int8(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _contraction_axis(name: str) -> int:
-    return 0 if name.endswith("kernel") else -1  # kernels [I, O]; the embedding [V, H]
+    return -1 if name.endswith("embedding") else -2  # kernels [I, O] and experts [E, I, O]; the table [V, H]
+
+
+def _is_expert(path: str) -> bool:
+    return base_name(path).rsplit("/", 1)[-1] in EXPERT_LEAVES
 
 
 def quantize_flat_int8(flat: dict[str, Any]) -> dict[str, Any]:
-    """Every 2-D float kernel and the embedding -> int8 per output channel (already quantised
-    leaves are expanded first). MoE expert tensors (3-D) and the router stay as they are."""
-    flat = dequantize_flat(flat)
-    out = {}
+    """Every float kernel, the embedding and the MoE experts -> int8 per output channel (per
+    expert for experts). Quantised leaves are expanded first and re-quantised, except experts
+    that come quantised (gpt-oss's MXFP4, already int8 and exact): they stay as they are. The
+    router and biases stay float."""
+    kept = {path: x for path, x in flat.items() if _is_expert(path) and base_name(path) + Q in flat}
+    flat = dequantize_flat({path: x for path, x in flat.items() if path not in kept})
+    out = dict(kept)
     for path, x in flat.items():
-        if path.rsplit("/", 1)[-1] in QUANTIZABLE and np.ndim(x) == 2:
+        leaf = path.rsplit("/", 1)[-1]
+        if leaf in QUANTIZABLE and np.ndim(x) == (3 if leaf in EXPERT_LEAVES else 2):
             q, scale = quantize_int8(np.asarray(x, dtype=np.float32), _contraction_axis(path))
             out[path + Q], out[path + SCALE] = q, scale
         else:
@@ -133,9 +188,9 @@ def dequantize_flat(flat: dict[str, Any]) -> dict[str, Any]:
         base = base_name(path)
         if base != path:  # a "_q" leaf (scales and offsets were skipped above)
             q, scale, offset = (np.asarray(flat[base + s]) if base + s in flat else None for s in (Q, SCALE, OFFSET))
-            axis = _contraction_axis(base)
-            if axis == 0:  # kernel: groups along axis 0 -> work on the transpose
-                w = _expand(q.T, scale.T, None if offset is None else offset.T).T
+            if _contraction_axis(base) == -2:  # kernels: groups along axis -2 -> work on the transpose
+                t = lambda a: None if a is None else np.swapaxes(a, -1, -2)  # noqa: E731
+                w = t(_expand(t(q), t(scale), t(offset)))
             else:
                 w = _expand(q, scale, offset)
             out[base] = np.ascontiguousarray(w)

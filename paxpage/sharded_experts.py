@@ -34,12 +34,15 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from models import quant
 from models.moe import ExpertsFn, down_bias_sums, expert_sums, routed_experts, swiglu
 from paxpage.mesh import shard_map
 from paxpage.sharding import MODEL_AXIS, PARAM_AXES, ShardingPlan
 
-# The leaves `regroup` reorders: their last axis is gate columns, then up columns.
-GATE_UP_LEAVES = ("moe/gate_up_proj", "moe/gate_up_bias")
+# The leaves `regroup` reorders: their last axis is gate columns, then up columns (a quantised
+# gate_up_proj's values, scales and offsets alike, models/quant.py).
+GATE_UP_LEAVES = ("moe/gate_up_proj", "moe/gate_up_bias") + tuple(
+    "moe/gate_up_proj" + suffix for suffix in (quant.Q, quant.SCALE, quant.OFFSET))
 
 
 def regroup(plan: ShardingPlan, params) -> dict:
@@ -50,6 +53,7 @@ def regroup(plan: ShardingPlan, params) -> dict:
     if not plan.split_experts:
         return params
     tp = plan.tensor_parallel_size
+    check_groups(plan, params)
 
     def blocks(x):  # [..., 2*Fe] -> [..., tp * 2 * (Fe / tp)]
         if isinstance(x, jax.ShapeDtypeStruct):
@@ -66,6 +70,28 @@ def regroup(plan: ShardingPlan, params) -> dict:
     return walk(params, "")
 
 
+def check_groups(plan: ShardingPlan, params) -> None:
+    """ValueError when quantised experts' groups of inputs (models/quant.py: one scale per G
+    inputs) would not split whole over the devices that split the inputs (down_proj's Fe under
+    a split of the experts' width). One group per output (per-channel int8) is held whole."""
+    def walk(tree, path):
+        if isinstance(tree, dict):
+            for key, value in tree.items():
+                walk(value, f"{path}/{key}" if path else key)
+            return
+        base = quant.base_name(path)
+        if base == path or not path.endswith(quant.SCALE):
+            return
+        name = next((n for n in ("moe/gate_up_proj", "moe/down_proj") if base.endswith(n)), None)
+        groups = tree.shape[-2]
+        if name is not None and plan.mesh_axis(PARAM_AXES[name][-2]) and groups > 1 \
+                and groups % plan.tensor_parallel_size:
+            raise ValueError(f"{base} holds {groups} groups of inputs per expert (one scale each), which do not "
+                             f"split over tensor_parallel_size {plan.tensor_parallel_size}; use "
+                             "enable_expert_parallel (whole experts per device) or another tensor_parallel_size")
+    walk(params, "")
+
+
 def shard_experts(mesh: Mesh, plan: ShardingPlan, experts_fn: ExpertsFn = routed_experts) -> ExpertsFn:
     """models/moe.py's routed_experts, each device running its own share of every expert's width
     (weights placed by `regroup` and sharding.PARAM_AXES) or, with expert parallelism, its own
@@ -74,8 +100,20 @@ def shard_experts(mesh: Mesh, plan: ShardingPlan, experts_fn: ExpertsFn = routed
     if not (plan.split_experts or plan.expert_parallel):
         return experts_fn
     rep = PartitionSpec()
-    gate_up_spec, bias_spec, down_spec = (plan.spec(PARAM_AXES[name]) for name in
-                                          ("moe/gate_up_proj", "moe/gate_up_bias", "moe/down_proj"))
+    bias_spec = plan.spec(PARAM_AXES["moe/gate_up_bias"])
+
+    def weight_spec(name: str, w):
+        """The spec of expert weights `w` (float, or quant.QuantizedWeight: its scales split as its
+        values, except that one group per output (per channel) is held whole by every device)."""
+        axes = PARAM_AXES[name]
+        if not isinstance(w, quant.QuantizedWeight):
+            return plan.spec(axes)
+        groups, scale_axes = w.scale.shape[-2], axes
+        if plan.mesh_axis(axes[-2]) is not None and groups % plan.tensor_parallel_size:
+            assert groups == 1, (name, groups)  # check_groups refused the rest as the weights were placed
+            scale_axes = (*axes[:-2], None, axes[-1])
+        scale = plan.spec(scale_axes)
+        return quant.QuantizedWeight(plan.spec(axes), scale, None if w.offset is None else scale)
 
     def sharded(x, weights, experts, gate_up, down, *, impl="auto", gate_up_bias=None, down_bias=None,
                 activation=swiglu):
@@ -87,7 +125,8 @@ def shard_experts(mesh: Mesh, plan: ShardingPlan, experts_fn: ExpertsFn = routed
                                expert_offset=offset)
             return jax.lax.psum(part, MODEL_AXIS)
 
-        args, specs = (x, weights, experts, gate_up, down), (rep, rep, rep, gate_up_spec, down_spec)
+        args = (x, weights, experts, gate_up, down)
+        specs = (rep, rep, rep, weight_spec("moe/gate_up_proj", gate_up), weight_spec("moe/down_proj", down))
         if gate_up_bias is not None:
             args, specs = (*args, gate_up_bias), (*specs, bias_spec)
         y = shard_map(local, mesh=mesh, in_specs=specs, out_specs=rep)(*args)  # f32[T, H]

@@ -280,19 +280,33 @@ def replicate_kv_heads(plan: ShardingPlan, cfg: ModelConfig, params) -> dict:
     return walk(params, "")
 
 
-def param_bytes_per_device(cfg: ModelConfig, plan: ShardingPlan, itemsize: int) -> int:
+def param_bytes_per_device(cfg: ModelConfig, plan: ShardingPlan, itemsize: int,
+                           quantized: dict[str, int] | None = None) -> int:
     """Bytes of weights each device holds under `plan`, from the shapes alone (the same rules
-    the engine places real arrays by; the per-device tables of docs/parallelism.md come from here)."""
+    the engine places real arrays by; the per-device tables of docs/parallelism.md come from here).
+    quantized: {leaf suffix ("moe/down_proj"): G} for kernels held as int8 with one f32 scale per G
+    inputs (models/quant.py; e.g. gpt-oss's MXFP4 experts, G = 32)."""
+    from models import quant
     from models.param_layout import param_specs as layout
 
     heads_cfg = plan.sharded_model_config(cfg)  # k/v widened when KV heads are replicated
-    total = 0
-    for path, (shape, _, _) in layout(heads_cfg).items():
-        spec = plan.param_spec(path, len(shape))
+    quantized = quantized or {}
+
+    def held(path, shape, size_of_item):
+        spec = plan.param_spec(path, len(shape), shape)
         size = 1
         for dim, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
             size *= dim // plan.tensor_parallel_size if axis is not None else dim
-        total += size * itemsize
+        return size * size_of_item
+
+    total = 0
+    for path, (shape, _, _) in layout(heads_cfg).items():
+        group = next((g for suffix, g in quantized.items() if path.endswith(suffix)), None)
+        if group is None:
+            total += held(path, shape, itemsize)
+            continue
+        scale_shape = (*shape[:-2], shape[-2] // group, shape[-1])
+        total += held(path + quant.Q, shape, 1) + held(path + quant.SCALE, scale_shape, 4)
     return total
 
 

@@ -26,7 +26,10 @@ compile; the other checks print FINDING lines, fatal with --strict:
    the copies it makes of whole weights in every step (a relayout, wherever it lands: one staged
    in VMEM adds no temporary bytes);
 4. a roofline for decoding the 8B shape at batch 64 and 256 from the compiled step's
-   cost_analysis and the chips' HBM bandwidth: compiled, not run.
+   cost_analysis and the chips' HBM bandwidth: compiled, not run;
+5. the routed experts' grouped matmuls at gpt-oss-20b's shapes, experts held as bf16, int8 per
+   channel and MXFP4's int8 form, through "ragged_dot" and "tiled": a quantised form whose
+   temporaries reach one expert's bf16 expansion is a FINDING (scripts/tpu_moe_check.py).
 
 The engine step and the roofline are scripts/tpu_step_check.py, what a compiled program's text
 shows scripts/tpu_hlo.py, the chips and model shapes scripts/tpu_targets.py.
@@ -35,7 +38,7 @@ shows scripts/tpu_hlo.py, the chips and model shapes scripts/tpu_targets.py.
 quantised pool in the TPU pool's layout only), and the engine step of SmolLM2 (one chip, a
 mixed int8 step on one chip, tp 8) and of the 8B shape (tp 8, bf16 and int8) with two of their
 layers (every layer is the same program; the full layer counts take minutes per compile), no
-roofline.
+roofline, the experts at 64 tokens on v5e.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels import dispatch, kv_layout  # noqa: E402
 from tpu_hlo import leaf_copies  # noqa: E402
+from tpu_moe_check import check_moe  # noqa: E402
 from tpu_step_check import check_steps, roofline  # noqa: E402
 
 MAX_POOL_RATIO = 1.1
@@ -204,7 +208,8 @@ def _weight_copies_cell(row: dict) -> str:
 
 def doc_tables(report: dict) -> dict:
     """docs/gpu-tpu.md's tables (scripts/docs_figures.py renders them), compiled, not run: the pool
-    layout per chip and pool; the engine steps per device; the 8B decode roofline."""
+    layout per chip and pool; the engine steps per device; the 8B decode roofline; the routed
+    experts' grouped matmuls."""
     tables = {}
     if "pool_layout" in report:
         rows = [[r["chip"], r["pool"].rsplit(" ", 1)[0], r["layout"], "yes" if r["tpu_pool"] else "no",
@@ -232,6 +237,11 @@ def doc_tables(report: dict) -> dict:
         columns = ["step", "chip", "B", "context", "weights (GB)", "KV (GB)", "bound from weights + KV (tok/s)",
                    "compiled bytes (GB)", "bound as compiled (tok/s)"]
         tables["roofline"] = {"columns": columns, "rows": rows}
+    if "moe" in report:
+        rows = [[r["chip"], r["tokens"], r["form"], r["impl"], f"{r['argument_bytes'] / 2**20:,.0f}",
+                 f"{r['temp_bytes'] / 2**20:,.1f}"] for r in report["moe"]]
+        columns = ["chip", "tokens", "experts held as", "impl", "weights + inputs (MiB)", "temporaries (MiB)"]
+        tables["moe"] = {"columns": columns, "rows": rows}
     return tables
 
 
@@ -240,7 +250,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="a third of the kernel cases and two engine configs")
     ap.add_argument("--json", help="write the measurements here")
     ap.add_argument("--strict", action="store_true", help="FINDING lines (layout, hidden copies) fail too")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["kernels", "layout", "steps"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["kernels", "layout", "steps", "moe"])
     ap.add_argument("--steps", default="", metavar="TEXT", help="only the engine steps whose label holds TEXT")
     ap.add_argument("--roofline-from", metavar="JSON", help="only print the roofline of a --json report's steps")
     args = ap.parse_args(argv)
@@ -268,6 +278,11 @@ def main(argv=None) -> int:
         if not args.quick:
             print("roofline, 8B decode:")
             roofline(costs, report)
+    if "moe" not in args.skip:
+        print("routed experts (gpt-oss-20b shapes):")
+        moe_failures, moe_findings = check_moe(args.quick, report)
+        failures += moe_failures
+        findings += moe_findings
     print(f"total {time.perf_counter() - t:.0f} s")
     report["failures"], report["findings"] = failures, findings
     if args.json:

@@ -160,6 +160,44 @@ def save_tiny_hf(path, kind: str = "llama", seed: int = 0, **overrides):
     return model
 
 
+def to_mxfp4_checkpoint(path, hf) -> None:
+    """Rewrites the gpt-oss checkpoint saved in `path` (save_tiny_hf) as released checkpoints
+    store experts: `<name>_blocks` / `<name>_scales` (MXFP4: 4-bit e2m1 codes, one power-of-two
+    exponent per 32 inputs, each block's scale the smallest that holds its largest value, codes
+    rounded to the nearest value), and sets HF `hf`'s experts to transformers' own decoding of
+    them (transformers.integrations.mxfp4), so that `hf` is the reference for the new file."""
+    import glob
+
+    import torch
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    values = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    params = dict(hf.named_parameters())
+    for file in glob.glob(os.path.join(path, "*.safetensors")):
+        tensors = load_file(file)
+        out = {}
+        for name, w in tensors.items():
+            if not name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+                out[name] = w
+                continue
+            w = np.swapaxes(w, -1, -2).astype(np.float64)  # [E, I, O] -> stored as [E, O, I]
+            blocks = w.reshape(*w.shape[:-1], -1, 32)
+            amax = np.abs(blocks).max(axis=-1)
+            exponent = np.clip(np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)), -127, 127).astype(np.int32)
+            v = blocks / np.ldexp(1.0, exponent)[..., None]
+            codes = (np.abs(np.abs(v)[..., None] - values).argmin(axis=-1) + 8 * (v < 0)).astype(np.uint8)
+            codes = codes.reshape(*codes.shape[:-1], 16, 2)
+            # safetensors writes an array's buffer as it lies: contiguous arrays only
+            packed = np.ascontiguousarray(codes[..., 0] | (codes[..., 1] << 4))
+            scales = np.ascontiguousarray((exponent + 127).astype(np.uint8))
+            out[name + "_blocks"], out[name + "_scales"] = packed, scales
+            with torch.no_grad():  # the converter may change its inputs: give it copies
+                params[name].copy_(convert_moe_packed_tensors(torch.from_numpy(packed.copy()),
+                                                              torch.from_numpy(scales.copy()), dtype=torch.float32))
+        save_file(out, file, metadata={"format": "pt"})
+
+
 # A tiny DeepSeek-V3: latent attention (q_lora_rank, kv_lora_rank 32, RoPE 8), a dense first layer, then
 # 8 routed experts in 2 groups (top 2 from the best group) beside one shared expert.
 TINY_DEEPSEEK = dict(

@@ -4,7 +4,8 @@ Every prompt token's logprob and the greedy continuation, in one prefill, chunke
 decode rows, past the window, with prefix-cache hits and under preemption, on the XLA and native
 attention and the Pallas kernels (interpreted). The MoE block on its own
 against HF's GptOssMLP, and the MXFP4 expert weights of released checkpoints decoded against
-transformers' own dequantisation."""
+transformers' own dequantisation: held as int8 with their scales, a checkpoint in that format
+gives HF's outputs on the weights transformers decodes from it."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import transformers as tf
 import paxpage
 from models.config import ModelConfig
 from models.moe import clamped_swiglu, route, routed_experts
-from models.moe_layout import decode_mxfp4
+from models.moe_layout import decode_mxfp4, mxfp4_to_int8
+from models.param_layout import flatten
 from tests.conftest import (check_chunked_prefill_beside_decode, check_prefix_hit_and_preemption,
-                            check_prompt_logprobs, hf_greedy, random_prompts, save_tiny_hf)
+                            check_prompt_logprobs, hf_greedy, random_prompts, save_tiny_hf, to_mxfp4_checkpoint)
 
 VOCAB = 256
 WINDOW = 8
@@ -119,5 +121,71 @@ def test_mxfp4_decode_matches_transformers():
     got = decode_mxfp4(blocks, scales).swapaxes(-1, -2)
     assert got.shape == want.shape == (3, 64, 20)
     np.testing.assert_array_equal(got, want)
+    q, scale = mxfp4_to_int8(blocks, scales)  # the held form: q * scale per block of 32, exactly
+    assert (q.dtype, q.shape, scale.dtype, scale.shape) == (np.int8, (3, 20, 64), np.float32, (3, 20, 2))
+    assert np.abs(q).max() == 12 and set(np.unique(np.abs(q))) <= {0, 1, 2, 3, 4, 6, 8, 12}
+    np.testing.assert_array_equal((q.reshape(3, 20, 2, 32) * scale[..., None]).reshape(3, 20, 64).swapaxes(-1, -2),
+                                  want)
     with pytest.raises(ValueError, match="do not pair"):
         decode_mxfp4(blocks, scales[..., :1])
+    with pytest.raises(ValueError, match="do not pair"):
+        mxfp4_to_int8(blocks[..., :8], scales)
+
+
+MXFP4_TINY = dict(TINY, intermediate_size=64)  # two blocks of 32 along both projections' inputs
+
+
+@pytest.fixture(scope="module")
+def mxfp4(tmp_path_factory):
+    """A tiny gpt-oss whose checkpoint stores its experts as MXFP4, and HF on transformers'
+    decoding of them."""
+    path = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    hf = save_tiny_hf(path, "gpt_oss", seed=3, **MXFP4_TINY)
+    to_mxfp4_checkpoint(path, hf)
+    return path, hf, paxpage.load(path)
+
+
+def _regrouped(w):  # HF's [..., 2F] gate / up interleaved -> gate columns, then up
+    w = w.detach().numpy()
+    return np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1)
+
+
+def test_mxfp4_experts_are_held_as_int8_and_match_hf(mxfp4):
+    """The experts stay 1 byte a weight plus one f32 scale per 32 (q * scale = transformers'
+    decoding, exactly); prompt logprobs and greedy tokens are HF's, on the XLA and native
+    attention paths (the tiled grouped matmul expanding each tile's expert)."""
+    _, hf, model = mxfp4
+    flat = flatten(model.params)
+    E, H, F = 4, 64, 64
+    assert not any(name.endswith(("gate_up_proj", "down_proj")) for name in flat)
+    for i in range(3):
+        layer = hf.model.layers[i].mlp.experts
+        for name, shape, want in (("gate_up_proj", (E, H, 2 * F), _regrouped(layer.gate_up_proj)),
+                                  ("down_proj", (E, F, H), layer.down_proj.detach().numpy())):
+            q, scale = (np.asarray(flat[f"layers_{i}/moe/{name}{suffix}"]) for suffix in ("_q", "_scale"))
+            assert (q.dtype, q.shape) == (np.int8, shape)
+            assert (scale.dtype, scale.shape) == (np.float32, (E, shape[1] // 32, shape[2]))
+            expanded = (q.reshape(E, -1, 32, shape[2]) * scale[:, :, None]).reshape(shape)
+            np.testing.assert_array_equal(expanded, want)
+    prompts = random_prompts(2, VOCAB, [40, 9], seed=4)
+    for impl in ("xla", "native"):
+        outs = paxpage.generate(model, prompts, max_tokens=10, temperature=0, prompt_logprobs=0, ignore_eos=True,
+                                page_size=4, num_pages=64, attention_impl=impl, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            check_prompt_logprobs(hf, prompt, out)
+            assert out.token_ids == hf_greedy(hf, prompt, 10), impl
+
+
+def test_mxfp4_experts_expand_with_quantization_none_and_stay_exact_with_int8(mxfp4):
+    path, hf, held = mxfp4
+    floats = flatten(paxpage.load(path, quantization="none").params)
+    np.testing.assert_array_equal(np.asarray(floats["layers_1/moe/gate_up_proj"]),
+                                  _regrouped(hf.model.layers[1].mlp.experts.gate_up_proj))
+    int8 = flatten(paxpage.load(path, quantization="int8").params)
+    held = flatten(held.params)
+    for suffix in ("_q", "_scale"):  # the exact form kept, not re-quantised per channel
+        np.testing.assert_array_equal(np.asarray(int8["layers_1/moe/down_proj" + suffix]),
+                                      np.asarray(held["layers_1/moe/down_proj" + suffix]))
+    # the attention's kernels quantised per channel (held as they run: panels for the native matmul)
+    assert {name.split("/")[1] for name in int8 if name.startswith("layers_1/") and name.endswith("_q")} == {
+        "moe", "q_proj", "k_proj", "v_proj", "o_proj"}

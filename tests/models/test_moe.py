@@ -141,3 +141,41 @@ def test_expert_slices_add_up_to_the_numpy_reference(impl, parts, fixed):
             gate, up = h[:width], h[width:]
             want[t] += w * ((gate / (1 + np.exp(-gate)) * up) @ down[e])
     np.testing.assert_allclose(total, want, rtol=2e-4, atol=2e-4)
+
+
+def _held(rng, w, form):
+    """Expert weights w [E, I, O] in a quantised form, and its float64 expansion written here:
+    "per-channel" (models/quant.quantize_int8 over each expert's inputs: one scale per output),
+    or "groups" (random int8 codes, a scale and an offset per 8 inputs, as GGUF's affine formats)."""
+    from models.quant import QuantizedWeight, quantize_int8
+
+    if form == "per-channel":
+        q, scale = quantize_int8(w, axis=-2)
+        return QuantizedWeight(q, scale), q.astype(np.float64) * scale
+    num_experts, inputs, outputs = w.shape
+    q = rng.integers(-8, 8, size=w.shape).astype(np.int8)
+    scale = rng.uniform(0.5, 1.5, size=(num_experts, inputs // 8, outputs)).astype(np.float32) / (4 * np.sqrt(inputs))
+    offset = rng.normal(0.0, 0.02, size=scale.shape).astype(np.float32)
+    expanded = q * np.repeat(scale.astype(np.float64), 8, axis=1) + np.repeat(offset.astype(np.float64), 8, axis=1)
+    return QuantizedWeight(q, scale, offset), expanded
+
+
+@pytest.mark.parametrize("impl", ["tiled", "ragged_dot", "dense", "stable"])
+@pytest.mark.parametrize("form", ["per-channel", "groups"])
+def test_quantized_experts_match_the_reference_on_their_expansion(impl, form):
+    """Experts held quantised (gpt-oss's MXFP4 int8 form, quantization="int8") through every
+    grouped-matmul form equal the float64 per-token reference on the weights they stand for; so
+    do expert parallelism's slices of them (quantised slices of whole experts) added up."""
+    from models.moe import expert_sums, route
+
+    rng = np.random.default_rng(11)
+    x, router, gate_up, down = _weights(rng, 40, 32, 8, 24, skew=1.0)
+    (gate_up_q, gate_up64), (down_q, down64) = _held(rng, gate_up, form), _held(rng, down, form)
+    out = jax.jit(functools.partial(moe_mlp, top_k=2, renormalize=True, impl=impl))(x, router, gate_up_q, down_q)
+    ref = numpy_moe(x, router, gate_up64, down64, 2, True)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=2e-4, atol=2e-4)
+    weights, experts = route(jax.numpy.asarray(x), jax.numpy.asarray(router), 2, True)
+    part = jax.jit(functools.partial(expert_sums, impl=impl))
+    halves = [part(x, weights, experts, jax.tree.map(lambda a: a[cut], gate_up_q), jax.tree.map(lambda a: a[cut], down_q),
+                   expert_offset=cut.start) for cut in (slice(0, 4), slice(4, 8))]
+    np.testing.assert_allclose(np.asarray(halves[0] + halves[1]), ref, rtol=2e-4, atol=2e-4)

@@ -69,8 +69,24 @@ def test_fused_expert_checkpoint_matches_hf(tmp_path):
     _check_against_hf(model, hf, num_tokens=4, lengths=(21,))
 
 
-def _write_moe_gguf(path, hf, arch):
-    """A GGUF file as llama.cpp's converter lays MoE models out (3-D *_exps tensors)."""
+def _write_moe_gguf(path, hf, arch, expert_types=None):
+    """A GGUF file as llama.cpp's converter lays MoE models out (3-D *_exps tensors). expert_types:
+    {"gate" | "up" | "down": gguf.GGMLQuantizationType} for experts stored quantised; HF `hf`'s
+    experts are then set to gguf's own dequantisation of what was written (the reference)."""
+    import gguf
+
+    expert_types = expert_types or {}
+
+    def add_expert(name, part, x):  # x [E, out, in] float32 -> written; returns what the file holds
+        qtype = expert_types.get(part)
+        if qtype is None:
+            w.add_tensor(name, np.ascontiguousarray(x))
+            return x
+        data = gguf.quants.quantize(np.ascontiguousarray(x), qtype)
+        w.add_tensor(name, data, raw_dtype=qtype)
+        return gguf.quants.dequantize(data, qtype)
+
+    params = dict(hf.named_parameters())
     c = hf.config
     N, K = c.num_attention_heads, c.num_key_value_heads
     w = gguf_writer(path, c, arch)
@@ -95,8 +111,13 @@ def _write_moe_gguf(path, hf, arch):
         _, _, i, rest = hf_name.split(".", 3)
         if rest == "mlp.experts.gate_up_proj":  # [E, 2*Fe, H]: llama.cpp keeps gate and up apart
             gate, up = np.split(x, 2, axis=1)
-            w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
-            w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up))
+            held = [add_expert(f"blk.{i}.ffn_{part}_exps.weight", part, y) for part, y in (("gate", gate), ("up", up))]
+            with torch.no_grad():
+                params[hf_name].copy_(torch.from_numpy(np.concatenate(held, axis=1)))
+            continue
+        if rest == "mlp.experts.down_proj":
+            with torch.no_grad():
+                params[hf_name].copy_(torch.from_numpy(add_expert(f"blk.{i}.ffn_down_exps.weight", "down", x)))
             continue
         name = f"blk.{i}.{layer_names[rest]}.weight"
         if arch == "llama" and layer_names[rest] in ("attn_q", "attn_k"):
@@ -125,4 +146,34 @@ def test_moe_gguf_matches_hf(tmp_path, monkeypatch, kind, arch, extra):
     assert again.config == cfg
     np.testing.assert_array_equal(again.per_layer_params()["layers_0"]["moe"]["gate_up_proj"],
                                   model.per_layer_params()["layers_0"]["moe"]["gate_up_proj"])
+    _check_against_hf(model, hf, num_tokens=4, lengths=(21,))
+
+
+@pytest.mark.parametrize("kind,arch,extra,types", [
+    ("qwen3_moe", "qwen3moe", dict(QWEN3_MOE, norm_topk_prob=True), ("Q8_0", "Q8_0", "Q4_1")),
+    # gate and up in different forms (Q4_1 has offsets): joined as floats; down stays quantised
+    ("mixtral", "llama", dict(num_hidden_layers=2), ("Q8_0", "Q4_1", "Q4_0")),
+], ids=["qwen3-moe", "mixtral-mixed"])
+def test_moe_gguf_quantised_experts_stay_quantised_and_match_hf(tmp_path, monkeypatch, kind, arch, extra, types):
+    """A GGUF's quantised 3-D expert tensors are held in their exact int8 form (quantization="gguf"):
+    greedy tokens and logprobs equal HF's on gguf's own dequantisation of the file."""
+    import gguf
+
+    from models.param_layout import flatten
+
+    monkeypatch.setenv("PAXPAGE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = save_tiny_hf(tmp_path / "hf", kind, **extra)
+    qtypes = {part: gguf.GGMLQuantizationType[t] for part, t in zip(("gate", "up", "down"), types)}
+    _write_moe_gguf(tmp_path / "tiny.gguf", hf, arch, qtypes)
+    model = paxpage.load(tmp_path / "tiny.gguf", quantization="gguf")
+    flat = flatten(model.per_layer_params())
+    E, H = model.config.num_experts, model.config.hidden_size
+    Fe = model.config.moe_intermediate_size
+    assert flat["layers_0/moe/down_proj_q"].dtype == np.int8
+    assert flat["layers_0/moe/down_proj_scale"].shape == (E, Fe // 32, H)
+    assert ("layers_0/moe/down_proj_offset" in flat) == (types[2] == "Q4_1")
+    if types[0] == types[1]:
+        assert flat["layers_0/moe/gate_up_proj_scale"].shape == (E, H // 32, 2 * Fe)
+    else:
+        assert flat["layers_0/moe/gate_up_proj"].dtype == np.float32
     _check_against_hf(model, hf, num_tokens=4, lengths=(21,))

@@ -64,8 +64,11 @@ def main(argv: list[str]) -> None:
         result["experts"][tp] = {name: [list(s.data.shape[drop:]) for s in leaf.addressable_shards]
                                  for name, leaf in moe.items()}
         itemsize = jax.numpy.dtype(runner.cfg.dtype).itemsize
+        # experts held quantised (gpt-oss's MXFP4): int8 values with one f32 scale per G inputs
+        groups = {f"moe/{name}": moe[name + "_q"].shape[-2] // moe[name + "_scale"].shape[-2]
+                  for name in ("gate_up_proj", "down_proj") if name + "_q" in moe}
         result["weight_bytes"][tp] = {"measured": sorted(set(bytes_per_device(runner.params).values())),
-                                      "rules": param_bytes_per_device(cfg, plan, itemsize)}
+                                      "rules": param_bytes_per_device(cfg, plan, itemsize, groups)}
         if "--hlo" in argv:
             dec, pre = min(shape for shape in runner.step_shapes() if shape[1] == 0)
             result["collectives"][tp] = collectives(runner.lower_step(dec, pre).compile().as_text())

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import hf_greedy, save_tiny_deepseek, save_tiny_hf
+from tests.conftest import hf_greedy, save_tiny_deepseek, save_tiny_hf, to_mxfp4_checkpoint
 from tests.parallel.helpers import run_json
 
 
@@ -60,6 +60,45 @@ def test_qwen3_moe_expert_parallel_at_tp_2_and_4(tmp_path):
         _expert_shards(out, tp, 8, 64, 32, held=8 // tp)
         assert out["plan"][str(tp)].endswith("experts split (whole experts per device)")
         assert out["collectives"][str(tp)]["moe_all_reduces"] == 1
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["experts-split", "expert-parallel"])
+def test_gpt_oss_mxfp4_experts_held_as_int8_split_over_devices(tmp_path, ep):
+    """A checkpoint with MXFP4 experts (held as int8, one f32 scale per 32 inputs, Fe = 64): at tp 2
+    each device holds half of every expert's width and of its down projection's 2 groups of
+    scales; with expert parallelism at tp 2 and 4, whole experts with their scales. HF's greedy
+    tokens on transformers' decoding of the same file, one device's logprobs, the bytes each
+    device holds by the shape rules. ~25 s each."""
+    hf = save_tiny_hf(tmp_path, "gpt_oss", num_attention_heads=8, num_key_value_heads=4, sliding_window=8,
+                      num_hidden_layers=3, head_dim=16, intermediate_size=64)
+    to_mxfp4_checkpoint(tmp_path, hf)
+    out = _run(tmp_path, hf, "1,2,4" if ep else "1,2", one=True, ep=ep)
+    for tp in (2, 4) if ep else (2,):
+        held, width = (4 // tp, 64) if ep else (4, 64 // tp)
+        experts = out["experts"][str(tp)]
+        assert experts["gate_up_proj_q"] == [[held, 64, 2 * width]] * tp
+        assert experts["gate_up_proj_scale"] == [[held, 2, 2 * width]] * tp
+        assert experts["down_proj_q"] == [[held, width, 64]] * tp
+        assert experts["down_proj_scale"] == [[held, width // 32, 64]] * tp
+
+
+def test_quantized_expert_groups_that_do_not_split_are_refused():
+    """Fe = 64 in groups of 32: two groups do not split over 4 devices (a device would hold half a
+    group's scale); expert parallelism keeps the experts whole."""
+    import numpy as np
+
+    from models.config import ModelConfig
+    from paxpage.sharded_experts import regroup
+    from paxpage.sharding import ShardingPlan
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=4,
+                      num_kv_heads=4, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+    moe = {"gate_up_proj_q": np.zeros((4, 64, 128), np.int8), "gate_up_proj_scale": np.ones((4, 2, 128), np.float32),
+           "down_proj_q": np.zeros((4, 64, 64), np.int8), "down_proj_scale": np.ones((4, 2, 64), np.float32)}
+    regroup(ShardingPlan.for_model(cfg, 2), {"layers_0": {"moe": moe}})  # 2 groups over 2 devices
+    with pytest.raises(ValueError, match="2 groups of inputs per expert .* tensor_parallel_size 4"):
+        regroup(ShardingPlan.for_model(cfg, 4), {"layers_0": {"moe": moe}})
+    assert regroup(ShardingPlan.for_model(cfg, 4, expert_parallel=True), {"layers_0": {"moe": moe}})
 
 
 @pytest.mark.extended  # ~35 s each: a fresh interpreter with forced devices, three tp sizes

@@ -321,7 +321,7 @@ def test_every_committed_measured_record_holds_what_its_script_renders():
                "speculative": "bench_speculative", "kernels_h200": "bench_kernels",
                "latency_breakdown": "latency_breakdown", "soak": "soak", "lora": "bench_lora", "grammar_stall": "bench_grammar_stall",
                "batch_invariant": "bench_throughput", "tpu_pool_layout": "tpu_compile_check",
-               "tpu_steps": "tpu_compile_check"}
+               "tpu_steps": "tpu_compile_check", "tpu_moe": "tpu_compile_check"}
     for path in sorted(os.listdir(docs_figures.RECORDS)):
         name = path[:-len(".json")]
         record = docs_figures.load_record(name)
