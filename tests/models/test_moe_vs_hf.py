@@ -177,3 +177,28 @@ def test_moe_gguf_quantised_experts_stay_quantised_and_match_hf(tmp_path, monkey
     else:
         assert flat["layers_0/moe/gate_up_proj"].dtype == np.float32
     _check_against_hf(model, hf, num_tokens=4, lengths=(21,))
+
+
+def test_int8_quantises_experts_per_channel_and_matches_hf_on_the_rounded_weights(tmp_path):
+    """quantization="int8" holds every linear kernel, the embedding and each expert's projections as
+    int8 with one f32 scale per output channel (experts: per expert). The reference is HF on weights
+    rounded here by that rule (per output row: scale = max|w| / 127, q = round(w / scale), in f32)."""
+    from models.param_layout import flatten
+
+    hf = save_tiny_hf(tmp_path, "qwen3_moe", **QWEN3_MOE)
+    model = paxpage.load(tmp_path, quantization="int8")
+    flat = flatten(model.per_layer_params())
+    E, H, Fe = model.config.num_experts, model.config.hidden_size, model.config.moe_intermediate_size
+    assert flat["layers_0/moe/gate_up_proj_q"].dtype == np.int8
+    assert flat["layers_0/moe/gate_up_proj_scale"].shape == (E, 1, 2 * Fe)
+    assert flat["layers_0/moe/down_proj_scale"].shape == (E, 1, H)
+    assert flat["layers_0/moe/router"].dtype == np.float32
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() < 2 or name.endswith("mlp.gate.weight"):  # norms and the router stay float
+                continue
+            w = p.numpy().astype(np.float32)  # HF layout: rows are output channels
+            amax = np.max(np.abs(w), axis=-1, keepdims=True)
+            scale = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+            p.copy_(torch.from_numpy(np.clip(np.rint(w / scale), -127, 127) * scale))
+    _check_against_hf(model, hf, num_tokens=4, lengths=(21,))
