@@ -223,11 +223,11 @@ def read_gguf(path: str, keep_quantized: bool = False) -> tuple[ModelConfig, dic
         up = tensors.pop(layer + _UP_EXPS, None)
         if up is None:
             raise ValueError(f"GGUF file {path!r} has {gate_name!r} but no matching ffn_up_exps tensor")
-        tensors[layer + "mlp.experts.gate_up_proj"] = _join_experts(path, tensors.pop(gate_name), up)
+        tensors[layer + "mlp.experts.gate_up_proj"] = _join_experts(tensors.pop(gate_name), up)
     return cfg, tensors, meta
 
 
-def _join_experts(path: str, gate, up):
+def _join_experts(gate, up):
     """[E, Fe, H] gate and up tensors -> [E, 2*Fe, H]: quantised when both are in one format (their
     scale and offset rows join as the values' rows), else the f32 expansions joined."""
     pair = (gate, up)
