@@ -198,6 +198,23 @@ def to_mxfp4_checkpoint(path, hf) -> None:
         save_file(out, file, metadata={"format": "pt"})
 
 
+def round_to_int8_per_channel(hf, keep=("mlp.gate.weight",)) -> None:
+    """Sets every weight matrix of HF model `hf` (2-D and 3-D, HF layout: rows are output channels)
+    to its symmetric int8 rounding per output row, f32: scale = max|w| / 127, q = round(w / scale),
+    |q| <= 127 (the rule `quantization="int8"` states); names ending in `keep` (the MoE router),
+    norms and biases stay as they are. `hf` is then the reference for an int8-loaded model."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() < 2 or name.endswith(keep):
+                continue
+            w = p.numpy().astype(np.float32)
+            amax = np.max(np.abs(w), axis=-1, keepdims=True)
+            scale = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+            p.copy_(torch.from_numpy(np.clip(np.rint(w / scale), -127, 127) * scale))
+
+
 # A tiny DeepSeek-V3: latent attention (q_lora_rank, kv_lora_rank 32, RoPE 8), a dense first layer, then
 # 8 routed experts in 2 groups (top 2 from the best group) beside one shared expert.
 TINY_DEEPSEEK = dict(

@@ -150,3 +150,20 @@ def test_grouped_routing_matches_hf_router():
     np.testing.assert_array_equal(np.sort(np.asarray(e), axis=1), np.take_along_axis(want_e.numpy(), order, 1))
     np.testing.assert_allclose(np.take_along_axis(np.asarray(w), np.argsort(np.asarray(e), axis=1), 1),
                                np.take_along_axis(want_w.numpy(), order, 1), rtol=1e-5, atol=1e-6)
+
+
+def test_int8_weights_and_experts_match_hf_on_the_rounded_weights(tmp_path):
+    """quantization="int8" on latent attention's kernels, the shared and routed experts (per expert
+    and output channel; the router and the correction bias stay float): HF on the same weights
+    rounded by that rule gives the same prompt logprobs and greedy tokens."""
+    from models.param_layout import flatten
+    from tests.conftest import round_to_int8_per_channel, save_tiny_deepseek
+
+    hf = save_tiny_deepseek(tmp_path, **MODELS["no_q_lora"])
+    model = paxpage.load(tmp_path, quantization="int8")
+    flat = flatten(model.per_layer_params())
+    assert flat["layers_1/moe/gate_up_proj_q"].dtype == np.int8
+    assert flat["layers_1/moe/down_proj_scale"].shape == (8, 1, 64)
+    assert flat["layers_1/moe/router"].dtype == np.float32
+    round_to_int8_per_channel(hf)
+    check_prefill_and_decode(hf, model, random_prompts(2, VOCAB, [40, 9], seed=1))

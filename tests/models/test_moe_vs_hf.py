@@ -12,7 +12,7 @@ import torch
 
 import paxpage
 from models.gguf_loader import permute_qk
-from tests.conftest import hf_greedy, random_prompts, save_tiny_hf
+from tests.conftest import hf_greedy, random_prompts, round_to_int8_per_channel, save_tiny_hf
 from tests.models.test_loading import gguf_writer
 
 # qwen3_moe: layer 1 keeps a dense MLP (mlp_only_layers), so both MLP kinds are exercised.
@@ -182,7 +182,7 @@ def test_moe_gguf_quantised_experts_stay_quantised_and_match_hf(tmp_path, monkey
 def test_int8_quantises_experts_per_channel_and_matches_hf_on_the_rounded_weights(tmp_path):
     """quantization="int8" holds every linear kernel, the embedding and each expert's projections as
     int8 with one f32 scale per output channel (experts: per expert). The reference is HF on weights
-    rounded here by that rule (per output row: scale = max|w| / 127, q = round(w / scale), in f32)."""
+    rounded by that rule (tests/conftest.round_to_int8_per_channel)."""
     from models.param_layout import flatten
 
     hf = save_tiny_hf(tmp_path, "qwen3_moe", **QWEN3_MOE)
@@ -193,12 +193,5 @@ def test_int8_quantises_experts_per_channel_and_matches_hf_on_the_rounded_weight
     assert flat["layers_0/moe/gate_up_proj_scale"].shape == (E, 1, 2 * Fe)
     assert flat["layers_0/moe/down_proj_scale"].shape == (E, 1, H)
     assert flat["layers_0/moe/router"].dtype == np.float32
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if p.dim() < 2 or name.endswith("mlp.gate.weight"):  # norms and the router stay float
-                continue
-            w = p.numpy().astype(np.float32)  # HF layout: rows are output channels
-            amax = np.max(np.abs(w), axis=-1, keepdims=True)
-            scale = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
-            p.copy_(torch.from_numpy(np.clip(np.rint(w / scale), -127, 127) * scale))
+    round_to_int8_per_channel(hf)
     _check_against_hf(model, hf, num_tokens=4, lengths=(21,))
