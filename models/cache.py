@@ -142,7 +142,7 @@ def write_entry(source: str, cfg: ModelConfig, flat: dict, tokenizer: Any) -> st
     try:
         os.makedirs(root, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=BUILD_PREFIX, dir=root)
-        save_file({k: np.ascontiguousarray(v, dtype=np.int8 if np.dtype(v.dtype) == np.int8 else np.float32)
+        save_file({k: np.ascontiguousarray(v, dtype=v.dtype if np.dtype(v.dtype) in (np.int8, np.uint8) else np.float32)
                    for k, v in flat.items()},
                   os.path.join(tmp, PARAMS_FILE))
         if tokenizer is not None:

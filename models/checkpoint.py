@@ -41,7 +41,7 @@ def read_paxpage_config(directory: str) -> dict[str, Any] | None:
 def save_model(path: str | os.PathLike, config: ModelConfig, params: dict[str, Any], tokenizer: Any = None) -> None:
     """Writes a checkpoint that `load_model(path)` reads back exactly. Overwrites one already at `path`."""
     path = os.path.abspath(os.fspath(path))
-    if any(jnp.dtype(x.dtype) == jnp.int8 for x in jax.tree.leaves(params)):
+    if any(jnp.dtype(x.dtype) in (jnp.int8, jnp.uint8) for x in jax.tree.leaves(params)):
         raise ValueError("save_model writes float weights; this model holds quantized ones: load it with "
                          "quantization='none' to save it, and quantize when loading the checkpoint")
     expected = flatten(param_shapes(config))

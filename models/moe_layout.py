@@ -12,10 +12,11 @@ gate rows, then its up rows) and `mlp.experts.down_proj` [E, H, Fe]. Checkpoints
 gpt-oss (cfg.moe_bias) holds `mlp.experts.gate_up_proj` [E, H, 2*Fe] with gate and up columns
 interleaved (gate at even columns), and its released checkpoints store the expert weights as
 MXFP4 (`<name>_blocks` [E, O, I/32, 16] u8 of packed 4-bit values, low nibble first, and
-`<name>_scales` [E, O, I/32] u8 exponents biased by 127, one per 32 inputs): read exactly here into
-models/quant.py's int8 form (twice each 4-bit value is an integer in [-12, 12]; half the block's
-power of two is its scale), transposed to [E, I, O] with scales [E, I/32, O], and the gate / up
-columns regrouped as gate, then up. `quantization="none"` expands them to floats.
+`<name>_scales` [E, O, I/32] u8 exponents biased by 127, one per 32 inputs): held exactly as
+models/quant.py's packed form, the 4-bit codes as stored (u8 [E, I/2, O], two a byte) with half the
+block's power of two as an f32 scale [E, I/32, O] (each code standing for twice its value, an
+integer in [-12, 12]), and the gate / up columns regrouped as gate, then up.
+`quantization="none"` expands them to floats.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from models.config import ModelConfig
-from models.quant import QuantizedWeight
+from models.quant import QuantizedWeight, unpack_e2m1
 
 # (gate, up, down) per-expert names under a layer's MoE prefix.
 _PER_EXPERT = {
@@ -78,38 +79,24 @@ def _stack_experts(num_experts: int, layer: str, parts: tuple[int, ...], get_ten
     raise KeyError(f"{layer}.mlp.experts")
 
 
-# The 16 values of an e2m1 4-bit float (sign, 2 exponent bits, 1 mantissa bit), by code.
-FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                    np.float32)
+def mxfp4_packed(blocks, scales) -> tuple[np.ndarray, np.ndarray]:
+    """MXFP4 blocks u8[..., G, 16] (two 4-bit e2m1 codes a byte, low nibble first) and scales
+    u8[..., G] (2 ** (s - 127) per block of 32) -> (codes u8[..., G * 16], as stored: inputs 2j and
+    2j + 1 in byte j's low and high nibble; scale f32[..., G] = 2 ** (s - 128), exact, subnormal at
+    s = 0): models/quant.py's packed form, each code standing for twice its value."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape} do not pair "
+                         "(blocks [..., G, 16], scales [..., G])")
+    packed = blocks.reshape(*blocks.shape[:-2], -1)
+    return packed, np.ldexp(np.float32(1.0), scales.astype(np.int32) - 128).astype(np.float32)
 
 
 def decode_mxfp4(blocks, scales) -> np.ndarray:
-    """MXFP4 blocks u8[..., G, 16] (two 4-bit codes a byte, low nibble first) and scales u8[..., G]
-    (2 ** (s - 127) per block of 32) -> f32[..., G * 32], exact."""
-    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-        raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape} do not pair "
-                         "(blocks [..., G, 16], scales [..., G])")
-    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
-    values = np.ldexp(FP4_E2M1[codes], scales.astype(np.int32)[..., None] - 127)
-    return values.reshape(*blocks.shape[:-2], -1).astype(np.float32)
-
-
-# Twice each e2m1 value: an exact int8 (-0 is 0).
-FP4_E2M1_X2 = (2 * FP4_E2M1).astype(np.int8)
-
-
-def mxfp4_to_int8(blocks, scales) -> tuple[np.ndarray, np.ndarray]:
-    """MXFP4 blocks u8[..., G, 16] and scales u8[..., G] -> (q i8[..., G * 32], scale f32[..., G]),
-    q * scale (per block of 32) exactly `decode_mxfp4`'s values: q is twice the e2m1 value, the
-    scale 2 ** (s - 128) (an exact f32, subnormal at s = 0)."""
-    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-        raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape} do not pair "
-                         "(blocks [..., G, 16], scales [..., G])")
-    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
-    q = FP4_E2M1_X2[codes].reshape(*blocks.shape[:-2], -1)
-    return q, np.ldexp(np.float32(1.0), scales.astype(np.int32) - 128).astype(np.float32)
+    """MXFP4 blocks and scales (as `mxfp4_packed`) -> f32[..., G * 32], exact."""
+    packed, scale = mxfp4_packed(blocks, scales)
+    q = unpack_e2m1(packed[..., None])[..., 0]  # [..., G * 32] twice each value
+    return (q.reshape(*scale.shape, 32) * scale[..., None]).reshape(q.shape).astype(np.float32)
 
 
 def _gate_then_up(x):  # [..., 2*Fe], gate / up interleaved -> gate columns, then up
@@ -124,8 +111,8 @@ def _gpt_oss_experts(get_tensor: Callable[[str], Any]) -> Callable[[str], Any]:
         try:
             return np.asarray(get_tensor(name))
         except KeyError:
-            q, scale = mxfp4_to_int8(get_tensor(name + "_blocks"), get_tensor(name + "_scales"))
-            # [E, O, I] and [E, O, I / 32] -> [E, I, O] and [E, I / 32, O]
+            q, scale = mxfp4_packed(get_tensor(name + "_blocks"), get_tensor(name + "_scales"))
+            # [E, O, I / 2] and [E, O, I / 32] -> [E, I / 2, O] and [E, I / 32, O]
             return QuantizedWeight(np.ascontiguousarray(q.swapaxes(-1, -2)),
                                    np.ascontiguousarray(scale.swapaxes(-1, -2)))
 

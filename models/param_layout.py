@@ -258,9 +258,12 @@ def check_flat(cfg: ModelConfig, flat: dict[str, Any], source: str) -> None:
         # the contraction axis: kernels [I, O] and experts [E, I, O]; the table [V, H]
         axis = len(shape) - (1 if base.endswith("embedding") else 2)
         if path.endswith(quant.Q):
-            if tuple(x.shape) != shape or x.dtype != jnp.int8 or base + quant.SCALE not in flat:
+            # int8 values, or two e2m1 codes a byte along the contraction axis (models/quant.py)
+            packed = tuple(d // 2 if a == axis else d for a, d in enumerate(shape))
+            ok = (x.dtype == jnp.int8 and tuple(x.shape) == shape) or (x.dtype == jnp.uint8 and tuple(x.shape) == packed)
+            if not ok or base + quant.SCALE not in flat:
                 raise ValueError(f"{source}: {path} is {x.dtype}{tuple(x.shape)} (scale given: "
-                                 f"{base + quant.SCALE in flat}); expected int8{shape} with a scale")
+                                 f"{base + quant.SCALE in flat}); expected int8{shape} or uint8{packed} with a scale")
             continue
         groups = x.shape[axis] if len(x.shape) == len(shape) else 0
         expected = tuple(groups if a == axis else d for a, d in enumerate(shape))

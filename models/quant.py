@@ -17,7 +17,10 @@ int8 per output channel (`quantization="int8"`) is the case G = I (one group: sc
 tied embedding gets one scale per vocabulary row, i.e. per LM-head output channel); a GGUF
 file's Q8_0 / Q4_0 / Q4_1 / Q4_K tensors are G = 32 and Q6_K G = 16 (models/gguf_quants.py),
 held exactly; gpt-oss's MXFP4 experts are G = 32 with power-of-two scales (models/moe_layout.py),
-held exactly too. 4-bit values sit one per int8 byte (not packed two per byte): 1.25 bytes a weight
+held exactly too, and by default in their own 4 bits: `q` is then u8[..., I / 2, O], two e2m1 codes
+a byte (inputs 2j and 2j + 1 in the low and high nibble), each standing for twice its e2m1 value
+(`unpack_e2m1`: an integer in [-12, 12]), so every formula below reads it as the int8 values it
+packs. GGUF's 4-bit values sit one per int8 byte (not packed two per byte): 1.25 bytes a weight
 for Q4_x, against 4 for f32.
 
 Scales and offsets stay f32 whatever the model dtype (a bf16 scale would round GGUF's exact
@@ -58,13 +61,59 @@ class QuantizedWeight(NamedTuple):
     offset: Any = None
 
     @property
+    def packed(self) -> bool:
+        """q holds two e2m1 codes a byte (u8[..., I / 2, O]; `unpack_e2m1`)."""
+        return np.dtype(self.q.dtype) == np.uint8
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.q.shape)
+        """The weight's logical shape [..., I, O]."""
+        *lead, rows, cols = self.q.shape
+        return (*lead, 2 * rows if self.packed else rows, cols)
 
     @property
     def per_channel(self) -> bool:
-        """One scale per output channel and no offset: the product is scaled, not the weight."""
-        return self.scale.shape[-2] == 1 and self.offset is None
+        """int8 values with one scale per output channel and no offset: the product is scaled."""
+        return self.scale.shape[-2] == 1 and self.offset is None and not self.packed
+
+
+# Twice the value of each e2m1 4-bit code (sign, 2 exponent bits, 1 mantissa bit): exact integers.
+E2M1_X2 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def unpack_e2m1(packed):
+    """u8[..., I / 2, O] (two e2m1 codes a byte, input 2j low) -> i8[..., I, O], twice each code's
+    value. Arithmetic rather than a table lookup, so that XLA fuses it into the matmul that reads it:
+    magnitude codes 0-3 are 0-3; 4-7 are (2 | bit 0) << (bits 1-2 - 1), i.e. 4, 6, 8, 12."""
+    if isinstance(packed, np.ndarray):
+        codes = np.stack([packed & 0x0F, packed >> 4], axis=-2)
+        return E2M1_X2[codes].reshape(*packed.shape[:-2], 2 * packed.shape[-2], packed.shape[-1])
+    values = jnp.stack([_e2m1_x2(packed & 0x0F), _e2m1_x2(packed >> 4)], axis=-2)  # [..., I / 2, 2, O]
+    return values.reshape(*packed.shape[:-2], 2 * packed.shape[-2], packed.shape[-1])
+
+
+def _e2m1_x2(codes):
+    """u8 e2m1 codes (0-15) -> i8, twice each value, elementwise in 8 bits (see unpack_e2m1)."""
+    k = codes & 7
+    magnitude = jnp.where(k < 4, k, (2 | (k & 1)) << ((k >> 1) - 1)).astype(jnp.int8)
+    return jnp.where(codes >= 8, -magnitude, magnitude)
+
+
+def _packed_matmul(x, q, scale):
+    """x [..., I] @ a packed kernel (q u8[I / 2, O], scale f32[I / G, O]) -> [..., O] in x's dtype,
+    as two products, the even inputs against the low nibbles and the odd ones against the high:
+    each operand is an elementwise function of q and the scale, which XLA fuses into its matmul,
+    where interleaving the two halves back into [I, O] would be a copy of the whole expert."""
+    rows, out = q.shape
+    per_group = rows // scale.shape[0]  # G / 2 rows of each nibble per scale
+
+    def half(codes):
+        w = _e2m1_x2(codes).astype(jnp.float32).reshape(scale.shape[0], per_group, out) * scale[:, None, :]
+        return w.reshape(rows, out).astype(x.dtype)
+
+    y = jnp.dot(x[..., 0::2], half(q & 0x0F), preferred_element_type=jnp.float32)
+    y = y + jnp.dot(x[..., 1::2], half(q >> 4), preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
 
 
 def is_scale_path(path: str) -> bool:
@@ -83,8 +132,11 @@ def base_name(path: str) -> str:
 # ------------------------------------------------------------------ in the jitted step
 
 def dequantize_kernel(q, scale, offset, dtype):
-    """q i8[..., I, O], scale/offset f32[..., I / G, O] -> dtype[..., I, O] (leading axes: a
-    stack's layers, or a kernel's column panels, models/panel_layout.py)."""
+    """q i8[..., I, O] (or packed e2m1 codes u8[..., I / 2, O]), scale/offset f32[..., I / G, O]
+    -> dtype[..., I, O] (leading axes: a stack's layers, or a kernel's column panels,
+    models/panel_layout.py)."""
+    if jnp.dtype(q.dtype) == jnp.uint8:
+        q = unpack_e2m1(q)
     *lead, num_groups, out = scale.shape
     w = q.reshape(*lead, num_groups, -1, out).astype(jnp.float32) * scale[..., :, None, :]
     if offset is not None:
@@ -94,6 +146,8 @@ def dequantize_kernel(q, scale, offset, dtype):
 
 def quantized_matmul(x, q, scale, offset=None):
     """x [..., I] @ the quantised kernel -> [..., O] in x's dtype."""
+    if jnp.dtype(q.dtype) == jnp.uint8:  # two e2m1 codes a byte
+        return _packed_matmul(x, q, scale)
     if scale.shape[0] == 1 and offset is None:  # per output channel: scale the product
         y = jnp.dot(x, q.astype(x.dtype), preferred_element_type=jnp.float32) * scale[0]
         return y.astype(x.dtype)
@@ -188,6 +242,8 @@ def dequantize_flat(flat: dict[str, Any]) -> dict[str, Any]:
         base = base_name(path)
         if base != path:  # a "_q" leaf (scales and offsets were skipped above)
             q, scale, offset = (np.asarray(flat[base + s]) if base + s in flat else None for s in (Q, SCALE, OFFSET))
+            if q.dtype == np.uint8:
+                q = unpack_e2m1(q)
             if _contraction_axis(base) == -2:  # kernels: groups along axis -2 -> work on the transpose
                 t = lambda a: None if a is None else np.swapaxes(a, -1, -2)  # noqa: E731
                 w = t(_expand(t(q), t(scale), t(offset)))
@@ -213,7 +269,7 @@ def cast_params(params, dtype, to_array=jnp.asarray):
 
     def cast(path, x):
         name = "/".join(str(getattr(k, "key", k)) for k in path)
-        if np.dtype(x.dtype) == np.int8:
+        if np.dtype(x.dtype) in (np.int8, np.uint8):  # quantised values (uint8: packed e2m1 codes)
             return to_array(x)
         return to_array(x, jnp.float32 if is_scale_path(name) else dt)
     return jax.tree_util.tree_map_with_path(cast, params)

@@ -281,11 +281,12 @@ def replicate_kv_heads(plan: ShardingPlan, cfg: ModelConfig, params) -> dict:
 
 
 def param_bytes_per_device(cfg: ModelConfig, plan: ShardingPlan, itemsize: int,
-                           quantized: dict[str, int] | None = None) -> int:
+                           quantized: dict[str, tuple[int, int]] | None = None) -> int:
     """Bytes of weights each device holds under `plan`, from the shapes alone (the same rules
     the engine places real arrays by; the per-device tables of docs/parallelism.md come from here).
-    quantized: {leaf suffix ("moe/down_proj"): G} for kernels held as int8 with one f32 scale per G
-    inputs (models/quant.py; e.g. gpt-oss's MXFP4 experts, G = 32)."""
+    quantized: {leaf suffix ("moe/down_proj"): (G, bits)} for kernels held as 8- or 4-bit values
+    (int8, or two e2m1 codes a byte) with one f32 scale per G inputs (models/quant.py; gpt-oss's
+    MXFP4 experts: (32, 4))."""
     from models import quant
     from models.param_layout import param_specs as layout
 
@@ -301,12 +302,14 @@ def param_bytes_per_device(cfg: ModelConfig, plan: ShardingPlan, itemsize: int,
 
     total = 0
     for path, (shape, _, _) in layout(heads_cfg).items():
-        group = next((g for suffix, g in quantized.items() if path.endswith(suffix)), None)
-        if group is None:
+        form = next((f for suffix, f in quantized.items() if path.endswith(suffix)), None)
+        if form is None:
             total += held(path, shape, itemsize)
             continue
+        group, bits = form
+        values = (*shape[:-2], shape[-2] * bits // 8, shape[-1])  # bytes: 4-bit codes two a byte
         scale_shape = (*shape[:-2], shape[-2] // group, shape[-1])
-        total += held(path + quant.Q, shape, 1) + held(path + quant.SCALE, scale_shape, 4)
+        total += held(path + quant.Q, values, 1) + held(path + quant.SCALE, scale_shape, 4)
     return total
 
 

@@ -1,8 +1,8 @@
 """The routed experts' grouped matmuls compiled for a TPU (scripts/tpu_compile_check.py's fifth
 check): models/moe.expert_sums at gpt-oss-20b's expert shapes (E = 32 experts of width 2880,
 hidden 2880, 4 per token) with the experts held as bf16, as int8 with one scale per output
-channel (`quantization="int8"`) and as int8 with one scale per 32 inputs (gpt-oss's MXFP4, held
-exactly), through "ragged_dot" (the TPU's default) and "tiled", at 64 tokens (decode) and 2,048
+channel (`quantization="int8"`), as int8 with one scale per 32 inputs (a GGUF's Q8_0 experts) and
+as gpt-oss's MXFP4 experts are held (two 4-bit codes a byte, one scale per 32 inputs), through "ragged_dot" (the TPU's default) and "tiled", at 64 tokens (decode) and 2,048
 (a prefill). A quantised form must not write its experts out again in floats: temporaries beyond
 the bf16 form's (same chip, tokens and impl) reaching half of all the experts' bf16 expansion
 are a FINDING (XLA fusing each tile's expansion into its matmul, or the grouped matmul reading
@@ -22,21 +22,26 @@ from tpu_targets import CHIPS, devices, mib  # noqa: I001
 
 # gpt-oss-20b: hidden 2880, 32 experts of width 2880, 4 per token.
 EXPERTS, HIDDEN, WIDTH, TOP_K = 32, 2880, 2880, 4
-FORMS = {"bf16": None, "int8 per channel": HIDDEN, "mxfp4 (int8, G=32)": 32}
+# form -> (inputs per scale, None: one per output channel; bits per value); None: bf16
+FORMS = {"bf16": None, "int8 per channel": (None, 8), "int8, G=32 (GGUF Q8_0)": (32, 8),
+         "mxfp4 4-bit, G=32": (32, 4)}
 
 
 def _weights(form: str, sds):
-    """(gate_up, down) abstract expert weights in `form`: [E, H, 2F] and [E, F, H], float or quantised."""
+    """(gate_up, down) abstract expert weights in `form`: [E, H, 2F] and [E, F, H], float or quantised
+    (models/quant.QuantizedWeight: int8 values, or two e2m1 codes a byte as u8[E, I / 2, O])."""
     from models.quant import QuantizedWeight
 
-    group = FORMS[form]
     shapes = ((EXPERTS, HIDDEN, 2 * WIDTH), (EXPERTS, WIDTH, HIDDEN))
-    if group is None:
+    if FORMS[form] is None:
         return tuple(sds(shape, jnp.bfloat16) for shape in shapes)
-    # per output channel: one group whatever the inputs (G = I)
-    return tuple(QuantizedWeight(sds(shape, jnp.int8),
-                                 sds((shape[0], 1 if group == HIDDEN else shape[1] // group, shape[2]), jnp.float32))
-                 for shape in shapes)
+    group, bits = FORMS[form]
+    weights = []
+    for experts, inputs, outputs in shapes:
+        values = sds((experts, inputs * bits // 8, outputs), jnp.int8 if bits == 8 else jnp.uint8)
+        weights.append(QuantizedWeight(values, sds((experts, 1 if group is None else inputs // group, outputs),
+                                                   jnp.float32)))
+    return tuple(weights)
 
 
 def check_moe(quick: bool, report: dict) -> tuple[list[str], list[str]]:

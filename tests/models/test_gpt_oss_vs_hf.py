@@ -4,11 +4,12 @@ Every prompt token's logprob and the greedy continuation, in one prefill, chunke
 decode rows, past the window, with prefix-cache hits and under preemption, on the XLA and native
 attention and the Pallas kernels (interpreted). The MoE block on its own
 against HF's GptOssMLP, and the MXFP4 expert weights of released checkpoints decoded against
-transformers' own dequantisation: held as int8 with their scales, a checkpoint in that format
-gives HF's outputs on the weights transformers decodes from it."""
+transformers' own dequantisation: held in their own 4 bits with f32 scales, a checkpoint in that
+format gives HF's outputs on the weights transformers decodes from it."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -17,7 +18,8 @@ import transformers as tf
 import paxpage
 from models.config import ModelConfig
 from models.moe import clamped_swiglu, route, routed_experts
-from models.moe_layout import decode_mxfp4, mxfp4_to_int8
+from models.moe_layout import decode_mxfp4, mxfp4_packed
+from models.quant import unpack_e2m1
 from models.param_layout import flatten
 from tests.conftest import (check_chunked_prefill_beside_decode, check_prefix_hit_and_preemption,
                             check_prompt_logprobs, hf_greedy, random_prompts, save_tiny_hf, to_mxfp4_checkpoint)
@@ -121,15 +123,20 @@ def test_mxfp4_decode_matches_transformers():
     got = decode_mxfp4(blocks, scales).swapaxes(-1, -2)
     assert got.shape == want.shape == (3, 64, 20)
     np.testing.assert_array_equal(got, want)
-    q, scale = mxfp4_to_int8(blocks, scales)  # the held form: q * scale per block of 32, exactly
-    assert (q.dtype, q.shape, scale.dtype, scale.shape) == (np.int8, (3, 20, 64), np.float32, (3, 20, 2))
-    assert np.abs(q).max() == 12 and set(np.unique(np.abs(q))) <= {0, 1, 2, 3, 4, 6, 8, 12}
-    np.testing.assert_array_equal((q.reshape(3, 20, 2, 32) * scale[..., None]).reshape(3, 20, 64).swapaxes(-1, -2),
-                                  want)
+    # the held form: the codes as stored, [E, I / 2, O], unpacked on the host and in jnp (the
+    # arithmetic decoding the step fuses into its matmuls) to twice each value, times the scale
+    packed, scale = mxfp4_packed(blocks, scales)
+    assert (packed.dtype, packed.shape, scale.dtype, scale.shape) == (np.uint8, (3, 20, 32), np.float32, (3, 20, 2))
+    held = packed.swapaxes(-1, -2)  # [E, I / 2, O]
+    for q in (unpack_e2m1(held), np.asarray(unpack_e2m1(jax.numpy.asarray(held)))):
+        assert (q.dtype, q.shape) == (np.int8, (3, 64, 20))
+        assert set(np.unique(np.abs(q))) == {0, 1, 2, 3, 4, 6, 8, 12}
+        np.testing.assert_array_equal((q.reshape(3, 2, 32, 20) * scale.swapaxes(-1, -2)[:, :, None]).reshape(3, 64, 20),
+                                      want)
     with pytest.raises(ValueError, match="do not pair"):
         decode_mxfp4(blocks, scales[..., :1])
     with pytest.raises(ValueError, match="do not pair"):
-        mxfp4_to_int8(blocks[..., :8], scales)
+        mxfp4_packed(blocks[..., :8], scales)
 
 
 MXFP4_TINY = dict(TINY, intermediate_size=64)  # two blocks of 32 along both projections' inputs
@@ -150,10 +157,10 @@ def _regrouped(w):  # HF's [..., 2F] gate / up interleaved -> gate columns, then
     return np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1)
 
 
-def test_mxfp4_experts_are_held_as_int8_and_match_hf(mxfp4):
-    """The experts stay 1 byte a weight plus one f32 scale per 32 (q * scale = transformers'
-    decoding, exactly); prompt logprobs and greedy tokens are HF's, on the XLA and native
-    attention paths (the tiled grouped matmul expanding each tile's expert)."""
+def test_mxfp4_experts_are_held_in_4_bits_and_match_hf(mxfp4):
+    """The experts stay half a byte a weight (the codes as stored) plus one f32 scale per 32, which
+    decode to transformers' decoding exactly; prompt logprobs and greedy tokens are HF's, on the
+    XLA and native attention paths (the tiled grouped matmul expanding each tile's expert)."""
     _, hf, model = mxfp4
     flat = flatten(model.params)
     E, H, F = 4, 64, 64
@@ -162,10 +169,13 @@ def test_mxfp4_experts_are_held_as_int8_and_match_hf(mxfp4):
         layer = hf.model.layers[i].mlp.experts
         for name, shape, want in (("gate_up_proj", (E, H, 2 * F), _regrouped(layer.gate_up_proj)),
                                   ("down_proj", (E, F, H), layer.down_proj.detach().numpy())):
-            q, scale = (np.asarray(flat[f"layers_{i}/moe/{name}{suffix}"]) for suffix in ("_q", "_scale"))
-            assert (q.dtype, q.shape) == (np.int8, shape)
+            codes, scale = (np.asarray(flat[f"layers_{i}/moe/{name}{suffix}"]) for suffix in ("_q", "_scale"))
+            assert (codes.dtype, codes.shape) == (np.uint8, (E, shape[1] // 2, shape[2]))
             assert (scale.dtype, scale.shape) == (np.float32, (E, shape[1] // 32, shape[2]))
-            expanded = (q.reshape(E, -1, 32, shape[2]) * scale[:, :, None]).reshape(shape)
+            # e2m1 by hand: input 2j in byte j's low nibble, 2j + 1 in its high one
+            nibbles = np.stack([codes & 15, codes >> 4], axis=2).reshape(shape)
+            values = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])[nibbles]
+            expanded = (values.reshape(E, -1, 32, shape[2]) * 2 * scale[:, :, None]).reshape(shape)
             np.testing.assert_array_equal(expanded, want)
     prompts = random_prompts(2, VOCAB, [40, 9], seed=4)
     for impl in ("xla", "native"):
@@ -183,7 +193,7 @@ def test_mxfp4_experts_expand_with_quantization_none_and_stay_exact_with_int8(mx
                                   _regrouped(hf.model.layers[1].mlp.experts.gate_up_proj))
     int8 = flatten(paxpage.load(path, quantization="int8").params)
     held = flatten(held.params)
-    for suffix in ("_q", "_scale"):  # the exact form kept, not re-quantised per channel
+    for suffix in ("_q", "_scale"):  # the exact 4-bit form kept, not re-quantised per channel
         np.testing.assert_array_equal(np.asarray(int8["layers_1/moe/down_proj" + suffix]),
                                       np.asarray(held["layers_1/moe/down_proj" + suffix]))
     # the attention's kernels quantised per channel (held as they run: panels for the native matmul)

@@ -146,13 +146,21 @@ def test_expert_slices_add_up_to_the_numpy_reference(impl, parts, fixed):
 def _held(rng, w, form):
     """Expert weights w [E, I, O] in a quantised form, and its float64 expansion written here:
     "per-channel" (models/quant.quantize_int8 over each expert's inputs: one scale per output),
-    or "groups" (random int8 codes, a scale and an offset per 8 inputs, as GGUF's affine formats)."""
+    "groups" (random int8 codes, a scale and an offset per 8 inputs, as GGUF's affine formats) or
+    "e2m1" (random 4-bit e2m1 codes two a byte, inputs 2j / 2j + 1 low / high, a power-of-two
+    scale per 8 inputs: MXFP4's form, each code standing for twice its value)."""
     from models.quant import QuantizedWeight, quantize_int8
 
     if form == "per-channel":
         q, scale = quantize_int8(w, axis=-2)
         return QuantizedWeight(q, scale), q.astype(np.float64) * scale
     num_experts, inputs, outputs = w.shape
+    if form == "e2m1":
+        codes = rng.integers(0, 16, size=w.shape).astype(np.uint8)
+        packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        scale = np.ldexp(1.0, rng.integers(-6, -3, size=(num_experts, inputs // 8, outputs))).astype(np.float32)
+        values = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])[codes]
+        return QuantizedWeight(packed, scale), 2 * values * np.repeat(scale.astype(np.float64), 8, axis=1)
     q = rng.integers(-8, 8, size=w.shape).astype(np.int8)
     scale = rng.uniform(0.5, 1.5, size=(num_experts, inputs // 8, outputs)).astype(np.float32) / (4 * np.sqrt(inputs))
     offset = rng.normal(0.0, 0.02, size=scale.shape).astype(np.float32)
@@ -161,7 +169,7 @@ def _held(rng, w, form):
 
 
 @pytest.mark.parametrize("impl", ["tiled", "ragged_dot", "dense", "stable"])
-@pytest.mark.parametrize("form", ["per-channel", "groups"])
+@pytest.mark.parametrize("form", ["per-channel", "groups", "e2m1"])
 def test_quantized_experts_match_the_reference_on_their_expansion(impl, form):
     """Experts held quantised (gpt-oss's MXFP4 int8 form, quantization="int8") through every
     grouped-matmul form equal the float64 per-token reference on the weights they stand for; so

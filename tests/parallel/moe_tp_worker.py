@@ -64,9 +64,12 @@ def main(argv: list[str]) -> None:
         result["experts"][tp] = {name: [list(s.data.shape[drop:]) for s in leaf.addressable_shards]
                                  for name, leaf in moe.items()}
         itemsize = jax.numpy.dtype(runner.cfg.dtype).itemsize
-        # experts held quantised (gpt-oss's MXFP4): int8 values with one f32 scale per G inputs
-        groups = {f"moe/{name}": moe[name + "_q"].shape[-2] // moe[name + "_scale"].shape[-2]
-                  for name in ("gate_up_proj", "down_proj") if name + "_q" in moe}
+        # experts held quantised (gpt-oss's MXFP4: two 4-bit codes a byte, one f32 scale per G inputs)
+        groups = {}
+        for name in ("gate_up_proj", "down_proj"):
+            if name + "_q" in moe:
+                q, bits = moe[name + "_q"], 4 if moe[name + "_q"].dtype == jax.numpy.uint8 else 8
+                groups[f"moe/{name}"] = (q.shape[-2] * 8 // bits // moe[name + "_scale"].shape[-2], bits)
         result["weight_bytes"][tp] = {"measured": sorted(set(bytes_per_device(runner.params).values())),
                                       "rules": param_bytes_per_device(cfg, plan, itemsize, groups)}
         if "--hlo" in argv:

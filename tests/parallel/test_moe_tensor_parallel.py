@@ -63,8 +63,9 @@ def test_qwen3_moe_expert_parallel_at_tp_2_and_4(tmp_path):
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["experts-split", "expert-parallel"])
-def test_gpt_oss_mxfp4_experts_held_as_int8_split_over_devices(tmp_path, ep):
-    """A checkpoint with MXFP4 experts (held as int8, one f32 scale per 32 inputs, Fe = 64): at tp 2
+def test_gpt_oss_mxfp4_experts_held_in_4_bits_split_over_devices(tmp_path, ep):
+    """A checkpoint with MXFP4 experts (held as stored, two 4-bit codes a byte, one f32 scale per 32
+    inputs, Fe = 64): at tp 2
     each device holds half of every expert's width and of its down projection's 2 groups of
     scales; with expert parallelism at tp 2 and 4, whole experts with their scales. HF's greedy
     tokens on transformers' decoding of the same file, one device's logprobs, the bytes each
@@ -76,9 +77,9 @@ def test_gpt_oss_mxfp4_experts_held_as_int8_split_over_devices(tmp_path, ep):
     for tp in (2, 4) if ep else (2,):
         held, width = (4 // tp, 64) if ep else (4, 64 // tp)
         experts = out["experts"][str(tp)]
-        assert experts["gate_up_proj_q"] == [[held, 64, 2 * width]] * tp
+        assert experts["gate_up_proj_q"] == [[held, 64 // 2, 2 * width]] * tp
         assert experts["gate_up_proj_scale"] == [[held, 2, 2 * width]] * tp
-        assert experts["down_proj_q"] == [[held, width, 64]] * tp
+        assert experts["down_proj_q"] == [[held, width // 2, 64]] * tp
         assert experts["down_proj_scale"] == [[held, width // 32, 64]] * tp
 
 
@@ -93,8 +94,8 @@ def test_quantized_expert_groups_that_do_not_split_are_refused():
 
     cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=4,
                       num_kv_heads=4, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
-    moe = {"gate_up_proj_q": np.zeros((4, 64, 128), np.int8), "gate_up_proj_scale": np.ones((4, 2, 128), np.float32),
-           "down_proj_q": np.zeros((4, 64, 64), np.int8), "down_proj_scale": np.ones((4, 2, 64), np.float32)}
+    moe = {"gate_up_proj_q": np.zeros((4, 32, 128), np.uint8), "gate_up_proj_scale": np.ones((4, 2, 128), np.float32),
+           "down_proj_q": np.zeros((4, 32, 64), np.uint8), "down_proj_scale": np.ones((4, 2, 64), np.float32)}
     regroup(ShardingPlan.for_model(cfg, 2), {"layers_0": {"moe": moe}})  # 2 groups over 2 devices
     with pytest.raises(ValueError, match="2 groups of inputs per expert .* tensor_parallel_size 4"):
         regroup(ShardingPlan.for_model(cfg, 4), {"layers_0": {"moe": moe}})
