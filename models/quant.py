@@ -53,9 +53,9 @@ EXPERT_LEAVES = ("gate_up_proj", "down_proj")
 
 
 class QuantizedWeight(NamedTuple):
-    """A quantised kernel as a step holds it (a pytree: q i8[..., I, O], scale / offset
-    f32[..., I / G, O], offset None for the symmetric formats): MoE experts pass through the
-    grouped matmuls in this form (models/moe.py)."""
+    """A quantised kernel as a step holds it (a pytree: q i8[..., I, O], or two e2m1 codes a byte
+    u8[..., I / 2, O]; scale / offset f32[..., I / G, O], offset None for the symmetric formats and
+    the 4-bit codes): MoE experts pass through the grouped matmuls in this form (models/moe.py)."""
     q: Any
     scale: Any
     offset: Any = None
@@ -146,7 +146,8 @@ def dequantize_kernel(q, scale, offset, dtype):
 
 def quantized_matmul(x, q, scale, offset=None):
     """x [..., I] @ the quantised kernel -> [..., O] in x's dtype."""
-    if jnp.dtype(q.dtype) == jnp.uint8:  # two e2m1 codes a byte
+    if jnp.dtype(q.dtype) == jnp.uint8:  # two e2m1 codes a byte (symmetric: no offset)
+        assert offset is None, "packed e2m1 codes take no offset"
         return _packed_matmul(x, q, scale)
     if scale.shape[0] == 1 and offset is None:  # per output channel: scale the product
         y = jnp.dot(x, q.astype(x.dtype), preferred_element_type=jnp.float32) * scale[0]
