@@ -196,7 +196,8 @@ def params_from_hf(
     cfg: ModelConfig, get_tensor: Callable[[str], Any], dtype: Any, source: str
 ) -> dict[str, Any]:
     """Builds the tree from HF-named tensors. `get_tensor(name)` raises KeyError when absent.
-    Experts stored quantised (gpt-oss's MXFP4) come as models/quant.py's int8 leaves."""
+    Experts stored quantised (gpt-oss's MXFP4) come as models/quant.py's quantised leaves (their
+    4-bit codes as stored, and scales)."""
     from models import quant
 
     dt = check_dtype(dtype)

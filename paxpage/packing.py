@@ -169,11 +169,13 @@ class Packer:
             # Only speculative verify rows (1 + k tokens): rows as wide as the longest, bucketed,
             # instead of prefill_row_len, so a verify step costs little more than a decode step.
             row_len = min(row_len, bucket(max(rows[i].num_new for i in prefill), 4))
-        pre_rows = [(i, a, min(a + row_len, rows[i].start + rows[i].num_new))
-                    for i in prefill
-                    for a in range(rows[i].start, rows[i].start + rows[i].num_new, row_len)]
-        num_dec = decode_rows(num_held + len(decode), len(pre_rows), self.single_row_decode)
-        num_pre = bucket(len(pre_rows))
+        # A sequence's prefill rows are consecutive and all full but its last: its tokens fill one
+        # flat run of rows, laid out per sequence with array operations, not per row or token.
+        runs = np.fromiter((-(-rows[i].num_new // row_len) for i in prefill), np.int64, len(prefill))
+        first_rows = np.cumsum(runs) - runs  # [len(prefill)] each sequence's first prefill row
+        num_pre_rows = int(runs.sum())
+        num_dec = decode_rows(num_held + len(decode), num_pre_rows, self.single_row_decode)
+        num_pre = bucket(num_pre_rows)
         total = num_dec + num_pre * row_len
         token_ids = np.zeros(total, np.int32)
         positions = np.zeros(total, np.int32)
@@ -204,13 +206,10 @@ class Packer:
                 last_token_index[i] = row
                 if rows[i].num_prompt_tokens - 1 > rows[i].start:  # a 1-token prompt chunk
                     prompt_rows.append((i, rows[i].start, row, rows[i].token_ids[rows[i].start + 1]))
-        # A sequence's prefill rows are consecutive and all full but its last, so its tokens fill
-        # one flat run: laid out per sequence with array operations, not per row or token.
-        row = 0
-        for i in prefill:
+        for i, row, num_rows in zip(prefill, first_rows.tolist(), runs.tolist()):
             plan = rows[i]
             lo, k = plan.start, plan.num_new
-            hi, num_rows = lo + k, -(-k // row_len)
+            hi = lo + k
             flat = num_dec + row * row_len
             pos = np.arange(lo, hi, dtype=np.int32)
             pages = table[slot_of[i]]
@@ -228,7 +227,6 @@ class Packer:
             if plan.num_drafts:  # verify rows: every position from the sequence's last token on
                 first = hi - 1 - plan.num_drafts
                 verify_index[i] = [flat + p - lo for p in range(max(lo, first), hi)]
-            row += num_rows
         self.tables.release(transient)
 
         logits_plan = [i for i, r in enumerate(rows) for _ in range(r.num_samples)]
@@ -248,26 +246,29 @@ class Packer:
         dec_lora = [rows[i].lora_slot for i in decode]
         if num_held and self.with_lora:
             dec_lora = np.concatenate([np.asarray(held.lora_slots, np.int32), np.asarray(dec_lora, np.int32)])
-        lora = self.lora_rows(dec_lora, num_dec, [rows[i].lora_slot for i, _, _ in pre_rows], num_pre)
+        pre_lora = np.repeat(np.asarray([rows[i].lora_slot for i in prefill], np.int32), runs) if self.with_lora else []
+        lora = self.lora_rows(dec_lora, num_dec, pre_lora, num_pre)
+        pool_rows = self._pool_rows(rows, decode, num_held, zip(prefill, first_rows.tolist()), num_dec, row_len, total,
+                                    num_logits)
         batch = StepBatch(token_ids, positions, slots, dec_pages, dec_lens, pre_pages, pre_lens,
-                          pre_q, logits_indices, prompt_indices, prompt_targets,
-                          self._pool_rows(rows, decode, num_held, pre_rows, num_dec, row_len, total, num_logits),
-                          lora)
+                          pre_q, logits_indices, prompt_indices, prompt_targets, pool_rows, lora)
         return batch, logits_plan, [(plan, pos) for plan, pos, _, _ in prompt_rows], prev_rows
 
     @staticmethod
-    def _pool_rows(rows: Sequence[RowPlan], decode: list[int], num_held: int, pre_rows: list[tuple[int, int, int]],
+    def _pool_rows(rows: Sequence[RowPlan], decode: list[int], num_held: int, prefill_runs,
                    num_dec: int, row_len: int, total: int, num_logits: int) -> np.ndarray | None:
         """StepBatch.pool_rows i32[T] for `pack`'s layout (held decode rows, which never pool,
-        the planned decode rows, then prefill rows of row_len tokens); None when no row pools."""
+        the planned decode rows, then prefill rows of row_len tokens, each prefilling sequence's
+        one flat run from its first row: prefill_runs (plan, first row)); None when no row pools."""
         if all(r.pool_row < 0 for r in rows):
             return None
         pool_rows = np.full(total, num_logits, np.int32)
         for flat, i in enumerate(decode, num_held):
             if rows[i].pool_row >= 0 and rows[i].start >= rows[i].pool_from:
                 pool_rows[flat] = rows[i].pool_row
-        for row, (i, lo, hi) in enumerate(pre_rows):
+        for i, row in prefill_runs:
             plan = rows[i]
+            lo, hi = plan.start, plan.start + plan.num_new
             if plan.pool_row >= 0 and hi > plan.pool_from:
                 assert plan.pool_row < num_logits, (plan.pool_row, num_logits)
                 flat = num_dec + row * row_len

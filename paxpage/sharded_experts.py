@@ -103,17 +103,12 @@ def shard_experts(mesh: Mesh, plan: ShardingPlan, experts_fn: ExpertsFn = routed
     bias_spec = plan.spec(PARAM_AXES["moe/gate_up_bias"])
 
     def weight_spec(name: str, w):
-        """The spec of expert weights `w` (float, or quant.QuantizedWeight: its scales split as its
-        values, except that one group per output (per channel) is held whole by every device)."""
-        axes = PARAM_AXES[name]
+        """The spec of expert weights `w` (float, or quant.QuantizedWeight: each leaf as the
+        weights were placed, ShardingPlan.param_spec)."""
         if not isinstance(w, quant.QuantizedWeight):
-            return plan.spec(axes)
-        groups, scale_axes = w.scale.shape[-2], axes
-        if plan.mesh_axis(axes[-2]) is not None and groups % plan.tensor_parallel_size:
-            assert groups == 1, (name, groups)  # check_groups refused the rest as the weights were placed
-            scale_axes = (*axes[:-2], None, axes[-1])
-        scale = plan.spec(scale_axes)
-        return quant.QuantizedWeight(plan.spec(axes), scale, None if w.offset is None else scale)
+            return plan.spec(PARAM_AXES[name])
+        return quant.QuantizedWeight(*(None if leaf is None else plan.param_spec(name + suffix, leaf.ndim, leaf.shape)
+                                       for leaf, suffix in zip(w, (quant.Q, quant.SCALE, quant.OFFSET))))
 
     def sharded(x, weights, experts, gate_up, down, *, impl="auto", gate_up_bias=None, down_bias=None,
                 activation=swiglu):
