@@ -151,12 +151,11 @@ class SamplingBatch:
                 # a slot in several rows (a verify step's draft positions, each its own history):
                 # each row counted afresh into a slab of its own
                 slab = CountSlab(len(counted))
-                sizes = [RunningCounts(*self._known(*row_tokens(r), prompt), slab, j).n
-                         for j, (r, prompt) in enumerate(zip(counted.tolist(), with_prompt.tolist()))]
-                return slab, np.arange(len(counted)), np.asarray(sizes, np.int64)
-            sizes = [self._row_counts(slot, *row_tokens(r), prompt)
-                     for r, slot, prompt in zip(counted.tolist(), counted_slots.tolist(), with_prompt.tolist())]
-            return self._slab, counted_slots, np.asarray(sizes, np.int64)
+                for j, (r, prompt) in enumerate(zip(counted.tolist(), with_prompt.tolist())):
+                    RunningCounts(*self._known(*row_tokens(r), prompt), slab, j)
+                return slab, np.arange(len(counted)), slab.n[:len(counted)].copy()
+            self._count_rows(counted.tolist(), counted_slots.tolist(), with_prompt.tolist(), row_tokens)
+            return self._slab, counted_slots, self._slab.n[counted_slots]
 
         tensors = SamplingTensors.from_host(
             {f.name: rows_of(getattr(self, f.name), f.neutral) for f in fields.FIELDS}, keys, banned, lists,
@@ -181,14 +180,25 @@ class SamplingBatch:
             num_known -= 1
         return prompt_ids if with_prompt else (), output_ids, num_known
 
-    def _row_counts(self, slot: int, prompt_ids, output_ids, with_prompt: bool) -> int:
-        """Brings slot's counts (its row of the slab) up to date; the number of its distinct ids."""
-        prompt_ids, output_ids, num_known = self._known(prompt_ids, output_ids, with_prompt)
-        counts = self._counts.get(slot)
-        if counts is None:
-            counts = self._counts[slot] = RunningCounts(prompt_ids, output_ids, num_known, self._slab, slot)
-            return counts.n
-        return counts.update(prompt_ids, output_ids, num_known)
+    def _count_rows(self, rows: list[int], slots: list[int], with_prompt: list[bool], row_tokens) -> None:
+        """Brings the counts of `slots` (their rows of the slab) up to date with logits rows
+        `rows`' tokens: each row's new outputs found here, all added with one `CountSlab.add`."""
+        new_slots, new_tokens = [], []
+        counts_by_slot, slab = self._counts, self._slab
+        for r, slot, prompt in zip(rows, slots, with_prompt):
+            prompt_ids, output_ids, num_known = self._known(*row_tokens(r), prompt)
+            counts = counts_by_slot.get(slot)
+            if counts is None:
+                counts_by_slot[slot] = RunningCounts(prompt_ids, output_ids, num_known, slab, slot)
+                continue
+            new = counts.advance(prompt_ids, output_ids, num_known)
+            if len(new) == 1:  # the common case: one token since the last step
+                new_slots.append(slot)
+                new_tokens.append(new[0])
+            elif new:
+                new_slots += [slot] * len(new)
+                new_tokens += new
+        slab.add(np.asarray(new_slots, np.int64), np.asarray(new_tokens, np.int32))
 
     def _take(self) -> int:
         if not self._free:

@@ -18,7 +18,9 @@ entry is a placeholder for a token the device has not returned yet, and the samp
 token to the counts on the device (sampler.apply_penalties' `pending`).
 
 `SamplingBatch` keeps its sequences' counts as rows of one `CountSlab` (row = the sequence's
-sampling slot), so a step lays its rows' lists out with one gather rather than a copy per row.
+sampling slot): a step adds every row's new tokens with one vectorised `CountSlab.add` (a row's
+new tokens are found in its ids by one comparison over the rows, not a lookup per token) and
+lays its rows' lists out with one gather rather than a copy per row.
 """
 
 from __future__ import annotations
@@ -38,13 +40,14 @@ def distinct_counts(prompt_ids: Sequence[int], output_ids: Sequence[int]) -> tup
 
 
 class CountSlab:
-    """Running counts of many sequences as rows of two [C, W] arrays: row c's first n_c entries
+    """Running counts of many sequences as rows of two [C, W] arrays: row c's first n[c] entries
     are its ids and counts, the rest -1 / 0 (so a gather of rows and a prefix of columns is a
     step's padded token_ids / token_counts). Widens (doubling) as a row outgrows it."""
 
     def __init__(self, capacity: int = 64, width: int = 16):
         self.ids = np.full((capacity, width), -1, np.int32)
         self.counts = np.zeros((capacity, width), np.int32)
+        self.n = np.zeros(capacity, np.int64)  # [C] entries in use per row
 
     def ensure(self, rows: int, width: int) -> None:
         """Room for row index rows - 1 and `width` entries a row."""
@@ -53,19 +56,45 @@ class CountSlab:
             return
         shape = (capacity if rows <= capacity else max(rows, 2 * capacity),
                  current if width <= current else max(width, 2 * current))
-        ids, counts = np.full(shape, -1, np.int32), np.zeros(shape, np.int32)
-        ids[:capacity, :current], counts[:capacity, :current] = self.ids, self.counts
-        self.ids, self.counts = ids, counts
+        ids, counts, n = np.full(shape, -1, np.int32), np.zeros(shape, np.int32), np.zeros(shape[0], np.int64)
+        ids[:capacity, :current], counts[:capacity, :current], n[:capacity] = self.ids, self.counts, self.n
+        self.ids, self.counts, self.n = ids, counts, n
 
     def write(self, row: int, ids: np.ndarray, counts: np.ndarray) -> None:
         """Row `row` holds ids / counts (its entries past them must be -1 / 0 already)."""
         n = len(ids)
         self.ensure(row + 1, n)
         self.ids[row, :n], self.counts[row, :n] = ids, counts
+        self.n[row] = n
 
-    def clear(self, row: int, n: int) -> None:
+    def clear(self, row: int) -> None:
         if row < self.ids.shape[0]:
-            self.ids[row, :n], self.counts[row, :n] = -1, 0
+            n = int(self.n[row])
+            self.ids[row, :n], self.counts[row, :n], self.n[row] = -1, 0, 0
+
+    def add(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """Counts tokens[j] once more in row rows[j] (appended after the row's ids where new),
+        for every j in order: all rows at once, a row listed k times in k rounds."""
+        if len(rows) == 0:
+            return
+        order = np.argsort(rows, kind="stable")  # a row's tokens keep their order
+        rows, tokens = rows[order], tokens[order]
+        starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
+        rank = np.arange(len(rows)) - np.repeat(starts, np.diff(np.r_[starts, len(rows)]))
+        for k in range(int(rank.max()) + 1):
+            at = rank == k
+            self._add_once(rows[at], tokens[at])
+
+    def _add_once(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """`add` for distinct rows."""
+        n = self.n[rows]
+        hit = self.ids[rows, :max(int(n.max()), 1)] == tokens[:, None]  # [M, max n] (-1 past a row's ids)
+        found = hit.any(axis=1)
+        k = np.where(found, hit.argmax(axis=1), n)
+        self.ensure(1, int(k.max()) + 1)
+        self.ids[rows, k] = tokens
+        self.counts[rows, k] += 1
+        self.n[rows] = np.maximum(n, k + 1)
 
     def gather(self, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, counts) int32[len(rows), width] of slab rows `rows` (-1: an empty row), each
@@ -82,39 +111,50 @@ class CountSlab:
 
 class RunningCounts:
     """`distinct_counts(prompt_ids, output_ids)` of one sequence, kept up to date as its output
-    list grows (ids in first-seen order, not ascending), held in its own arrays or as row `row`
-    of a CountSlab."""
+    list grows (ids in first-seen order, not ascending), held as row `row` of a CountSlab (its
+    own one-row slab by default). `advance` says which tokens a call must add, so a caller with
+    many sequences adds all of theirs with one `CountSlab.add`."""
 
-    __slots__ = ("prompt_ids", "out", "seen", "last", "index", "n", "slab", "row")
+    __slots__ = ("prompt_ids", "out", "seen", "last", "slab", "row")
 
     def __init__(self, prompt_ids: Sequence[int], output_ids: list[int], num_known: int | None = None,
                  slab: CountSlab | None = None, row: int = 0):
         self.slab, self.row = (slab, row) if slab is not None else (CountSlab(1), 0)
-        self.n = 0
         self._recount(prompt_ids, output_ids, len(output_ids) if num_known is None else num_known)
+
+    @property
+    def n(self) -> int:
+        """The number of distinct ids."""
+        return int(self.slab.n[self.row])
 
     def _recount(self, prompt_ids: Sequence[int], output_ids: list[int], num_known: int) -> None:
         known = output_ids if num_known == len(output_ids) else output_ids[:num_known]
-        ids, counts = distinct_counts(prompt_ids, known)
-        self.slab.clear(self.row, self.n)
-        self.slab.write(self.row, ids, counts)
-        self.n = n = len(ids)
-        self.index: dict[int, int] = dict(zip(ids.tolist(), range(n)))
+        self.slab.clear(self.row)
+        self.slab.write(self.row, *distinct_counts(prompt_ids, known))
         self.prompt_ids, self.out, self.seen = prompt_ids, output_ids, num_known
         self.last = output_ids[num_known - 1] if num_known else None
 
-    def update(self, prompt_ids: Sequence[int], output_ids: list[int], num_known: int | None = None) -> int:
-        """Brings the counts to prompt_ids and output_ids[:num_known] (default: all of them):
-        the running counts plus the outputs appended since, or a recount when the history is not
-        the one counted. Outputs past num_known (async scheduling's placeholder for a token still
-        on the device) are left for a later call. Returns the number of distinct ids."""
+    def advance(self, prompt_ids: Sequence[int], output_ids: list[int], num_known: int) -> list[int]:
+        """The tokens to add to the row (`CountSlab.add`) to bring it to prompt_ids and
+        output_ids[:num_known]: the outputs appended since, or none after a recount, when the
+        history is not the one counted. Outputs past num_known (async scheduling's placeholder
+        for a token still on the device) are left for a later call."""
         seen = self.seen
-        num_known = len(output_ids) if num_known is None else num_known
         if prompt_ids is not self.prompt_ids or output_ids is not self.out or num_known < seen \
                 or (seen and output_ids[seen - 1] != self.last):
             self._recount(prompt_ids, output_ids, num_known)
-        elif num_known > seen:
-            self._count_new(num_known)
+            return []
+        if num_known == seen:
+            return []
+        self.seen, self.last = num_known, output_ids[num_known - 1]
+        return output_ids[seen:num_known]
+
+    def update(self, prompt_ids: Sequence[int], output_ids: list[int], num_known: int | None = None) -> int:
+        """Brings the counts to prompt_ids and output_ids[:num_known] (default: all of them) and
+        returns the number of distinct ids (see `advance`)."""
+        new = self.advance(prompt_ids, output_ids, len(output_ids) if num_known is None else num_known)
+        if new:
+            self.slab.add(np.full(len(new), self.row, np.int64), np.asarray(new, np.int32))
         return self.n
 
     def counts_of(self, prompt_ids: Sequence[int], output_ids: list[int], num_known: int | None = None
@@ -125,22 +165,4 @@ class RunningCounts:
 
     def release(self) -> None:
         """Empties the row (its slab's invariant: entries past a row's ids are -1 / 0)."""
-        self.slab.clear(self.row, self.n)
-        self.n = 0
-
-    def _count_new(self, num_known: int) -> None:
-        out, index, row = self.out, self.index, self.row
-        ids, counts = self.slab.ids, self.slab.counts
-        for token in out[self.seen:num_known]:
-            k = index.get(token)
-            if k is None:
-                k = self.n
-                if k == ids.shape[1]:
-                    self.slab.ensure(row + 1, k + 1)
-                    ids, counts = self.slab.ids, self.slab.counts
-                ids[row, k] = token
-                index[token] = k
-                self.n = k + 1
-            counts[row, k] += 1
-        self.seen = num_known
-        self.last = out[num_known - 1] if num_known else None
+        self.slab.clear(self.row)

@@ -6,7 +6,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from paxpage.sampling.penalty_counts import RunningCounts, distinct_counts
+from paxpage.sampling.penalty_counts import CountSlab, RunningCounts, distinct_counts
 
 
 def _reference(prompt, out) -> dict[int, int]:
@@ -61,6 +61,26 @@ def test_running_counts_leave_out_a_trailing_placeholder():
     assert _as_dict(*running.counts_of(prompt, out, len(out))) == _reference(prompt, out)
     fresh = RunningCounts(prompt, out + [-1], len(out))
     assert _as_dict(*fresh.counts_of(prompt, fresh.out, len(out))) == _reference(prompt, out)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_slab_add_counts_every_row_at_once(seed):
+    # Many rows gain tokens in one call, some several (a row listed k times), some none, and
+    # the slab widens on the way: each row equals Counter over everything it was given.
+    rng = np.random.default_rng(seed)
+    slab, given = CountSlab(capacity=4, width=2), {}
+    for _ in range(30):
+        rows = rng.integers(0, 9, int(rng.integers(0, 25)))
+        tokens = rng.integers(0, 60, len(rows))
+        slab.ensure(9, 1)
+        slab.add(rows.astype(np.int64), tokens.astype(np.int32))
+        for r, t in zip(rows.tolist(), tokens.tolist()):
+            given.setdefault(r, []).append(t)
+        for r in range(9):
+            n = int(slab.n[r])
+            assert _as_dict(slab.ids[r, :n], slab.counts[r, :n]) == dict(Counter(given.get(r, [])))
+            assert (slab.ids[r, n:] == -1).all() and (slab.counts[r, n:] == 0).all()
+
 
 def test_repetition_penalised_greedy_generation_matches_hf(tiny_llama_dir):
     """The engine's running counts over a whole generation: greedy with a repetition penalty

@@ -104,6 +104,36 @@ def test_tensors_equal_build_after_joins_and_leaves(seed):
     assert batch.num_slots == len(live)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_penalised_counts_follow_growth_and_placeholders(seed):
+    # Penalised rows whose outputs grow by 0 to 3 tokens a step (a speculative step's accepted
+    # tokens), each ending in the async placeholder half the time: the counts run on per slot
+    # and the tensors equal build's over the outputs without the placeholder.
+    rng = np.random.default_rng(seed)
+    pending = -1
+    batch = SamplingBatch(VOCAB, EOS, token_width=64, capacity=2, pending_token=pending)
+    params = SamplingParams(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.25)
+    live = {key: (rng.integers(0, VOCAB, int(rng.integers(1, 8))).tolist(), []) for key in range(12)}
+    for _ in range(10):
+        infos, slots, steps = [], [], []
+        for key, (prompt, out) in live.items():
+            if out and out[-1] == pending:
+                out[-1] = int(rng.integers(0, VOCAB))
+            out.extend(rng.integers(0, VOCAB, int(rng.integers(0, 4))).tolist())
+            known = list(out)
+            if rng.random() < 0.5:
+                out.append(pending)
+            slots.append(batch.slot(key, params, key))
+            steps.append(len(out))
+            infos.append(RowInfo(params, prompt, known, key, len(out)))
+        want = SamplingTensors.build(infos, VOCAB, pad_rows_to=len(infos), eos_token_ids=EOS, token_width=64)
+        rows = list(live.values())
+        got = batch.tensors(np.array(slots, np.int64), np.zeros(len(slots), np.int64), np.array(steps, np.int64),
+                            lambda r: rows[r])
+        for name in ("token_ids", "token_counts"):
+            np.testing.assert_array_equal(_by_id(got, name), _by_id(want, name), name)
+
+
 def test_repeated_slots_reuse_device_tensors():
     batch = SamplingBatch(VOCAB, EOS, token_width=64)
     greedy = [batch.slot(k, SamplingParams(temperature=0.0), k) for k in range(3)]
