@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import paxpage  # noqa: E402
 import vllm_peer  # noqa: E402
 import workload as wl  # noqa: E402
-from paxpage import attention_impl, compile_counter  # noqa: E402
+from paxpage import attention_impl, compile_counter, process_tuning  # noqa: E402
 from step_profile import profile_decode_step  # noqa: E402
 from throughput_pass import FIRST_TOKENS, rates, run_paxpage  # noqa: E402
 # the peers (scripts/throughput_peers.py) and the run's figures (scripts/throughput_report.py);
@@ -167,6 +167,7 @@ def main(argv=None) -> int:
           f"({warm['compile_s']:.1f} s), persistent cache {warm['cache_hits']} hits / {warm['cache_misses']} "
           f"misses" + (f", precompiled {warm['precompiled'][0]} shapes in {warm['precompiled'][1]:.1f} s"
                        if warm["precompiled"] else ""), flush=True)
+    process_tuning.freeze_startup_heap()  # as paxpage serve does once its engine is built
 
     vllm, vllm_info = start_vllm(args, cfg, work.with_fresh_prompts(model.config.vocab_size, args.seed + 7919))
     try:

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 import paxpage
-from paxpage import compile_counter
+from paxpage import compile_counter, process_tuning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +175,7 @@ def fill_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: i
     fill_s = time.perf_counter() - t
     for _ in range(warmup):
         engine.step()
+    process_tuning.freeze_startup_heap()  # as paxpage serve does once its engine is built
     arrival = dataclasses.replace(params, max_tokens=steps + 2)
 
     def arrive():

@@ -1,6 +1,7 @@
 """glibc malloc thresholds (paxpage/process_tuning.py): set where paxpage owns the process, left
 alone when the user's environment sets malloc options. mallopt's effect shows only in timings
-(scripts/bench_malloc.py), so these check the decision and the calls made."""
+(scripts/bench_malloc.py), so these check the decision and the calls made. The start-up heap's
+freeze: in a child process, what the collector still walks afterwards."""
 
 from __future__ import annotations
 
@@ -61,6 +62,25 @@ def _child(env_extra: dict[str, str]) -> str:
 def test_subprocess_sets_thresholds_unless_the_user_did():
     assert _child({}) == str(sorted(ALL))  # glibc accepted all three
     assert _child({"MALLOC_MMAP_THRESHOLD_": "4000000000", "MALLOC_TRIM_THRESHOLD_": "4000000000"}) == "[]"
+
+
+def test_freeze_startup_heap_collects_then_freezes():
+    # In a child (a frozen object stays frozen for the process's life): start-up garbage in a
+    # reference cycle is collected, not frozen; a live start-up object is no longer among those
+    # the collector walks; one made afterwards is.
+    code = (
+        "import gc, weakref\n"
+        "from paxpage import process_tuning\n"
+        "class Node: pass\n"
+        "garbage = Node(); garbage.self = garbage; dead = weakref.ref(garbage); del garbage\n"
+        "live = Node(); live.self = live\n"
+        "count = process_tuning.freeze_startup_heap()\n"
+        "later = Node()\n"
+        "walked = gc.get_objects()\n"
+        "print(dead() is None, count > 0, any(o is live for o in walked), any(o is later for o in walked))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         check=True)
+    assert out.stdout.split() == ["True", "True", "False", "True"]
 
 
 @pytest.mark.parametrize("argv,tuned", [

@@ -200,7 +200,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     import paxpage
-    from paxpage import xla_cache
+    from paxpage import process_tuning, xla_cache
     from paxpage.async_engine import AsyncEngine
     from paxpage.server.app import DEFAULT_STALL_TIMEOUT_S, build_app
 
@@ -228,6 +228,7 @@ def run_serve(args: argparse.Namespace) -> int:
                          restart_on_error=args.restart_on_error and jax.process_count() == 1,
                          max_restarts_per_minute=args.max_restarts_per_minute,
                          grammar_timeout_s=args.grammar_timeout)
+    process_tuning.freeze_startup_heap()  # collections never walk the start-up heap again (module doc)
     try:
         app = build_app(engine, served_model_name=served_name,
                         api_key=api_key,
