@@ -28,6 +28,7 @@ import itertools
 import logging
 import threading
 import time
+import traceback
 import weakref
 from concurrent.futures import Future
 from typing import Any, Callable
@@ -338,12 +339,21 @@ class EngineLoop:
         for name in self._totals:
             self._totals[name] = self._counts[name]
         try:
-            engine = old.rebuilt()
+            self.engine = old.rebuilt()
             del old
-            gc.collect()  # the failed step's buffers, before the next one allocates
+            # The failed engine and its step's buffers, before the next step allocates: the
+            # failure's frames (logged above) hold the engine too. Where the process froze its
+            # start-up heap (process_tuning.freeze_startup_heap), the failed engine is part of
+            # it: thawed for this collection, and what is left frozen again.
+            traceback.clear_frames(exc.__traceback__)
+            frozen = gc.get_freeze_count() > 0
+            if frozen:
+                gc.unfreeze()
+            gc.collect()
+            if frozen:
+                gc.freeze()
         finally:
             self._recovering = None
-        self.engine = engine
         self._restarts.append(now)
         self._num_restarts += 1
         self._last_progress = time.monotonic()

@@ -96,3 +96,41 @@ def test_cli_tunes_commands_that_own_the_process(monkeypatch, tmp_path, argv, tu
     monkeypatch.setattr(process_tuning, "tune_malloc", lambda: calls.append(1) or {})
     main(argv)
     assert calls == ([1] if tuned else [])
+
+
+_RECOVERY_CHILD = """
+import gc, sys, threading, weakref
+import paxpage
+from paxpage.engine_loop import EngineLoop, Submission
+from paxpage.process_tuning import freeze_startup_heap
+
+model = paxpage.load(sys.argv[1])
+config = paxpage.EngineConfig(num_pages=64, max_num_seqs=2, max_model_len=128)
+engine = paxpage.LLMEngine(model.config, model.param_forms, model.tokenizer, config)  # held by the loop alone
+loop = EngineLoop(engine, restart_on_error=True)
+done = threading.Event()
+params = paxpage.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+loop.submit([Submission("warm", [1, 2, 3], params, lambda item: None, stream=False)]).result(60)
+freeze_startup_heap()  # the engine is part of the frozen heap now, as under paxpage serve
+old = weakref.ref(engine)
+def boom():
+    raise RuntimeError("injected")
+engine.step = boom
+del engine
+loop.submit([Submission("failing", [1, 2, 3], params, lambda item: done.set(), stream=False)]).result(60)
+assert done.wait(60)
+while loop.engine is None or loop.snapshot().recovering is not None or loop.snapshot().num_restarts < 1:
+    pass
+print(old() is None, gc.get_freeze_count() > 0)
+loop.shutdown()
+"""
+
+
+def test_rebuild_after_a_failed_step_frees_the_frozen_engine(tiny_llama_dir):
+    # Under a frozen start-up heap (paxpage serve), the engine a failed step leaves behind sits in
+    # it, held in reference cycles: the rebuild's collection thaws the heap for it, then
+    # freezes what is left again.
+    out = subprocess.run([sys.executable, "-c", _RECOVERY_CHILD, str(tiny_llama_dir)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["True", "True"]
