@@ -99,7 +99,7 @@ def test_cli_tunes_commands_that_own_the_process(monkeypatch, tmp_path, argv, tu
 
 
 _RECOVERY_CHILD = """
-import gc, sys, threading, weakref
+import gc, sys, threading, time, weakref
 import paxpage
 from paxpage.engine_loop import EngineLoop, Submission
 from paxpage.process_tuning import freeze_startup_heap
@@ -119,8 +119,8 @@ engine.step = boom
 del engine
 loop.submit([Submission("failing", [1, 2, 3], params, lambda item: done.set(), stream=False)]).result(60)
 assert done.wait(60)
-while loop.engine is None or loop.snapshot().recovering is not None or loop.snapshot().num_restarts < 1:
-    pass
+while loop.snapshot().recovering is not None or loop.snapshot().num_restarts < 1:
+    time.sleep(0.01)
 print(old() is None, gc.get_freeze_count() > 0)
 loop.shutdown()
 """
