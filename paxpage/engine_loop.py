@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import gc
 import itertools
 import logging
 import threading
@@ -33,6 +32,7 @@ import weakref
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from paxpage import process_tuning
 from paxpage.embedding import EmbeddingOutput, Pooling
 from paxpage.engine import LLMEngine
 from paxpage.outputs import RequestOutput, StreamDelta
@@ -342,16 +342,10 @@ class EngineLoop:
             self.engine = old.rebuilt()
             del old
             # The failed engine and its step's buffers, before the next step allocates: the
-            # failure's frames (logged above) hold the engine too. Where the process froze its
-            # start-up heap (process_tuning.freeze_startup_heap), the failed engine is part of
-            # it: thawed for this collection, and what is left frozen again.
+            # failure's frames (logged above) hold the engine too, and a frozen start-up heap
+            # may hold it (collect_everything reaches it).
             traceback.clear_frames(exc.__traceback__)
-            frozen = gc.get_freeze_count() > 0
-            if frozen:
-                gc.unfreeze()
-            gc.collect()
-            if frozen:
-                gc.freeze()
+            process_tuning.collect_everything()
         finally:
             self._recovering = None
         self._restarts.append(now)

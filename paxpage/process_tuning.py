@@ -112,3 +112,15 @@ def freeze_startup_heap() -> int:
     count = gc.get_freeze_count()
     log.debug("paxpage: %d start-up objects frozen out of the garbage collector's walks", count)
     return count
+
+
+def collect_everything() -> None:
+    """A full collection that also reaches the objects `freeze_startup_heap` froze (an engine
+    dropped after start-up, e.g. rebuilt after a failed step, is among them): thawed for it,
+    and what is left frozen again."""
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
+    gc.collect()
+    if frozen:
+        gc.freeze()

@@ -192,12 +192,8 @@ class SamplingBatch:
                 counts_by_slot[slot] = RunningCounts(prompt_ids, output_ids, num_known, slab, slot)
                 continue
             new = counts.advance(prompt_ids, output_ids, num_known)
-            if len(new) == 1:  # the common case: one token since the last step
-                new_slots.append(slot)
-                new_tokens.append(new[0])
-            elif new:
-                new_slots += [slot] * len(new)
-                new_tokens += new
+            new_slots += [slot] * len(new)
+            new_tokens += new
         slab.add(np.asarray(new_slots, np.int64), np.asarray(new_tokens, np.int32))
 
     def _take(self) -> int:
