@@ -26,7 +26,7 @@ kernel `decode_attention_mgpu`; dispatch.py chooses.
 Quantised pool (kv_quant.QuantizedKV: int8 / fp8 values with per-(token, kv head) scales): each
 K/V block comes with the matching block of scales, fetched by the same page index. Canonical
 layout: bf16 [2, P, page_size, K], keys and values dequantised in the block. Tpu layout: the
-page's f32 row block [K, 1, W] (kv_layout.ScaleRows, `ScaleReader`); the 1-byte values enter
+page's row block [K, 1, W] of packed bf16 pairs (kv_layout.ScaleRows, `ScaleReader`); the 1-byte values enter
 the products as they are (exact in the query's dtype), the key scales multiply the score columns
 and the value scales P's columns. A plain pool passes no scales and traces the kernel it always did.
 
@@ -232,8 +232,9 @@ class PageReader:
 
 class ScaleReader:
     """Head h's key and value scales f32[1, page_size] of the page block a TPU kernel got: one
-    row block [K, 1, W] of the tpu layout's scales (kv_layout.ScaleRows), the page's lanes rotated
-    to the front. `page` is the physical page (a traced scalar)."""
+    row block [K, 1, W] of the tpu layout's scale words (kv_layout.ScaleRows), the page's lanes
+    rotated to the front and each word split into its pair. `page` is the physical page (a traced
+    scalar)."""
 
     def __init__(self, ref, page, page_size: int):
         rows = kv_layout.ScaleRows(page_size)
@@ -244,10 +245,10 @@ class ScaleReader:
             self.shift = lax.rem(width - lax.rem(page, rows.pages_per_row) * rows.lanes_per_page, width)
 
     def __call__(self, h: int):
-        row = self.ref[h]  # [1, W]
+        row = self.ref[h]  # i32[1, W]
         if self.shift is not None:
             row = pltpu.roll(row, self.shift, 1)
-        return row[:, :self.page_size], row[:, self.page_size:2 * self.page_size]
+        return kv_layout.unpack_scale_pairs(row[:, :self.page_size])
 
 
 def scale_specs(layout, page_size: int, num_kv_heads: int, page_index):

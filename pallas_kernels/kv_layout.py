@@ -17,14 +17,17 @@ A quantised pool (kv_quant.QuantizedKV) has its values in the same layout as a p
 its per-(token, kv head, K | V) scales beside them:
 - canonical: SCALE_DTYPES["canonical"] (bf16) [2, P, page_size, K], the values' leading axes;
   f32 in the XLA-op path's pools (XLA_CANONICAL), holding the same bf16 values.
-- tpu: f32 [K, R, 1, W], head-major rows of W = 128 lanes (`ScaleRows`): row r of head h holds
-  the scales of pages r * pages_per_row .. (r + 1) * pages_per_row - 1, page p's at lanes
-  (p % pages_per_row) * lanes_per_page + half * page_size + slot. A bf16 [2, P, page_size, K]
-  array puts K (1 to 8) on a tile's 128 lanes and XLA keeps it in a transposed layout, so a
-  Mosaic kernel made it copy the scales on every call; these rows are one dense f32 (1, 128)
-  tile each, a page's block is one DMA of one row per head, and the kernels take the page's
-  lanes with one lane rotation. f32, not bf16: a (1, 128) row tile exists for 32-bit types only;
-  the values stored are the bf16 scales, exactly.
+- tpu: i32 [K, R, 1, W], head-major rows of W = 128 lanes (`ScaleRows`): row r of head h holds
+  the scales of pages r * pages_per_row .. (r + 1) * pages_per_row - 1, slot s of page p at lane
+  (p % pages_per_row) * lanes_per_page + s, one 32-bit word holding that slot's key and value
+  scales as a bf16 pair (`pack_scale_pairs`: the key's bits high, the value's low). A bf16
+  [2, P, page_size, K] array puts K (1 to 8) on a tile's 128 lanes and XLA keeps it in a
+  transposed layout, so a Mosaic kernel made it copy the scales on every call; these rows are one
+  dense (1, 128) tile each, a page's block is one DMA of one row per head, and the kernels take
+  the page's lanes with one lane rotation and split each word with a shift and a mask
+  (`unpack_scale_pairs`). A 32-bit word, not two bf16 lanes: a (1, 128) row tile exists for
+  32-bit types only. The pair holds the bf16 scales exactly, 2 bytes each as in the canonical
+  layout.
 
 Which layout a pool gets is decided where the pool is made (`for_backend`), and every reader
 (kernels, page copies, sharding, sizing) asks the layout for shapes and axes instead of
@@ -38,24 +41,46 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 LAYOUTS = ("canonical", "tpu")
 # A quantised pool's scale dtype in each layout (the canonical one is kv_quant.SCALE_DTYPE).
-SCALE_DTYPES = {"canonical": jnp.bfloat16, "tpu": jnp.float32}
+# (tpu: 32-bit words, each a packed bf16 pair; the scales themselves are bf16 in both)
+SCALE_DTYPES = {"canonical": jnp.bfloat16, "tpu": jnp.int32}
+# A word no packed pair is (its key half is bf16 -inf, and a scale is never negative): the TPU
+# scale write marks the lanes a row keeps with it.
+NO_PAIR = -(1 << 23)  # 0xFF800000
 LANES = 128  # a TPU tile's lane count
+
+
+def pack_scale_pairs(k_scales: jax.Array, v_scales: jax.Array) -> jax.Array:
+    """Key and value scales (any float dtype, rounded to bf16, the scales' own dtype) -> i32
+    words of the same shape, each the key's bf16 bits in its high half and the value's low.
+    Integers, so that nothing treats a word as a float (a denormal or NaN one) on the way."""
+    bits = lambda x: lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16).astype(jnp.int32)  # noqa: E731
+    return (bits(k_scales) << 16) | bits(v_scales)
+
+
+def unpack_scale_pairs(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """i32 words of `pack_scale_pairs` -> (key scales, value scales) f32, the bf16 values exactly
+    (a bf16 is the high half of the f32 it widens to). A mask, a shift and bitcasts: elementwise
+    integer ops that Mosaic TPU lowers."""
+    high = lax.bitcast_convert_type(words & jnp.int32(-(1 << 16)), jnp.float32)
+    low = lax.bitcast_convert_type(words << 16, jnp.float32)
+    return high, low
 
 
 @dataclasses.dataclass(frozen=True)
 class ScaleRows:
-    """Where the tpu layout keeps page scales: each page's 2 * page_size scales (K then V) take
-    `lanes_per_page` lanes (a power of two dividing 128, or a multiple of 128), `pages_per_row`
-    pages share a row of `row_width` lanes."""
+    """Where the tpu layout keeps page scales: each page's page_size words (a packed key and value
+    scale per slot) take `lanes_per_page` lanes (a power of two dividing 128, or a multiple of
+    128), `pages_per_row` pages share a row of `row_width` lanes."""
 
     page_size: int
 
     @property
     def lanes_per_page(self) -> int:
-        need = 2 * self.page_size
+        need = self.page_size
         if need <= LANES:
             return 1 << (need - 1).bit_length()
         return -(-need // LANES) * LANES
@@ -71,9 +96,9 @@ class ScaleRows:
     def num_rows(self, num_pages: int) -> int:
         return -(-num_pages // self.pages_per_row)
 
-    def lane(self, page, half, slot):
-        """Lane of (page, half, slot) in its row (row = page // pages_per_row); ints or arrays."""
-        return (page % self.pages_per_row) * self.lanes_per_page + half * self.page_size + slot
+    def lane(self, page, slot):
+        """Lane of (page, slot) in its row (row = page // pages_per_row); ints or arrays."""
+        return (page % self.pages_per_row) * self.lanes_per_page + slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,9 +198,9 @@ class KVLayout:
             return scales
         _, num_pages, page_size, num_kv_heads = scales.shape
         rows = ScaleRows(page_size)
-        per_page = scales.transpose(3, 1, 0, 2).reshape(num_kv_heads, num_pages, 2 * page_size)
+        per_page = pack_scale_pairs(scales[0], scales[1]).transpose(2, 0, 1)  # [K, P, page_size]
         padded_pages = rows.num_rows(num_pages) * rows.pages_per_row
-        per_page = jnp.pad(per_page, ((0, 0), (0, padded_pages - num_pages), (0, rows.lanes_per_page - 2 * page_size)))
+        per_page = jnp.pad(per_page, ((0, 0), (0, padded_pages - num_pages), (0, rows.lanes_per_page - page_size)))
         flat = per_page.reshape(num_kv_heads, rows.num_rows(num_pages), rows.pages_per_row * rows.lanes_per_page)
         flat = jnp.pad(flat, ((0, 0), (0, 0), (0, rows.row_width - flat.shape[-1])))
         return flat[:, :, None, :].astype(self.scale_dtype)
@@ -188,8 +213,8 @@ class KVLayout:
         num_kv_heads, num_rows = scales.shape[0], scales.shape[1]
         used = scales[:, :, 0, :rows.pages_per_row * rows.lanes_per_page]
         per_page = used.reshape(num_kv_heads, num_rows * rows.pages_per_row, rows.lanes_per_page)
-        per_page = per_page[:, :num_pages, :2 * page_size].reshape(num_kv_heads, num_pages, 2, page_size)
-        return per_page.transpose(2, 1, 3, 0).astype(SCALE_DTYPES["canonical"])
+        per_page = per_page[:, :num_pages, :page_size].transpose(1, 2, 0)  # [P, page_size, K]
+        return jnp.stack(unpack_scale_pairs(per_page)).astype(SCALE_DTYPES["canonical"])
 
     def write_scales(self, scales: jax.Array, page_size: int, slot_mapping: jax.Array,
                      kv_scales: jax.Array) -> jax.Array:
@@ -206,24 +231,23 @@ class KVLayout:
         num_kv_heads = scales.shape[0]
         page = slot_mapping // page_size  # [T]
         row = jnp.where(slot_mapping < 0, scales.shape[1], page // rows.pages_per_row)
-        half = jnp.arange(2)[:, None, None]  # [2, 1, 1] against [2, T, K]
-        lane = rows.lane(jnp.maximum(page, 0)[None, :, None], half, (slot_mapping % page_size)[None, :, None])
-        head = jnp.arange(num_kv_heads)[None, None, :]
-        row = jnp.broadcast_to(row[None, :, None], kv_scales.shape)
-        return scales.at[head, row, 0, lane].set(kv_scales.astype(scales.dtype), mode="drop")
+        lane = rows.lane(jnp.maximum(page, 0), slot_mapping % page_size)[:, None]  # [T, 1] against [T, K]
+        head = jnp.arange(num_kv_heads)[None, :]
+        row = jnp.broadcast_to(row[:, None], kv_scales.shape[1:])
+        return scales.at[head, row, 0, lane].set(pack_scale_pairs(kv_scales[0], kv_scales[1]), mode="drop")
 
     def copy_scale_pages(self, scales: jax.Array, page_size: int, src: jax.Array, dst: jax.Array) -> jax.Array:
         """Copies pages src -> dst (i32[C]) of this layout's scales; a dst past the pool is dropped."""
         if self.name == "canonical":
             return scales.at[:, dst].set(scales[:, src], mode="drop")
         rows = ScaleRows(page_size)
-        span = jnp.arange(2 * page_size)[None, :]  # both halves' lanes of a page: [1, 2 * page_size]
-        src_lane = rows.lane(src, 0, 0)[:, None] + span
-        dst_lane = rows.lane(dst, 0, 0)[:, None] + span
+        span = jnp.arange(page_size)[None, :]  # a page's lanes: [1, page_size]
+        src_lane = rows.lane(src, 0)[:, None] + span
+        dst_lane = rows.lane(dst, 0)[:, None] + span
         src_row = jnp.broadcast_to((src // rows.pages_per_row)[:, None], src_lane.shape)
         # a dst past the pool lands in the last row's unused lanes or past the rows (dropped)
         dst_row = jnp.broadcast_to((dst // rows.pages_per_row)[:, None], dst_lane.shape)
-        taken = scales[:, src_row, 0, src_lane]  # [K, C, 2 * page_size]
+        taken = scales[:, src_row, 0, src_lane]  # [K, C, page_size]
         return scales.at[:, dst_row, 0, dst_lane].set(taken, mode="drop")
 
 

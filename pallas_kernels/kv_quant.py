@@ -6,7 +6,7 @@ One layer's cache is either a plain array [2, P, page_size, K, D] (the model's d
 `QuantizedKV(pages, scales)`: `pages` [2, P, page_size, K, D] int8 / float8_e4m3fn and `scales`
 SCALE_DTYPE[2, P, page_size, K] (bf16), so that row (half, page, slot, head) holds `pages[...] * scales[...]`.
 That is the canonical layout; on the TPU kernels' layout the values are [P, K, page_size, 2D]
-like a plain pool and the scales f32 rows [K, R, 1, 128] (kv_layout.py says where a page's
+like a plain pool and the scales packed in pairs into i32 rows [K, R, 1, 128] (kv_layout.py says where a page's
 scales are). Whatever moves pages (copy-on-write, sharding over K) asks the layout how
 (`KVLayout.copy_scale_pages`, `scale_head_axis`).
 
@@ -28,7 +28,8 @@ from pallas_kernels import kv_layout
 # EngineConfig.kv_cache_dtype values other than "auto" -> storage dtype.
 KV_CACHE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 # bf16 scales: 2 bytes per 64-value row, so int8 holds 128 / 66 = 1.94x bf16's tokens at head_dim
-# 64 (f32 scales, TPU and the CPU's XLA-ops path: 1.88x); the attention error is the same to the measured precision
+# 64, on TPU too (its layout packs a key's and a value's bf16 scale in one 32-bit word); the
+# CPU's XLA-ops path holds them in f32 (1.88x). The attention error is the same to the measured precision
 # (scripts/kv_quant_error.py, docs/quantisation.md). The stored scale is the one values are divided by.
 SCALE_DTYPE = kv_layout.SCALE_DTYPES["canonical"]
 # Largest magnitude a stored value may have: int8 127 (symmetric: -128 never used), e4m3 448.
@@ -42,7 +43,7 @@ class QuantizedKV:
 
     pages: jax.Array  # int8 | float8_e4m3fn [2, P, page_size, K, D] (0 = K, 1 = V); tpu layout [P, K, page_size, 2D]
     scales: jax.Array  # SCALE_DTYPE[2, P, page_size, K] dequantised row = pages[..., :] * scales[...]; tpu layout
-    # f32[K, R, 1, 128] (kv_layout.ScaleRows)
+    # i32[K, R, 1, 128], each word a bf16 (key, value) pair (kv_layout.ScaleRows)
 
 
 def split(kv):

@@ -185,7 +185,7 @@ def _kv_write_tpu_fused(kv_pages, k, v, slots):
 
 def _scale_rows_kernel_tpu(rows_ref, new_ref, _, scales_ref, held_ref, sem):
     # rows_ref SMEM i32[U_pad]: the scale row entry u updates (-1: none); new_ref VMEM [K, block,
-    # 1, W] entry u's new scales, -inf where the row keeps its own; scales_ref HBM [K, R, 1, W]
+    # 1, W] entry u's new scale words, kv_layout.NO_PAIR where the row keeps its own; scales_ref HBM [K, R, 1, W]
     # (input 2 is the aliased scales); held_ref VMEM [K, block, 1, W].
     block = held_ref.shape[1]
     u0 = pl.program_id(0) * block
@@ -208,7 +208,7 @@ def _scale_rows_kernel_tpu(rows_ref, new_ref, _, scales_ref, held_ref, sem):
     each(store=False, wait=False)
     each(store=False, wait=True)
     new = new_ref[...]
-    held_ref[...] = jnp.where(new == -jnp.inf, held_ref[...], new)
+    held_ref[...] = jnp.where(new == kv_layout.NO_PAIR, held_ref[...], new)
     each(store=True, wait=False)
     each(store=True, wait=True)
 
@@ -221,8 +221,8 @@ def _write_scale_rows_tpu(scales, page_size, slots, kv_scales, *, interpret):
     the tokens' slots, as `KVLayout.write_scales` stores them: each row the tokens touch is read,
     updated and written back whole by DMA, in place. XLA's scatter of single lanes staged a
     layer's scales through VMEM and wrote them back to a fresh HBM buffer (a temporary of the
-    scales' size per layer, for the rest of the step). A scale is never -inf (amax / qmax), so
-    -inf marks the lanes a row keeps."""
+    scales' size per layer, for the rest of the step). kv_layout.NO_PAIR, a word no packed pair
+    is, marks the lanes a row keeps."""
     rows = kv_layout.ScaleRows(page_size)
     num_kv_heads, num_rows, _, width = scales.shape
     page = jnp.maximum(slots, 0) // page_size
@@ -234,12 +234,12 @@ def _write_scale_rows_tpu(scales, page_size, slots, kv_scales, *, interpret):
     num_entries = pl.cdiv(size, SCALE_ROWS_BLOCK) * SCALE_ROWS_BLOCK
     target = jnp.full((num_entries,), -1, jnp.int32).at[:size].set(
         jnp.where(distinct < num_rows, distinct, -1).astype(jnp.int32))
-    half = jnp.arange(2)[:, None, None]  # [2, 1, 1] against [2, T, K]
-    lane = rows.lane(page[None, :, None], half, (jnp.maximum(slots, 0) % page_size)[None, :, None])
-    head = jnp.arange(num_kv_heads)[None, None, :]
-    at = jnp.broadcast_to(entry.reshape(-1)[None, :, None], kv_scales.shape)
-    new = jnp.full((num_kv_heads, num_entries, 1, width), -jnp.inf, scales.dtype)
-    new = new.at[head, at, 0, lane].set(kv_scales.astype(scales.dtype))
+    words = kv_layout.pack_scale_pairs(kv_scales[0], kv_scales[1])  # [T, K]
+    lane = rows.lane(page, jnp.maximum(slots, 0) % page_size)[:, None]  # [T, 1] against [T, K]
+    head = jnp.arange(num_kv_heads)[None, :]
+    at = jnp.broadcast_to(entry.reshape(-1)[:, None], words.shape)
+    new = jnp.full((num_kv_heads, num_entries, 1, width), kv_layout.NO_PAIR, scales.dtype)
+    new = new.at[head, at, 0, lane].set(words)
     block = (num_kv_heads, SCALE_ROWS_BLOCK, 1, width)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,

@@ -195,9 +195,10 @@ def test_quantized_pool_holds_more_tokens_at_one_budget():
     assert xla.page_bytes == 2 * 30 * 3 * 1088
 
 
-def test_tpu_pool_sizing_counts_the_f32_scale_rows_it_allocates(tiny_params):
-    """On TPU the pool is in the TPU kernels' layout, whose scales are f32 lanes: the bytes a page
-    is charged are the bytes the pool's arrays hold (16 pages: two whole scale rows at page_size 8)."""
+def test_tpu_pool_sizing_counts_the_packed_scale_rows_it_allocates(tiny_params):
+    """On TPU the pool is in the TPU kernels' layout, whose scales are bf16 pairs packed in 32-bit
+    lanes: the bytes a page is charged are the bytes the pool's arrays hold (16 pages: one whole
+    scale row at page_size 8), as many as the canonical pool's bf16 scales."""
     import jax
     import jax.numpy as jnp
 
@@ -212,11 +213,12 @@ def test_tpu_pool_sizing_counts_the_f32_scale_rows_it_allocates(tiny_params):
         held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool))
         assert held == 16 * resolved.page_bytes, kv
     canonical = EngineConfig(page_size=8, num_pages=16, kv_cache_dtype="int8", dtype="bfloat16").resolve(cfg, backend="cpu")
-    # per (token, kv head, K or V): one bf16 scale in the native kernel's pool, one f32 lane on TPU
-    assert resolved.page_bytes - canonical.page_bytes == 2 * cfg.num_layers * 8 * cfg.num_kv_heads * 2
+    # per (token, kv head, K or V): one bf16 scale, in the native kernel's pool and on TPU
+    assert resolved.page_bytes == canonical.page_bytes
     f32_scales = EngineConfig(page_size=8, num_pages=16, kv_cache_dtype="int8", dtype="bfloat16",
                               attention_impl="xla").resolve(cfg, backend="cpu")
-    assert f32_scales.page_bytes == resolved.page_bytes  # the XLA-ops path's pool: one f32 scale
+    # the XLA-ops path's pool: one f32 scale, 2 bytes more
+    assert f32_scales.page_bytes - canonical.page_bytes == 2 * cfg.num_layers * 8 * cfg.num_kv_heads * 2
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])

@@ -59,4 +59,4 @@ def test_tpu_family_engine_runs_an_int8_pool_on_the_tpu_layout_and_matches_xla(t
     layer, pages = (runner.kv_cache, m.num_layers * 32) if scan_layers else (runner.kv_cache[0], 32)
     assert isinstance(layer, QuantizedKV)
     assert layer.pages.shape == (pages, m.num_kv_heads, 8, 2 * m.head_dim)
-    assert layer.scales.shape == (m.num_kv_heads, pages // 8, 1, 128)  # 16 lanes a page, 8 pages a row
+    assert layer.scales.shape == (m.num_kv_heads, pages // 16, 1, 128)  # 8 lanes (words) a page, 16 pages a row

@@ -111,8 +111,9 @@ def test_decode_on_the_tpu_layout_window_splits_sinks(wc):
 
 @pytest.mark.parametrize("qc", QUANT_CASES, ids=quant_case_id)
 def test_decode_quantized_pool_on_the_tpu_layout(qc):
-    """int8 / fp8 values in the tpu layout with their scales in its f32 rows (kv_layout.ScaleRows;
-    page sizes 8 and 16 put 8 and 4 pages in a row): NaN scales of unused slots stay unread."""
+    """int8 / fp8 values in the tpu layout with their scales packed in pairs in its rows
+    (kv_layout.ScaleRows; page sizes 8 and 16 put 16 and 8 pages in a row): NaN scales of unused
+    slots stay unread."""
     _check(qc[1], "tpu", num_splits=1, seed=16, kv_cache_dtype=qc[0], layout="tpu")
 
 

@@ -65,22 +65,22 @@ def _quantized_pool(rng, num_pages, page_size, num_kv_heads=3, head_dim=16):
     return kv_quant.QuantizedKV(values, scales)
 
 
-@pytest.mark.parametrize("page_size", [3, 8, 16, 80])  # 16, 8 and 1 page(s) per scale row; 80: 256 lanes
+@pytest.mark.parametrize("page_size", [3, 8, 16, 80, 200])  # 32, 16, 8 and 1 page(s) per scale row; 200: 256 lanes
 def test_quantized_round_trip_places_each_scale_in_its_row_and_lane(page_size):
     num_pages = 19
     pool = _quantized_pool(np.random.default_rng(3), num_pages, page_size)
     tpu = kv_layout.TPU.from_canonical(pool)
-    assert tpu.pages.shape == (num_pages, 3, page_size, 32) and tpu.scales.dtype == jnp.float32
-    lanes = 1 << (2 * page_size - 1).bit_length() if 2 * page_size <= 128 else 256
+    assert tpu.pages.shape == (num_pages, 3, page_size, 32) and tpu.scales.dtype == jnp.int32
+    lanes = 1 << (page_size - 1).bit_length() if page_size <= 128 else 256
     per_row = max(1, 128 // lanes)
     assert tpu.scales.shape == (3, -(-num_pages // per_row), 1, max(128, lanes))
-    scales, got = np.asarray(pool.scales, np.float32), np.asarray(tpu.scales)
-    for page, half, slot, head in [(0, 0, 0, 0), (18, 1, page_size - 1, 2), (num_pages // 2, 1, 1, 1)]:
-        lane = (page % per_row) * lanes + half * page_size + slot
-        assert got[head, page // per_row, 0, lane] == scales[half, page, slot, head]
+    bits, got = np.asarray(pool.scales).view(np.uint16).astype(np.int64), np.asarray(tpu.scales).view(np.uint32)
+    for page, slot, head in [(0, 0, 0), (18, page_size - 1, 2), (num_pages // 2, 1, 1)]:
+        lane = (page % per_row) * lanes + slot
+        assert got[head, page // per_row, 0, lane] == bits[0, page, slot, head] << 16 | bits[1, page, slot, head]
     back = kv_layout.TPU.to_canonical(tpu)
     np.testing.assert_array_equal(np.asarray(back.pages), np.asarray(pool.pages))
-    np.testing.assert_array_equal(np.asarray(back.scales, np.float32), scales)
+    np.testing.assert_array_equal(np.asarray(back.scales).view(np.uint16), np.asarray(pool.scales).view(np.uint16))
     assert back.scales.dtype == pool.scales.dtype
 
 

@@ -122,22 +122,38 @@ def test_outlier_keys_and_values_stay_finite_and_close(name):
 
 
 def test_int8_pool_holds_1_9x_bf16_tokens_at_head_dim_64():
-    # a row of 64 bf16 values = 128 bytes against 64 int8 values + one bf16 scale = 66 bytes
-    # (canonical); the tpu layout stores f32 scales, 68 bytes, at page_size 16 (2 * 16 scales
-    # fill a page's 32 lanes exactly)
+    # a row of 64 bf16 values = 128 bytes against 64 int8 values + one bf16 scale = 66 bytes, in
+    # the canonical layout and in the tpu one (a slot's two bf16 scales packed in one 4-byte
+    # word: page_size 16 fills a page's 16 lanes exactly)
     auto, int8 = (kv_quant.head_page_bytes(name, 2, 64, 16) for name in ("auto", "int8"))
     assert (auto, int8) == (2 * 16 * 128, 2 * 16 * 66) and auto / int8 >= 1.9
     pool = kv_quant.zeros((2, 4, 16, 2, 64), "int8", jnp.bfloat16)
     assert pool.pages.nbytes + pool.scales.nbytes == 4 * 2 * int8
     tpu = kv_quant.head_page_bytes("int8", 2, 64, 16, "tpu")
-    assert tpu == 2 * 16 * 68 and auto / tpu >= 1.88
-    pool = kv_quant.zeros(kv_layout.TPU.shape(8, 16, 2, 64), "int8", jnp.bfloat16, "tpu")  # 8 pages: 2 whole rows
-    assert pool.pages.nbytes + pool.scales.nbytes == 8 * 2 * tpu
+    assert tpu == 2 * 16 * 66 and auto / tpu >= 1.9
+    pool = kv_quant.zeros(kv_layout.TPU.shape(16, 16, 2, 64), "int8", jnp.bfloat16, "tpu")  # 16 pages: 2 whole rows
+    assert pool.pages.nbytes + pool.scales.nbytes == 16 * 2 * tpu
 
 
 def test_tpu_layout_pads_page_scales_to_a_power_of_two_lanes():
-    # page_size 3: 6 scales take 8 lanes, 16 pages a row; page_size 80: 160 scales take 256 lanes
-    assert [kv_layout.TPU.scale_bytes_per_page(ps) for ps in (3, 16, 80)] == [8 * 4, 32 * 4, 256 * 4]
+    # one 4-byte word a slot: page_size 3 takes 4 lanes, 32 pages a row; page_size 80 takes 128 lanes
+    assert [kv_layout.TPU.scale_bytes_per_page(ps) for ps in (3, 16, 80)] == [4 * 4, 16 * 4, 128 * 4]
     assert [kv_layout.CANONICAL.scale_bytes_per_page(ps) for ps in (3, 16, 80)] == [6 * 2, 32 * 2, 160 * 2]
-    assert kv_layout.TPU.scale_shape(17, 3, 2) == (2, 2, 1, 128)  # 17 pages at 16 per row
-    assert kv_layout.TPU.scale_shape(5, 80, 2) == (2, 5, 1, 256)
+    assert kv_layout.TPU.scale_shape(33, 3, 2) == (2, 2, 1, 128)  # 33 pages at 32 per row
+    assert kv_layout.TPU.scale_shape(5, 80, 2) == (2, 5, 1, 128)
+    assert kv_layout.TPU.scale_shape(5, 200, 2) == (2, 5, 1, 256)
+
+
+def test_packed_scale_pairs_hold_both_bf16_scales_exactly():
+    """Every bf16 pattern a scale can be (zero, subnormal, the largest finite, NaN) survives a
+    pack and unpack bit for bit, key and value apart, whichever half the other takes."""
+    pattern = np.array([0x0000, 0x0001, 0x007F, 0x0080, 0x3F80, 0x7F7F, 0x7FC0, 0x1234], np.uint16)
+    k, v = (jnp.asarray(np.repeat(pattern, 8) if i else np.tile(pattern, 8)).view(jnp.bfloat16) for i in range(2))
+    words = kv_layout.pack_scale_pairs(k, v)
+    assert words.dtype == jnp.int32 and not (np.asarray(words) == kv_layout.NO_PAIR).any()
+    got_k, got_v = kv_layout.unpack_scale_pairs(words)
+    for got, want in ((got_k, k), (got_v, v)):
+        assert got.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.bfloat16)).view(np.uint16),
+                                      np.asarray(want).view(np.uint16))
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32) & 0xFFFF, 0)  # exactly the bf16 value

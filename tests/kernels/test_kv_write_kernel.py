@@ -127,7 +127,7 @@ def test_write_kv_quantized_tpu_layout_many_rows(num_tokens):
 
     skip_unless_runnable("tpu")
     rng = np.random.default_rng(7)
-    num_pages, page_size, num_kv_heads, head_dim = 160, 16, 2, 32  # 4 pages a row: 40 rows
+    num_pages, page_size, num_kv_heads, head_dim = 320, 16, 2, 32  # 8 pages a row: 40 rows
     values, scales = kv_quant.quantize(jnp.asarray(rng.standard_normal(
         (2, num_pages, page_size, num_kv_heads, head_dim)), jnp.float32), KV_QUANT_DTYPES["int8"])
     scales = scales.at[:, 9].set(jnp.nan)

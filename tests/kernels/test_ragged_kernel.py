@@ -111,7 +111,7 @@ def test_ragged_on_the_tpu_layout_window_blocks_sinks(wc):
 
 @pytest.mark.parametrize("qc", QUANT_CASES, ids=quant_case_id)
 def test_ragged_quantized_pool_on_the_tpu_layout(qc):
-    """int8 / fp8 values in the tpu layout with their scales in its f32 rows (kv_layout.ScaleRows)."""
+    """int8 / fp8 values in the tpu layout with their scales packed in pairs in its rows (kv_layout.ScaleRows)."""
     _check(qc[1], "tpu", seed=18, kv_cache_dtype=qc[0], layout="tpu")
 
 
