@@ -18,13 +18,16 @@ entry is a placeholder for a token the device has not returned yet, and the samp
 token to the counts on the device (sampler.apply_penalties' `pending`).
 
 `SamplingBatch` keeps its sequences' counts as rows of one `CountSlab` (row = the sequence's
-sampling slot): a step adds every row's new tokens with one vectorised `CountSlab.add` (a row's
-new tokens are found in its ids by one comparison over the rows, not a lookup per token) and
-lays its rows' lists out with one gather rather than a copy per row.
+sampling slot): a step adds every row's new tokens with one `CountSlab.add` (a token's entry found
+through its row's id -> column dict, not by a search of the row) and lays its rows' lists out with
+`CountSlab.gather`, which brings the arrays it laid out for the same rows before up to date with
+the entries written since. A step's host work on penalties is then O(rows + new tokens), not
+O(rows x context).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -42,12 +45,22 @@ def distinct_counts(prompt_ids: Sequence[int], output_ids: Sequence[int]) -> tup
 class CountSlab:
     """Running counts of many sequences as rows of two [C, W] arrays: row c's first n[c] entries
     are its ids and counts, the rest -1 / 0 (so a gather of rows and a prefix of columns is a
-    step's padded token_ids / token_counts). Widens (doubling) as a row outgrows it."""
+    step's padded token_ids / token_counts). Widens (doubling) as a row outgrows it.
+
+    Each row also keeps its ids' columns in a dict, so `add` finds a token's entry in O(1) rather
+    than by comparing it with the row's ids. `gather` keeps the arrays it returned and, asked for
+    the same rows again, brings a kept pair up to date with the entries written since instead of
+    copying every row (a decode step asks for its rows of last step with one token more each)."""
 
     def __init__(self, capacity: int = 64, width: int = 16):
         self.ids = np.full((capacity, width), -1, np.int32)
         self.counts = np.zeros((capacity, width), np.int32)
         self.n = np.zeros(capacity, np.int64)  # [C] entries in use per row
+        self._columns: list[dict[int, int]] = [{} for _ in range(capacity)]  # per row: id -> its column
+        self._version = 0  # bumped by every write
+        self._changes: list[tuple[int, np.ndarray, np.ndarray | None]] = []  # see _changed
+        self._laid: list[_LaidOut | None] = [None] * _LAID_OUT  # gather's kept pairs, used in turn
+        self._turn = 0
 
     def ensure(self, rows: int, width: int) -> None:
         """Room for row index rows - 1 and `width` entries a row."""
@@ -59,54 +72,107 @@ class CountSlab:
         ids, counts, n = np.full(shape, -1, np.int32), np.zeros(shape, np.int32), np.zeros(shape[0], np.int64)
         ids[:capacity, :current], counts[:capacity, :current], n[:capacity] = self.ids, self.counts, self.n
         self.ids, self.counts, self.n = ids, counts, n
+        self._columns += [{} for _ in range(shape[0] - capacity)]
 
     def write(self, row: int, ids: np.ndarray, counts: np.ndarray) -> None:
-        """Row `row` holds ids / counts (its entries past them must be -1 / 0 already)."""
+        """Row `row` holds ids / counts, distinct ids (its entries past them must be -1 / 0 already)."""
         n = len(ids)
         self.ensure(row + 1, n)
         self.ids[row, :n], self.counts[row, :n] = ids, counts
         self.n[row] = n
+        self._columns[row] = dict(zip(np.asarray(ids).tolist(), range(n)))
+        self._changed(np.array([row], np.int64))
 
     def clear(self, row: int) -> None:
         if row < self.ids.shape[0]:
             n = int(self.n[row])
             self.ids[row, :n], self.counts[row, :n], self.n[row] = -1, 0, 0
+            self._columns[row] = {}
+            self._changed(np.array([row], np.int64))
 
     def add(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         """Counts tokens[j] once more in row rows[j] (appended after the row's ids where new),
-        for every j in order: all rows at once, a row listed k times in k rounds."""
+        for every j in order."""
         if len(rows) == 0:
             return
-        order = np.argsort(rows, kind="stable")  # a row's tokens keep their order
-        rows, tokens = rows[order], tokens[order]
-        starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
-        rank = np.arange(len(rows)) - np.repeat(starts, np.diff(np.r_[starts, len(rows)]))
-        for k in range(int(rank.max()) + 1):
-            at = rank == k
-            self._add_once(rows[at], tokens[at])
+        by_row = self._columns
+        columns = []
+        for r, t in zip(rows.tolist(), tokens.tolist()):
+            where = by_row[r]
+            k = where.get(t)
+            if k is None:
+                k = where[t] = len(where)
+            columns.append(k)
+        cols = np.asarray(columns, np.int64)
+        self.ensure(1, int(cols.max()) + 1)
+        self.ids[rows, cols] = tokens
+        np.add.at(self.counts, (rows, cols), 1)
+        self.n[rows] = [len(by_row[r]) for r in rows.tolist()]
+        self._changed(rows, cols)
 
-    def _add_once(self, rows: np.ndarray, tokens: np.ndarray) -> None:
-        """`add` for distinct rows."""
-        n = self.n[rows]
-        hit = self.ids[rows, :max(int(n.max()), 1)] == tokens[:, None]  # [M, max n] (-1 past a row's ids)
-        found = hit.any(axis=1)
-        k = np.where(found, hit.argmax(axis=1), n)
-        self.ensure(1, int(k.max()) + 1)
-        self.ids[rows, k] = tokens
-        self.counts[rows, k] += 1
-        self.n[rows] = np.maximum(n, k + 1)
+    def _changed(self, rows: np.ndarray, cols: np.ndarray | None = None) -> None:
+        """Notes entries written: (rows[j], cols[j]) each, or whole rows when cols is None, for
+        `gather` to bring its kept pairs up to date. Only changes a kept pair has not seen are
+        kept."""
+        self._version += 1
+        oldest = min((laid.version for laid in self._laid if laid is not None), default=self._version)
+        if len(self._changes) >= _MAX_CHANGES:  # the kept pairs are too far behind: gather afresh
+            self._laid, oldest = [None] * _LAID_OUT, self._version
+        self._changes = [c for c in self._changes if c[0] > oldest]
+        if oldest < self._version:
+            self._changes.append((self._version, rows, cols))
 
     def gather(self, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, counts) int32[len(rows), width] of slab rows `rows` (-1: an empty row), each
-        row's first `width` entries (at least its ids)."""
+        """(ids, counts) int32[len(rows), width] of slab rows `rows` (-1: an empty row; no row
+        twice), each row's first `width` entries (at least its ids). The arrays stay as returned
+        for the next _LAID_OUT - 1 calls, then may be written over: a step's sampler has read
+        them by then (it is at most one step behind the host)."""
         self.ensure(1, width)
+        key = (rows.tobytes(), width)
+        self._turn = turn = (self._turn + 1) % _LAID_OUT
+        laid = self._laid[turn]
+        if laid is not None and laid.key == key:
+            self._bring_up_to_date(laid, rows, width)
+        else:
+            taken = np.flatnonzero(rows >= 0)
+            ids = np.full((len(rows), width), -1, np.int32)
+            counts = np.zeros((len(rows), width), np.int32)
+            ids[taken], counts[taken] = self.ids[rows[taken], :width], self.counts[rows[taken], :width]
+            laid = self._laid[turn] = _LaidOut(key, ids, counts, self._version)
+        laid.version = self._version
+        self._changes = [c for c in self._changes if c[0] > min(x.version for x in self._laid if x is not None)]
+        return laid.ids, laid.counts
+
+    def _bring_up_to_date(self, laid: _LaidOut, rows: np.ndarray, width: int) -> None:
+        changes = [c for c in self._changes if c[0] > laid.version]
+        if not changes:
+            return
+        position = np.full(self.ids.shape[0], -1, np.int64)  # slab row -> row of the pair
         taken = np.flatnonzero(rows >= 0)
-        if len(taken) == len(rows):
-            return self.ids[rows, :width], self.counts[rows, :width]
-        ids = np.full((len(rows), width), -1, np.int32)
-        counts = np.zeros((len(rows), width), np.int32)
-        ids[taken], counts[taken] = self.ids[rows[taken], :width], self.counts[rows[taken], :width]
-        return ids, counts
+        position[rows[taken]] = taken
+        cells = [(r, c) for _, r, c in changes if c is not None]
+        if cells:
+            r = np.concatenate([r for r, _ in cells])
+            c = np.concatenate([c for _, c in cells])
+            at = position[r]
+            keep = (at >= 0) & (c < width)
+            r, c, at = r[keep], c[keep], at[keep]
+            laid.ids[at, c], laid.counts[at, c] = self.ids[r, c], self.counts[r, c]
+        for r in {int(r) for _, rs, c in changes if c is None for r in rs}:
+            if position[r] >= 0:
+                laid.ids[position[r]], laid.counts[position[r]] = self.ids[r, :width], self.counts[r, :width]
+
+
+_LAID_OUT = 3  # pairs gather keeps (the step being built, the one in flight, and one spare)
+_MAX_CHANGES = 64  # changes kept for them
+
+
+@dataclasses.dataclass
+class _LaidOut:
+    key: tuple[bytes, int]  # (rows.tobytes(), width) of the gather
+    ids: np.ndarray
+    counts: np.ndarray
+    version: int  # the slab's writes it includes
 
 
 class RunningCounts:

@@ -105,3 +105,51 @@ def test_repetition_penalised_greedy_generation_matches_hf(tiny_llama_dir):
                                repetition_penalty=1.8, pad_token_id=0,
                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
         assert out.outputs[0].token_ids == want[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_slab_gather_follows_every_write_and_keeps_what_it_returned(seed):
+    # A step gathers its rows, mostly the same rows as last step after a few adds (the kept
+    # pairs are brought up to date), sometimes other rows or another width, while rows are
+    # rewritten and cleared (a recount, a released slot). Every gather equals Counter over what
+    # each row was given, and the last two gathers' arrays stay as they were returned (the steps
+    # that may still be reading them).
+    rng = np.random.default_rng(seed)
+    slab, given = CountSlab(capacity=4, width=2), {}
+    rows = rng.permutation(12)[:6].astype(np.int64)
+    recent = []
+    for step in range(60):
+        kind = rng.random()
+        if kind < 0.1:
+            rows = rng.permutation(12)[:int(rng.integers(1, 8))].astype(np.int64)
+            rows[rng.random(len(rows)) < 0.2] = -1  # padding rows
+        elif kind < 0.2:
+            r = int(rng.integers(0, 12))
+            slab.clear(r)
+            given.pop(r, None)
+        elif kind < 0.3:
+            r = int(rng.integers(0, 12))
+            tokens = rng.integers(0, 40, int(rng.integers(1, 30))).tolist()
+            slab.clear(r)
+            slab.write(r, *distinct_counts([], tokens))
+            given[r] = tokens
+        add_rows = rng.integers(0, 12, int(rng.integers(0, 10))).astype(np.int64)
+        tokens = rng.integers(0, 40, len(add_rows)).astype(np.int32)
+        slab.ensure(12, 1)
+        slab.add(add_rows, tokens)
+        for r, t in zip(add_rows.tolist(), tokens.tolist()):
+            given.setdefault(r, []).append(t)
+        width = max(16, int(slab.n.max()))
+        width = width if rng.random() < 0.9 else width + 8
+        ids, counts = slab.gather(rows, width)
+        for j, r in enumerate(rows.tolist()):
+            if r < 0:
+                assert (ids[j] == -1).all() and (counts[j] == 0).all()
+                continue
+            n = len(set(given.get(r, [])))
+            assert _as_dict(ids[j, :n], counts[j, :n]) == dict(Counter(given.get(r, []))), (step, r)
+            assert (ids[j, n:] == -1).all() and (counts[j, n:] == 0).all()
+        for old, (old_ids, old_counts) in recent[-2:]:
+            np.testing.assert_array_equal(old_ids, old[0])
+            np.testing.assert_array_equal(old_counts, old[1])
+        recent.append(((ids.copy(), counts.copy()), (ids, counts)))
