@@ -6,9 +6,10 @@ it runs, so this keeps them in one slot per sequence (vLLM v1's InputBatch idea)
 the sequence first samples; a step's tensors are then numpy gathers over its rows' slots plus one
 vectorised key derivation. Rows that need per-token data (penalties, and banned ids below
 min_tokens) go through the same code as `build`'s (`SamplingTensors.from_host`), so the tensors are
-equal to `build`'s for the same rows. A step whose rows are the last step's, with no per-token
-data, reuses the last step's arrays with only its new keys (the seeds' half of the key hash kept
-too). Host-side numpy throughout: the sampler's jitted call moves the tensors to the device.
+equal to `build`'s for the same rows. A step whose rows are the last step's, with no banned ids,
+reuses the last step's arrays with only its new keys (the seeds' half of the key hash kept too)
+and its penalised rows' counts laid out again. Host-side numpy throughout: the sampler's jitted
+call moves the tensors to the device.
 
 Axis legend: R logits rows, C slot capacity.
 """
@@ -115,11 +116,24 @@ class SamplingBatch:
             out[:n] = values[slots]
             return out
 
-        # Rows without penalties or banned ids: every tensor but the keys follows from the slots
-        # alone, so the same slots as last time reuse last time's arrays. All-greedy
+        def lists(counted: np.ndarray, with_prompt: np.ndarray):
+            counted_slots = slots[counted]
+            if len(np.unique(counted_slots)) < len(counted_slots):
+                # a slot in several rows (a verify step's draft positions, each its own history):
+                # each row counted afresh into a slab of its own
+                slab = CountSlab(len(counted))
+                for j, (r, prompt) in enumerate(zip(counted.tolist(), with_prompt.tolist())):
+                    RunningCounts(*self._known(*row_tokens(r), prompt), slab, j)
+                return slab, np.arange(len(counted)), slab.n[:len(counted)].copy()
+            self._count_rows(counted.tolist(), counted_slots.tolist(), with_prompt.tolist(), row_tokens)
+            return self._slab, counted_slots, self._slab.n[counted_slots]
+
+        # Rows with no banned ids: every tensor but the keys and the penalty lists follows from
+        # the slots alone, so the same slots as last time reuse last time's arrays. All-greedy
         # tensors (greedy_only) reuse the keys too: the argmax-only sampler never reads them.
         # Sampled rows get the keys of the next KEYS_AHEAD steps at once (a decode step's rows are
-        # the last step's, one token later): a step then costs a lookup, not a dozen array ops.
+        # the last step's, one token later): a step then costs a lookup, not a dozen array ops;
+        # penalised rows then lay out only their counts.
         reuse_key = (num_rows, slots.tobytes(), seed_offsets.tobytes())
         cached = self._reusable
         if cached is not None and cached.key == reuse_key:
@@ -133,10 +147,13 @@ class SamplingBatch:
                 if ahead is None and past_min_tokens:  # (steps only grow: the window stays past it)
                     cached.ahead = self._keys_ahead(cached, steps, num_rows)
                     ahead = cached.ahead[by_steps]
-                if ahead is not None:
+                if ahead is not None and not len(cached.counted):
                     return ahead
+                if ahead is not None:
+                    token_ids, token_counts = SamplingTensors.penalty_lists(
+                        num_rows, cached.counted, cached.with_prompt, lists, self.token_width)
+                    return dataclasses.replace(ahead, token_ids=token_ids, token_counts=token_counts)
         below = self.min_tokens[slots] > steps
-        plain = not below.any() and not fields.counted_rows(lambda name: getattr(self, name)[slots]).any()
         keys = np.zeros((num_rows, 2), np.uint32)
         with np.errstate(over="ignore"):
             hashed = hash_seeds(self.seed[slots] + seed_offsets.astype(np.uint64))
@@ -144,25 +161,13 @@ class SamplingBatch:
         banned = {}
         for r in np.flatnonzero(below):  # rare: below min_tokens
             banned[int(r)] = self._params[slots[r]].banned_token_ids(int(steps[r]), self.eos_token_ids)
-
-        def lists(counted: np.ndarray, with_prompt: np.ndarray):
-            counted_slots = slots[counted]
-            if len(np.unique(counted_slots)) < len(counted_slots):
-                # a slot in several rows (a verify step's draft positions, each its own history):
-                # each row counted afresh into a slab of its own
-                slab = CountSlab(len(counted))
-                for j, (r, prompt) in enumerate(zip(counted.tolist(), with_prompt.tolist())):
-                    RunningCounts(*self._known(*row_tokens(r), prompt), slab, j)
-                return slab, np.arange(len(counted)), slab.n[:len(counted)].copy()
-            self._count_rows(counted.tolist(), counted_slots.tolist(), with_prompt.tolist(), row_tokens)
-            return self._slab, counted_slots, self._slab.n[counted_slots]
-
-        tensors = SamplingTensors.from_host(
-            {f.name: rows_of(getattr(self, f.name), f.neutral) for f in fields.FIELDS}, keys, banned, lists,
-            self.token_width)
+        arrays = {f.name: rows_of(getattr(self, f.name), f.neutral) for f in fields.FIELDS}
+        tensors = SamplingTensors.from_host(arrays, keys, banned, lists, self.token_width)
         self._reusable = None
-        if plain:
-            self._reusable = _Reusable(reuse_key, tensors, int(self.min_tokens[slots].max(initial=0)), hashed)
+        if not below.any():
+            counted = np.flatnonzero(fields.counted_rows(arrays.__getitem__))
+            self._reusable = _Reusable(reuse_key, tensors, int(self.min_tokens[slots].max(initial=0)), hashed,
+                                       counted, arrays["repetition_penalty"][counted] != 1.0)
         return tensors
 
     @staticmethod
@@ -182,19 +187,26 @@ class SamplingBatch:
 
     def _count_rows(self, rows: list[int], slots: list[int], with_prompt: list[bool], row_tokens) -> None:
         """Brings the counts of `slots` (their rows of the slab) up to date with logits rows
-        `rows`' tokens: each row's new outputs found here, all added with one `CountSlab.add`."""
+        `rows`' tokens: each row's new outputs found here (all but a trailing pending token, as
+        `_known`), all added with one `CountSlab.add`."""
         new_slots, new_tokens = [], []
-        counts_by_slot, slab = self._counts, self._slab
+        counts_by_slot, slab, pending = self._counts, self._slab, self.pending_token
         for r, slot, prompt in zip(rows, slots, with_prompt):
-            prompt_ids, output_ids, num_known = self._known(*row_tokens(r), prompt)
+            prompt_ids, output_ids = row_tokens(r)
+            if not prompt:
+                prompt_ids = ()
+            num_known = len(output_ids)
+            if num_known and output_ids[-1] == pending:
+                num_known -= 1
             counts = counts_by_slot.get(slot)
             if counts is None:
                 counts_by_slot[slot] = RunningCounts(prompt_ids, output_ids, num_known, slab, slot)
                 continue
             new = counts.advance(prompt_ids, output_ids, num_known)
-            new_slots += [slot] * len(new)
-            new_tokens += new
-        slab.add(np.asarray(new_slots, np.int64), np.asarray(new_tokens, np.int32))
+            if new:
+                new_slots += [slot] * len(new)
+                new_tokens += new
+        slab.add(new_slots, new_tokens)
 
     def _take(self) -> int:
         if not self._free:
@@ -207,11 +219,14 @@ class SamplingBatch:
 
 @dataclasses.dataclass
 class _Reusable:
-    """Tensors built for rows that needed no per-step data, reusable while the rows stay."""
+    """Tensors built for rows that banned no ids, reusable while the rows stay (with new keys
+    and, for penalised rows, new lists)."""
 
     key: tuple[int, bytes, bytes]  # (padded rows, slots bytes, seed offsets bytes)
     tensors: SamplingTensors
     min_tokens: int  # the rows' largest min_tokens: from this step on none of them bans a token
     hashed_seeds: np.ndarray  # u64[n] hash_seeds of the rows' seeds
+    counted: np.ndarray  # int64[k] the rows with a penalty (their lists are laid out every step)
+    with_prompt: np.ndarray  # bool[k] which of them count their prompt (a repetition penalty)
     # sampled rows: steps bytes -> the tensors with those steps' keys, for a window of steps
     ahead: dict[bytes, SamplingTensors] = dataclasses.field(default_factory=dict)

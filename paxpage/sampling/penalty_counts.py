@@ -90,25 +90,26 @@ class CountSlab:
             self._columns[row] = {}
             self._changed(np.array([row], np.int64))
 
-    def add(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+    def add(self, rows: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray) -> None:
         """Counts tokens[j] once more in row rows[j] (appended after the row's ids where new),
         for every j in order."""
         if len(rows) == 0:
             return
+        rows, tokens = (x.tolist() if isinstance(x, np.ndarray) else x for x in (rows, tokens))
         by_row = self._columns
         columns = []
-        for r, t in zip(rows.tolist(), tokens.tolist()):
+        for r, t in zip(rows, tokens):
             where = by_row[r]
             k = where.get(t)
             if k is None:
                 k = where[t] = len(where)
             columns.append(k)
-        cols = np.asarray(columns, np.int64)
-        self.ensure(1, int(cols.max()) + 1)
-        self.ids[rows, cols] = tokens
-        np.add.at(self.counts, (rows, cols), 1)
-        self.n[rows] = [len(by_row[r]) for r in rows.tolist()]
-        self._changed(rows, cols)
+        at = (np.asarray(rows, np.int64), np.asarray(columns, np.int64))
+        self.ensure(1, max(columns) + 1)
+        self.ids[at] = tokens
+        np.add.at(self.counts, at, 1)
+        self.n[at[0]] = [len(by_row[r]) for r in rows]
+        self._changed(*at)
 
     def _changed(self, rows: np.ndarray, cols: np.ndarray | None = None) -> None:
         """Notes entries written: (rows[j], cols[j]) each, or whole rows when cols is None, for
@@ -220,7 +221,7 @@ class RunningCounts:
         returns the number of distinct ids (see `advance`)."""
         new = self.advance(prompt_ids, output_ids, len(output_ids) if num_known is None else num_known)
         if new:
-            self.slab.add(np.full(len(new), self.row, np.int64), np.asarray(new, np.int32))
+            self.slab.add([self.row] * len(new), new)
         return self.n
 
     def counts_of(self, prompt_ids: Sequence[int], output_ids: list[int], num_known: int | None = None

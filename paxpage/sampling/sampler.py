@@ -203,23 +203,8 @@ class SamplingTensors:
         # and its penalty stage is skipped on device.
         needs_output = fields.counted_rows(arrays.__getitem__)
         counted = np.flatnonzero(needs_output)
-        slab, slab_rows, sizes = None, None, np.zeros(0, np.int64)
-        if len(counted):
-            slab, slab_rows, sizes = lists(counted, arrays["repetition_penalty"][counted] != 1.0)
-        needed = int(sizes.max(initial=0))
-        if token_width is not None and token_width < needed:
-            raise ValueError(f"token_width={token_width} is smaller than the {needed} distinct "
-                             "penalty tokens (prompt + output) of the row with the most")
-        width = _bucket(needed, _MIN_TOKEN_WIDTH)
-        if token_width is not None:
-            width = min(width, max(token_width, needed))
-        if slab is None:
-            token_ids = np.full((num_rows, width), -1, np.int32)
-            token_counts = np.zeros((num_rows, width), np.int32)
-        else:
-            rows = np.full(num_rows, -1, np.int64)
-            rows[counted] = slab_rows
-            token_ids, token_counts = slab.gather(rows, width)
+        token_ids, token_counts = cls.penalty_lists(num_rows, counted, arrays["repetition_penalty"][counted] != 1.0,
+                                                    lists, token_width)
         banned_ids = np.full((num_rows, _bucket(max(map(len, banned.values()), default=0), _MIN_BANNED_WIDTH)),
                              -1, np.int32)
         for i, ids in banned.items():
@@ -234,6 +219,28 @@ class SamplingTensors:
         # (jax 0.10.2).
         return cls(**{name: arrays[name] for name in fields.NAMES}, keys=keys, token_ids=token_ids,
                    token_counts=token_counts, banned_ids=banned_ids, greedy_only=greedy_only, penalised=penalised)
+
+    @staticmethod
+    def penalty_lists(num_rows: int, counted: np.ndarray, with_prompt: np.ndarray, lists,
+                      token_width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(token_ids, token_counts) int32[num_rows, S] of `from_host`: rows `counted` (int64[k])
+        laid out by `lists(counted, with_prompt)` (see from_host), the other rows empty (-1 / 0);
+        S the bucketed width of the row with the most distinct tokens."""
+        slab, slab_rows, sizes = None, None, np.zeros(0, np.int64)
+        if len(counted):
+            slab, slab_rows, sizes = lists(counted, with_prompt)
+        needed = int(sizes.max(initial=0))
+        if token_width is not None and token_width < needed:
+            raise ValueError(f"token_width={token_width} is smaller than the {needed} distinct "
+                             "penalty tokens (prompt + output) of the row with the most")
+        width = _bucket(needed, _MIN_TOKEN_WIDTH)
+        if token_width is not None:
+            width = min(width, max(token_width, needed))
+        if slab is None:
+            return np.full((num_rows, width), -1, np.int32), np.zeros((num_rows, width), np.int32)
+        rows = np.full(num_rows, -1, np.int64)
+        rows[counted] = slab_rows
+        return slab.gather(rows, width)
 
 
 def _eos_tuple(eos_token_ids: Sequence[int] | int | None) -> tuple[int, ...]:

@@ -168,3 +168,44 @@ def test_reused_rows_get_each_steps_keys_across_windows():
         for name in ("keys", "temperature", "top_p", "banned_ids"):
             np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)),
                                           f"{name} at offset {offset}")
+
+
+def test_steady_penalised_rows_reuse_their_arrays_with_this_steps_counts():
+    """The steady decode step with penalised rows: the same rows one token later, step after
+    step (each output ending in the async placeholder), some below min_tokens at first. The
+    fields and keys are reused and only the counts laid out again; every step equals build's
+    over the outputs without the placeholder."""
+    rng = np.random.default_rng(3)
+    pending = -1
+    batch = SamplingBatch(VOCAB, EOS, token_width=64, pending_token=pending)
+    params = [SamplingParams(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.25),
+              SamplingParams(temperature=0.0, presence_penalty=0.5),
+              SamplingParams(temperature=0.8, top_p=0.9),
+              SamplingParams(temperature=0.7, repetition_penalty=1.1, min_tokens=4, max_tokens=100)]
+    prompts = [rng.integers(0, VOCAB, 6).tolist() for _ in params]
+    outs = [[] for _ in params]
+    slots = np.array([batch.slot(k, p, 100 + k) for k, p in enumerate(params)], np.int64)
+    previous, reused = None, 0
+    for _ in range(40):
+        for out in outs:  # the placeholder of the step read, replaced; this step's, pending
+            if out:
+                out[-1] = int(rng.integers(0, VOCAB))
+            out.append(pending)
+        steps = np.array([len(out) for out in outs], np.int64)
+        got = batch.tensors(slots, np.zeros(len(params), np.int64), steps, lambda r: (prompts[r], outs[r]),
+                            pad_rows_to=6)
+        # counts: the outputs before the placeholder; the rest (min_tokens' banned ids): as many
+        # outputs as the row has, the placeholder one of them
+        counted, full = (SamplingTensors.build(
+            [RowInfo(p, prompt, seen, 100 + k, len(out))
+             for k, (p, prompt, out, seen) in enumerate(zip(params, prompts, outs, seens))],
+            VOCAB, pad_rows_to=6, eos_token_ids=EOS, token_width=64)
+            for seens in ([out[:-1] for out in outs], [out[:-1] + [0] for out in outs]))
+        for name in FIELDS:
+            if name in ("token_ids", "token_counts"):
+                np.testing.assert_array_equal(_by_id(got, name), _by_id(counted, name), name)
+            else:
+                np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(full, name)), name)
+        reused += previous is not None and got.temperature is previous.temperature
+        previous = got
+    assert reused >= 30  # past min_tokens every step reuses the fields
