@@ -31,6 +31,10 @@ ignored (its own page size: its CPU attention takes multiples of 32). Its start-
 paxpage's) are timed apart; then its passes alternate with paxpage's on the same prompts, the
 fastest counts. The first tokens of every output are compared (same greedy tokens).
 
+Then the passes' matmul FLOPs (every prompt and fed-back token through each layer's projections,
+every sampled token through the LM head) over each system's wall time, beside numpy's f32 matmul
+rate on the same machine (timed first, on idle cores): how far either is from the f32 ceiling.
+
 Last, one steady decode step of max_num_seqs rows is profiled: full jitted step, the step
 with attention (and the KV write) swapped for no-ops, the model without the sampler, the
 sampler alone, and host packing; shares are rough (separately timed parts, noisy machine).
@@ -65,7 +69,8 @@ from throughput_pass import FIRST_TOKENS, rates, run_paxpage  # noqa: E402
 # the peers (scripts/throughput_peers.py) and the run's figures (scripts/throughput_report.py);
 # the tests reach them as bench_throughput.<name>
 from throughput_peers import run_hf, same_tokens, start_vllm, vllm_pass  # noqa: E402
-from throughput_report import doc_tables, print_pass, print_profile, vllm_summary  # noqa: E402
+from throughput_report import (doc_tables, matmul_ceiling, print_pass, print_profile, sgemm_gflops,  # noqa: E402
+                               vllm_summary)
 
 
 def compare_batch_invariant(model, work: wl.Workload, cfg: paxpage.EngineConfig, default_pass, args) -> dict:
@@ -131,6 +136,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     compile_counter.install()
+    # numpy's f32 matmul rate before anything else runs (a vLLM peer's idle process, or XLA's
+    # threads just after a step, would share the cores)
+    args.sgemm_gflops = sgemm_gflops()
     if args.xla_cache:
         from paxpage import xla_cache
 
@@ -218,6 +226,9 @@ def _measure(args, model, cfg, work, summary, warm, vllm, vllm_info) -> int:
     if vllm_passes:
         vllm_record, vllm_ratios = vllm_summary(pax, passes, vllm_passes, vllm_info, warm)
 
+    # How far the passes are from this machine's f32 matmul rate (the matmuls are most of a step)
+    matmuls = matmul_ceiling(model.config, work, pax, vllm_record, args.sgemm_gflops)
+
     invariant = compare_batch_invariant(model, work, cfg, measured_pass, args) if args.batch_invariant else None
 
     profile = None
@@ -233,6 +244,7 @@ def _measure(args, model, cfg, work, summary, warm, vllm, vllm_info) -> int:
             "paxpage": pax, "warmup": warm, "hf": hf, "ratio": ratio,
             "vllm": vllm_record, "ratio_paxpage_over_vllm": vllm_ratios,
             "compiles_after_warmup": compiles_after, "profile": profile, "batch_invariant": invariant,
+            "matmuls": matmuls,
         }
         wl.write_json(args.json, data, tables=doc_tables(data))
     if compiles_after and not args.allow_compiles:

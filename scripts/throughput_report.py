@@ -5,6 +5,10 @@ and the docs' tables made from the run's JSON record.
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
+
 
 def print_pass(k: int, pax: dict) -> None:
     """Measured pass k: its rates, steps, TTFT / TPOT percentiles and padding."""
@@ -45,6 +49,54 @@ def vllm_summary(pax: dict, passes: list[dict], vllm_passes: list[dict], vllm_in
           + f"; warm-up paxpage / vLLM {vllm_ratios['warmup_pass_s']:.2f}x the warm-up pass, "
           f"{vllm_ratios['warmup_s']:.2f}x with its start-up", flush=True)
     return vllm_record, vllm_ratios
+
+
+def matmul_flops(config, layer_tokens: int, sampled_rows: int) -> float | None:
+    """FLOPs of a pass's dense matmuls (2 per weight per row): `layer_tokens` tokens through every
+    layer's projections (q, k, v, o, gate, up, down) and `sampled_rows` rows through the LM head.
+    None for a family whose layers are not those (experts, latent attention)."""
+    if config.num_experts or config.kv_lora_rank:
+        return None
+    h, d = config.hidden_size, config.head_dim
+    per_layer = 2 * h * config.num_heads * d + 2 * h * config.num_kv_heads * d + 3 * h * config.intermediate_size
+    return 2.0 * (config.num_layers * per_layer * layer_tokens + h * config.vocab_size * sampled_rows)
+
+
+def sgemm_gflops(n: int = 2048, repeats: int = 3) -> float:
+    """This machine's f32 matmul rate as numpy's BLAS gets it on every core: the fastest of
+    `repeats` [n, n] x [n, n] products, GFLOP/s."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n ** 3 / best / 1e9
+
+
+def matmul_ceiling(config, work, pax: dict, vllm_record: dict | None, peak_gflops: float) -> dict | None:
+    """Each system's fastest pass as matmul GFLOP/s (the pass's matmul FLOPs over its wall time)
+    and as a fraction of `peak_gflops` (sgemm_gflops), and what 1.2x vLLM's output rate would
+    ask; printed. None when matmul_flops is (not a dense llama-style family)."""
+    flops = matmul_flops(config, sum(work.prompt_lens) + sum(work.output_lens) - len(work.output_lens),
+                         sum(work.output_lens))
+    if flops is None:
+        return None
+    record = {"pass_tflop": flops / 1e12, "sgemm_gflops": peak_gflops,
+              "paxpage_gflops": flops / pax["wall_s"] / 1e9}
+    line = (f"matmuls: {record['pass_tflop']:.2f} TFLOP a pass; numpy's sgemm on this machine "
+            f"{peak_gflops:.0f} GFLOP/s; paxpage {record['paxpage_gflops']:.0f} GFLOP/s "
+            f"({record['paxpage_gflops'] / peak_gflops:.0%})")
+    if vllm_record is not None:
+        record["vllm_gflops"] = flops / vllm_record["wall_s"] / 1e9
+        record["gflops_for_1_2x_vllm"] = 1.2 * record["vllm_gflops"]
+        line += (f", vLLM {record['vllm_gflops']:.0f} ({record['vllm_gflops'] / peak_gflops:.0%}); "
+                 f"1.2x vLLM asks {record['gflops_for_1_2x_vllm']:.0f} "
+                 f"({record['gflops_for_1_2x_vllm'] / peak_gflops:.0%}) over the whole pass")
+    print(line, flush=True)
+    return record
 
 
 def print_profile(profile: dict) -> None:

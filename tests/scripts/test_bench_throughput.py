@@ -46,11 +46,28 @@ def test_bench_throughput_smoke(tiny_model_dir, tmp_path, capsys):
     assert set(data["paxpage"]["tpot_s"]) == {"p50", "p90", "p99"}
     assert set(data["profile"]["shares"]) == {"matmuls_and_rest", "attention_and_kv_write", "sampling",
                                               "host_packing"}
-    assert "ratio paxpage / HF" in capsys.readouterr().out
+    assert data["matmuls"]["paxpage_gflops"] > 0 and data["matmuls"]["sgemm_gflops"] > 0
+    out = capsys.readouterr().out
+    assert "ratio paxpage / HF" in out and "TFLOP a pass" in out
     rows = _check_record(data, "throughput")
     assert rows[0][:3] == ["paxpage", round(data["paxpage"]["requests_per_s"], 2),
                            round(data["paxpage"]["output_tok_per_s"], 1)]
     assert rows[1][2] == round(data["hf"]["output_tok_per_s"], 1)
+
+
+def test_matmul_flops_are_twice_the_hf_linear_weights_each_row_multiplies(tiny_model_dir):
+    """A pass's matmul FLOPs: every layer token multiplies each decoder layer's nn.Linear weights
+    once (2 FLOPs a weight), every sampled row the LM head's, counted on HF's own model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import paxpage
+
+    report = _load_script("throughput_report")
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    layer_weights = sum(m.weight.numel() for m in hf.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    assert report.matmul_flops(paxpage.load(tiny_model_dir).config, 7, 3) == \
+        2 * (7 * layer_weights + 3 * hf.lm_head.weight.numel())
 
 
 def test_vllm_peer_skipped_without_its_venv(tmp_path, capsys, monkeypatch):
