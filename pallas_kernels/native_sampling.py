@@ -47,7 +47,7 @@ def proposal_draw_native(
     best: jax.Array,  # f32[R]: max(logits) / temperature
     l_min: jax.Array,  # f32[R]: min-p's logit floor (-inf: off)
     top_p: jax.Array,  # f32[R]: 1 = off
-    keys: jax.Array,  # u32[R, 2]: the row keys (paxpage/sampling/sampler.py row_keys)
+    keys: jax.Array,  # u32[R, 2]: the row keys (paxpage/sampling/tensors.py row_keys)
     active: jax.Array,  # bool[R]: rows to draw (others give token 0, not accepted)
 ) -> tuple[jax.Array, jax.Array]:  # (token i32[R], accepted bool[R])
     if not loaded():
@@ -66,7 +66,7 @@ def proposal_draw_ref(
     best: jax.Array,  # f32[R]: max(logits) / temperature
     l_min: jax.Array,  # f32[R]: min-p's logit floor (-inf: off)
     top_p: jax.Array,  # f32[R]: 1 = off
-    keys: jax.Array,  # u32[R, 2]: the row keys (paxpage/sampling/sampler.py row_keys)
+    keys: jax.Array,  # u32[R, 2]: the row keys (paxpage/sampling/tensors.py row_keys)
     active: jax.Array,  # bool[R]: rows to draw (others give token 0, not accepted)
 ) -> tuple[jax.Array, jax.Array]:  # (token i32[R], accepted bool[R])
     """The sampler's own proposal draw in XLA ops (paxpage/sampling/draw.py two_level_draw, round

@@ -35,7 +35,7 @@ from paxpage.packing import logprob_bucket
 from paxpage.runner import ModelRunner
 from paxpage.sampling.batch import SamplingBatch
 from paxpage.sampling.params import SamplingParams
-from paxpage.sampling.sampler import SamplingTensors
+from paxpage.sampling.tensors import SamplingTensors
 from paxpage.scheduler import Scheduler, SchedulerConfig
 from paxpage.speculative.coordinator import SpeculationCoordinator
 from paxpage.step_plan import plan_step

@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from paxpage.sampling import sampler as sampler_lib  # noqa: E402
+from paxpage.sampling.tensors import RowInfo  # noqa: E402
 from paxpage.sampling.params import SamplingParams  # noqa: E402
 
 CASES = {
@@ -44,12 +45,13 @@ CASES = {
 }
 
 
-# Where a checkout keeps the sampler and the device code it imports, (module name, file) in import
-# order: the sampling package, or the flat layout (paxpage/sampler.py beside paxpage/sampling_draw.py).
+# Where a checkout keeps the sampler and the modules it imports, (module name, file) in import
+# order: the sampling package (with its tensors module where it has one), or the flat layout
+# (paxpage/sampler.py beside paxpage/sampling_draw.py).
 # A flat-layout sampler imports this tree's modules under their flat names, bar those its checkout has.
 _LAYOUTS = (
     (("paxpage.sampling.noise", "paxpage/sampling/noise.py"), ("paxpage.sampling.draw", "paxpage/sampling/draw.py"),
-     (None, "paxpage/sampling/sampler.py")),
+     ("paxpage.sampling.tensors", "paxpage/sampling/tensors.py"), (None, "paxpage/sampling/sampler.py")),
     (("paxpage.sampling_noise", "paxpage/sampling_noise.py"), ("paxpage.sampling_draw", "paxpage/sampling_draw.py"),
      (None, "paxpage/sampler.py")),
 )
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         fns = {}
         for label, (module, impl) in modules.items():
             for name in names:
-                rows = [module.RowInfo(CASES[name], prompt, output, r) for r in range(args.rows)]
+                rows = [RowInfo(CASES[name], prompt, output, r) for r in range(args.rows)]
                 options = {} if impl is None else {"draw_impl": impl}
 
                 def call(module=module, rows=rows, options=options):

@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 import paxpage  # noqa: E402
 from models.families import build_model  # noqa: E402
 from paxpage.sampling import sampler as sampler_lib  # noqa: E402
+from paxpage.sampling.tensors import SamplingTensors  # noqa: E402
 
 
 def lower_compile(jitted, *args) -> tuple[float, float]:
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
     vocab = model.config.vocab_size
     print(f"{'rows':>10} {'greedy lower':>13} {'compile':>8} {'full lower':>11} {'compile':>8}", flush=True)
     for rows in args.rows:
-        greedy = sampler_lib.SamplingTensors.build([], vocab, pad_rows_to=rows, token_width=256)
+        greedy = SamplingTensors.build([], vocab, pad_rows_to=rows, token_width=256)
         logits = jnp.zeros((rows, vocab), jnp.float32)
         sample = jax.jit(lambda lg, t: sampler_lib.sample(lg, t, 0))
         g = lower_compile(sample, logits, greedy)

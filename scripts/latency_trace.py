@@ -123,7 +123,7 @@ def install() -> Trace:
     from paxpage.output_processor import OutputProcessor
     from paxpage.packing import Packer
     from paxpage.runner import ModelRunner
-    from paxpage.sampling.sampler import SamplingTensors
+    from paxpage.sampling.tensors import SamplingTensors
     from paxpage.sampling.batch import SamplingBatch
     from paxpage.scheduler import Scheduler
     from paxpage.server import sse

@@ -28,6 +28,7 @@ def profile_decode_step(model: paxpage.Model, cfg: paxpage.EngineConfig, context
     from pallas_kernels import reference
     from pallas_kernels.xla_attention import paged_attention_xla
     from paxpage.sampling import sampler as sampler_lib
+    from paxpage.sampling.tensors import RowInfo, SamplingTensors
     from paxpage.packing import RowPlan
 
     engine = model.engine(cfg)
@@ -44,9 +45,9 @@ def profile_decode_step(model: paxpage.Model, cfg: paxpage.EngineConfig, context
             tokens = rng.integers(0, model.config.vocab_size, context + 1).tolist()
             table = list(range(r * pages_per_row, (r + 1) * pages_per_row))
             plans.append(RowPlan(tokens, table, context, 1, 1))
-            infos.append(sampler_lib.RowInfo(sp, tokens[:context], tokens[context:], r))
+            infos.append(RowInfo(sp, tokens[:context], tokens[context:], r))
         batch = runner.packer.pack(plans)[0]
-        tensors = sampler_lib.SamplingTensors.build(
+        tensors = SamplingTensors.build(
             infos, model.config.vocab_size, pad_rows_to=len(batch.logits_indices),
             eos_token_ids=engine.eos_token_ids, token_width=rcfg.max_model_len)
         return batch, tensors

@@ -2,7 +2,8 @@
 
   params.py          SamplingParams, validated at construction (pure Python)
   fields.py          the one table of per-row fields the packers read (name, dtype, neutral value)
-  sampler.py         SamplingTensors (the per-row arrays) and the jitted `sample`
+  tensors.py         SamplingTensors (a step's per-row host arrays) and the row keys of the draws
+  sampler.py         the jitted `sample`: penalties, filters, the draw, logprobs
   batch.py           SamplingBatch: the running sequences' fields kept in per-slot arrays
   penalty_counts.py  running token counts of penalised rows (pure numpy)
   draw.py            the exact Gumbel-max draw and argmax over the vocabulary

@@ -24,7 +24,7 @@ import numpy as np
 from paxpage.sampling import fields
 from paxpage.sampling.params import SamplingParams
 from paxpage.sampling.penalty_counts import CountSlab, RunningCounts
-from paxpage.sampling.sampler import SamplingTensors, hash_seeds, keys_of_hashed
+from paxpage.sampling.tensors import SamplingTensors, hash_seeds, keys_of_hashed
 
 _MASK64 = (1 << 64) - 1
 KEYS_AHEAD = 16  # decode steps whose keys sampled rows get at once
@@ -187,17 +187,11 @@ class SamplingBatch:
 
     def _count_rows(self, rows: list[int], slots: list[int], with_prompt: list[bool], row_tokens) -> None:
         """Brings the counts of `slots` (their rows of the slab) up to date with logits rows
-        `rows`' tokens: each row's new outputs found here (all but a trailing pending token, as
-        `_known`), all added with one `CountSlab.add`."""
+        `rows`' tokens: each row's new outputs found here, all added with one `CountSlab.add`."""
         new_slots, new_tokens = [], []
-        counts_by_slot, slab, pending = self._counts, self._slab, self.pending_token
+        counts_by_slot, slab, known = self._counts, self._slab, self._known
         for r, slot, prompt in zip(rows, slots, with_prompt):
-            prompt_ids, output_ids = row_tokens(r)
-            if not prompt:
-                prompt_ids = ()
-            num_known = len(output_ids)
-            if num_known and output_ids[-1] == pending:
-                num_known -= 1
+            prompt_ids, output_ids, num_known = known(*row_tokens(r), prompt)
             counts = counts_by_slot.get(slot)
             if counts is None:
                 counts_by_slot[slot] = RunningCounts(prompt_ids, output_ids, num_known, slab, slot)

@@ -202,7 +202,7 @@ def draw(logits: jax.Array, best_logit: jax.Array, temperature: jax.Array, top_k
          proposal=None, branchless: bool | None = None) -> jax.Array:
     """Tokens i32[R] for logits f32[R, V] (penalised), best_logit f32[R] = their row max,
     temperature f32[R] (rows with `greedy` take the argmax), top_k i32[R] (0 off),
-    top_p f32[R], min_p f32[R], keys u32[R, 2] the row keys (sampler.row_keys).
+    top_p f32[R], min_p f32[R], keys u32[R, 2] the row keys (tensors.row_keys).
     proposal: None (the proposal path in XLA ops), or a function with the signature of
     pallas_kernels.native_sampling.proposal_draw_ref that runs it instead (the native CPU kernel).
     branchless: see by_platform (None: selects where this lowers for a GPU). Without branches

@@ -50,7 +50,8 @@ from paxpage.runner import ModelRunner
 from paxpage.sampling import fields
 from paxpage.sampling.draw import argmax_rows
 from paxpage.sampling.params import GREEDY_TEMPERATURE, SamplingParams
-from paxpage.sampling.sampler import filter_logits, row_key
+from paxpage.sampling.sampler import filter_logits
+from paxpage.sampling.tensors import row_key
 
 # Mixed into each sampled row's seed so the draft's draws are independent of the target's
 # (the acceptance test's uniforms must not be correlated with how the draft picked its token).

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from paxpage.sampling import sampler as sampler_lib
+from paxpage.sampling.tensors import SamplingTensors
 from paxpage.sampling.draw import cond_or_select
 from paxpage.sampling.params import GREEDY_TEMPERATURE
 
@@ -39,7 +40,7 @@ _ACCEPT_SALT = 0x5EC0  # fold_in constants: the row key's draws for acceptance a
 _RESIDUAL_SALT = 0x5EC1
 
 
-def target_probs(penalised: jax.Array, t: sampler_lib.SamplingTensors) -> jax.Array:
+def target_probs(penalised: jax.Array, t: SamplingTensors) -> jax.Array:
     """The processed distribution p f32[R, V] of sampled rows: penalised logits / temperature,
     top-k / top-p / min-p filtered (as the sampler filters), softmax."""
     temperature = jnp.maximum(t.temperature, GREEDY_TEMPERATURE)[:, None]
@@ -74,7 +75,7 @@ def accept_rows(p: jax.Array, draft_ids: jax.Array, q: jax.Array | None, keys: j
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs", "draw_impl"))
-def verify(logits: jax.Array, t: sampler_lib.SamplingTensors, draft_ids: jax.Array,
+def verify(logits: jax.Array, t: SamplingTensors, draft_ids: jax.Array,
            draft_dists: jax.Array | None = None, num_logprobs: int = 0, allowed: jax.Array | None = None,
            pending=None, draw_impl: str = "xla") -> tuple[sampler_lib.SamplerOutput, jax.Array]:
     """logits f32[R, V], draft_ids i32[R] (-1 none), draft_dists f32[R, V] or None (one-hot),

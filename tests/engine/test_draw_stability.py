@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from paxpage.sampling.params import SamplingParams
-from paxpage.sampling.sampler import RowInfo, SamplingTensors, sample
+from paxpage.sampling.sampler import sample
+from paxpage.sampling.tensors import RowInfo, SamplingTensors
 
 NUM_ROWS, VOCAB, HEAD, BLOCK = 256, 49152, 16, 256
 NEAR_TIE = 1e-4  # a score gap below this may flip under a 1e-6 change of the logits

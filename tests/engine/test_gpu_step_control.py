@@ -22,6 +22,7 @@ from models.config import ModelConfig
 from models.param_layout import param_shapes
 from pallas_kernels.gpu_launches import export_for
 from paxpage.sampling import sampler as sampler_lib
+from paxpage.sampling.tensors import SamplingTensors
 from paxpage.config import EngineConfig
 from paxpage.hlo_control import data_dependent_control
 from paxpage.runner import ModelRunner
@@ -79,7 +80,7 @@ def test_step_for_cuda_has_no_data_dependent_control(model, impl):
 
 
 def _sampler_variants():
-    greedy = sampler_lib.SamplingTensors.build([], VOCAB, pad_rows_to=ROWS)
+    greedy = SamplingTensors.build([], VOCAB, pad_rows_to=ROWS)
     sampled = dataclasses.replace(greedy, greedy_only=False, penalised=False)
     return {"greedy": greedy, "sampled": sampled, "penalised": dataclasses.replace(sampled, penalised=True)}
 

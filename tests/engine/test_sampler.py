@@ -10,7 +10,8 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from paxpage.sampling.params import SamplingParams
-from paxpage.sampling.sampler import RowInfo, SamplingTensors, apply_penalties, filter_logits, row_key, sample
+from paxpage.sampling.sampler import apply_penalties, filter_logits, sample
+from paxpage.sampling.tensors import RowInfo, SamplingTensors, row_key
 
 # Upper 0.1% points of the chi-square distribution by degrees of freedom (scipy is not installed).
 CHI2_CRITICAL_0_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}

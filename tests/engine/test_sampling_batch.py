@@ -7,7 +7,7 @@ import pytest
 
 from paxpage.sampling.batch import SamplingBatch
 from paxpage.sampling.params import SamplingParams
-from paxpage.sampling.sampler import RowInfo, SamplingTensors, row_key, row_keys
+from paxpage.sampling.tensors import RowInfo, SamplingTensors, row_key, row_keys
 
 VOCAB = 50
 EOS = (3, 7)

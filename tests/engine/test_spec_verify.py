@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxpage.sampling.params import SamplingParams
-from paxpage.sampling.sampler import RowInfo, SamplingTensors
+from paxpage.sampling.tensors import RowInfo, SamplingTensors
 from paxpage.speculative.verify import verify
 from tests.engine.test_sampler import LOGITS, PROBS, _chi_square_check, _draw, _keep
 

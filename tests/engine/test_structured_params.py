@@ -101,7 +101,8 @@ def test_device_mask_matches_llguidance_reference():
 def test_every_sampling_mode_respects_the_mask():
     import jax.numpy as jnp
 
-    from paxpage.sampling.sampler import SamplingTensors, sample
+    from paxpage.sampling.sampler import sample
+    from paxpage.sampling.tensors import SamplingTensors
 
     vocab, rows = 300, 8
     rng = np.random.default_rng(1)

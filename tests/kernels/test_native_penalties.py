@@ -15,6 +15,7 @@ import pytest
 from pallas_kernels import native_penalties
 from pallas_kernels.native_penalties import apply_penalties_native, apply_penalties_ref
 from paxpage.sampling import sampler as sampler_lib
+from paxpage.sampling.tensors import RowInfo, SamplingTensors
 from paxpage.sampling.params import SamplingParams
 
 pytestmark = [
@@ -66,8 +67,8 @@ def _case(seed, num_rows=12, vocab=1000, prompt_len=40, output_len=30):
     # pending: a listed output, a new token, or none
     pending = np.array([(outputs[r][-1] if outputs[r] and r % 3 == 0 else rng.integers(0, vocab)) if r % 3 != 2 else -1
                         for r in range(num_rows)], np.int32)
-    rows = [sampler_lib.RowInfo(p, prompts[r], outputs[r], r) for r, p in enumerate(params)]
-    t = sampler_lib.SamplingTensors.build(rows, vocab)
+    rows = [RowInfo(p, prompts[r], outputs[r], r) for r, p in enumerate(params)]
+    t = SamplingTensors.build(rows, vocab)
     ids = np.asarray(t.banned_ids).copy()
     for r, b in banned.items():
         ids[r, :len(b)] = b
@@ -93,7 +94,7 @@ def test_padding_rows_and_shapes():
     """Padding rows (greedy, no penalty, ids -1) stay as they are; ids past the vocabulary are
     ignored as padding is; a shape mismatch is refused by the kernel."""
     logits, t, *_ = _case(3, num_rows=5)
-    t = sampler_lib.SamplingTensors.build([sampler_lib.RowInfo(SamplingParams(repetition_penalty=1.5), [1, 2], [3], 0)],
+    t = SamplingTensors.build([RowInfo(SamplingParams(repetition_penalty=1.5), [1, 2], [3], 0)],
                                           1000, pad_rows_to=5)
     got = np.asarray(NATIVE(jnp.asarray(logits), t, jnp.asarray([-1, 5, 5, 5, 5], jnp.int32)))
     np.testing.assert_array_equal(got[1:], logits[1:])

@@ -14,6 +14,7 @@ import pytest
 from pallas_kernels import native_sampling
 from pallas_kernels.native_sampling import proposal_draw_native, proposal_draw_ref
 from paxpage.sampling import sampler as sampler_lib
+from paxpage.sampling.tensors import RowInfo, SamplingTensors, row_keys
 from paxpage.sampling.params import SamplingParams
 
 pytestmark = [
@@ -40,7 +41,7 @@ def _rows(logits, temperature=1.0, top_p=1.0, min_p=0.0, active=None, seed=0):
     best_logit = np.nanmax(logits, axis=-1)
     best = best_logit / t
     l_min = (best_logit + t * np.log(min_p)) if min_p > 0 else np.full(num_rows, -np.inf)
-    keys = sampler_lib.row_keys(np.full(num_rows, seed), np.arange(num_rows))
+    keys = row_keys(np.full(num_rows, seed), np.arange(num_rows))
     active = np.ones(num_rows, bool) if active is None else active
     return [jnp.asarray(a) for a in (logits, t, best, l_min.astype(np.float32),
                                      np.full(num_rows, top_p, np.float32), keys, active)]
@@ -111,8 +112,8 @@ def test_sampler_draws_through_the_native_kernel():
     distribution) and with the same greedy rows as the XLA path."""
     probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
     logits = jnp.asarray(np.log(np.tile(probs, (3000, 1))).astype(np.float32))
-    rows = [sampler_lib.RowInfo(SamplingParams(top_p=0.8, seed=r), [1], [], r) for r in range(3000)]
-    t = sampler_lib.SamplingTensors.build(rows, len(probs))
+    rows = [RowInfo(SamplingParams(top_p=0.8, seed=r), [1], [], r) for r in range(3000)]
+    t = SamplingTensors.build(rows, len(probs))
     tokens = np.asarray(sampler_lib.sample(logits, t, draw_impl="native").token_ids)
     kept = probs[:3] / probs[:3].sum()  # strictly-better mass below 0.8: tokens 0, 1, 2
     counts = np.bincount(tokens, minlength=len(probs))
@@ -120,14 +121,14 @@ def test_sampler_draws_through_the_native_kernel():
     expected = 3000 * kept
     chi2 = float(np.sum((counts[:3] - expected) ** 2 / expected))
     assert chi2 < 13.8, (counts, expected)  # chi-square, 2 degrees of freedom, p = 0.001
-    greedy = [sampler_lib.RowInfo(SamplingParams(temperature=0), [1], [], r) for r in range(4)]
-    tg = sampler_lib.SamplingTensors.build(greedy, len(probs))
+    greedy = [RowInfo(SamplingParams(temperature=0), [1], [], r) for r in range(4)]
+    tg = SamplingTensors.build(greedy, len(probs))
     np.testing.assert_array_equal(np.asarray(sampler_lib.sample(logits[:4], tg, draw_impl="native").token_ids),
                                   np.zeros(4))
 
 
 def test_unknown_draw_impl_raises():
-    rows = [sampler_lib.RowInfo(SamplingParams(temperature=0.5), [1], [], 0)]
-    t = sampler_lib.SamplingTensors.build(rows, 8)
+    rows = [RowInfo(SamplingParams(temperature=0.5), [1], [], 0)]
+    t = SamplingTensors.build(rows, 8)
     with pytest.raises(ValueError, match="draw_impl"):
         sampler_lib.sample(jnp.zeros((1, 8)), t, draw_impl="fast")
