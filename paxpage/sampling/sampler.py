@@ -39,6 +39,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.invariant_ops import pairwise_sum
 from paxpage.sampling import fields
