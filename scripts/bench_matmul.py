@@ -42,6 +42,16 @@ def shapes_of(config) -> dict[str, tuple[int, int]]:
             "lm_head": (h, config.vocab_size)}
 
 
+# One layer's projections by name, each to its shapes_of key (k and v share a shape, as gate and up).
+LAYER_PROJECTIONS = {"q": "q", "k": "kv", "v": "kv", "o": "o", "gate": "gate_up", "up": "gate_up", "down": "down"}
+
+
+def layer_weights(config) -> int:
+    """The weights one token multiplies in one layer's projections (LAYER_PROJECTIONS)."""
+    shapes = shapes_of(config)
+    return sum(shapes[key][0] * shapes[key][1] for key in LAYER_PROJECTIONS.values())
+
+
 def time_one(batch: int, n_in: int, n_out: int, iters: int) -> dict:
     import jax
     import jax.numpy as jnp
@@ -121,8 +131,7 @@ def time_stack(batch: int, shapes: dict, num_layers: int, iters: int) -> dict | 
     if not native_linear.load(native_dir()):
         return None
     rng = np.random.default_rng(2)
-    names = {"q": "q", "k": "kv", "v": "kv", "o": "o", "gate": "gate_up", "up": "gate_up", "down": "down"}
-    plain = [{k: jnp.asarray(rng.standard_normal(shapes[s], np.float32) * 0.02) for k, s in names.items()}
+    plain = [{k: jnp.asarray(rng.standard_normal(shapes[s], np.float32) * 0.02) for k, s in LAYER_PROJECTIONS.items()}
              for _ in range(num_layers)]
     panels = [{k: panel_layout.to_panels(w) for k, w in layer.items()} for layer in plain]
 

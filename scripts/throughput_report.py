@@ -5,9 +5,15 @@ and the docs' tables made from the run's JSON record.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_matmul import layer_weights, shapes_of  # noqa: E402
 
 
 def print_pass(k: int, pax: dict) -> None:
@@ -57,9 +63,8 @@ def matmul_flops(config, layer_tokens: int, sampled_rows: int) -> float | None:
     None for a family whose layers are not those (experts, latent attention)."""
     if config.num_experts or config.kv_lora_rank:
         return None
-    h, d = config.hidden_size, config.head_dim
-    per_layer = 2 * h * config.num_heads * d + 2 * h * config.num_kv_heads * d + 3 * h * config.intermediate_size
-    return 2.0 * (config.num_layers * per_layer * layer_tokens + h * config.vocab_size * sampled_rows)
+    n_in, n_out = shapes_of(config)["lm_head"]
+    return 2.0 * (config.num_layers * layer_weights(config) * layer_tokens + n_in * n_out * sampled_rows)
 
 
 def sgemm_gflops(n: int = 2048, repeats: int = 3) -> float:

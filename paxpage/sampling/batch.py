@@ -147,9 +147,9 @@ class SamplingBatch:
                 if ahead is None and past_min_tokens:  # (steps only grow: the window stays past it)
                     cached.ahead = self._keys_ahead(cached, steps, num_rows)
                     ahead = cached.ahead[by_steps]
-                if ahead is not None and not len(cached.counted):
-                    return ahead
                 if ahead is not None:
+                    if not len(cached.counted):
+                        return ahead
                     token_ids, token_counts = SamplingTensors.penalty_lists(
                         num_rows, cached.counted, cached.with_prompt, lists, self.token_width)
                     return dataclasses.replace(ahead, token_ids=token_ids, token_counts=token_counts)

@@ -116,12 +116,17 @@ class CountSlab:
         `gather` to bring its kept pairs up to date. Only changes a kept pair has not seen are
         kept."""
         self._version += 1
-        oldest = min((laid.version for laid in self._laid if laid is not None), default=self._version)
         if len(self._changes) >= _MAX_CHANGES:  # the kept pairs are too far behind: gather afresh
-            self._laid, oldest = [None] * _LAID_OUT, self._version
-        self._changes = [c for c in self._changes if c[0] > oldest]
-        if oldest < self._version:
+            self._laid = [None] * _LAID_OUT
+        if self._forget_seen_changes() < self._version:
             self._changes.append((self._version, rows, cols))
+
+    def _forget_seen_changes(self) -> int:
+        """Drops the changes every kept pair has seen; returns the oldest pair's version (the
+        slab's own when none is kept)."""
+        oldest = min((laid.version for laid in self._laid if laid is not None), default=self._version)
+        self._changes = [c for c in self._changes if c[0] > oldest]
+        return oldest
 
     def gather(self, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, counts) int32[len(rows), width] of slab rows `rows` (-1: an empty row; no row
@@ -141,7 +146,7 @@ class CountSlab:
             ids[taken], counts[taken] = self.ids[rows[taken], :width], self.counts[rows[taken], :width]
             laid = self._laid[turn] = _LaidOut(key, ids, counts, self._version)
         laid.version = self._version
-        self._changes = [c for c in self._changes if c[0] > min(x.version for x in self._laid if x is not None)]
+        self._forget_seen_changes()
         return laid.ids, laid.counts
 
     def _bring_up_to_date(self, laid: _LaidOut, rows: np.ndarray, width: int) -> None:
