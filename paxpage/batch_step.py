@@ -33,7 +33,7 @@ from paxpage.step_plan import plan_step
 
 class BatchStep:
     def __init__(self, scheduler: Scheduler, runner, outputs: OutputProcessor, sampling: SamplingBatch,
-                 booking: StepBooking, stats: EngineStats, embeds: dict, eos_token_ids, config,
+                 booking: StepBooking, stats: EngineStats, embeds: dict, config,
                  speculation=None, forget_ended: Callable | None = None):
         self.scheduler = scheduler
         self.runner = runner  # runner.ModelRunner (or multi-host's LockstepRunner)
@@ -42,8 +42,7 @@ class BatchStep:
         self.booking = booking
         self.stats = stats
         self.embeds = embeds  # the engine's live embedding requests by request id
-        self.eos_token_ids = eos_token_ids
-        self.page_size, self.max_model_len = config.page_size, config.max_model_len
+        self.page_size = config.page_size
         self.lora = bool(config.max_loras)
         self.speculation = speculation  # speculative.coordinator.SpeculationCoordinator, or None
         self.forget_ended = forget_ended  # (running queue) -> None: drops ended sequences' slots
@@ -150,9 +149,8 @@ class BatchStep:
         token_ids, logprobs, top_ids, top_logprobs = fetch((result.token_ids, result.logprobs) + top)
         self.stats.device_seconds += time.perf_counter() - t
         m = len(resolved)
-        deltas, to_finish, num_tokens = self.outputs.process_plain(
-            resolved.rows, token_ids[:m].tolist(), logprobs[:m].tolist(), resolved.stop_ids,
-            resolved.limit_list, PENDING_TOKEN, top_ids, top_logprobs)
+        deltas, to_finish, num_tokens = self.outputs.process(
+            resolved.rows, token_ids[:m].tolist(), logprobs[:m].tolist(), top_ids, top_logprobs, pending=PENDING_TOKEN)
         self.booking.finish(to_finish)
         self.stats.generated_tokens += num_tokens
         return deltas
@@ -173,8 +171,7 @@ class BatchStep:
                 slots, steps = step.sampling_rows
                 joining = DecodeBatch.build([s for s in chunks if s.samples],
                                             [(r, s, i - n) for r, s, i in new_rows], step.counts[n:],
-                                            slots[n:], steps[n:], self.runner.tables, self.eos_token_ids,
-                                            self.max_model_len, lora=self.lora)
+                                            slots[n:], steps[n:], self.runner.tables, lora=self.lora)
         # the batch's rows by their arrays (DecodeBatch.limits), the new entries by the rule
         by_length = [batch.seqs[i] for i in batch.finished_by_length()] + [
             sample.seq for _, sample, _ in new_rows if self.booking.ends_by_length(sample.seq)]

@@ -20,7 +20,7 @@ import numpy as np
 from paxpage.embedding import EmbeddingRequest
 from paxpage.engine_stats import EngineStats
 from paxpage.launched import PENDING_TOKEN, Launched, fetch
-from paxpage.output_processor import NewToken, OutputProcessor, Request
+from paxpage.output_processor import OutputProcessor, Request
 from paxpage.outputs import StreamDelta
 from paxpage.sampling.batch import SamplingBatch
 from paxpage.scheduler import Scheduler
@@ -99,21 +99,12 @@ class StepBooking:
         return seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len
 
     def resolve(self, step: Launched) -> Deltas:
-        """Reads an in-flight step's tokens and hands them to the output processor."""
+        """Reads an in-flight step's tokens and hands them to the output processor, each in place
+        of its sample's pending placeholder."""
         t = time.perf_counter()
         result = fetch(step.result)
         self.stats.device_seconds += time.perf_counter() - t
-        new_tokens = []
-        token_ids = result.token_ids.tolist()
-        for request, sample, row in step.rows:
-            seq = sample.seq
-            if sample.finish_reason is not None:  # aborted while in flight
-                continue
-            assert seq.output_token_ids[-1] == PENDING_TOKEN, seq
-            token = token_ids[row]
-            seq.output_token_ids[-1] = token
-            new_tokens.append(NewToken(request, sample, token, row))
-        return self._process(new_tokens, result)
+        return self._process(step.rows, result.token_ids.tolist(), result, pending=PENDING_TOKEN)
 
     def complete(self, step: Launched) -> Deltas:
         """The synchronous path: waits for the step's tokens, then books them."""
@@ -127,9 +118,11 @@ class StepBooking:
             self.outputs.record_prompt_logprobs(
                 sched.scheduled[plan_index].seq, position, prompt_result.target_logprobs[j],
                 prompt_result.top_ids[j], prompt_result.top_logprobs[j])
-        sampled: dict[int, int] = {}
+        token_ids = result.token_ids.tolist()
+        sampled: dict[int, int | list[int]] = {}  # seq_id -> its token (a speculating row: its tokens)
         forks: list[tuple[Request, object, int]] = []  # (request, parent sample, first row)
-        new_tokens: list[NewToken] = []
+        entries: list[tuple[Request, object, int]] = []  # one per new token, for the output processor
+        indices: list[int | None] = []  # each one's position among its sample's outputs (None: the last)
         beam_rows: list[tuple[Request, object, int]] = []  # beam.py picks their tokens
         verified = []  # sequences that speculated, for the proposer
         for (request, sample, row), count, drafts in zip(step.rows, step.counts, step.drafts):
@@ -143,44 +136,47 @@ class StepBooking:
                 while num_accepted < len(drafts) and accepted[row + num_accepted]:
                     num_accepted += 1
                 first = sample.seq.num_output_tokens
-                tokens = [int(t) for t in result.token_ids[row:row + num_accepted + 1]]
-                sampled[sample.seq.seq_id] = tokens
-                new_tokens += [NewToken(request, sample, t, row + j, first + j) for j, t in enumerate(tokens)]
+                sampled[sample.seq.seq_id] = token_ids[row:row + num_accepted + 1]
+                entries += [(request, sample, row + j) for j in range(num_accepted + 1)]
+                indices += range(first, first + num_accepted + 1)
                 verified.append(sample.seq)
                 self.stats.spec_rows += 1
                 self.stats.draft_tokens += len(drafts)
                 self.stats.accepted_tokens += num_accepted
                 continue
-            token = int(result.token_ids[row])
-            sampled[sample.seq.seq_id] = token
-            new_tokens.append(NewToken(request, sample, token, row))
+            sampled[sample.seq.seq_id] = token_ids[row]
+            entries.append((request, sample, row))
+            indices.append(None)
             if count > 1:
                 forks.append((request, sample, row))
             request.forked = True
         self.beams.select(beam_rows, result, sampled)
         self.scheduler.update(sched, sampled)
         self.sample_kv_utilisation()
-        new_tokens += self._fork(forks, result)
+        children = self._fork(forks, token_ids)
+        entries += children
+        indices += [None] * len(children)
         if verified:
             self.stats.spec_steps += 1
-        deltas = self._process(new_tokens, result)
+        deltas = self._process(entries, token_ids, result, indices=indices if verified else None)
         for seq in verified:
             if not seq.is_finished:
                 self.speculation.on_verified(seq.seq_id, seq.num_tokens)
         deltas += self.beams.apply(self.tokenizer)  # forks, dropped beams, finished beam requests
         return deltas + embedded
 
-    def _fork(self, forks: list[tuple[Request, object, int]], result) -> list[NewToken]:
+    def _fork(self, forks: list[tuple[Request, object, int]], token_ids: list[int]
+              ) -> list[tuple[Request, object, int]]:
         """Parallel samples fork after the parent's prompt is in the cache: they share its
         pages, and the first write into the shared last page copies it. Child i draws with the
-        parent's seed + i; its first token is logits row first_row + i."""
-        new_tokens = []
+        parent's seed + i; its first token is logits row first_row + i. Returns the children's
+        (request, sample, logits row) entries."""
+        entries = []
         for request, parent, first_row in forks:
             for extra in range(1, request.params.n):
-                token = int(result.token_ids[first_row + extra])
-                child = self._child(request, parent, extra, token)
-                new_tokens.append(NewToken(request, child, token, first_row + extra))
-        return new_tokens
+                child = self._child(request, parent, extra, token_ids[first_row + extra])
+                entries.append((request, child, first_row + extra))
+        return entries
 
     def _child(self, request: Request, parent, extra: int, token: int):
         """Sample `extra` of a forking request: a sequence of its own whose first output is
@@ -210,10 +206,15 @@ class StepBooking:
                 done.append((embed, []))
         return done
 
-    def _process(self, new_tokens: list[NewToken], result) -> Deltas:
-        deltas, to_finish = self.outputs.process(new_tokens, result)
+    def _process(self, entries: list, token_ids: list[int], result, *, pending: int | None = None,
+                 indices: list[int | None] | None = None) -> Deltas:
+        """The output processor's booking of the entries' tokens (`OutputProcessor.process`); the
+        sequences it stopped leave the scheduler."""
+        deltas, to_finish, num_taken = self.outputs.process(
+            entries, token_ids, result.logprobs.tolist(), result.top_ids, result.top_logprobs,
+            pending=pending, indices=indices)
         self.finish(to_finish)
-        self.stats.generated_tokens += len(new_tokens)
+        self.stats.generated_tokens += num_taken
         return deltas
 
     def finish(self, to_finish) -> None:

@@ -6,7 +6,7 @@ grammars or prompt logprobs; a request's n samples a row each; see `DecodeBatch.
 here, with their positions, page-table rows, sampling slots and output counts as arrays, and the
 next step is scheduled, packed and booked with numpy over those arrays (`Scheduler.
 schedule_decodes` / `update_decodes`, `Packer.pack` with `DecodeRows`, `OutputProcessor.
-process_plain`) and a few Python operations per sequence. The step changes the batch by diffs:
+process`) and a few Python operations per sequence. The step changes the batch by diffs:
 sequences that finished or were aborted since leave it (`survivors`, `compacted`), the rows left
 keeping their order and arrays; fresh plain requests that the scheduler admits join it (only
 their rows are planned; a prompt longer than a step's tokens runs its chunks behind the rows,
@@ -39,16 +39,14 @@ def plain_sample(request, sample) -> bool:
 class DecodeBatch:
     def __init__(self, rows: list, seqs: list[Sequence], positions: np.ndarray, table_slots: np.ndarray,
                  sampling_slots: np.ndarray, steps: np.ndarray, limits: np.ndarray,
-                 stop_ids: list[frozenset], lora_slots: np.ndarray | None = None):
+                 lora_slots: np.ndarray | None = None):
         self.rows = rows  # (request, sample, logits row i) per row, as the engine's _Launched.rows
         self.seqs = seqs  # [B] the rows' sequences
         self.positions = positions  # i64[B] position of the token the next step writes
         self.table_slots = table_slots  # i64[B] the rows' PageTables rows
         self.sampling_slots = sampling_slots  # i64[B] the rows' SamplingBatch slots
         self.steps = steps  # i64[B] output tokens (placeholders included) when the next step samples
-        self.limits = limits  # i64[B] output tokens at which a row finishes by length
-        self.stop_ids = stop_ids  # [B] tokens that may stop a row (EOS unless ignored, stop_token_ids)
-        self.limit_list = limits.tolist()
+        self.limits = limits  # i64[B] output tokens at which a row finishes by length (Sample.limit)
         self.lora_slots = lora_slots  # i64[B] the rows' LoRA slab slots (-1: base), or None without LoRA
         # rows whose samples take per-token logprobs: the widest one's top-k width (bucketed) is the sampler's
         widths = [request.params.logprobs or 0 for request, sample, _ in rows if sample.logprobs is not None]
@@ -64,8 +62,7 @@ class DecodeBatch:
 
     @classmethod
     def build(cls, scheduled: Seq, rows: list, counts: Seq[int], sampling_slots: Seq[int], steps: Seq[int],
-              tables, eos_token_ids: Seq[int], max_model_len: int, lora: bool = False
-              ) -> DecodeBatch | None:
+              tables, lora: bool = False) -> DecodeBatch | None:
         """From a step that is about to stay in flight, once booked (`StepBooking.advance` or
         the scheduler's update: positions are the sequences' computed tokens): `scheduled` its
         ScheduledSeqs, `rows` / `counts` its sampling entries (with the children a fork started
@@ -80,10 +77,9 @@ class DecodeBatch:
         ids = {item.seq.seq_id for item in scheduled}
         if sum(sample.seq.seq_id in ids for _, sample, _ in rows) != len(scheduled):
             return None  # a scheduled sequence is no entry (e.g. an embedding's chunk)
-        seqs, positions, limits, stop_ids, table_slots = [], [], [], [], []
-        eos = frozenset(eos_token_ids)
+        seqs, positions, limits, table_slots = [], [], [], []
         for (request, sample, row), count in zip(rows, counts):
-            p, seq = request.params, sample.seq
+            seq = sample.seq
             if count != 1 or not plain_sample(request, sample) or sample.finish_reason is not None \
                     or row != len(seqs):
                 return None
@@ -92,12 +88,11 @@ class DecodeBatch:
                 slot = tables.sync(seq.seq_id, seq.num_preemptions, seq.page_table, seq.num_computed_tokens)
             seqs.append(seq)
             positions.append(seq.num_computed_tokens)
-            limits.append(min(p.max_tokens, max_model_len - seq.num_prompt_tokens))
-            stop_ids.append(frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos))
+            limits.append(sample.limit)
             table_slots.append(slot)
         as_array = lambda values: np.asarray(values, np.int64)  # noqa: E731
         return cls(rows, seqs, as_array(positions), as_array(table_slots), as_array(sampling_slots),
-                   as_array(steps) + 1, as_array(limits), stop_ids,
+                   as_array(steps) + 1, as_array(limits),
                    as_array([seq.lora_slot for seq in seqs]) if lora else None)
 
     def __len__(self) -> int:
@@ -131,7 +126,6 @@ class DecodeBatch:
         rows = [(request, sample, j) for j, (request, sample, _) in enumerate(self.rows[i] for i in keep)]
         batch = DecodeBatch(rows, [self.seqs[i] for i in keep], self.positions[index], self.table_slots[index],
                             self.sampling_slots[index], self.steps[index], self.limits[index],
-                            [self.stop_ids[i] for i in keep],
                             self.lora_slots[index] if self.lora_slots is not None else None)
         batch.prev_rows = index.astype(np.int32)
         batch.prefilling = self.prefilling
@@ -149,8 +143,7 @@ class DecodeBatch:
         lora = None if self.lora_slots is None else cat(self.lora_slots, joined.lora_slots)
         batch = DecodeBatch(rows, self.seqs + joined.seqs, cat(self.positions, joined.positions),
                             cat(self.table_slots, joined.table_slots), cat(self.sampling_slots, joined.sampling_slots),
-                            cat(self.steps, joined.steps), cat(self.limits, joined.limits),
-                            self.stop_ids + joined.stop_ids, lora)
+                            cat(self.steps, joined.steps), cat(self.limits, joined.limits), lora)
         batch.prefilling = prefilling
         return batch
 

@@ -115,7 +115,7 @@ class LLMEngine:
                                     new_sequence, tokenizer, cfg.max_model_len, self._sampling, self._spec)
 
         self._batch_step = BatchStep(self.scheduler, self.runner, self.outputs, self._sampling, self._booking,
-                                     self.stats, self._embeds, self.eos_token_ids, cfg, self._spec,
+                                     self.stats, self._embeds, cfg, self._spec,
                                      self._forget_ended)
 
         if cfg.max_loras:
@@ -259,8 +259,7 @@ class LLMEngine:
                 self._inflight = launched
                 launched.decode = DecodeBatch.build(
                     launched.sched.scheduled, launched.rows, launched.counts, *launched.sampling_rows,
-                    self.runner.tables, self.eos_token_ids, self.config.max_model_len,
-                    lora=bool(self.config.max_loras))
+                    self.runner.tables, lora=bool(self.config.max_loras))
                 self.stats.overlapped_steps += 1
             else:
                 deltas += self._booking.complete(launched)

@@ -3,7 +3,7 @@
 It owns the per-request host state (samples, incremental detokenizers, logprob dicts, timings),
 checks stop conditions, and turns each step's tokens into per-request `StreamDelta`s and, at the
 end, one `RequestOutput`. It knows nothing of the device or of scheduling: the engine hands it
-the step's (request, sample, token, row) tuples and the sampler's result, and it answers with the
+the step's (request, sample, logits row) entries and the sampler's tokens, and it answers with the
 deltas and with the sequences that must finish. Pure Python (no jax), like vLLM v1's
 OutputProcessor.
 """
@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable, Sequence as Seq
-from typing import Any, NamedTuple
+from itertools import repeat
+from typing import Any
 
 from paxpage.detokenizer import IncrementalDetokenizer
 from paxpage.outputs import Completion, RequestMetrics, RequestOutput, StreamDelta
@@ -40,6 +41,11 @@ class Sample:
     # structured outputs: its llguidance matcher, advanced by each token it is given here
     matcher: Any = None
     grammar_refused: bool = False  # the matcher refused a token (only a masked-out one could be)
+    # what may stop it, for a quick check before the full one: the tokens that stop it (EOS unless
+    # ignored, stop_token_ids) and the outputs at which it ends by length (max_tokens or the
+    # model's length)
+    stop_ids: frozenset = frozenset()
+    limit: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -69,23 +75,11 @@ class Request:
         return RequestMetrics(self.arrival_time, self.first_token_time, self.finished_time)
 
 
-class NewToken(NamedTuple):
-    """One token sampled this step for one (non-beam) sample, at logits row `row`. A sample
-    may get several in one step (speculative decoding: accepted drafts + one), in order, each
-    with `index`, its position among the sample's output tokens (None: the last one).
-    Immutable; a NamedTuple (one per token per step) builds ~5x faster than a frozen dataclass."""
-
-    request: Request
-    sample: Sample
-    token: int
-    row: int
-    index: int | None = None
-
-
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: Seq[int], max_model_len: int):
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
+        self._eos = frozenset(self.eos_token_ids)
         self.max_model_len = max_model_len
         self._requests: dict[int, Request] = {}
         self._by_seq: dict[int, tuple[Request, Sample]] = {}
@@ -119,7 +113,9 @@ class OutputProcessor:
         if with_text and self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, p.skip_special_tokens, p.stop,
                                            p.include_stop_str_in_output, p.min_tokens)
-        sample = Sample(seq, seed, detok, [] if with_text and p.logprobs is not None else None)
+        sample = Sample(seq, seed, detok, [] if with_text and p.logprobs is not None else None,
+                        stop_ids=frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self._eos),
+                        limit=min(p.max_tokens, self.max_model_len - seq.num_prompt_tokens))
         if with_text and p.prompt_logprobs is not None and not request.samples:
             sample.prompt_logprobs = {}
             seq.use_prefix_cache = False  # cached prompt pages would skip their logprobs
@@ -148,91 +144,70 @@ class OutputProcessor:
                                                   _as_list(top_ids), _as_list(top_logprobs),
                                                   request.params.prompt_logprobs)
 
-    def process(self, new_tokens: Seq[NewToken], result
-                ) -> tuple[list[tuple[Request, list[StreamDelta]]], list[tuple[Sequence, str]]]:
-        """Logprobs, text and stop checks for the step's tokens (already appended to their
-        sequences). Returns each request's deltas and the (sequence, reason) pairs to finish.
-        A sample that stops at a token with more after it in this step (speculative decoding)
-        has those later tokens cut from its sequence, as if never generated."""
-        now = time.monotonic()
-        touched: dict[int, tuple[Request, Sample]] = {}  # one delta per sample, in first-token order
-        to_finish: list[tuple[Sequence, str]] = []
-        logprobs = result.logprobs.tolist()  # Python floats: one conversion, not one per token
-        for new in new_tokens:
-            request, sample, token, row = new.request, new.sample, new.token, new.row
-            if new.index is not None and sample.finish_reason is not None:
-                continue  # after a stop inside this step's accepted tokens
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if sample.logprobs is not None:
-                sample.logprobs.append(_entry(token, logprobs[row], result.top_ids[row].tolist(),
-                                              result.top_logprobs[row].tolist(), request.params.logprobs))
-            sample.cumulative_logprob += logprobs[row]
-            if sample.detok is not None:
-                sample.detok.add(token)
-            if sample.matcher is not None and not sample.grammar_refused:
-                sample.grammar_refused = not accept(sample.matcher, token)
-            reason, stop = self._stop(request.params, sample, token, new.index)
-            if reason is not None:
-                sample.finish_reason, sample.stop_reason = reason, stop
-                to_finish.append((sample.seq, reason))
-                if new.index is not None:
-                    del sample.seq.output_token_ids[new.index + 1:]
-                if sample.detok is not None:
-                    sample.detok.finish()  # flush text held back as a possible stop-string start
-            touched[id(sample)] = (request, sample)
-        by_request: dict[int, tuple[Request, list[StreamDelta]]] = {}
-        for request, sample in touched.values():
-            deltas = by_request.setdefault(request.request_id, (request, []))[1]
-            if request.stream:
-                deltas.append(self._delta(request, sample))
-        for request, _ in by_request.values():
-            if request.finished:
-                self.remove(request.request_id)
-        return [entry for entry in by_request.values() if entry[0].stream or entry[0].finished], to_finish
+    def process(self, rows: Seq[tuple[Request, Sample, int]], tokens: Seq[int], logprobs: Seq[float],
+                top_ids=None, top_logprobs=None, *, pending: int | None = None,
+                indices: Seq[int | None] | None = None
+                ) -> tuple[list[tuple[Request, list[StreamDelta]]], list[tuple[Sequence, str]], int]:
+        """Logprobs, text and stop checks for a step's tokens, every step kind's.
 
-    def process_plain(self, rows: Seq[tuple[Request, Sample, int]], tokens: Seq[int], logprobs: Seq[float],
-                      stop_ids: Seq[frozenset], limits: Seq[int], pending: int, top_ids=None, top_logprobs=None
-                      ) -> tuple[list[tuple[Request, list[StreamDelta]]], list[tuple[Sequence, str]], int]:
-        """`process` for the steady decode step's plain rows: one sample each (a request with n > 1
-        has a row per sample), no grammar, each with one new token that replaces its `pending`
-        placeholder (async scheduling). Row i gets tokens[i] and logprobs[i] (and, for a sample
-        that asked for logprobs, top_ids[i] / top_logprobs[i], [B, L] arrays); stop_ids[i]
-        holds the tokens that may stop it (EOS unless ignored, stop_token_ids) and limits[i] its
-        length limit, so the full stop check runs only where one may apply. Returns what `process`
-        does, and the number of tokens taken (rows aborted or stopped meanwhile take none)."""
+        rows: one (request, sample, logits row r) entry per new token (a request with n > 1 has
+        an entry per sample; no beams); its token is tokens[r], its logprob logprobs[r], and for a
+        sample that asked for logprobs its alternatives top_ids[r] / top_logprobs[r] ([R, L]
+        arrays). pending: each entry's sample ends in this placeholder (async scheduling), which
+        its token replaces; None: the tokens are appended already. indices: a speculating step's
+        entries may give one sample several tokens, consecutive and in order, each with its
+        position among the sample's outputs (None: the sample's last token); a sample that stops
+        at one of them has the later ones cut from its sequence, as if never generated.
+
+        Returns each request's deltas (one per sample, a request's under one entry, in first-token
+        order; a request with stream=False: only when it finishes, with none), the (sequence,
+        reason) pairs to finish, and the number of tokens taken (a sample aborted while in flight
+        or stopped earlier in the step takes none). The full stop check runs only where a stop
+        may apply (`Sample.stop_ids`, `Sample.limit`, a stop string or a grammar)."""
         now, new_delta = time.monotonic(), StreamDelta.fast
-        if top_ids is not None:  # Python ints and floats: one conversion, not one per entry
-            top_ids, top_logprobs = top_ids.tolist(), top_logprobs.tolist()
+        tops = None  # top_ids / top_logprobs as lists (one conversion), once a row needs them
         deltas: list[tuple[Request, list[StreamDelta]]] = []
         multi: dict[int, list[StreamDelta]] = {}  # n > 1: the deltas of each request's samples, one entry
         to_finish: list[tuple[Sequence, str]] = []
         num_taken = 0
-        for (request, sample, i), token, logprob, stops, limit in zip(rows, tokens, logprobs, stop_ids, limits):
-            if sample.finish_reason is not None:  # aborted while in flight
+        for (request, sample, row), index in zip(rows, indices if indices is not None else repeat(None)):
+            if sample.finish_reason is not None:  # aborted while in flight, or stopped at an earlier token
                 continue
             num_taken += 1
+            token = tokens[row]
             out = sample.seq.output_token_ids
+            if pending is not None:
+                assert out[-1] == pending, sample.seq
+                out[-1] = token
             num_out = len(out)
-            assert out[-1] == pending, sample.seq
-            out[-1] = token
             if request.first_token_time is None:
                 request.first_token_time = now
+            logprob = logprobs[row]
             sample.cumulative_logprob += logprob
             if sample.logprobs is not None:
-                sample.logprobs.append(_entry(token, logprob, top_ids[i], top_logprobs[i], request.params.logprobs))
-            detok = sample.detok
+                if tops is None:
+                    tops = top_ids.tolist(), top_logprobs.tolist()
+                sample.logprobs.append(_entry(token, logprob, tops[0][row], tops[1][row], request.params.logprobs))
+            detok, matcher = sample.detok, sample.matcher
             if detok is not None:
                 detok.add(token)
-            if token in stops or num_out >= limit or (detok is not None and detok.stopped_by is not None):
-                reason, stop = self._stop(request.params, sample, token)
+            if matcher is not None and not sample.grammar_refused:
+                sample.grammar_refused = not accept(matcher, token)
+            if token in sample.stop_ids or num_out >= sample.limit or matcher is not None or index is not None \
+                    or (detok is not None and detok.stopped_by is not None):
+                reason, stop = self._stop(request.params, sample, token, index)
                 if reason is not None:
                     sample.finish_reason, sample.stop_reason = reason, stop
                     to_finish.append((sample.seq, reason))
+                    if index is not None:
+                        del out[index + 1:]
+                        num_out = index + 1
                     if detok is not None:
-                        detok.finish()
+                        detok.finish()  # flush text held back as a possible stop-string start
+                elif index is not None and index + 1 < num_out:
+                    continue  # the sample's next token of this step follows: one delta for them all
             reason = sample.finish_reason
-            if request.stream:  # _delta's
+            if request.stream:  # what the sample produced since its last delta
                 if detok is None:
                     text = ""
                 else:
@@ -275,20 +250,6 @@ class OutputProcessor:
         if num_out >= p.max_tokens or seq.num_prompt_tokens + num_out >= self.max_model_len:
             return "length", None
         return None, None
-
-    def _delta(self, request: Request, sample: Sample) -> StreamDelta:
-        """What `sample` produced since its last delta."""
-        seq = sample.seq
-        text = sample.detok.text if sample.detok is not None else ""
-        logprobs = None
-        if sample.logprobs is not None:
-            logprobs = tuple(sample.logprobs[sample.emitted_tokens:])
-        delta = StreamDelta.fast(request.index, text[sample.emitted_text:],
-                                 tuple(seq.output_token_ids[sample.emitted_tokens:]), sample.finish_reason,
-                                 request.samples.index(sample), logprobs,
-                                 sample.stop_reason if sample.finish_reason else None)
-        sample.emitted_text, sample.emitted_tokens = len(text), seq.num_output_tokens
-        return delta
 
     def abort(self, request_id: int) -> tuple[Request | None, list[Sequence]]:
         """Marks a request's running samples aborted and forgets it; returns the request and the

@@ -135,7 +135,7 @@ def install() -> Trace:
             (DecodeBatch, ("build",), "pack"),
             (ModelRunner, ("forward", "sample", "copy_pages"), "dispatch"),
             (IncrementalDetokenizer, ("add",), "detokenise"),
-            (OutputProcessor, ("process", "process_plain"), "outputs"),
+            (OutputProcessor, ("process",), "outputs"),
             (engine.LLMEngine, ("step",), "engine_other")):
         for name in names:
             _patch(cls, name, lambda fn, phase=phase: trace.phase(phase, fn))

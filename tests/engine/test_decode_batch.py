@@ -296,7 +296,7 @@ def test_fast_path_equals_general_path_on_a_mixed_workload(text_model, monkeypat
 
     # stream=False (what generate() asks for): no deltas; a request shows in a step's updates
     # once, in the step it finishes; its output is the streamed run's, on the steady decode step
-    # (process_plain) and on the general one (process)
+    # and on the general one
     for streamed, fast_path in ((fast, True), (general, False)):
         quiet = _run(text_model, fast_path, prompts, params, joins, abort, stream=False)
         assert quiet[1] == streamed[1]
