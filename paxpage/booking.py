@@ -1,9 +1,10 @@
 """What a dispatched step's tokens do to the engine's state: in-flight bookkeeping.
 
 A step that stays in flight (async scheduling) has its tokens booked as pending placeholders
-first (`advance`), so the next step can be scheduled, and replaced once read (`resolve`); the
-n - 1 children a forking request starts with are forked then, with pending tokens too
-(`fork_pending`: they share the parent's pages, copied on their first write). A step the engine
+first (engine_step.py), so the next step can be scheduled, and replaced once read (`resolve`);
+the n - 1 children a forking request starts with are forked then, with pending tokens too
+(`fork_pending`: they share the parent's pages, copied on their first write), and the rows whose
+pending token is their last by length leave the scheduler (`finish_by_length`). A step the engine
 waits for is booked whole (`complete`): prompt logprobs, accepted drafts of a speculating row,
 the target's token, the children of a forking request, the beams beam.py picks, and the pooled
 rows of embedding requests. Then the output processor turns tokens into text and stops, and the
@@ -45,16 +46,6 @@ class StepBooking:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.speculation = speculation  # speculative.coordinator.SpeculationCoordinator, or None
-
-    def advance(self, step: Launched) -> None:
-        """Books an in-flight step's tokens as pending, so the next step can be scheduled: each
-        sampling sequence gets a placeholder token that `resolve` replaces, and a request whose
-        n samples start in this step forks its children now (`fork_pending`). A sequence whose
-        next token is its last by length leaves the scheduler now (its token still comes)."""
-        self.scheduler.update(step.sched, {sample.seq.seq_id: PENDING_TOKEN for _, sample, _ in step.rows})
-        self.sample_kv_utilisation()
-        self.fork_pending(step)
-        self.finish_by_length(step)
 
     def fork_pending(self, step: Launched) -> None:
         """The n - 1 children of each request that samples its n tokens in `step` (in flight, its
@@ -99,12 +90,17 @@ class StepBooking:
         return seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len
 
     def resolve(self, step: Launched) -> Deltas:
-        """Reads an in-flight step's tokens and hands them to the output processor, each in place
-        of its sample's pending placeholder."""
+        """Reads an in-flight step's tokens (its top logprobs only when some row asked for them)
+        and hands them to the output processor, each in place of its sample's pending
+        placeholder."""
         t = time.perf_counter()
-        result = fetch(step.result)
+        result = step.result
+        top = (result.top_ids, result.top_logprobs) if result.top_ids.shape[-1] else (None, None)
+        token_ids, logprobs, top_ids, top_logprobs = fetch((result.token_ids, result.logprobs) + top)
         self.stats.device_seconds += time.perf_counter() - t
-        return self._process(step.rows, result.token_ids.tolist(), result, pending=PENDING_TOKEN)
+        deltas, to_finish, num_taken = self.outputs.process(step.rows, token_ids.tolist(), logprobs.tolist(), top_ids,
+                                                            top_logprobs, pending=PENDING_TOKEN)
+        return self._booked(deltas, to_finish, num_taken)
 
     def complete(self, step: Launched) -> Deltas:
         """The synchronous path: waits for the step's tokens, then books them."""
@@ -206,13 +202,13 @@ class StepBooking:
                 done.append((embed, []))
         return done
 
-    def _process(self, entries: list, token_ids: list[int], result, *, pending: int | None = None,
+    def _process(self, entries: list, token_ids: list[int], result, *,
                  indices: list[int | None] | None = None) -> Deltas:
-        """The output processor's booking of the entries' tokens (`OutputProcessor.process`); the
-        sequences it stopped leave the scheduler."""
-        deltas, to_finish, num_taken = self.outputs.process(
-            entries, token_ids, result.logprobs.tolist(), result.top_ids, result.top_logprobs,
-            pending=pending, indices=indices)
+        return self._booked(*self.outputs.process(entries, token_ids, result.logprobs.tolist(), result.top_ids,
+                                                  result.top_logprobs, indices=indices))
+
+    def _booked(self, deltas: Deltas, to_finish, num_taken: int) -> Deltas:
+        """The output processor's answer: the sequences it stopped leave the scheduler."""
         self.finish(to_finish)
         self.stats.generated_tokens += num_taken
         return deltas

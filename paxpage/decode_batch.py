@@ -12,8 +12,8 @@ keeping their order and arrays; fresh plain requests that the scheduler admits j
 their rows are planned; a prompt longer than a step's tokens runs its chunks behind the rows,
 `prefilling`, and once it has run it is a row of the batch, with the n - 1 children it forked
 if it asked for n samples: `extended`), and so do sequences resumed after a preemption.
-Anything else (a step that preempts, a request with beams, grammars or prompt logprobs) drops
-back to the general step, which is equal in outputs (the step itself: batch_step.py). Pure
+Anything else (a step that preempts, a request with beams, grammars or prompt logprobs) plans
+every row from the scheduler's full schedule, equal in outputs (the step: engine_step.py). Pure
 Python and numpy (no jax).
 
 Axis legend: B rows (the running sequences, in the scheduler's order; row i of the step in
@@ -63,8 +63,8 @@ class DecodeBatch:
     @classmethod
     def build(cls, scheduled: Seq, rows: list, counts: Seq[int], sampling_slots: Seq[int], steps: Seq[int],
               tables, lora: bool = False) -> DecodeBatch | None:
-        """From a step that is about to stay in flight, once booked (`StepBooking.advance` or
-        the scheduler's update: positions are the sequences' computed tokens): `scheduled` its
+        """From a step that is about to stay in flight, once booked (`EngineStep._book_pending`:
+        positions are the sequences' computed tokens): `scheduled` its
         ScheduledSeqs, `rows` / `counts` its sampling entries (with the children a fork started
         in it, `StepBooking.fork_pending`), `sampling_slots` / `steps` per logits row, and
         `tables` (page_tables.PageTables) its sequences' page-table rows (a fork's child, which

@@ -21,24 +21,21 @@ from paxpage import beam as beam_lib
 from paxpage.admission import Admission
 from paxpage import compile_counter, kv_sizing
 from paxpage import speculative as spec_lib
-from paxpage.batch_step import BatchStep
+from paxpage.engine_step import EngineStep
 from paxpage.booking import StepBooking
 from paxpage.config import EngineConfig
-from paxpage.decode_batch import DecodeBatch
 from paxpage.embedding import EmbeddingOutput, EmbeddingRequest, Pooling
 from paxpage.engine_stats import EngineStats
 from paxpage.lora_slots import LoraSlots
-from paxpage.launched import PENDING_TOKEN, Launched
+from paxpage.launched import PENDING_TOKEN
 from paxpage.output_processor import OutputProcessor, Request
 from paxpage.outputs import RequestOutput, StreamDelta
-from paxpage.packing import logprob_bucket
 from paxpage.runner import ModelRunner
 from paxpage.sampling.batch import SamplingBatch
 from paxpage.sampling.params import SamplingParams
 from paxpage.sampling.tensors import SamplingTensors
 from paxpage.scheduler import Scheduler, SchedulerConfig
 from paxpage.speculative.coordinator import SpeculationCoordinator
-from paxpage.step_plan import plan_step
 from paxpage.structured_backend import GrammarBackend, bitmask_words
 
 
@@ -102,7 +99,6 @@ class LLMEngine:
                                    self.stats, self._embeds, self.loras)
         new_sequence = self.admission.new_sequence
         self._beams = beam_lib.BeamCoordinator(self.scheduler, self.outputs, new_sequence)
-        self._inflight: Launched | None = None  # async scheduling: the step still on the device
         proposer = spec_lib.make_proposer(cfg, model_cfg, tokenizer)
         if proposer is not None and jax.process_count() > 1:
             raise ValueError("speculative decoding is not supported on multi-host engines")
@@ -114,9 +110,8 @@ class LLMEngine:
         self._booking = StepBooking(self.scheduler, self.outputs, self._beams, self.stats, self._embeds,
                                     new_sequence, tokenizer, cfg.max_model_len, self._sampling, self._spec)
 
-        self._batch_step = BatchStep(self.scheduler, self.runner, self.outputs, self._sampling, self._booking,
-                                     self.stats, self._embeds, cfg, self._spec,
-                                     self._forget_ended)
+        self._step = EngineStep(self.scheduler, self.runner, self.outputs, self._sampling, self._booking,
+                                self._beams, self.stats, self._embeds, cfg, self.admission.grammars, self._spec)
 
         if cfg.max_loras:
             self.scheduler.lora_slots = LoraSlots(cfg.max_loras, self.runner.load_lora)
@@ -131,7 +126,7 @@ class LLMEngine:
         Not for multi-host engines, whose followers would have to rebuild in step."""
         if jax.process_count() > 1:
             raise RuntimeError("a multi-host engine cannot be rebuilt in place")
-        self._inflight = None
+        self._step.inflight = None
         self.runner.reset_state()
         return LLMEngine(self.model_cfg, None, self.tokenizer, None, runner=self.runner, loras=self.loras)
 
@@ -226,133 +221,10 @@ class LLMEngine:
         have their one extra token discarded, so outputs equal the synchronous engine's.
         Finished requests leave the engine (`request.finished`); read them via `output(request)`."""
         t0, waited = time.perf_counter(), self.stats.device_seconds
-        deltas = self._decode_step()
-        if deltas is None:
-            deltas = self._general_step()
+        deltas = self._step.run()
         self.stats.host_seconds += time.perf_counter() - t0 - (self.stats.device_seconds - waited)
-        return deltas
-
-    def _general_step(self) -> list[tuple[Request, list[StreamDelta]]]:
-        launched = None
-        sched = None
-        if self.scheduler.has_unfinished():
-            drafts = None
-            if self._spec is not None:
-                drafts = self._spec.propose(self.scheduler.running, self.outputs.lookup, self._embeds.__contains__)
-            sched = self.scheduler.schedule(drafts)
-        if sched is not None and sched.scheduled:
-            self.runner.copy_pages(sched.copies)
-            if self._spec is not None:
-                self._spec.on_copy_pages(sched.copies)
-            # a beam request runs all its live beams in a step or none
-            if not self._beams.hold_back(sched):
-                launched = self._launch(sched)
-        deltas: list[tuple[Request, list[StreamDelta]]] = []
-        if self._inflight is not None:  # the previous step's tokens, one step late
-            previous, self._inflight = self._inflight, None
-            deltas += self._booking.resolve(previous)
-        if launched is not None and launched.result is None:
-            self._dispatch_sampler(launched)  # its bitmasks needed the tokens just resolved
-        if launched is not None:
-            if self._can_overlap(launched):
-                self._booking.advance(launched)
-                self._inflight = launched
-                launched.decode = DecodeBatch.build(
-                    launched.sched.scheduled, launched.rows, launched.counts, *launched.sampling_rows,
-                    self.runner.tables, lora=bool(self.config.max_loras))
-                self.stats.overlapped_steps += 1
-            else:
-                deltas += self._booking.complete(launched)
-            self.stats.steps += 1
-        return deltas
-
-    def _decode_step(self) -> list[tuple[Request, list[StreamDelta]]] | None:
-        """The persistent batch's step (batch_step.py) after the step in flight; None, having
-        changed nothing, when the general step must run."""
-        ran = self._batch_step.run(self._inflight)
-        if ran is None:
-            return None
-        self._inflight, deltas = ran
         return deltas
 
     def has_unfinished(self) -> bool:
         # An in-flight step with no live request left carries only tokens to discard.
         return len(self.outputs) > 0 or bool(self._embeds)
-
-    def _launch(self, sched) -> "Launched":
-        """Packs the scheduled rows and dispatches the step; returns without waiting. With
-        structured rows and a step in flight only the model is dispatched here: `step()`
-        dispatches the sampler once the in-flight tokens are read (`_dispatch_sampler`)."""
-        inflight = self._inflight.row_of_seq if self._inflight is not None else {}
-        plan = plan_step(sched, self.outputs.lookup, self._embeds, self._sampling, inflight)
-        rows, counts, pooling = plan.rows, plan.counts, plan.pooling
-        self._forget_ended(self.scheduler.running)
-        batch, logits_plan, prompt_plan, prev_rows = self.runner.packer.pack(plan.plans)
-        tensors = self._sampling.tensors(plan.slots, plan.offsets, plan.steps, plan.row_tokens,
-                                         pad_rows_to=len(batch.logits_indices))
-        num_logprobs = logprob_bucket(plan.num_logprobs)
-        num_prompt_logprobs = logprob_bucket(max(
-            (self.outputs.lookup(sched.scheduled[i].seq.seq_id)[0].params.prompt_logprobs or 0
-             for i, _ in prompt_plan), default=0))
-        prev_tokens = self._inflight.next_tokens if self._inflight is not None else None
-        pooled = None
-        if pooling:
-            logits, pooled = self.runner.forward_pooled(batch, prev_rows, prev_tokens)
-        else:
-            logits = self.runner.forward(batch, prev_rows, prev_tokens)
-        if self._spec is not None:
-            self._spec.on_step(batch, prev_rows, prev_tokens)
-        step = Launched(sched, rows, counts, prompt_plan, None, None, None,
-                        sampler_args=(batch, logits, tensors, num_logprobs, num_prompt_logprobs, prev_rows,
-                                      prev_tokens),
-                        drafts=plan.drafts, sampling_rows=(plan.slots, plan.steps), pooling=pooling, pooled=pooled)
-        # Structured rows' bitmasks follow from every earlier token: with a step in flight they
-        # are built once its tokens are read (step() does it), while the device runs this step's
-        # model, and only its sampler waits for them.
-        step.constrained = [(sample.matcher, row, count) for (_, sample, row), count in zip(rows, counts)
-                            if sample.matcher is not None]
-        if not step.constrained or self._inflight is None:
-            self._dispatch_sampler(step)
-        return step
-
-    def _forget_ended(self, running) -> None:
-        """Drops the page-table rows and sampling slots of sequences not in `running` (the
-        running queue), once as many have piled up as run."""
-        if self.runner.tables.num_rows > 2 * len(running) + 64:
-            live = {s.seq_id for s in running}
-            self.runner.tables.retain(live)
-            self._sampling.retain(live)
-
-    def _dispatch_sampler(self, step: "Launched") -> None:
-        batch, logits, tensors, num_logprobs, num_prompt_logprobs, prev_rows, prev_tokens = step.sampler_args
-        allowed = None
-        if step.constrained:
-            num_rows = len(batch.logits_indices)
-            allowed = self.admission.grammars().bitmask([(m, row) for m, row, _ in step.constrained], num_rows)
-            for _, row, count in step.constrained:  # a forking request's n rows share one state
-                allowed[row + 1:row + count] = allowed[row]
-        if step.speculates:
-            draft_ids, draft_dists = self._spec.draft_rows(step.rows, step.drafts, len(batch.logits_indices))
-            step.result, step.prompt_result, step.accepted = self.runner.verify(
-                batch, logits, tensors, draft_ids, draft_dists, num_logprobs, num_prompt_logprobs, allowed,
-                prev_rows, prev_tokens)
-        else:
-            step.result, step.prompt_result, step.next_tokens = self.runner.sample(
-                batch, logits, tensors, num_logprobs, num_prompt_logprobs, allowed, prev_rows, prev_tokens)
-        step.sampler_args = None
-
-    def _can_overlap(self, step: "Launched") -> bool:
-        """A step may stay in flight when the next step can be scheduled without its tokens: no
-        beams, no prompt logprobs, no speculation. A request whose n > 1 samples start in it forks
-        them with pending tokens (`StepBooking.fork_pending`), unless it has a grammar (the
-        children copy the parent's state before its first token). Rows that reach their length
-        limit finish early (see `StepBooking.advance`). Penalised rows overlap: their counts lack the token
-        in flight, which the sampler adds on the device (sampler.apply_penalties). Structured
-        rows overlap too: the next step's bitmasks wait for these tokens, but only its sampler
-        does (see `_launch`), not its model. While speculation is on (few sequences run, see
-        `SpeculationCoordinator.active`) no step stays in flight: proposals need every last token on the host."""
-        if not self.config.async_scheduling or step.prompt_plan or step.pooling or step.speculates \
-                or (self._spec is not None and self._spec.active(self.scheduler.num_running)):
-            return False
-        return all(request.beam is None and (count == 1 or sample.matcher is None)
-                   for (request, sample, _), count in zip(step.rows, step.counts))

@@ -153,8 +153,9 @@ class OutputProcessor:
         rows: one (request, sample, logits row r) entry per new token (a request with n > 1 has
         an entry per sample; no beams); its token is tokens[r], its logprob logprobs[r], and for a
         sample that asked for logprobs its alternatives top_ids[r] / top_logprobs[r] ([R, L]
-        arrays). pending: each entry's sample ends in this placeholder (async scheduling), which
-        its token replaces; None: the tokens are appended already. indices: a speculating step's
+        arrays; None when no row asked for any). pending: each entry's sample ends in this
+        placeholder (async scheduling), which its token replaces; None: the tokens are appended
+        already. indices: a speculating step's
         entries may give one sample several tokens, consecutive and in order, each with its
         position among the sample's outputs (None: the sample's last token); a sample that stops
         at one of them has the later ones cut from its sequence, as if never generated.
@@ -185,8 +186,9 @@ class OutputProcessor:
             logprob = logprobs[row]
             sample.cumulative_logprob += logprob
             if sample.logprobs is not None:
-                if tops is None:
-                    tops = top_ids.tolist(), top_logprobs.tolist()
+                if tops is None:  # (None: no row asked for alternatives, logprobs=0)
+                    tops = ((top_ids.tolist(), top_logprobs.tolist()) if top_ids is not None
+                            else ([[]] * len(tokens),) * 2)
                 sample.logprobs.append(_entry(token, logprob, tops[0][row], tops[1][row], request.params.logprobs))
             detok, matcher = sample.detok, sample.matcher
             if detok is not None:

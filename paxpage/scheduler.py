@@ -378,7 +378,7 @@ class Scheduler:
         decoding sequences whose table changed, CoW copies, the chunks of the prefilling and
         the admitted sequences, in queue order). Returns None, changing nothing, when schedule()
         would preempt, and when the first waiting sequence, or one that schedule() might admit
-        after it, is one `admits` refuses (None: any), which the general step then schedules.
+        after it, is one `admits` refuses (None: any); the full schedule() then runs.
 
         aligned: the indices of the sequences whose next token starts a page (num_computed_tokens
         a multiple of page_size); the caller tracks positions in arrays. Every other sequence
@@ -409,7 +409,7 @@ class Scheduler:
             budget -= q
             rows_left -= self._rows(q)
         # Admission takes at most one waiting sequence per seat and per token left, in order:
-        # each of those must be one the batch's step may admit, or the step is the general one.
+        # each of those must be one the batch's step may admit, or the full schedule() runs.
         seats = min(len(self.waiting), cfg.max_num_seqs - len(self.running), budget)
         if seats > 1 and not all(admits(seq) for seq in itertools.islice(self.waiting, 1, seats)):
             return None

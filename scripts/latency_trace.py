@@ -140,11 +140,10 @@ def install() -> Trace:
         for name in names:
             _patch(cls, name, lambda fn, phase=phase: trace.phase(phase, fn))
     _patch(Packer, "pack", lambda fn: trace.phase("pack", trace.packed(fn)))
-    from paxpage import batch_step, booking, launched
+    from paxpage import booking, launched
 
     wait = trace.phase("device_wait", launched.fetch)
-    for module in (batch_step, booking):  # each step kind reads its tokens through launched.fetch
-        module.fetch = wait
+    booking.fetch = wait  # every step reads its tokens through launched.fetch, in booking.py
     _patch(engine_loop.EngineLoop, "_step", trace.loop_step)
 
     add, send = engine_loop.EngineLoop._add, engine_loop.EngineLoop._send

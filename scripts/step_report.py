@@ -34,7 +34,7 @@ def print_case(case: Case, r: dict, att: dict) -> None:
             for c, d, a, k, g in zip(r["step_host_cpu_s"], r["step_decode_batch"],
                                      r.get("step_arrival", [False] * r["measured_steps"]),
                                      r["step_compiles"], r["step_full_gcs"])) +
-              "  (* general step, + an arrival's prefill, c compiled, g full gc)", flush=True)
+              "  (* a step of the full schedule, + an arrival's prefill, c compiled, g full gc)", flush=True)
 
 
 def compare_to_greedy(results: list[dict]) -> None:

@@ -23,7 +23,7 @@ class Case:
     context: int  # prompt tokens per sequence (the decode context at measurement)
     temperature: float = 0.0
     top_p: float = 1.0
-    repetition_penalty: float = 1.0  # != 1: penalised rows (penalty tensors each step, general step)
+    repetition_penalty: float = 1.0  # != 1: penalised rows (penalty tensors each step)
     # Prefill tokens per step while filling the engine (the decode step does not depend on it).
     prefill_tokens: int = 8192
     # False: requests as generate() adds them (no per-step deltas, vLLM's FINAL_ONLY); True: as a

@@ -18,7 +18,7 @@ from paxpage import EngineConfig, SamplingParams as SP
 from paxpage.decode_batch import DecodeBatch
 from paxpage.engine import LLMEngine
 from paxpage.outputs import StreamDelta
-from paxpage.batch_step import BatchStep
+from paxpage.engine_step import EngineStep
 from paxpage.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from paxpage.sequence import Sequence
 from tests.conftest import random_prompts
@@ -194,7 +194,7 @@ def text_model(tiny_text_dir):
 def _check_batch(engine) -> int:
     """The in-flight decode batch's arrays against a rebuild from its sequences; 0 if none, 2 if
     it has a penalised row, 3 if it has a row of a request with n > 1, else 1."""
-    step = engine._inflight
+    step = engine._step.inflight
     batch = step.decode if step is not None else None
     if batch is None:
         return 0
@@ -222,7 +222,7 @@ def _run(model, fast: bool, prompts, params, joins, abort_at, stream: bool = Tru
                           max_num_batched_tokens=32, enable_prefix_caching=True)
     engine = LLMEngine(model.config, model.params, model.tokenizer, config)  # fresh: no cached prefix
     if not fast:
-        engine._decode_step = lambda: None
+        engine._step.continue_batch = lambda previous: None
     # decode batches checked, with a penalised row, with a row of a forked request, with a
     # prompt part way (a chunked prefill) behind its rows
     ids, steps, finals, batches = {}, [], {}, [0, 0, 0, 0]
@@ -245,7 +245,7 @@ def _run(model, fast: bool, prompts, params, joins, abort_at, stream: bool = Tru
             batches[0] += checked > 0
             batches[1] += checked == 2
             batches[2] += checked == 3
-            batches[3] += checked > 0 and bool(engine._inflight.decode.prefilling)
+            batches[3] += checked > 0 and bool(engine._step.inflight.decode.prefilling)
             engine.scheduler.check_invariants()
         step += 1
         assert step < 400
@@ -385,7 +385,7 @@ def test_sequences_resumed_after_a_preemption_rejoin_the_steady_batch(text_model
     joins, no_abort = [0] * 8, (-1, 0)
     general = _run(text_model, False, prompts, params, joins, no_abort, num_pages=24)
     rejoined = []  # resumed sequences the steady step admitted
-    joins_batch = BatchStep.joins
+    joins_batch = EngineStep.joins
 
     def recording(self, seq):
         ok = joins_batch(self, seq)
@@ -393,7 +393,7 @@ def test_sequences_resumed_after_a_preemption_rejoin_the_steady_batch(text_model
             rejoined.append(seq.seq_id)
         return ok
 
-    monkeypatch.setattr(BatchStep, "joins", recording)
+    monkeypatch.setattr(EngineStep, "joins", recording)
     fast = _run(text_model, True, prompts, params, joins, no_abort, num_pages=24)
     assert fast[0] == general[0] and fast[1] == general[1]
     assert sorted(fast[1]) == list(range(8))
