@@ -5,8 +5,8 @@ When the step in flight is such a plain step (every row one sample drawing one t
 grammars or prompt logprobs; a request's n samples a row each; see `DecodeBatch.build`), the engine keeps its rows
 here, with their positions, page-table rows, sampling slots and output counts as arrays, and the
 next step is scheduled, packed and booked with numpy over those arrays (`Scheduler.
-schedule_decodes` / `update_decodes`, `Packer.pack` with `DecodeRows`, `OutputProcessor.
-process`) and a few Python operations per sequence. The step changes the batch by diffs:
+schedule_decodes`, whose output lists the rows as `decodes`, `Packer.pack` with `DecodeRows`,
+`OutputProcessor.process`) and a few Python operations per sequence. The step changes the batch by diffs:
 sequences that finished or were aborted since leave it (`survivors`, `compacted`), the rows left
 keeping their order and arrays; fresh plain requests that the scheduler admits join it (only
 their rows are planned; a prompt longer than a step's tokens runs its chunks behind the rows,

@@ -60,19 +60,18 @@ class EngineStep:
         previous, self.inflight = self.inflight, None
         continued = self.continue_batch(previous)
         if continued is not None:
-            batch, sched, grown, copies, tail = continued
+            batch, sched, tail = continued
         else:
-            batch, grown, tail = None, [], []
+            batch, tail = None, []
             sched = self._schedule()
-            copies = sched.copies if sched is not None else []
         launched = None
-        if batch is not None or sched is not None:
-            self.runner.copy_pages(copies)
+        if sched is not None:
+            self.runner.copy_pages(sched.copies)
             if self.speculation is not None:  # a draft model's pool follows the target's
-                self.speculation.on_copy_pages(copies)
+                self.speculation.on_copy_pages(sched.copies)
             # a beam request runs all its live beams in a step or none
             if batch is not None or not self.beams.hold_back(sched):
-                launched = self._launch(previous, batch, sched, grown)
+                launched = self._launch(previous, batch, sched)
         deltas: Deltas = self.booking.resolve(previous) if previous is not None else []
         if launched is None:
             return deltas
@@ -100,9 +99,9 @@ class EngineStep:
 
     def continue_batch(self, previous: Launched | None):
         """The step after `previous` on its batch: (the batch's rows still running, compacted;
-        the chunks scheduled behind them as a SchedulerOutput, or None; the rows whose table
-        grew; the CoW copies; the sequences after the rows in the running queue), or None,
-        having changed nothing, when the full schedule must run."""
+        the step, as `Scheduler.schedule_decodes` gives it: those rows, the chunks scheduled
+        behind them; the sequences after the rows in the running queue), or None, having
+        changed nothing, when the full schedule must run."""
         batch = previous.decode if previous is not None else None
         scheduler, spec = self.scheduler, self.speculation
         if batch is None or (spec is not None and spec.active(scheduler.num_running)):
@@ -116,9 +115,7 @@ class EngineStep:
                                                batch.prefilling)
         if scheduled is None:
             return None
-        grown, copies, chunks = scheduled  # chunks: of the prefilling and the admitted prompts
-        sched = SchedulerOutput(chunks, [], [], sum(s.num_new_tokens for s in chunks)) if chunks else None
-        return batch, sched, grown, copies, scheduler.running[len(batch):]
+        return batch, scheduled, scheduler.running[len(batch):]
 
     def _schedule(self) -> SchedulerOutput | None:
         """The scheduler's full schedule (with the speculation's drafts), or None when nothing runs."""
@@ -131,24 +128,23 @@ class EngineStep:
         return sched if sched.scheduled else None
 
     # ---- launch -----------------------------------------------------------------------------------
-    def _launch(self, previous: Launched | None, batch: DecodeBatch | None, sched: SchedulerOutput | None,
-                grown: list[int]) -> Launched:
-        """Packs the batch's rows (from its arrays) and then `sched`'s (planned) and dispatches the
-        model and, but for structured rows while a step is in flight, the sampler; returns
-        without waiting. Structured rows' bitmasks follow from every earlier token: with a step in
+    def _launch(self, previous: Launched | None, batch: DecodeBatch | None, sched: SchedulerOutput) -> Launched:
+        """Packs the batch's rows (from its arrays) and then `sched.scheduled` (planned) and
+        dispatches the model and, but for structured rows while a step is in flight, the sampler;
+        returns without waiting. Structured rows' bitmasks follow from every earlier token: with a step in
         flight they are built once its tokens are read (`run`), while the device runs this step's
         model, and only its sampler waits for them."""
         runner, n = self.runner, len(batch) if batch is not None else 0
         self._forget_ended(self.scheduler.running)
         held = None
         if batch is not None:
-            seqs = batch.seqs
+            seqs, grown = batch.seqs, sched.grown
             if grown:  # their new pages: the one changed entry of each table row
                 runner.tables.sync_many([seqs[i].seq_id for i in grown], [seqs[i].num_preemptions for i in grown],
                                         [seqs[i].page_table for i in grown], [int(batch.positions[i]) for i in grown])
             held = DecodeRows(batch.table_slots, batch.positions, batch.prev_rows, batch.lora_slots)
         inflight = previous.row_of_seq if previous is not None else {}
-        plan = None if sched is None else plan_step(sched, self.outputs.lookup, self.embeds, self.sampling, inflight)
+        plan = plan_step(sched, self.outputs.lookup, self.embeds, self.sampling, inflight) if sched.scheduled else None
         step_batch, _, prompt_plan, prev_rows = runner.packer.pack(plan.plans if plan is not None else [], held)
 
         if plan is None:
@@ -249,23 +245,20 @@ class EngineStep:
         return all(request.beam is None and (count == 1 or sample.matcher is None)
                    for (request, sample, _), count in zip(step.rows, step.counts))
 
-    def _book_pending(self, step: Launched, batch: DecodeBatch | None, sched: SchedulerOutput | None,
+    def _book_pending(self, step: Launched, batch: DecodeBatch | None, sched: SchedulerOutput,
                       tail: list[Sequence]) -> None:
         """Books a step that stays in flight: each sampling sequence gets a placeholder token
         (`StepBooking.resolve` replaces it), the n - 1 children of the requests whose prompt
         ended are forked, the rows whose pending token is their last by length leave the
         scheduler now, and the step keeps the batch the next step starts from (`step.decode`)."""
-        scheduler = self.scheduler
-        if batch is not None:
-            scheduler.update_decodes(batch.seqs, PENDING_TOKEN)
-        if sched is not None:  # the planned rows are computed; those that sample get a placeholder
-            scheduler.update(sched, {s.seq.seq_id: PENDING_TOKEN for s in sched.scheduled if s.samples})
+        self.scheduler.update(sched, {s.seq.seq_id: PENDING_TOKEN for s in sched.scheduled if s.samples},
+                              decode_token=PENDING_TOKEN)
         self.booking.sample_kv_utilisation()
-        if sched is not None:
+        if sched.scheduled:
             self.booking.fork_pending(step)
         if batch is not None:
             batch.advance()
-            step.decode = self._next_batch(batch, step, sched.scheduled if sched is not None else [], tail)
+            step.decode = self._next_batch(batch, step, sched.scheduled, tail)
             self.stats.decode_batch_steps += 1
         else:
             self.booking.finish_by_length(step)

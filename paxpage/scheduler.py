@@ -318,11 +318,16 @@ class Scheduler:
             budget -= q
             rows_left -= self._rows(q)
 
-    def update(self, output: SchedulerOutput, sampled_tokens: Mapping[int, int | Seq[int]]) -> None:
+    def update(self, output: SchedulerOutput, sampled_tokens: Mapping[int, int | Seq[int]],
+               decode_token: int | None = None) -> None:
         """After the device step: advance num_computed_tokens, cache newly full pages, and append the sampled
-        token of every scheduled sequence with samples=True (sampled_tokens[seq_id]). Sequences finished or
-        aborted since schedule() are skipped. Validates everything before changing anything."""
-        """A row that carried drafts gets a list: its accepted drafts, then the target's token."""
+        token of every scheduled sequence with samples=True (sampled_tokens[seq_id]; a row that carried
+        drafts gets a list: its accepted drafts, then the target's token). The batch's rows
+        (`output.decodes`, from schedule_decodes) each computed one token and get `decode_token`
+        (async scheduling's placeholder), in O(1) per row. Sequences finished or aborted since the
+        step was scheduled are skipped. Validates everything before changing anything."""
+        if output.decodes and decode_token is None:
+            raise ValueError(f"{len(output.decodes)} batch rows decoded and no decode_token was given")
         sampling = {s.seq.seq_id for s in output.scheduled if s.samples}
         unexpected = sorted(set(sampled_tokens) - sampling)
         if unexpected:
@@ -347,6 +352,8 @@ class Scheduler:
                     f"sequence {seq.seq_id} already has {seq.num_output_tokens} output tokens; max_tokens is "
                     f"{seq.max_tokens}; finish() it"
                 )
+        if output.decodes:  # ahead of the scheduled ones in the running queue
+            self._update_decodes(output.decodes, decode_token)
         pm, releases = self.page_manager, self.config.releases_pages
         for s in live:
             seq = s.seq
@@ -365,18 +372,30 @@ class Scheduler:
             if releases:
                 pm.release_outside_window(seq, self.config.sliding_window)
 
+    def _update_decodes(self, seqs: Seq[Sequence], token: int) -> None:
+        live, caches = self._live, self.page_manager.enable_prefix_caching
+        ps = self.config.page_size
+        for seq in seqs:
+            if live.get(seq.seq_id) is not seq:
+                continue
+            seq.num_computed_tokens += 1
+            seq.output_token_ids.append(token)
+            if caches and seq.num_computed_tokens % ps == 0:  # a page just filled
+                self.page_manager.cache_full_pages(seq)
+
     # ---- the steady decode step, batched ----------------------------------------------------------------
     def schedule_decodes(self, seqs: list[Sequence], aligned: Seq[int],
                          admits: Callable[[Sequence], bool] | None = None, prefilling: Seq[Sequence] = ()
-                         ) -> tuple[list[int], list[tuple[int, int]], list[ScheduledSeq]] | None:
+                         ) -> SchedulerOutput | None:
         """`schedule()` for the persistent batch's step, in O(1) Python per decoding sequence that
         needs no page: when the running queue is exactly `seqs` (same objects, same order), each
         decoding one token, then `prefilling` (sequences part way through their prompts), and
         the pages all of them need are free, it gives each decoding sequence the page it writes
         (in queue order, as schedule() would), the prefilling ones their next chunks, then admits
-        waiting sequences with the tokens left, as schedule() would. Returns (indices of the
-        decoding sequences whose table changed, CoW copies, the chunks of the prefilling and
-        the admitted sequences, in queue order). Returns None, changing nothing, when schedule()
+        waiting sequences with the tokens left, as schedule() would. Returns the step as a
+        SchedulerOutput whose `decodes` are `seqs` (`grown`: the indices of those whose table
+        changed) and whose `scheduled` are the chunks of the prefilling and the admitted
+        sequences, in queue order. Returns None, changing nothing, when schedule()
         would preempt, and when the first waiting sequence, or one that schedule() might admit
         after it, is one `admits` refuses (None: any); the full schedule() then runs.
 
@@ -426,21 +445,7 @@ class Scheduler:
         if self.waiting:
             self._admit(budget, rows_left, scheduled, copies)
         self._shared_tails.clear()  # every running sequence has its write now
-        return grow, copies, scheduled
-
-    def update_decodes(self, seqs: Seq[Sequence], token: int) -> None:
-        """`update()` after a `schedule_decodes` step: each sequence still running computed its
-        one token and gets `token` appended (async scheduling's placeholder). Sequences finished
-        since are skipped."""
-        live, caches = self._live, self.page_manager.enable_prefix_caching
-        ps = self.config.page_size
-        for seq in seqs:
-            if live.get(seq.seq_id) is not seq:
-                continue
-            seq.num_computed_tokens += 1
-            seq.output_token_ids.append(token)
-            if caches and seq.num_computed_tokens % ps == 0:  # a page just filled
-                self.page_manager.cache_full_pages(seq)
+        return SchedulerOutput(scheduled, copies, [], n + sum(s.num_new_tokens for s in scheduled), seqs, grow)
 
     # ---- invariants ---------------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -7,6 +7,7 @@ policy that fills them is scheduler.py's.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
 from paxpage.page_manager import cdiv
@@ -89,10 +90,17 @@ class ScheduledSeq(NamedTuple):  # immutable; a NamedTuple builds ~5x faster tha
 
 @dataclasses.dataclass
 class SchedulerOutput:
+    """A step's changes: what runs, what is copied, what was preempted. A step that continues the
+    persistent batch (`Scheduler.schedule_decodes`) lists its rows apart, as `decodes`, by
+    reference: each computes and samples one token, and `scheduled` then holds only the chunks
+    behind them."""
+
     scheduled: list[ScheduledSeq]
     copies: list[tuple[int, int]]  # CoW (src_page, dst_page), to run on device BEFORE the step, in order
     preempted: list[Sequence]
     num_batched_tokens: int
+    decodes: Seq[Sequence] = ()  # the batch's rows, ahead of `scheduled` in the running queue
+    grown: list[int] = dataclasses.field(default_factory=list)  # indices of `decodes` given a page
 
     @property
     def is_empty(self) -> bool:

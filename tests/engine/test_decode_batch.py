@@ -19,7 +19,7 @@ from paxpage.decode_batch import DecodeBatch
 from paxpage.engine import LLMEngine
 from paxpage.outputs import StreamDelta
 from paxpage.engine_step import EngineStep
-from paxpage.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from paxpage.scheduler import Scheduler, SchedulerConfig
 from paxpage.sequence import Sequence
 from tests.conftest import random_prompts
 
@@ -59,13 +59,14 @@ def test_schedule_decodes_equals_schedule_and_update(seed, prefix_caching):
         out = general.schedule()
         seqs = list(fast.running)
         aligned = [i for i, s in enumerate(seqs) if s.num_computed_tokens % 4 == 0]
-        grown, copies, admitted = fast.schedule_decodes(seqs, aligned)
+        step_out = fast.schedule_decodes(seqs, aligned)
+        grown, copies, admitted = step_out.grown, step_out.copies, step_out.scheduled
         assert copies == out.copies and admitted == []
         assert [s.seq.seq_id for s in out.scheduled] == [s.seq_id for s in seqs]
         assert all((s.num_new_tokens, s.samples) == (1, True) for s in out.scheduled)
         token = int(rng.integers(0, 50))
         general.update(out, {s.seq.seq_id: token for s in out.scheduled})
-        fast.update_decodes(seqs, token)
+        fast.update(step_out, {}, decode_token=token)
         assert _state(fast) == _state(general), step
         assert set(grown) <= set(aligned)
         fast.check_invariants()
@@ -117,15 +118,14 @@ def test_schedule_decodes_admits_as_schedule_does(seed, prefix_caching):
             fast = general
             fast.update(out, {s.seq.seq_id: 1 for s in out.scheduled if s.samples})
             continue
-        grown, copies, admitted = scheduled
+        copies, admitted = scheduled.copies, scheduled.scheduled
         assert copies == out.copies
         expect = [(s.seq.seq_id, s.num_new_tokens, s.start, s.samples) for s in out.scheduled]
         assert [(s.seq_id, 1, s.num_computed_tokens, True) for s in seqs] + [
             (s.seq.seq_id, s.num_new_tokens, s.start, s.samples) for s in admitted] == expect
         token = int(rng.integers(0, 50))
         general.update(out, {s.seq.seq_id: token for s in out.scheduled if s.samples})
-        fast.update_decodes(seqs, token)
-        fast.update(SchedulerOutput(admitted, [], [], 0), {s.seq.seq_id: token for s in admitted if s.samples})
+        fast.update(scheduled, {s.seq.seq_id: token for s in admitted if s.samples}, decode_token=token)
         assert _state(fast) == _state(general), step
         num_admitted += len(admitted)
         fast.check_invariants()
@@ -169,7 +169,7 @@ def test_schedule_decodes_declines_when_schedule_would_admit_a_refused_sequence_
     before = _state(sched)
     assert sched.schedule_decodes(seqs, aligned, lambda seq: seq.seq_id != 91) is None
     assert _state(sched) == before and len(sched.waiting) == 3
-    grown, copies, admitted = sched.schedule_decodes(seqs, aligned, lambda seq: True)
+    admitted = sched.schedule_decodes(seqs, aligned, lambda seq: True).scheduled
     assert [s.seq.seq_id for s in admitted] == [90, 91, 92]
 
 
