@@ -131,9 +131,9 @@ class EngineStep:
     def _launch(self, previous: Launched | None, batch: DecodeBatch | None, sched: SchedulerOutput) -> Launched:
         """Packs the batch's rows (from its arrays) and then `sched.scheduled` (planned) and
         dispatches the model and, but for structured rows while a step is in flight, the sampler;
-        returns without waiting. Structured rows' bitmasks follow from every earlier token: with a step in
-        flight they are built once its tokens are read (`run`), while the device runs this step's
-        model, and only its sampler waits for them."""
+        returns without waiting. Structured rows' bitmasks follow from every earlier token: with
+        a step in flight they are built once its tokens are read (`run`), while the device runs
+        this step's model, and only its sampler waits for them."""
         runner, n = self.runner, len(batch) if batch is not None else 0
         self._forget_ended(self.scheduler.running)
         held = None
@@ -175,7 +175,7 @@ class EngineStep:
             self.speculation.on_step(step_batch, prev_rows, prev_tokens)
         sampler_args = (step_batch, logits, tensors, num_logprobs, num_prompt_logprobs, prev_rows, prev_tokens)
         if plan is None and batch is previous.decode:  # the rows of the step in flight, as they were
-            return self._dispatched(Launched(None, batch.rows, previous.counts, [], None, None, None,
+            return self._dispatched(Launched(sched, batch.rows, previous.counts, [], None, None, None,
                                              previous.row_of_seq, sampler_args=sampler_args, drafts=previous.drafts),
                                     previous)
         rows, counts, drafts, row_of_seq = [], [], [], {}
