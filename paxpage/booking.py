@@ -34,7 +34,7 @@ Deltas = list[tuple[Request, list[StreamDelta]]]
 
 class StepBooking:
     def __init__(self, scheduler: Scheduler, outputs: OutputProcessor, beams, stats: EngineStats,
-                 embeds: dict[int, EmbeddingRequest], new_sequence: Callable, tokenizer, max_model_len: int,
+                 embeds: dict[int, EmbeddingRequest], new_sequence: Callable, tokenizer,
                  sampling: SamplingBatch, speculation=None):
         self.scheduler = scheduler
         self.sampling = sampling  # the running sequences' sampling slots
@@ -44,7 +44,6 @@ class StepBooking:
         self.embeds = embeds  # the engine's live embedding requests by request id
         self.new_sequence = new_sequence  # (prompt ids, max tokens, request id) -> Sequence
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
         self.speculation = speculation  # speculative.coordinator.SpeculationCoordinator, or None
 
     def fork_pending(self, step: Launched) -> None:
@@ -80,14 +79,15 @@ class StepBooking:
             step.row_of_seq[seq.seq_id] = row
             if seq.is_finished:  # stopped when the previous step's tokens were read
                 continue
-            if self.ends_by_length(seq):
+            if self.ends_by_length(sample):
                 self.scheduler.finish(seq, "length")
                 self._freed(seq.seq_id)
 
-    def ends_by_length(self, seq) -> bool:
-        """Whether the token `seq` was just booked (pending) is its last by length: its
-        max_tokens-th output, or its max_model_len-th token."""
-        return seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len
+    @staticmethod
+    def ends_by_length(sample) -> bool:
+        """Whether the token `sample` was just booked (pending) is its last by length: its
+        max_tokens-th output, or its max_model_len-th token (`Sample.limit`)."""
+        return sample.seq.num_output_tokens >= sample.limit
 
     def resolve(self, step: Launched) -> Deltas:
         """Reads an in-flight step's tokens (its top logprobs only when some row asked for them)

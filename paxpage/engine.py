@@ -108,7 +108,7 @@ class LLMEngine:
         self._sampling = SamplingBatch(model_cfg.vocab_size, self.eos_token_ids, token_width=cfg.max_model_len,
                                        pending_token=PENDING_TOKEN)  # token_width caps the penalty-token width
         self._booking = StepBooking(self.scheduler, self.outputs, self._beams, self.stats, self._embeds,
-                                    new_sequence, tokenizer, cfg.max_model_len, self._sampling, self._spec)
+                                    new_sequence, tokenizer, self._sampling, self._spec)
 
         self._step = EngineStep(self.scheduler, self.runner, self.outputs, self._sampling, self._booking,
                                 self._beams, self.stats, self._embeds, cfg, self.admission.grammars, self._spec)

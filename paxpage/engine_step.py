@@ -285,7 +285,7 @@ class EngineStep:
                                             slots[n:], steps[n:], self.runner.tables, lora=self.lora)
         # the batch's rows by their arrays (DecodeBatch.limits), the new entries by the rule
         by_length = [batch.seqs[i] for i in batch.finished_by_length()] + [
-            sample.seq for _, sample, _ in new_rows if self.booking.ends_by_length(sample.seq)]
+            sample.seq for _, sample, _ in new_rows if self.booking.ends_by_length(sample)]
         self.booking.finish([(seq, "length") for seq in by_length])
         if not chunks:
             return batch

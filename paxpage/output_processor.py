@@ -155,10 +155,10 @@ class OutputProcessor:
         sample that asked for logprobs its alternatives top_ids[r] / top_logprobs[r] ([R, L]
         arrays; None when no row asked for any). pending: each entry's sample ends in this
         placeholder (async scheduling), which its token replaces; None: the tokens are appended
-        already. indices: a speculating step's
-        entries may give one sample several tokens, consecutive and in order, each with its
-        position among the sample's outputs (None: the sample's last token); a sample that stops
-        at one of them has the later ones cut from its sequence, as if never generated.
+        already. indices: a speculating step's entries may give one sample several tokens,
+        consecutive and in order, each with its position among the sample's outputs (None: the
+        sample's last token); a sample that stops at one of them has the later ones cut from its
+        sequence, as if never generated.
 
         Returns each request's deltas (one per sample, a request's under one entry, in first-token
         order; a request with stream=False: only when it finishes, with none), the (sequence,
@@ -243,13 +243,11 @@ class OutputProcessor:
         if sample.matcher is not None and (sample.grammar_refused or sample.matcher.is_stopped()):
             return "stop", token if token in self.eos_token_ids else None
         if num_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return "stop", token
-            if token in p.stop_token_ids:
+            if token in sample.stop_ids:  # EOS unless ignored, stop_token_ids
                 return "stop", token
             if sample.detok is not None and sample.detok.stopped_by is not None:
                 return "stop", sample.detok.stopped_by
-        if num_out >= p.max_tokens or seq.num_prompt_tokens + num_out >= self.max_model_len:
+        if num_out >= sample.limit:  # max_tokens, or the model's length
             return "length", None
         return None, None
 
