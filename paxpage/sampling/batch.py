@@ -187,14 +187,29 @@ class SamplingBatch:
 
     def _count_rows(self, rows: list[int], slots: list[int], with_prompt: list[bool], row_tokens) -> None:
         """Brings the counts of `slots` (their rows of the slab) up to date with logits rows
-        `rows`' tokens: each row's new outputs found here, all added with one `CountSlab.add`."""
+        `rows`' tokens: each row's new outputs found here, all added with one `CountSlab.add`.
+        The common case, a decode row whose output list gained one known token since it was
+        counted, is checked inline (the conditions of `RunningCounts.advance`, which takes every
+        other case)."""
         new_slots, new_tokens = [], []
-        counts_by_slot, slab, known = self._counts, self._slab, self._known
+        counts_by_slot, slab, pending = self._counts, self._slab, self.pending_token
         for r, slot, prompt in zip(rows, slots, with_prompt):
-            prompt_ids, output_ids, num_known = known(*row_tokens(r), prompt)
+            prompt_ids, output_ids = row_tokens(r)
+            if not prompt:
+                prompt_ids = ()
+            num_known = len(output_ids)
+            if num_known and output_ids[-1] == pending:
+                num_known -= 1
             counts = counts_by_slot.get(slot)
             if counts is None:
                 counts_by_slot[slot] = RunningCounts(prompt_ids, output_ids, num_known, slab, slot)
+                continue
+            seen = counts.seen
+            if num_known == seen + 1 and output_ids is counts.out and prompt_ids is counts.prompt_ids \
+                    and (not seen or output_ids[seen - 1] == counts.last):
+                counts.seen, counts.last = num_known, output_ids[seen]
+                new_slots.append(slot)
+                new_tokens.append(counts.last)
                 continue
             new = counts.advance(prompt_ids, output_ids, num_known)
             if new:

@@ -47,16 +47,18 @@ class CountSlab:
     are its ids and counts, the rest -1 / 0 (so a gather of rows and a prefix of columns is a
     step's padded token_ids / token_counts). Widens (doubling) as a row outgrows it.
 
-    Each row also keeps its ids' columns in a dict, so `add` finds a token's entry in O(1) rather
-    than by comparing it with the row's ids. `gather` keeps the arrays it returned and, asked for
-    the same rows again, brings a kept pair up to date with the entries written since instead of
-    copying every row (a decode step asks for its rows of last step with one token more each)."""
+    `add` finds a token's entry through a [C, V] map from (row, id) to its column, built on the
+    first `add` (a slab that is only written and gathered never holds one), so a step's tokens are
+    placed with a few numpy operations, not a search of each row or a Python loop over them.
+    `gather` keeps the arrays it returned and, asked for the same rows again, brings a kept pair
+    up to date with the entries written since instead of copying every row (a decode step asks
+    for its rows of last step with one token more each)."""
 
     def __init__(self, capacity: int = 64, width: int = 16):
         self.ids = np.full((capacity, width), -1, np.int32)
         self.counts = np.zeros((capacity, width), np.int32)
         self.n = np.zeros(capacity, np.int64)  # [C] entries in use per row
-        self._columns: list[dict[int, int]] = [{} for _ in range(capacity)]  # per row: id -> its column
+        self._where: np.ndarray | None = None  # i32[C, V] row, id -> its column (-1: none), see add
         self._version = 0  # bumped by every write
         self._changes: list[tuple[int, np.ndarray, np.ndarray | None]] = []  # see _changed
         self._laid: list[_LaidOut | None] = [None] * _LAID_OUT  # gather's kept pairs, used in turn
@@ -72,7 +74,22 @@ class CountSlab:
         ids, counts, n = np.full(shape, -1, np.int32), np.zeros(shape, np.int32), np.zeros(shape[0], np.int64)
         ids[:capacity, :current], counts[:capacity, :current], n[:capacity] = self.ids, self.counts, self.n
         self.ids, self.counts, self.n = ids, counts, n
-        self._columns += [{} for _ in range(shape[0] - capacity)]
+        if self._where is not None and shape[0] > capacity:
+            self._where = _grown(self._where, shape[0], self._where.shape[1])
+
+    def _map(self, num_ids: int) -> np.ndarray:
+        """The (row, id) -> column map, covering ids below num_ids (built from the rows on first use)."""
+        where = self._where
+        if where is None:
+            where = np.full((self.ids.shape[0], 0), -1, np.int32)
+            known = self.ids >= 0
+            num_ids = max(num_ids, int(self.ids.max(initial=-1)) + 1)
+            where = self._where = _grown(where, where.shape[0], num_ids)
+            r, c = np.nonzero(known)
+            where[r, self.ids[r, c]] = c
+        elif num_ids > where.shape[1]:
+            where = self._where = _grown(where, where.shape[0], max(num_ids, 2 * where.shape[1]))
+        return where
 
     def write(self, row: int, ids: np.ndarray, counts: np.ndarray) -> None:
         """Row `row` holds ids / counts, distinct ids (its entries past them must be -1 / 0 already)."""
@@ -80,14 +97,16 @@ class CountSlab:
         self.ensure(row + 1, n)
         self.ids[row, :n], self.counts[row, :n] = ids, counts
         self.n[row] = n
-        self._columns[row] = dict(zip(np.asarray(ids).tolist(), range(n)))
+        if self._where is not None:
+            self._map(int(np.max(ids, initial=-1)) + 1)[row, ids] = np.arange(n, dtype=np.int32)
         self._changed(np.array([row], np.int64))
 
     def clear(self, row: int) -> None:
         if row < self.ids.shape[0]:
             n = int(self.n[row])
+            if self._where is not None:
+                self._where[row, self.ids[row, :n]] = -1
             self.ids[row, :n], self.counts[row, :n], self.n[row] = -1, 0, 0
-            self._columns[row] = {}
             self._changed(np.array([row], np.int64))
 
     def add(self, rows: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray) -> None:
@@ -95,20 +114,32 @@ class CountSlab:
         for every j in order."""
         if len(rows) == 0:
             return
-        rows, tokens = (x.tolist() if isinstance(x, np.ndarray) else x for x in (rows, tokens))
-        by_row = self._columns
-        columns = []
-        for r, t in zip(rows, tokens):
-            where = by_row[r]
-            k = where.get(t)
-            if k is None:
-                k = where[t] = len(where)
-            columns.append(k)
-        at = (np.asarray(rows, np.int64), np.asarray(columns, np.int64))
-        self.ensure(1, max(columns) + 1)
+        rows, tokens = np.asarray(rows, np.int64), np.asarray(tokens, np.int64)
+        where = self._map(int(tokens.max()) + 1)
+        if len(np.unique(rows)) == len(rows):  # one token per row (a decode step)
+            columns = where[rows, tokens].astype(np.int64)
+            new = columns < 0
+            columns[new] = self.n[rows[new]]
+            where[rows[new], tokens[new]] = columns[new]
+            self.n[rows[new]] += 1
+            unique = True
+        else:  # a row taking several tokens, in order (a new one may repeat)
+            columns = np.empty(len(rows), np.int64)
+            n = self.n
+            for j, (r, t) in enumerate(zip(rows.tolist(), tokens.tolist())):
+                k = int(where[r, t])
+                if k < 0:
+                    k = where[r, t] = n[r]
+                    n[r] += 1
+                columns[j] = k
+            unique = False
+        self.ensure(1, int(columns.max()) + 1)
+        at = (rows, columns)
         self.ids[at] = tokens
-        np.add.at(self.counts, at, 1)
-        self.n[at[0]] = [len(by_row[r]) for r in rows]
+        if unique:
+            self.counts[at] += 1
+        else:
+            np.add.at(self.counts, at, 1)
         self._changed(*at)
 
     def _changed(self, rows: np.ndarray, cols: np.ndarray | None = None) -> None:
@@ -167,6 +198,12 @@ class CountSlab:
         for r in {int(r) for _, rs, c in changes if c is None for r in rs}:
             if position[r] >= 0:
                 laid.ids[position[r]], laid.counts[position[r]] = self.ids[r, :width], self.counts[r, :width]
+
+
+def _grown(where: np.ndarray, rows: int, num_ids: int) -> np.ndarray:
+    out = np.full((rows, num_ids), -1, np.int32)
+    out[:where.shape[0], :where.shape[1]] = where
+    return out
 
 
 _LAID_OUT = 3  # pairs gather keeps (the step being built, the one in flight, and one spare)

@@ -82,6 +82,23 @@ def test_slab_add_counts_every_row_at_once(seed):
             assert (slab.ids[r, n:] == -1).all() and (slab.counts[r, n:] == 0).all()
 
 
+def test_slab_add_finds_entries_written_before_its_first_add():
+    # A recount writes whole rows before any add; the first add must find their ids (count them
+    # in place) rather than append them again, also once the slab has grown past its rows.
+    slab = CountSlab(capacity=2, width=2)
+    slab.write(0, *distinct_counts([7, 3], [3]))  # ids 3, 7: counts 1, 0
+    slab.write(1, *distinct_counts([], [5, 5]))  # id 5: count 2
+    slab.add([0, 1, 0], [7, 5, 9])
+    slab.ensure(5, 1)
+    slab.add([4, 0], [7, 3])
+    assert _as_dict(slab.ids[0, :slab.n[0]], slab.counts[0, :slab.n[0]]) == {3: 2, 7: 1, 9: 1}
+    assert _as_dict(slab.ids[1, :slab.n[1]], slab.counts[1, :slab.n[1]]) == {5: 3}
+    assert _as_dict(slab.ids[4, :slab.n[4]], slab.counts[4, :slab.n[4]]) == {7: 1}
+    slab.clear(0)
+    slab.add([0], [3])
+    assert slab.n[0] == 1 and slab.ids[0, 0] == 3 and slab.counts[0, 0] == 1
+
+
 def test_repetition_penalised_greedy_generation_matches_hf(tiny_llama_dir):
     """The engine's running counts over a whole generation: greedy with a repetition penalty
     (prompt and outputs penalised, HF's definition) equals HF transformers' generate."""
