@@ -90,16 +90,15 @@ class StepBooking:
         return sample.seq.num_output_tokens >= sample.limit
 
     def resolve(self, step: Launched) -> Deltas:
-        """Reads an in-flight step's tokens (its top logprobs only when some row asked for them)
+        """Reads an in-flight step's tokens (one array; top logprobs in it only when some row asked)
         and hands them to the output processor, each in place of its sample's pending
         placeholder."""
         t = time.perf_counter()
-        result = step.result
-        top = (result.top_ids, result.top_logprobs) if result.top_ids.shape[-1] else (None, None)
-        token_ids, logprobs, top_ids, top_logprobs = fetch((result.token_ids, result.logprobs) + top)
+        result = fetch(step.result)
         self.stats.device_seconds += time.perf_counter() - t
-        deltas, to_finish, num_taken = self.outputs.process(step.rows, token_ids.tolist(), logprobs.tolist(), top_ids,
-                                                            top_logprobs, pending=PENDING_TOKEN)
+        top = (result.top_ids, result.top_logprobs) if result.num_top else (None, None)
+        deltas, to_finish, num_taken = self.outputs.process(step.rows, result.token_ids.tolist(),
+                                                            result.logprobs.tolist(), *top, pending=PENDING_TOKEN)
         return self._booked(deltas, to_finish, num_taken)
 
     def complete(self, step: Launched) -> Deltas:

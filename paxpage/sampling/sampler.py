@@ -49,17 +49,53 @@ from paxpage.sampling.params import GREEDY_TEMPERATURE
 from paxpage.sampling.tensors import SamplingTensors
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["token_ids", "logprobs", "top_ids", "top_logprobs"],
-    meta_fields=[],
-)
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["packed"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SamplerOutput:
-    token_ids: jax.Array  # i32[R] sampled token per row
-    logprobs: jax.Array  # f32[R] logprob of the sampled token (penalised logits, no temperature)
-    top_ids: jax.Array  # i32[R, L] most likely tokens, descending
-    top_logprobs: jax.Array  # f32[R, L]
+    """A step's sampled tokens, their logprobs and the top alternatives, held as one array: what
+    the host reads of a step is then one transfer (one wait, one copy from an accelerator, one
+    first read of the memory the CPU backend just wrote), not one per field. Build it with `of`;
+    the fields read as views of `packed`, on the device (jax arrays) or the host (numpy)."""
+
+    packed: jax.Array  # i32[R, 2 + 2L]: token, the logprob's bits, L top ids, their logprobs' bits
+
+    @classmethod
+    def of(cls, token_ids: jax.Array, logprobs: jax.Array, top_ids: jax.Array, top_logprobs: jax.Array
+           ) -> SamplerOutput:
+        """token_ids i32[R] sampled token per row; logprobs f32[R] the sampled token's logprob
+        (penalised logits, no temperature); top_ids i32[R, L] most likely tokens, descending, and
+        top_logprobs f32[R, L] theirs (L may be 0)."""
+        def bits(x):
+            return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+        return cls(jnp.concatenate([token_ids.astype(jnp.int32)[:, None], bits(logprobs)[:, None],
+                                    top_ids.astype(jnp.int32), bits(top_logprobs)], axis=1))
+
+    @property
+    def num_top(self) -> int:
+        return (self.packed.shape[1] - 2) // 2
+
+    @property
+    def token_ids(self):  # i32[R]
+        return self.packed[:, 0]
+
+    @property
+    def logprobs(self):  # f32[R]
+        return _as_float(self.packed[:, 1])
+
+    @property
+    def top_ids(self):  # i32[R, L]
+        return self.packed[:, 2:2 + self.num_top]
+
+    @property
+    def top_logprobs(self):  # f32[R, L]
+        return _as_float(self.packed[:, 2 + self.num_top:])
+
+
+def _as_float(bits):
+    if isinstance(bits, np.ndarray):
+        return bits.view(np.float32)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def counted_pending(t: SamplingTensors, pending: jax.Array) -> jax.Array:
@@ -233,8 +269,7 @@ def _sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int, greedy_onl
         chosen = (jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - best) - log_total
         top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
-    return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids.astype(jnp.int32),
-                         top_logprobs=top_logprobs)
+    return SamplerOutput.of(token_ids, chosen, top_ids, top_logprobs)
 
 
 def log_normaliser(logits: jax.Array, best: jax.Array) -> jax.Array:

@@ -110,4 +110,4 @@ def verify(logits: jax.Array, t: SamplingTensors, draft_ids: jax.Array,
     best = jnp.max(penalised, axis=-1)
     log_total = sampler_lib.log_normaliser(penalised, best)
     chosen = (jnp.take_along_axis(penalised, tokens[:, None], -1)[:, 0] - best) - log_total
-    return sampler_lib.SamplerOutput(tokens, chosen, out.top_ids, out.top_logprobs), accepted
+    return sampler_lib.SamplerOutput.of(tokens, chosen, out.top_ids, out.top_logprobs), accepted
