@@ -126,16 +126,20 @@ def prefill_steps(prompt_lens: list[int], rows_per_request: int, budget: int) ->
 def fill_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: int, window: int | None = None,
               before_window: int = 0):
     """An engine with case.rows decoding sequences, after `warmup` decode steps (compiles), with
-    tokens left for `steps` more. `window`: the measured steps among them (default all), after
+    tokens left for `steps` more. With arrivals the warm-up is at least four steps and two of
+    them carry an arriving request, so the measured steps meet shapes already compiled (a
+    prefill chunk beside the decodes, the batch a row or two larger). `window`: the measured steps among them (default all), after
     `before_window` unmeasured ones; a case's ending rows finish inside it.
     -> (engine, cfg, fill steps, fill seconds, arrive: adds one arriving request)."""
     window = steps if window is None else window
+    warm_arrivals = 2 if case.arrivals_every else 0
+    warmup = max(warmup, 2 * warm_arrivals)
     page_size = 16
     tokens_per_row = case.context + warmup + steps + 4
     # Prefill finishes for different requests in different steps: room for that spread too.
     spread = -(-case.rows * case.context // case.prefill_tokens) + 2
     pages_per_row = -(-(tokens_per_row + spread) // page_size)
-    num_arrivals = -(-steps // case.arrivals_every) if case.arrivals_every else 0
+    num_arrivals = (-(-steps // case.arrivals_every) if case.arrivals_every else 0) + warm_arrivals
     num_seqs = case.rows + num_arrivals * case.n
     cfg = paxpage.EngineConfig(page_size=page_size, num_pages=num_seqs * pages_per_row + 8,
                                max_num_seqs=num_seqs,
@@ -173,14 +177,17 @@ def fill_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: i
         engine.step()
         fill_steps += 1
     fill_s = time.perf_counter() - t
-    for _ in range(warmup):
-        engine.step()
-    process_tuning.freeze_startup_heap()  # as paxpage serve does once its engine is built
-    arrival = dataclasses.replace(params, max_tokens=steps + 2)
+    arrival = dataclasses.replace(params, max_tokens=warmup + steps + 2)
 
     def arrive():
         engine.add_request(rng.integers(0, model.config.vocab_size, case.context).tolist(), arrival,
                            stream=case.stream)
+
+    for i in range(warmup):
+        if i % 2 == 0 and i // 2 < warm_arrivals:
+            arrive()
+        engine.step()
+    process_tuning.freeze_startup_heap()  # as paxpage serve does once its engine is built
 
     return engine, cfg, fill_steps, fill_s, arrive
 
