@@ -49,7 +49,9 @@ class CountSlab:
 
     `add` finds a token's entry through a [C, V] map from (row, id) to its column, built on the
     first `add` (a slab that is only written and gathered never holds one), so a step's tokens are
-    placed with a few numpy operations, not a search of each row or a Python loop over them.
+    placed with a few numpy operations, not a search of each row or a Python loop over them. The
+    map costs 4 bytes per row and vocabulary entry (~50 MB for a slab of 256 rows and a
+    49,152-token vocabulary), held from the first penalised step while the slab lives.
     `gather` keeps the arrays it returned and, asked for the same rows again, brings a kept pair
     up to date with the entries written since instead of copying every row (a decode step asks
     for its rows of last step with one token more each)."""
