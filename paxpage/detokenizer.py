@@ -18,6 +18,10 @@ turn out to be the start of a stop string is held back from the streamed deltas 
 string is included in the output anyway) and released by the next `add` or by `finish`, so a
 stream never shows text the final output does not contain. Deltas concatenated equal `.text`.
 
+An output nobody reads before it ends (not streamed, no stop strings) needs no text per token:
+with a byte-level tokenizer `FinalText` keeps its tokens and decodes them once, when read, which
+gives the same text (the incremental text of such a tokenizer is the full decode).
+
 Contract for the engine: call `add` for each generated token, and `finish()` once when the
 sequence ends for any reason other than a matched stop string (EOS, stop token, length):
 until then `.text` may lack a held-back tail or an incomplete character.
@@ -64,13 +68,10 @@ class IncrementalDetokenizer:
         context = [i for i in prompt_token_ids if i not in self._special_ids][-_CONTEXT_TOKENS:]
         self._stream = None
         self._pieces: list[str | None] | None = None
-        self._backend = None  # the fast tokenizer's Rust one, where there is one
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if _DecodeStream is not None and isinstance(backend, _RustTokenizer):
-            self._backend = backend
-            if isinstance(backend.decoder, _ByteLevel):  # no left context needed: see the docstring
-                self._pieces = _byte_level_pieces(backend)
-                context = []
+        self._backend = _rust_backend(tokenizer)  # the fast tokenizer's Rust one, where there is one
+        if byte_level(tokenizer):  # no left context needed: see the docstring
+            self._pieces = _byte_level_pieces(self._backend)
+            context = []
         # context + output tokens still to be decoded; with the piece table only the tokens of a
         # character still incomplete (none left of them matters)
         self._ids: list[int] = list(context)
@@ -233,6 +234,69 @@ class IncrementalDetokenizer:
             text += delta
             self._text = text
         return delta
+
+
+class FinalText:
+    """The text of an output read only once it has ended (not streamed, no stop strings), from a
+    tokenizer whose decoder is byte-level alone (`byte_level`): the tokens are kept and decoded in
+    one call when `text` is read, not a Python step per token. For such a tokenizer the
+    incremental detokenizer's text is the full decode of the tokens, its special ones dropped
+    when skipped (tests/engine/test_detokenizer.py holds both to that), so the text is the same.
+    The part of IncrementalDetokenizer's interface the engine uses: add, finish, text, stopped_by."""
+
+    stopped_by = None  # no stop strings
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self.output_token_ids: list[int] = []
+        self._finished = False
+        self._text, self._num_decoded = "", 0
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def add(self, token_id: int) -> str:
+        if not self._finished:
+            self.output_token_ids.append(token_id)
+        return ""
+
+    def finish(self) -> str:
+        self._finished, self._num_decoded = True, -1  # the held-back tail, if any, is text now
+        return ""
+
+    @property
+    def text(self) -> str:
+        """The decode of the tokens so far; before `finish`, without the tokens of a character
+        still incomplete at the end (as the incremental detokenizer holds them back)."""
+        ids = self.output_token_ids
+        if self._num_decoded != len(ids) or not self._finished:
+            text, end = self._decode(ids), len(ids)
+            while not self._finished and end and text.endswith(_REPLACEMENT_CHAR):
+                end -= 1
+                text = self._decode(ids[:end])
+            self._text, self._num_decoded = text, len(ids)
+        return self._text
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        if not ids:
+            return ""
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special,
+                                      clean_up_tokenization_spaces=False)
+
+
+def _rust_backend(tokenizer: Any):
+    """The fast tokenizer's Rust tokenizer, or None (or a tokenizers without DecodeStream)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend if _DecodeStream is not None and isinstance(backend, _RustTokenizer) else None
+
+
+def byte_level(tokenizer: Any) -> bool:
+    """Whether the tokenizer is a fast one whose decoder is ByteLevel alone (GPT-2, Llama 3, Qwen,
+    SmolLM2): its text is the UTF-8 of its tokens' bytes, needing no left context."""
+    backend = _rust_backend(tokenizer)
+    return backend is not None and isinstance(backend.decoder, _ByteLevel)
 
 
 _PIECES: dict[int, tuple[object, list[str | None]]] = {}  # id(backend) -> (backend, its table)

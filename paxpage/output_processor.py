@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence as Seq
 from itertools import repeat
 from typing import Any
 
-from paxpage.detokenizer import IncrementalDetokenizer
+from paxpage.detokenizer import FinalText, IncrementalDetokenizer, byte_level
 from paxpage.outputs import Completion, RequestMetrics, RequestOutput, StreamDelta
 from paxpage.sampling.params import SamplingParams
 from paxpage.sequence import Sequence
@@ -29,7 +29,7 @@ class Sample:
 
     seq: Sequence
     seed: int
-    detok: IncrementalDetokenizer | None
+    detok: IncrementalDetokenizer | FinalText | None
     logprobs: list[dict[int, float]] | None  # one dict per output token, when asked
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
@@ -78,6 +78,8 @@ class Request:
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: Seq[int], max_model_len: int):
         self.tokenizer = tokenizer
+        # outputs read only at their end decode their tokens then, in one call (detokenizer.FinalText)
+        self._final_text = tokenizer is not None and byte_level(tokenizer)
         self.eos_token_ids = tuple(eos_token_ids)
         self._eos = frozenset(self.eos_token_ids)
         self.max_model_len = max_model_len
@@ -111,8 +113,11 @@ class OutputProcessor:
         p = request.params
         detok = None
         if with_text and self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, p.skip_special_tokens, p.stop,
-                                           p.include_stop_str_in_output, p.min_tokens)
+            if self._final_text and not request.stream and not p.stop:  # text read once it has ended
+                detok = FinalText(self.tokenizer, p.skip_special_tokens)
+            else:
+                detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, p.skip_special_tokens, p.stop,
+                                               p.include_stop_str_in_output, p.min_tokens)
         sample = Sample(seq, seed, detok, [] if with_text and p.logprobs is not None else None,
                         stop_ids=frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self._eos),
                         limit=min(p.max_tokens, self.max_model_len - seq.num_prompt_tokens))

@@ -228,3 +228,27 @@ def test_long_output_matches_the_full_decode_and_stops_late(tok):
     deltas, detok = _run(tok, ids, stop=("the END",))
     assert detok.stopped_by == "the END" and "".join(deltas) == detok.text
     assert detok.text == tok.decode(ids)[:-len("the END")]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_final_text_equals_the_incremental_text(tok, skip):
+    """FinalText (outputs read only at their end) against the incremental detokenizer on random
+    ids from the whole vocabulary, characters split across tokens, special and added tokens
+    included: the same text once finished, and part way (the tokens of a character still
+    incomplete at the end held back) before."""
+    assert detokenizer.byte_level(tok) and not detokenizer.byte_level(_PythonOnly(tok))
+    rng = random.Random(1)
+    multibyte = tok.encode(" 🤗 世界 naïve ½ 👩‍👩‍👧")
+    for trial in range(40):
+        ids = [rng.choice(multibyte) if rng.random() < 0.3 else rng.randrange(len(tok)) for _ in range(25)]
+        incremental = IncrementalDetokenizer(tok, tok.encode("Q:"), skip)
+        final = detokenizer.FinalText(tok, skip)
+        for k, i in enumerate(ids):
+            incremental.add(i)
+            final.add(i)
+            if k % 7 == 3:
+                assert final.text == incremental.text, (trial, ids[:k + 1])
+        incremental.finish()
+        final.finish()
+        assert final.text == incremental.text == tok.decode(ids, skip_special_tokens=skip), (trial, ids)
+        assert final.output_token_ids == ids and final.finished and final.stopped_by is None
