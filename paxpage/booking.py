@@ -96,10 +96,7 @@ class StepBooking:
         t = time.perf_counter()
         result = fetch(step.result)
         self.stats.device_seconds += time.perf_counter() - t
-        top = (result.top_ids, result.top_logprobs) if result.num_top else (None, None)
-        deltas, to_finish, num_taken = self.outputs.process(step.rows, result.token_ids.tolist(),
-                                                            result.logprobs.tolist(), *top, pending=PENDING_TOKEN)
-        return self._booked(deltas, to_finish, num_taken)
+        return self._process(step.rows, result.token_ids.tolist(), result, pending=PENDING_TOKEN)
 
     def complete(self, step: Launched) -> Deltas:
         """The synchronous path: waits for the step's tokens, then books them."""
@@ -201,13 +198,14 @@ class StepBooking:
                 done.append((embed, []))
         return done
 
-    def _process(self, entries: list, token_ids: list[int], result, *,
+    def _process(self, entries: list, token_ids: list[int], result, *, pending: int | None = None,
                  indices: list[int | None] | None = None) -> Deltas:
-        return self._booked(*self.outputs.process(entries, token_ids, result.logprobs.tolist(), result.top_ids,
-                                                  result.top_logprobs, indices=indices))
-
-    def _booked(self, deltas: Deltas, to_finish, num_taken: int) -> Deltas:
-        """The output processor's answer: the sequences it stopped leave the scheduler."""
+        """The output processor's booking of the entries' tokens (`OutputProcessor.process`; the
+        top alternatives only when some row asked for them); the sequences it stopped leave the
+        scheduler."""
+        top = (result.top_ids, result.top_logprobs) if result.num_top else (None, None)
+        deltas, to_finish, num_taken = self.outputs.process(entries, token_ids, result.logprobs.tolist(), *top,
+                                                            pending=pending, indices=indices)
         self.finish(to_finish)
         self.stats.generated_tokens += num_taken
         return deltas

@@ -83,11 +83,9 @@ class CountSlab:
         """The (row, id) -> column map, covering ids below num_ids (built from the rows on first use)."""
         where = self._where
         if where is None:
-            where = np.full((self.ids.shape[0], 0), -1, np.int32)
-            known = self.ids >= 0
             num_ids = max(num_ids, int(self.ids.max(initial=-1)) + 1)
-            where = self._where = _grown(where, where.shape[0], num_ids)
-            r, c = np.nonzero(known)
+            where = self._where = np.full((self.ids.shape[0], num_ids), -1, np.int32)
+            r, c = np.nonzero(self.ids >= 0)
             where[r, self.ids[r, c]] = c
         elif num_ids > where.shape[1]:
             where = self._where = _grown(where, where.shape[0], max(num_ids, 2 * where.shape[1]))
