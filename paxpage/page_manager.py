@@ -325,19 +325,30 @@ class PageManager:
         seq's page stays private (freed normally)."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.page_size
-        for i in range(seq.num_pages_cache_checked, num_full):
-            page = seq.page_table[i]
-            if page == RELEASED or page in self._page_key:
+        ps, first = self.page_size, seq.num_pages_cache_checked
+        num_full = seq.num_computed_tokens // ps
+        if num_full <= first:
+            return
+        if first and len(seq.page_keys) < first:
+            self._key(seq, first - 1)  # the chain up to the first page looked at
+        keys, table, key_to_page, page_key = seq.page_keys, seq.page_table, self._key_to_page, self._page_key
+        # Each page's tokens are taken once (a prefill registers all its pages in one call): its
+        # content, and its key where not memoised yet (_key's chain).
+        for i, tokens in enumerate(_pages_of(seq, first, num_full, ps), first):
+            parent = keys[i - 1] if i else seq.prefix_root
+            content = (parent, tokens)
+            if len(keys) == i:
+                keys.append(hash(content))
+            page = table[i]
+            if page == RELEASED or page in page_key:
                 continue
-            key = self._key(seq, i)
-            if key in self._key_to_page:
+            key = keys[i]
+            if key in key_to_page:
                 continue
-            parent = seq.page_keys[i - 1] if i else seq.prefix_root
-            self._key_to_page[key] = page
-            self._page_key[page] = key
-            self._page_content[page] = (parent, seq.page_tokens(i, self.page_size))
-        seq.num_pages_cache_checked = max(seq.num_pages_cache_checked, num_full)
+            key_to_page[key] = page
+            page_key[page] = key
+            self._page_content[page] = content
+        seq.num_pages_cache_checked = num_full
 
     def _unregister(self, page: int) -> None:
         key = self._page_key.pop(page)
@@ -389,3 +400,16 @@ class PageManager:
 def _check(ok: bool, msg: str) -> None:
     if not ok:
         raise AssertionError(msg)
+
+
+def _pages_of(seq: Sequence, first: int, end: int, page_size: int) -> list[tuple[int, ...]]:
+    """The token tuples of seq's logical pages first .. end - 1 (full pages), with one slice of
+    its token lists."""
+    lo, hi, num_prompt = first * page_size, end * page_size, len(seq.prompt_token_ids)
+    if hi <= num_prompt:
+        tokens = seq.prompt_token_ids[lo:hi]
+    elif lo >= num_prompt:
+        tokens = seq.output_token_ids[lo - num_prompt:hi - num_prompt]
+    else:
+        tokens = seq.prompt_token_ids[lo:] + seq.output_token_ids[:hi - num_prompt]
+    return [tuple(tokens[j:j + page_size]) for j in range(0, hi - lo, page_size)]

@@ -44,6 +44,7 @@ Usage:
     python scripts/bench_throughput.py --json /tmp/throughput.json
     python scripts/bench_throughput.py --num-requests 8 --no-hf --model PATH
     python scripts/bench_throughput.py --no-hf --vllm-python ~/venvs/vllm-cpu/bin/python
+    python scripts/bench_throughput.py --exec-cache /tmp/exe   # twice: the second warm-up loads its executables
 """
 
 from __future__ import annotations
@@ -99,6 +100,13 @@ def compare_batch_invariant(model, work: wl.Workload, cfg: paxpage.EngineConfig,
             "invariant_passes": inv, "default_passes": default}
 
 
+def exec_cache_stats(engine) -> dict | None:
+    """The engine's executable cache counts (loaded / compiled / stored ..., seconds rounded), or
+    None without one."""
+    cache = getattr(engine.runner, "exec_cache", None)
+    return None if cache is None else {k: round(v, 2) for k, v in cache.stats.items()}
+
+
 def main(argv=None) -> int:
     defaults = wl.backend_defaults()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -126,6 +134,11 @@ def main(argv=None) -> int:
                         help="compile every step shape when the engine is built (EngineConfig.precompile)")
     parser.add_argument("--xla-cache", metavar="DIR", default=None,
                         help="jax's persistent compilation cache directory (paxpage/xla_cache.py); off by default")
+    parser.add_argument("--exec-cache", metavar="DIR", default=None,
+                        help="paxpage's executable cache (EngineConfig.executable_cache_dir, which `paxpage "
+                             "generate` and `paxpage serve` use by default); off by default. A second run "
+                             "with the same DIR warms up from it, as vLLM's warm-up follows its cached "
+                             "torch.compile")
     parser.add_argument("--attention-impl", default=None, choices=list(attention_impl.NAMES),
                         help="the engine's attention (default: the backend's, native on CPU)")
     parser.add_argument("--batch-invariant", action="store_true",
@@ -156,7 +169,7 @@ def main(argv=None) -> int:
                                max_num_batched_tokens=args.max_num_batched_tokens,
                                max_model_len=max_model_len, kv_cache_bytes=args.kv_cache_bytes,
                                num_pages=args.num_pages, precompile=args.precompile,
-                               attention_impl=args.attention_impl)
+                               attention_impl=args.attention_impl, executable_cache_dir=args.exec_cache)
     summary = work.summary()
     print(f"workload: {summary['num_requests']} requests, {summary['prompt_tokens']} prompt + "
           f"{summary['output_tokens']} output tokens; prompt len median {summary['prompt_len']['median']:.0f} "
@@ -170,11 +183,12 @@ def main(argv=None) -> int:
     warm = {"wall_s": time.perf_counter() - t, "compiles": compile_counter.compiles() - c0,
             "compile_s": compile_counter.compile_seconds() - s0,
             "cache_hits": compile_counter.cache_hits() - h0, "cache_misses": compile_counter.cache_misses() - m0,
-            "precompiled": model.engine(cfg).precompiled}
+            "precompiled": model.engine(cfg).precompiled, "executable_cache": exec_cache_stats(model.engine(cfg))}
     print(f"paxpage warm-up: {warm['wall_s']:.1f} s (engine build included), {warm['compiles']} compiles "
           f"({warm['compile_s']:.1f} s), persistent cache {warm['cache_hits']} hits / {warm['cache_misses']} "
           f"misses" + (f", precompiled {warm['precompiled'][0]} shapes in {warm['precompiled'][1]:.1f} s"
-                       if warm["precompiled"] else ""), flush=True)
+                       if warm["precompiled"] else "")
+          + (f"; executable cache {warm['executable_cache']}" if warm["executable_cache"] else ""), flush=True)
     process_tuning.freeze_startup_heap()  # as paxpage serve does once its engine is built
 
     vllm, vllm_info = start_vllm(args, cfg, work.with_fresh_prompts(model.config.vocab_size, args.seed + 7919))

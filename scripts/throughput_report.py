@@ -49,7 +49,7 @@ def vllm_summary(pax: dict, passes: list[dict], vllm_passes: list[dict], vllm_in
     }
     print(f"vLLM (fastest of {len(vllm_passes)} passes): {best['output_tok_per_s']:.1f} output tok/s; "
           f"start-up {vllm_info['startup_s']:.1f} s + warm-up pass {vllm_info['warmup_pass_s']:.1f} s "
-          f"(paxpage warm-up {warm['wall_s']:.1f} s)", flush=True)
+          f"(paxpage warm-up {warm['wall_s']:.1f} s{warm_cache_note(warm)})", flush=True)
     print(f"ratio paxpage / vLLM (output tok/s): {vllm_ratios['output_tok_per_s']:.2f}x fastest, pass by pass "
           + ", ".join(f"{r:.2f}x" for r in vllm_ratios["passes_output_tok_per_s"])
           + f"; warm-up paxpage / vLLM {vllm_ratios['warmup_pass_s']:.2f}x the warm-up pass, "
@@ -142,6 +142,16 @@ def doc_tables(data: dict) -> dict:
     return tables
 
 
+def warm_cache_note(warm: dict) -> str:
+    """How the warm-up found the executable cache (bench_throughput --exec-cache): "" without one."""
+    stats = warm.get("executable_cache")
+    if not stats:
+        return ""
+    if stats["loaded"]:
+        return f"; {stats['loaded']} executables loaded from the executable cache in {stats['load_s']:.2f} s"
+    return f"; the executable cache empty, {stats['compiled']} executables compiled into it"
+
+
 def profile_table(data: dict) -> dict:
     """The docs' "where the time goes" table of the same run: paxpage's warm-up, latency
     percentiles, padding and the decode step's profile (when the run took one)."""
@@ -151,7 +161,8 @@ def profile_table(data: dict) -> dict:
     def pcts(r, scale, unit):
         return " / ".join(f"{r[k] * scale:.3g}" for k in ("p50", "p90", "p99")) + f" {unit}"
 
-    rows = [[f"warm-up pass (engine build and {warm['compiles']} compiles included)", f"{warm['wall_s']:.1f} s"],
+    rows = [[f"warm-up pass (engine build and {warm['compiles']} compiles included{warm_cache_note(warm)})",
+             f"{warm['wall_s']:.1f} s"],
             ["compiles after warm-up", data["compiles_after_warmup"]],
             ["TTFT p50 / p90 / p99 (all requests queued at t = 0)", pcts(pax["ttft_s"], 1, "s")],
             ["TPOT p50 / p90 / p99", pcts(pax["tpot_s"], 1e3, "ms")],

@@ -3,6 +3,7 @@ and tiny random-weight HF models saved to disk for fast checks."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -68,6 +69,23 @@ def _lock_without_eviction(patch, jax) -> None:
     if hasattr(lru_cache.LRUCache, "_evict_if_needed"):
         patch.setattr(lru_cache.LRUCache, "_evict_if_needed", lambda self, *, additional_size=0: None)
         jax.config.update("jax_compilation_cache_max_size", 8 << 30)
+
+
+@contextlib.contextmanager
+def jax_persistent_cache_off():
+    """jax's persistent compilation cache (on for the test run, above) off inside: for tests that
+    count what paxpage's executable cache compiles and stores, which an executable served by jax's
+    cache is neither."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="module", autouse=True)

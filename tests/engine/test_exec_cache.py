@@ -17,20 +17,13 @@ from paxpage import EngineConfig, SamplingParams as SP
 from paxpage.engine import LLMEngine
 from paxpage.exec_cache import ExecutableCache
 from paxpage.packing import bucket
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import hf_greedy, jax_persistent_cache_off, random_prompts
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _without_jax_persistent_cache():
-    """The executable cache counts what it compiles and stores; an executable that jax's persistent
-    cache (on for the test run, tests/conftest.py) served is neither, so jax's is off here."""
-    from jax.experimental.compilation_cache import compilation_cache
-
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    yield
-    jax.config.update("jax_enable_compilation_cache", True)
-    compilation_cache.reset_cache()
+    with jax_persistent_cache_off():
+        yield
 
 
 def _scale(x, n):

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from tests.conftest import jax_persistent_cache_off
 from tests.scripts.conftest import TINY_WORKLOAD, _check_record, _load_script
 
 
@@ -53,6 +54,28 @@ def test_bench_throughput_smoke(tiny_model_dir, tmp_path, capsys):
     assert rows[0][:3] == ["paxpage", round(data["paxpage"]["requests_per_s"], 2),
                            round(data["paxpage"]["output_tok_per_s"], 1)]
     assert rows[1][2] == round(data["hf"]["output_tok_per_s"], 1)
+
+
+def test_bench_throughput_warms_up_from_its_executable_cache(tiny_model_dir, tmp_path, capsys):
+    """--exec-cache: the first run compiles its executables into the directory, a second run's
+    warm-up loads every one of them and compiles none (the record and the docs' row say which)."""
+    bench, report = _load_script("bench_throughput"), _load_script("throughput_report")
+    warmups = []
+    with jax_persistent_cache_off():
+        for run in range(2):
+            out = tmp_path / f"throughput{run}.json"
+            rc = bench.main(["--model", tiny_model_dir, *TINY_WORKLOAD, "--max-num-seqs", "4",
+                             "--max-num-batched-tokens", "32", "--page-size", "4", "--num-pages", "64", "--no-hf",
+                             "--no-profile", "--repeats", "1", "--exec-cache", str(tmp_path / "exe"),
+                             "--json", str(out)])
+            assert rc == 0, capsys.readouterr().err
+            warmups.append(json.loads(out.read_text())["warmup"])
+    cold, warm = (w["executable_cache"] for w in warmups)
+    assert cold["loaded"] == 0 and cold["compiled"] > 0 and cold["stored"] == cold["compiled"]
+    assert warm["compiled"] == 0 and warm["loaded"] == cold["stored"]
+    assert "compiled into it" in report.warm_cache_note(warmups[0])
+    assert f"{warm['loaded']} executables loaded" in report.warm_cache_note(warmups[1])
+    assert report.warm_cache_note({"executable_cache": None}) == ""
 
 
 def test_matmul_flops_are_twice_the_hf_linear_weights_each_row_multiplies(tiny_model_dir):
