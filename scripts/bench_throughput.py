@@ -70,8 +70,8 @@ from throughput_pass import FIRST_TOKENS, rates, run_paxpage  # noqa: E402
 # the peers (scripts/throughput_peers.py) and the run's figures (scripts/throughput_report.py);
 # the tests reach them as bench_throughput.<name>
 from throughput_peers import run_hf, same_tokens, start_vllm, vllm_pass  # noqa: E402
-from throughput_report import (doc_tables, matmul_ceiling, print_pass, print_profile, sgemm_gflops,  # noqa: E402
-                               vllm_summary)
+from throughput_report import (doc_charts, doc_tables, matmul_ceiling, print_pass, print_profile,  # noqa: E402
+                               sgemm_gflops, vllm_summary)
 
 
 def compare_batch_invariant(model, work: wl.Workload, cfg: paxpage.EngineConfig, default_pass, args) -> dict:
@@ -260,7 +260,7 @@ def _measure(args, model, cfg, work, summary, warm, vllm, vllm_info) -> int:
             "compiles_after_warmup": compiles_after, "profile": profile, "batch_invariant": invariant,
             "matmuls": matmuls,
         }
-        wl.write_json(args.json, data, tables=doc_tables(data))
+        wl.write_json(args.json, data, tables=doc_tables(data), charts=doc_charts(data))
     if compiles_after and not args.allow_compiles:
         print(f"FAIL: {compiles_after} XLA compiles during the measured pass (after warm-up): a shape "
               "escaped its bucket. Pass --allow-compiles to ignore.", file=sys.stderr, flush=True)

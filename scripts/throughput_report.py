@@ -128,6 +128,8 @@ def doc_tables(data: dict) -> dict:
         "caption": (f"{data['model']}, f32, {work['num_requests']} requests ({work['prompt_tokens']:,} prompt + "
                     f"{work['output_tokens']:,} output tokens), all queued at once; the fastest measured pass of each"),
         "columns": ["system", "requests/s", "output tok/s", "total tok/s"], "rows": rows}}
+    if data.get("vllm"):
+        tables["peers"] = peers_table(data)
     tables["profile"] = profile_table(data)
     invariant = data.get("batch_invariant")
     if invariant:
@@ -140,6 +142,48 @@ def doc_tables(data: dict) -> dict:
                                               ("batch_invariant=True", invariant["invariant_wall_s"],
                                                invariant["invariant_passes"]))]}
     return tables
+
+
+def _pass_range(rates: list[float]) -> str:
+    low, high = min(rates), max(rates)
+    return f"{low:.0f}" if round(low) == round(high) else f"{low:.0f}-{high:.0f}"
+
+
+def peers_table(data: dict) -> dict:
+    """The docs' side-by-side table of a run with the vLLM peer: each system's output tok/s over
+    its measured passes, its warm-up pass and its start-up."""
+    pax, vllm, warm, hf = data["paxpage"], data["vllm"], data["warmup"], data["hf"]
+    cached = warm.get("executable_cache") or {}
+    rows = [["paxpage", _pass_range(pax["passes_output_tok_per_s"]),
+             f"{warm['wall_s']:.1f} s" + (" (executables from its cache)" if cached.get("loaded") else
+                                          f" ({warm['compiles']} compiles)"),
+             "engine build: in its warm-up pass"],
+            [f"vLLM {vllm['version']} (CPU build, tuned)", _pass_range(vllm["passes_output_tok_per_s"]),
+             f"{vllm['warmup_pass_s']:.1f} s", f"{vllm['startup_s']:.0f} s (load, torch.compile)"]]
+    if hf:
+        rows.append([f"HF transformers `generate`, batch {hf['best_batch_size']}", f"{hf['output_tok_per_s']:.0f}",
+                     "", ""])
+    work = data["workload"]
+    return {"caption": (f"{data['model']}, f32, {work['num_requests']} requests (random-token prompts, EOS ignored, "
+                        "greedy), all queued at once; output tok/s over the measured passes, the systems taking "
+                        "turns pass by pass"),
+            "columns": ["system", "output tok/s", "warm-up pass", "start-up"], "rows": rows}
+
+
+def doc_charts(data: dict) -> dict:
+    """The docs' bar chart of a run with the vLLM peer: output tok/s of each system, the bar at
+    its fastest pass, its range over the passes. None without the peer."""
+    if not data.get("vllm"):
+        return None
+    systems = [("paxpage", data["paxpage"]["passes_output_tok_per_s"]),
+               (f"vLLM {data['vllm']['version']}, tuned", data["vllm"]["passes_output_tok_per_s"])]
+    if data["hf"]:
+        systems.append(("HF transformers generate", [data["hf"]["output_tok_per_s"]]))
+    bars = [{"label": name, "value": round(max(rates), 1), "low": round(min(rates), 1), "high": round(max(rates), 1),
+             "text": _pass_range(rates)} for name, rates in systems]
+    return {"throughput": {"kind": "bar", "panels": [{"bars": bars, "title": ""}], "xlabel": "output tok/s",
+                           "title": f"{data['model']}, {data['workload']['num_requests']} requests, output tok/s "
+                                    "(range over passes)"}}
 
 
 def warm_cache_note(warm: dict) -> str:

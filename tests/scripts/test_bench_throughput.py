@@ -78,6 +78,31 @@ def test_bench_throughput_warms_up_from_its_executable_cache(tiny_model_dir, tmp
     assert report.warm_cache_note({"executable_cache": None}) == ""
 
 
+def test_side_by_side_table_and_chart_of_a_run_with_the_vllm_peer():
+    """The docs' peers table and bar chart from a record with the vLLM peer (hand-made figures):
+    each system's range over its passes, its warm-up and start-up; none without the peer."""
+    report = _load_script("throughput_report")
+    run = {"model": "M", "workload": {"num_requests": 4, "prompt_tokens": 40, "output_tokens": 30},
+           "paxpage": {"requests_per_s": 1.0, "output_tok_per_s": 311.5, "total_tok_per_s": 500.0,
+                       "passes_output_tok_per_s": [291.3, 311.5]},
+           "warmup": {"wall_s": 11.52, "compiles": 5, "executable_cache": {"loaded": 23, "load_s": 0.2}},
+           "vllm": {"version": "0.32.0", "requests_per_s": 1.0, "output_tok_per_s": 303.8, "total_tok_per_s": 500.0,
+                    "passes_output_tok_per_s": [277.7, 303.8], "warmup_pass_s": 12.12, "startup_s": 92.9},
+           "hf": {"best_batch_size": 32, "output_tok_per_s": 43.9}}
+    rows = report.peers_table(run)["rows"]
+    assert rows[0][:3] == ["paxpage", "291-312", "11.5 s (executables from its cache)"]
+    assert rows[1] == ["vLLM 0.32.0 (CPU build, tuned)", "278-304", "12.1 s", "93 s (load, torch.compile)"]
+    assert rows[2][:2] == ["HF transformers `generate`, batch 32", "44"]
+    bars = report.doc_charts(run)["throughput"]["panels"][0]["bars"]
+    assert [(b["low"], b["value"]) for b in bars] == [(291.3, 311.5), (277.7, 303.8), (43.9, 43.9)]
+    assert report.doc_charts(dict(run, vllm=None)) is None
+    pcts = {"p50": 1.0, "p90": 2.0, "p99": 3.0}
+    assert "peers" not in report.doc_tables(dict(run, vllm=None, hf=None, profile=None,
+                                                 compiles_after_warmup=0,
+                                                 paxpage=dict(run["paxpage"], ttft_s=pcts, tpot_s=pcts, host_share=0.5,
+                                                              padding={"tokens": 1, "token_slots": 2})))
+
+
 def test_matmul_flops_are_twice_the_hf_linear_weights_each_row_multiplies(tiny_model_dir):
     """A pass's matmul FLOPs: every layer token multiplies each decoder layer's nn.Linear weights
     once (2 FLOPs a weight), every sampled row the LM head's, counted on HF's own model."""
