@@ -44,6 +44,12 @@ _REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
+    # Slots: a step reads a few fields of every streamed or stop-checked row's detokenizer, after the
+    # device's step has pushed them out of the caches (fewer cache lines than a __dict__ lookup).
+    __slots__ = ("_tokenizer", "_skip_special", "_special_ids", "_stop", "_include_stop", "_max_stop_len",
+                 "_min_tokens", "_stop_chars", "_stream", "_pieces", "_backend", "_ids", "_read_offset",
+                 "_prefix_text", "output_token_ids", "_text", "_tail", "_stopped_by", "_finished")
+
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int] = (),
                  skip_special_tokens: bool = True, stop: Sequence[str] = (),
                  include_stop_str_in_output: bool = False, min_tokens: int = 0):
@@ -244,6 +250,7 @@ class FinalText:
     when skipped (tests/engine/test_detokenizer.py holds both to that), so the text is the same.
     The part of IncrementalDetokenizer's interface the engine uses: add, finish, text, stopped_by."""
 
+    __slots__ = ("_tokenizer", "_skip_special", "output_token_ids", "_finished", "_text", "_num_decoded")
     stopped_by = None  # no stop strings
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):

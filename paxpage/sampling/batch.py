@@ -59,8 +59,8 @@ class SamplingBatch:
             setattr(self, name, new)
 
         for name, dtype in (*((f.name, f.dtype) for f in fields.FIELDS), ("seed", np.uint64),
-                            ("min_tokens", np.int64)):
-            grow(name, dtype)  # each [C]
+                            ("min_tokens", np.int64), ("neutral", bool)):
+            grow(name, dtype)  # each [C]; neutral: every field of the slot's params is
 
     @property
     def num_slots(self) -> int:
@@ -76,6 +76,7 @@ class SamplingBatch:
             self._params[slot] = params
             for f in fields.FIELDS:
                 getattr(self, f.name)[slot] = f.value(params, self.vocab_size)
+            self.neutral[slot] = all(getattr(self, f.name)[slot] == f.neutral for f in fields.FIELDS)
             self.seed[slot] = seed & _MASK64
             self.min_tokens[slot] = params.min_tokens
         return slot
@@ -153,6 +154,12 @@ class SamplingBatch:
                     token_ids, token_counts = SamplingTensors.penalty_lists(
                         num_rows, cached.counted, cached.with_prompt, lists, self.token_width)
                     return dataclasses.replace(ahead, token_ids=token_ids, token_counts=token_counts)
+        if cached is not None and cached.neutral and cached.key[0] == num_rows and self._neutral(slots, steps):
+            # Other rows (a batch that lost some), every field neutral in each of them as in the
+            # cached tensors' rows (greedy, unfiltered, unpenalised) and none below min_tokens:
+            # the same tensors (no row draws, so their keys are never read).
+            cached.key, cached.min_tokens = reuse_key, 0
+            return cached.tensors
         below = self.min_tokens[slots] > steps
         keys = np.zeros((num_rows, 2), np.uint32)
         with np.errstate(over="ignore"):
@@ -167,8 +174,13 @@ class SamplingBatch:
         if not below.any():
             counted = np.flatnonzero(fields.counted_rows(arrays.__getitem__))
             self._reusable = _Reusable(reuse_key, tensors, int(self.min_tokens[slots].max(initial=0)), hashed,
-                                       counted, arrays["repetition_penalty"][counted] != 1.0)
+                                       counted, arrays["repetition_penalty"][counted] != 1.0,
+                                       bool(self.neutral[slots].all()))
         return tensors
+
+    def _neutral(self, slots: np.ndarray, steps: np.ndarray) -> bool:
+        """Whether every field of the rows of `slots` is neutral and none bans an id at `steps`."""
+        return bool(self.neutral[slots].all() and (self.min_tokens[slots] <= steps).all())
 
     @staticmethod
     def _keys_ahead(cached: _Reusable, steps: np.ndarray, num_rows: int) -> dict[bytes, SamplingTensors]:
@@ -237,5 +249,8 @@ class _Reusable:
     hashed_seeds: np.ndarray  # u64[n] hash_seeds of the rows' seeds
     counted: np.ndarray  # int64[k] the rows with a penalty (their lists are laid out every step)
     with_prompt: np.ndarray  # bool[k] which of them count their prompt (a repetition penalty)
+    # every field of every row neutral (so are the padding rows'): the same tensors serve any
+    # other such rows, as many, none below min_tokens
+    neutral: bool
     # sampled rows: steps bytes -> the tensors with those steps' keys, for a window of steps
     ahead: dict[bytes, SamplingTensors] = dataclasses.field(default_factory=dict)
