@@ -295,9 +295,10 @@ def _entry(token: int, logprob: float, top_ids: list[int], top_logprobs: list[fl
     """{token: logprob} with the chosen token first, then up to k alternatives (Python ints and
     floats: the caller converts a step's arrays once)."""
     entry = {token: logprob}
-    for tid, lp in zip(top_ids[:k], top_logprobs[:k]):
-        if tid not in entry:
-            entry[tid] = lp
+    if k is not None and k < len(top_ids):
+        top_ids, top_logprobs = top_ids[:k], top_logprobs[:k]
+    entry.update(zip(top_ids, top_logprobs))  # (distinct ids: top-k's)
+    entry[token] = logprob  # its own logprob, in first place (an existing key keeps its place)
     return entry
 
 

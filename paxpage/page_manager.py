@@ -167,19 +167,24 @@ class PageManager:
     def free(self, pages: Iterable[int]) -> None:
         """Drop one reference per page, in the given order. At refcount 0 a cached page becomes evictable
         (appended to the LRU end), any other page free."""
+        refcount, shared, cached, evictable = self._refcount, self._shared_fill, self._page_key, self._evictable
+        freed = []
         for page in pages:
-            if self._refcount[page] <= 0:
-                raise ValueError(f"page {page} has refcount {self._refcount[page]}; double free")
-            self._refcount[page] -= 1
-            if self._refcount[page] >= 1 and page in self._shared_fill:
-                self._excess_tokens -= self._shared_fill[page]
-                if self._refcount[page] == 1:
-                    del self._shared_fill[page]
-            elif self._refcount[page] == 0:
-                if page in self._page_key:
-                    self._evictable[page] = None
+            count = refcount[page] - 1
+            if count < 0:
+                raise ValueError(f"page {page} has refcount {count + 1}; double free")
+            refcount[page] = count
+            if count == 0:
+                if page in cached:
+                    evictable[page] = None
                 else:
-                    heapq.heappush(self._free, page)
+                    freed.append(page)
+            elif page in shared:
+                self._excess_tokens -= shared[page]
+                if count == 1:
+                    del shared[page]
+        for page in freed:
+            heapq.heappush(self._free, page)
 
     # ---- sequence-level operations ------------------------------------------------------------------
     def release(self, seq: Sequence) -> None:
