@@ -286,10 +286,8 @@ class PageManager:
         """Chained key of seq's full logical page `index` (memoised in seq.page_keys)."""
         keys = seq.page_keys
         assert (index + 1) * self.page_size <= seq.num_tokens, "only full pages have keys"
-        while len(keys) <= index:
-            j = len(keys)
-            parent = keys[j - 1] if j else seq.prefix_root
-            keys.append(hash((parent, seq.page_tokens(j, self.page_size))))
+        if len(keys) <= index:
+            _chain_keys(seq, len(keys), _pages_of(seq, len(keys), index + 1, self.page_size))
         return keys[index]
 
     def match_prefix(self, seq: Sequence) -> list[int]:
@@ -336,14 +334,13 @@ class PageManager:
             return
         if first and len(seq.page_keys) < first:
             self._key(seq, first - 1)  # the chain up to the first page looked at
-        keys, table, key_to_page, page_key = seq.page_keys, seq.page_table, self._key_to_page, self._page_key
         # Each page's tokens are taken once (a prefill registers all its pages in one call): its
-        # content, and its key where not memoised yet (_key's chain).
-        for i, tokens in enumerate(_pages_of(seq, first, num_full, ps), first):
-            parent = keys[i - 1] if i else seq.prefix_root
-            content = (parent, tokens)
-            if len(keys) == i:
-                keys.append(hash(content))
+        # key where not memoised yet, and its content.
+        pages = _pages_of(seq, first, num_full, ps)
+        _chain_keys(seq, first, pages)
+        keys, table, key_to_page, page_key = seq.page_keys, seq.page_table, self._key_to_page, self._page_key
+        for i, tokens in enumerate(pages, first):
+            content = (keys[i - 1] if i else seq.prefix_root, tokens)
             page = table[i]
             if page == RELEASED or page in page_key:
                 continue
@@ -405,6 +402,17 @@ class PageManager:
 def _check(ok: bool, msg: str) -> None:
     if not ok:
         raise AssertionError(msg)
+
+
+def _chain_keys(seq: Sequence, first: int, pages: list[tuple[int, ...]]) -> None:
+    """Memoises in seq.page_keys the chained prefix-cache keys of its logical pages first,
+    first + 1 ..., whose token tuples are `pages` (those memoised already are kept; the keys of
+    the pages before `first` must be there): hash((the previous page's key, or the sequence's
+    prefix_root, the page's tokens))."""
+    keys = seq.page_keys
+    assert len(keys) >= first, (len(keys), first)
+    for i in range(len(keys), first + len(pages)):
+        keys.append(hash((keys[i - 1] if i else seq.prefix_root, pages[i - first])))
 
 
 def _pages_of(seq: Sequence, first: int, end: int, page_size: int) -> list[tuple[int, ...]]:

@@ -100,13 +100,6 @@ def compare_batch_invariant(model, work: wl.Workload, cfg: paxpage.EngineConfig,
             "invariant_passes": inv, "default_passes": default}
 
 
-def exec_cache_stats(engine) -> dict | None:
-    """The engine's executable cache counts (loaded / compiled / stored ..., seconds rounded), or
-    None without one."""
-    cache = getattr(engine.runner, "exec_cache", None)
-    return None if cache is None else {k: round(v, 2) for k, v in cache.stats.items()}
-
-
 def main(argv=None) -> int:
     defaults = wl.backend_defaults()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -183,7 +176,7 @@ def main(argv=None) -> int:
     warm = {"wall_s": time.perf_counter() - t, "compiles": compile_counter.compiles() - c0,
             "compile_s": compile_counter.compile_seconds() - s0,
             "cache_hits": compile_counter.cache_hits() - h0, "cache_misses": compile_counter.cache_misses() - m0,
-            "precompiled": model.engine(cfg).precompiled, "executable_cache": exec_cache_stats(model.engine(cfg))}
+            "precompiled": model.engine(cfg).precompiled, "executable_cache": wl.exec_cache_stats(model.engine(cfg))}
     print(f"paxpage warm-up: {warm['wall_s']:.1f} s (engine build included), {warm['compiles']} compiles "
           f"({warm['compile_s']:.1f} s), persistent cache {warm['cache_hits']} hits / {warm['cache_misses']} "
           f"misses" + (f", precompiled {warm['precompiled'][0]} shapes in {warm['precompiled'][1]:.1f} s"

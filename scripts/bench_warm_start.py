@@ -17,7 +17,6 @@ second warm.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -79,8 +78,7 @@ def main(argv=None) -> int:
     second = run_paxpage(model, work, cfg)
     pass2 = second["wall_s"]
     print(compile_counter.format_table(rows))
-    exec_cache = getattr(engine.runner, "exec_cache", None)
-    exec_stats = {k: round(v, 2) for k, v in exec_cache.stats.items()} if exec_cache is not None else None
+    exec_stats = wl.exec_cache_stats(engine)
     print(f"pass 1: {pass1:.1f} s (engine build {build:.1f} s; {first['steps']} steps; {compiles} backend compiles, "
           f"{hits} persistent-cache "
           f"hits{'; precompiled %d shapes in %.1f s' % engine.precompiled if engine.precompiled else ''}"
@@ -97,15 +95,8 @@ def main(argv=None) -> int:
 
 
 def cache_label(data: dict) -> str:
-    """How the run found its caches: "cold (empty; 21 executables compiled in 8.4 s)", "warm (...)"."""
-    stats = data["executable_cache"]
-    if stats is None:
-        label = "none"
-    elif stats["loaded"] == 0:
-        label = f"cold (empty; {stats['compiled']} executables compiled in {stats['compile_s']:.1f} s)"
-    else:
-        label = f"warm ({stats['loaded']} executables loaded in {stats['load_s']:.2f} s"
-        label += f", {stats['compiled']} compiled)" if stats["compiled"] else ")"
+    """How the run found its caches: workload.exec_cache_label, and jax's persistent cache."""
+    label = wl.exec_cache_label(data["executable_cache"])
     if data["xla_cache"]:
         label += f"; jax's persistent cache: {data['cache_hits']} hits"
     return label + ("; precompile=True" if data["precompile"] else "")

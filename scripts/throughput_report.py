@@ -14,6 +14,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_matmul import layer_weights, shapes_of  # noqa: E402
+from workload import exec_cache_label  # noqa: E402
 
 
 def print_pass(k: int, pax: dict) -> None:
@@ -170,7 +171,7 @@ def peers_table(data: dict) -> dict:
             "columns": ["system", "output tok/s", "warm-up pass", "start-up"], "rows": rows}
 
 
-def doc_charts(data: dict) -> dict:
+def doc_charts(data: dict) -> dict | None:
     """The docs' bar chart of a run with the vLLM peer: output tok/s of each system, the bar at
     its fastest pass, its range over the passes. None without the peer."""
     if not data.get("vllm"):
@@ -189,11 +190,7 @@ def doc_charts(data: dict) -> dict:
 def warm_cache_note(warm: dict) -> str:
     """How the warm-up found the executable cache (bench_throughput --exec-cache): "" without one."""
     stats = warm.get("executable_cache")
-    if not stats:
-        return ""
-    if stats["loaded"]:
-        return f"; {stats['loaded']} executables loaded from the executable cache in {stats['load_s']:.2f} s"
-    return f"; the executable cache empty, {stats['compiled']} executables compiled into it"
+    return f"; executable cache {exec_cache_label(stats)}" if stats else ""
 
 
 def profile_table(data: dict) -> dict:

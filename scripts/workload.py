@@ -177,6 +177,24 @@ def write_json(path: str, data: dict, tables: dict | None = None, measures=None,
     provenance.write_record(path, data, tables, measures or provenance.ENGINE_CODE, charts=charts)
 
 
+def exec_cache_stats(engine) -> dict | None:
+    """The engine's executable cache counts (loaded / compiled / stored ..., seconds rounded), or
+    None without one (EngineConfig.executable_cache_dir)."""
+    cache = getattr(engine.runner, "exec_cache", None)
+    return None if cache is None else {k: round(v, 2) for k, v in cache.stats.items()}
+
+
+def exec_cache_label(stats: dict | None) -> str:
+    """How a run found its executable cache (`exec_cache_stats`): "none", "cold (empty; 21
+    executables compiled in 8.4 s)" or "warm (21 executables loaded in 0.27 s)"."""
+    if stats is None:
+        return "none"
+    if stats["loaded"] == 0:
+        return f"cold (empty; {stats['compiled']} executables compiled in {stats['compile_s']:.1f} s)"
+    return (f"warm ({stats['loaded']} executables loaded in {stats['load_s']:.2f} s"
+            + (f", {stats['compiled']} compiled)" if stats["compiled"] else ")"))
+
+
 def percentiles(values, qs=(50, 90, 99)) -> dict[str, float]:
     if len(values) == 0:
         return {f"p{q}": float("nan") for q in qs}

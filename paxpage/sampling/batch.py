@@ -60,7 +60,7 @@ class SamplingBatch:
 
         for name, dtype in (*((f.name, f.dtype) for f in fields.FIELDS), ("seed", np.uint64),
                             ("min_tokens", np.int64), ("neutral", bool)):
-            grow(name, dtype)  # each [C]; neutral: every field of the slot's params is
+            grow(name, dtype)  # each [C]; neutral[c]: every field of slot c's params has its neutral value
 
     @property
     def num_slots(self) -> int:

@@ -73,7 +73,7 @@ def test_bench_throughput_warms_up_from_its_executable_cache(tiny_model_dir, tmp
     cold, warm = (w["executable_cache"] for w in warmups)
     assert cold["loaded"] == 0 and cold["compiled"] > 0 and cold["stored"] == cold["compiled"]
     assert warm["compiled"] == 0 and warm["loaded"] == cold["stored"]
-    assert "compiled into it" in report.warm_cache_note(warmups[0])
+    assert f"cold (empty; {cold['compiled']} executables compiled" in report.warm_cache_note(warmups[0])
     assert f"{warm['loaded']} executables loaded" in report.warm_cache_note(warmups[1])
     assert report.warm_cache_note({"executable_cache": None}) == ""
 
@@ -85,7 +85,8 @@ def test_side_by_side_table_and_chart_of_a_run_with_the_vllm_peer():
     run = {"model": "M", "workload": {"num_requests": 4, "prompt_tokens": 40, "output_tokens": 30},
            "paxpage": {"requests_per_s": 1.0, "output_tok_per_s": 311.5, "total_tok_per_s": 500.0,
                        "passes_output_tok_per_s": [291.3, 311.5]},
-           "warmup": {"wall_s": 11.52, "compiles": 5, "executable_cache": {"loaded": 23, "load_s": 0.2}},
+           "warmup": {"wall_s": 11.52, "compiles": 5,
+                      "executable_cache": {"loaded": 23, "load_s": 0.2, "compiled": 0}},
            "vllm": {"version": "0.32.0", "requests_per_s": 1.0, "output_tok_per_s": 303.8, "total_tok_per_s": 500.0,
                     "passes_output_tok_per_s": [277.7, 303.8], "warmup_pass_s": 12.12, "startup_s": 92.9},
            "hf": {"best_batch_size": 32, "output_tok_per_s": 43.9}}
