@@ -316,6 +316,7 @@ def test_every_committed_measured_record_holds_what_its_script_renders():
                "structured": "bench_structured", "quality": "eval_quality", "kv_quant_error": "kv_quant_error",
                "warm_start": "bench_warm_start", "weight_copies": "bench_weight_copies",
                "step_compile": "bench_step_compile", "serving": "bench_serving", "serving_vllm": "bench_serving",
+               "serving_vllm_load": "bench_serving",
                "window": "bench_window",
                "memory": "bench_memory", "memory_mla": "bench_memory", "throughput": "bench_throughput", "sharing": "bench_sharing",
                "speculative": "bench_speculative", "kernels_h200": "bench_kernels",
