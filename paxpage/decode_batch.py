@@ -1,18 +1,20 @@
 """The persistent batch: the decoding rows a step keeps for the next (vLLM v1's InputBatch idea).
 
 Most steps of a busy engine are the same step again: every running sequence decodes one token.
-When the step in flight is such a plain step (every row one sample drawing one token: no beams,
-grammars or prompt logprobs; a request's n samples a row each; see `DecodeBatch.build`), the engine keeps its rows
+When the step in flight is such a plain step (every row one sample drawing one token: no beams
+or prompt logprobs; a request's n samples a row each; see `DecodeBatch.build`), the engine keeps its rows
 here, with their positions, page-table rows, sampling slots and output counts as arrays, and the
-next step is scheduled, packed and booked with numpy over those arrays (`Scheduler.
-schedule_decodes`, whose output lists the rows as `decodes`, `Packer.pack` with `DecodeRows`,
-`OutputProcessor.process`) and a few Python operations per sequence. The step changes the batch by diffs:
+next step is scheduled, packed and booked with numpy over those arrays (`Scheduler.schedule`
+given them as `BatchRows`, whose output lists the rows as `decodes`, `Packer.pack` with
+`DecodeRows`, `OutputProcessor.process`) and a few Python operations per sequence. The step changes the batch by diffs:
 sequences that finished or were aborted since leave it (`survivors`, `compacted`), the rows left
 keeping their order and arrays; fresh plain requests that the scheduler admits join it (only
 their rows are planned; a prompt longer than a step's tokens runs its chunks behind the rows,
 `prefilling`, and once it has run it is a row of the batch, with the n - 1 children it forked
 if it asked for n samples: `extended`), and so do sequences resumed after a preemption.
-Anything else (a step that preempts, a request with beams, grammars or prompt logprobs) plans
+Rows that follow a grammar are rows like the others; the step builds their bitmasks
+(`constrained`) once the tokens before them are read. Anything else (a step that preempts, a
+request with beams or prompt logprobs, a request with n > 1 samples and a grammar) plans
 every row from the scheduler's full schedule, equal in outputs (the step: engine_step.py). Pure
 Python and numpy (no jax).
 
@@ -32,8 +34,9 @@ from paxpage.sequence import Sequence
 
 def plain_sample(request, sample) -> bool:
     """Whether a request's sample may be a row of the batch: the request's samples are forked
-    (n > 1 forks on its first token), it has no beams and the sample no grammar."""
-    return request.forked and request.beam is None and sample.matcher is None
+    (n > 1 forks on its first token) and it has no beams. A sample with a grammar is a row like
+    any other; the step builds its bitmask (`DecodeBatch.constrained`)."""
+    return request.forked and request.beam is None
 
 
 class DecodeBatch:
@@ -52,6 +55,8 @@ class DecodeBatch:
         widths = [request.params.logprobs or 0 for request, sample, _ in rows if sample.logprobs is not None]
         self.with_logprobs = bool(widths)
         self.num_logprobs = logprob_bucket(max(widths, default=0))
+        # (matcher, row) of the rows whose samples follow a grammar (structured outputs)
+        self.constrained = [(sample.matcher, row) for _, sample, row in rows if sample.matcher is not None]
         # i32[B] the previous step's logits row each row reads its input token from (None: row i
         # reads row i, the packer's constant)
         self.prev_rows: np.ndarray | None = None

@@ -1,18 +1,18 @@
 """The engine's step, every kind of it: schedule, launch, read the step in flight, book.
 
-A step's rows come in two parts. First the persistent batch (decode_batch.py): when the step in
-flight is a plain decode batch and since then its sequences only finished or were aborted, its
-rows still running decode one token more, scheduled, packed and booked from the batch's arrays
-with a few Python operations per row (`Scheduler.schedule_decodes`). Then the planned rows, one
-`RowPlan` each (step_plan.py): the chunks the scheduler hands out beside the batch (prompts
-part way, fresh plain requests and resumed sequences it admits), or, when the batch cannot go
-on (the first step, a step that preempts, a request with beams, a grammar or prompt logprobs
-waiting, speculation), every row of the scheduler's full `schedule()`. Both parts go through the
-same launch (one `Packer.pack`, sampling tensors, forward, sampler), the same read of the step
-in flight (`StepBooking.resolve`) and the same booking: pending placeholders when the step may
-stay in flight (async scheduling; the batch it leaves is the next step's), or a wait for its
-tokens when it may not (`StepBooking.complete`). Outputs are equal whichever rows come from the
-batch.
+A step's rows come in two parts, from one `Scheduler.schedule` call. First the persistent batch
+(decode_batch.py): when the step in flight is a plain decode batch and since then its sequences
+only finished or were aborted, its rows still running decode one token more, scheduled, packed
+and booked from the batch's arrays with a few Python operations per row (the scheduler takes
+them as `BatchRows`). Then the planned rows, one `RowPlan` each (step_plan.py): the chunks the
+scheduler hands out beside the batch (prompts part way, fresh requests and resumed sequences it
+admits), or, when the batch cannot go on (the first step, a step that preempts, a request with
+beams or prompt logprobs, or with n > 1 samples and a grammar, waiting; speculation), every
+sequence the scheduler takes one by one. Both parts go through the same launch (one
+`Packer.pack`, sampling tensors, forward, sampler), the same read of the step in flight
+(`StepBooking.resolve`) and the same booking: pending placeholders when the step may stay in
+flight (async scheduling; the batch it leaves is the next step's), or a wait for its tokens when
+it may not (`StepBooking.complete`). Outputs are equal whichever rows come from the batch.
 
 With async scheduling (the default) the step is dispatched before the previous step's tokens
 are read, so the host schedules, packs and books while the device runs.
@@ -31,7 +31,7 @@ from paxpage.launched import PENDING_TOKEN, Launched
 from paxpage.output_processor import OutputProcessor
 from paxpage.packing import DecodeRows, logprob_bucket
 from paxpage.sampling.batch import SamplingBatch
-from paxpage.scheduler import Scheduler, SchedulerOutput
+from paxpage.scheduler import BatchRows, Scheduler, SchedulerOutput
 from paxpage.sequence import Sequence
 from paxpage.step_plan import plan_step
 
@@ -58,12 +58,8 @@ class EngineStep:
         """One step: this step dispatched (left in flight when it may be), the step in flight
         before it read. Returns the deltas of the tokens read (see `LLMEngine.step`)."""
         previous, self.inflight = self.inflight, None
-        continued = self.continue_batch(previous)
-        if continued is not None:
-            batch, sched, tail = continued
-        else:
-            batch, tail = None, []
-            sched = self._schedule()
+        batch, sched = self._schedule(previous)
+        tail = self.scheduler.running[len(batch):] if batch is not None else []
         launched = None
         if sched is not None:
             self.runner.copy_pages(sched.copies)
@@ -88,44 +84,41 @@ class EngineStep:
     # ---- the step's rows --------------------------------------------------------------------------
     def joins(self, seq: Sequence) -> bool:
         """Whether waiting `seq` may join a step of the batch: a sample of a request with no
-        embedding, beams, grammar or prompt logprobs, fresh (a request with n > 1 forks its
-        children in the step its prompt ends, `StepBooking.fork_pending`) or resumed after a
+        embedding, beams or prompt logprobs, fresh (a request with n > 1 forks its children in
+        the step its prompt ends, `StepBooking.fork_pending`, unless it has a grammar: its
+        children copy the parent's state after its first token is read) or resumed after a
         preemption (its tokens are recomputed as a prompt is; none is still in flight, since a
         step that preempts admits nothing). Any other waits for a step of the full schedule."""
         if seq.group_id in self.embeds:
             return False
         request, sample = self.outputs.lookup(seq.seq_id)
-        return request.beam is None and sample.matcher is None and sample.prompt_logprobs is None
+        return request.beam is None and sample.prompt_logprobs is None \
+            and (sample.matcher is None or request.forked or request.params.n == 1)
 
-    def continue_batch(self, previous: Launched | None):
-        """The step after `previous` on its batch: (the batch's rows still running, compacted;
-        the step, as `Scheduler.schedule_decodes` gives it: those rows, the chunks scheduled
-        behind them; the sequences after the rows in the running queue), or None, having
-        changed nothing, when the full schedule must run."""
-        batch = previous.decode if previous is not None else None
+    def _schedule(self, previous: Launched | None) -> tuple[DecodeBatch | None, SchedulerOutput | None]:
+        """The step's schedule, from the batch the step in flight left (`previous.decode`; its
+        rows still running, compacted) when there is one and no step speculates: (that batch,
+        or None when the scheduler took every sequence one by one; the SchedulerOutput, or None
+        when nothing runs). A speculating step's drafts come from the speculation."""
         scheduler, spec = self.scheduler, self.speculation
-        if batch is None or (spec is not None and spec.active(scheduler.num_running)):
-            return None  # a speculating step is the full schedule's
-        keep = batch.survivors(scheduler.running)
-        if not keep:
-            return None
-        if len(keep) < len(batch):
-            batch = batch.compacted(keep)
-        scheduled = scheduler.schedule_decodes(batch.seqs, batch.page_aligned(self.config.page_size), self.joins,
-                                               batch.prefilling)
-        if scheduled is None:
-            return None
-        return batch, scheduled, scheduler.running[len(batch):]
-
-    def _schedule(self) -> SchedulerOutput | None:
-        """The scheduler's full schedule (with the speculation's drafts), or None when nothing runs."""
-        if not self.scheduler.has_unfinished():
-            return None
-        drafts = None
-        if self.speculation is not None:
-            drafts = self.speculation.propose(self.scheduler.running, self.outputs.lookup, self.embeds.__contains__)
-        sched = self.scheduler.schedule(drafts)
-        return sched if sched.scheduled else None
+        if not scheduler.has_unfinished():
+            return None, None
+        speculating = spec is not None and spec.active(scheduler.num_running)
+        batch = previous.decode if previous is not None and not speculating else None
+        rows = None
+        if batch is not None:
+            keep = batch.survivors(scheduler.running)
+            if keep and len(keep) < len(batch):
+                batch = batch.compacted(keep)
+            if keep:
+                rows = BatchRows(batch.seqs, batch.page_aligned(self.config.page_size), self.joins, batch.prefilling)
+        drafts = spec.propose(scheduler.running, self.outputs.lookup, self.embeds.__contains__) if speculating else None
+        sched = scheduler.schedule(drafts, rows)
+        if not sched.decodes:
+            batch = None
+            if not sched.scheduled:
+                return None, None
+        return batch, sched
 
     # ---- launch -----------------------------------------------------------------------------------
     def _launch(self, previous: Launched | None, batch: DecodeBatch | None, sched: SchedulerOutput) -> Launched:
@@ -174,16 +167,19 @@ class EngineStep:
         if self.speculation is not None:
             self.speculation.on_step(step_batch, prev_rows, prev_tokens)
         sampler_args = (step_batch, logits, tensors, num_logprobs, num_prompt_logprobs, prev_rows, prev_tokens)
+        # the batch's structured rows, one logits row each (their bitmasks: _dispatch_sampler)
+        constrained = [(matcher, row, 1) for matcher, row in batch.constrained] if n else []
         if plan is None and batch is previous.decode:  # the rows of the step in flight, as they were
             return self._dispatched(Launched(sched, batch.rows, previous.counts, [], None, None, None,
-                                             previous.row_of_seq, sampler_args=sampler_args, drafts=previous.drafts),
+                                             previous.row_of_seq, sampler_args=sampler_args, constrained=constrained,
+                                             drafts=previous.drafts),
                                     previous)
         rows, counts, drafts, row_of_seq = [], [], [], {}
         if n:
             rows, counts, drafts = list(batch.rows), [1] * n, [()] * n
             row_of_seq = {sample.seq.seq_id: i for _, sample, i in rows}
         step = Launched(sched, rows, counts, prompt_plan, None, None, None, row_of_seq, sampler_args=sampler_args,
-                        drafts=drafts, sampling_rows=(slots, steps))
+                        constrained=constrained, drafts=drafts, sampling_rows=(slots, steps))
         if plan is not None:
             step.rows += [(request, sample, n + i) for request, sample, i in plan.rows]
             step.counts += plan.counts
@@ -191,9 +187,8 @@ class EngineStep:
             step.pooling, step.pooled = plan.pooling, pooled
             if n:
                 step.row_of_seq.update((sample.seq.seq_id, n + i) for _, sample, i in plan.rows)
-            # the batch's rows are plain: only the planned ones may have a grammar
-            step.constrained = [(sample.matcher, row, count) for (_, sample, row), count
-                                in zip(step.rows[n:], plan.counts) if sample.matcher is not None]
+            step.constrained += [(sample.matcher, row, count) for (_, sample, row), count
+                                 in zip(step.rows[n:], plan.counts) if sample.matcher is not None]
         return self._dispatched(step, previous)
 
     def _dispatched(self, step: Launched, previous: Launched | None) -> Launched:

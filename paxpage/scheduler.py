@@ -45,13 +45,13 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence as Seq
+from collections.abc import Mapping, Sequence as Seq
 
 from paxpage.page_manager import PageManager, cdiv
-from paxpage.scheduler_types import ScheduledSeq, SchedulerConfig, SchedulerOutput, SchedulerStats
+from paxpage.scheduler_types import BatchRows, ScheduledSeq, SchedulerConfig, SchedulerOutput, SchedulerStats
 from paxpage.sequence import Sequence, SequenceStatus
 
-__all__ = ["Scheduler", "ScheduledSeq", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]
+__all__ = ["BatchRows", "Scheduler", "ScheduledSeq", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
@@ -228,8 +228,20 @@ class Scheduler:
     def _rows(self, q: int) -> int:
         return cdiv(q, self.config.prefill_row_len) if q > 1 else 0
 
-    def schedule(self, drafts: Mapping[int, Seq[int]] | None = None) -> SchedulerOutput:
-        """drafts: speculative decoding's draft tokens per decoding seq_id (see the module docstring)."""
+    def schedule(self, drafts: Mapping[int, Seq[int]] | None = None, batch: BatchRows | None = None
+                 ) -> SchedulerOutput:
+        """The step: which sequences run and how many tokens each, the copies, the preempted.
+
+        drafts: speculative decoding's draft tokens per decoding seq_id (see the module docstring).
+        batch: the rows of the persistent batch the step in flight left (decode_batch.py). When
+        they can go on as they are (`_batch_step`), they are scheduled in bulk, a few Python
+        operations per row, and listed as the output's `decodes`; every other sequence, or all
+        of them when the rows cannot go on, is scheduled one by one. The step is the same
+        either way."""
+        if batch is not None and not drafts:
+            step = self._batch_step(batch)
+            if step is not None:
+                return step
         cfg, pm = self.config, self.page_manager
         drafts = drafts or {}
         budget = cfg.max_num_batched_tokens
@@ -323,7 +335,7 @@ class Scheduler:
         """After the device step: advance num_computed_tokens, cache newly full pages, and append the sampled
         token of every scheduled sequence with samples=True (sampled_tokens[seq_id]; a row that carried
         drafts gets a list: its accepted drafts, then the target's token). The batch's rows
-        (`output.decodes`, from schedule_decodes) each computed one token and get `decode_token`
+        (`output.decodes`, from a batch step) each computed one token and get `decode_token`
         (async scheduling's placeholder), in O(1) per row. Sequences finished or aborted since the
         step was scheduled are skipped. Validates everything before changing anything."""
         if output.decodes and decode_token is None:
@@ -373,41 +385,49 @@ class Scheduler:
                 pm.release_outside_window(seq, self.config.sliding_window)
 
     def _update_decodes(self, seqs: Seq[Sequence], token: int) -> None:
-        live, caches = self._live, self.page_manager.enable_prefix_caching
-        ps = self.config.page_size
+        """update()'s work for the batch's rows, in the same order: a page that just filled is
+        cached; with window release, a page that just left the window of the next token is freed
+        (`release_outside_window` frees what lies wholly before position num_computed - W + 1,
+        which passes a page boundary once in page_size tokens)."""
+        live, pm = self._live, self.page_manager
+        caches, ps = pm.enable_prefix_caching, self.config.page_size
+        window = self.config.sliding_window if self.config.releases_pages else None
         for seq in seqs:
             if live.get(seq.seq_id) is not seq:
                 continue
             seq.num_computed_tokens += 1
             seq.output_token_ids.append(token)
             if caches and seq.num_computed_tokens % ps == 0:  # a page just filled
-                self.page_manager.cache_full_pages(seq)
+                pm.cache_full_pages(seq)
+            if window is not None:
+                start = seq.num_computed_tokens - window + 1  # the next token's first key
+                if start > 0 and start % ps == 0:
+                    pm.release_outside_window(seq, window)
 
-    # ---- the steady decode step, batched ----------------------------------------------------------------
-    def schedule_decodes(self, seqs: list[Sequence], aligned: Seq[int],
-                         admits: Callable[[Sequence], bool] | None = None, prefilling: Seq[Sequence] = ()
-                         ) -> SchedulerOutput | None:
-        """`schedule()` for the persistent batch's step, in O(1) Python per decoding sequence that
-        needs no page: when the running queue is exactly `seqs` (same objects, same order), each
-        decoding one token, then `prefilling` (sequences part way through their prompts), and
-        the pages all of them need are free, it gives each decoding sequence the page it writes
-        (in queue order, as schedule() would), the prefilling ones their next chunks, then admits
-        waiting sequences with the tokens left, as schedule() would. Returns the step as a
-        SchedulerOutput whose `decodes` are `seqs` (`grown`: the indices of those whose table
-        changed) and whose `scheduled` are the chunks of the prefilling and the admitted
-        sequences, in queue order. Returns None, changing nothing, when schedule()
-        would preempt, and when the first waiting sequence, or one that schedule() might admit
-        after it, is one `admits` refuses (None: any); the full schedule() then runs.
+    # ---- the persistent batch's rows, in bulk ------------------------------------------------------------
+    def _batch_step(self, batch: BatchRows) -> SchedulerOutput | None:
+        """The step `schedule` makes, for the persistent batch's rows in O(1) Python per row that
+        needs no page: when the running queue is exactly `batch.seqs` (same objects, same order),
+        each decoding one token, then `batch.prefilling` (sequences part way through their
+        prompts), and the pages all of them need are free, it gives each row the page it writes
+        (in queue order, as the one-by-one pass would), the prefilling ones their next chunks,
+        then admits waiting sequences with the tokens left. Returns the step as a
+        SchedulerOutput whose `decodes` are `batch.seqs` (`grown`: the indices of those whose
+        table changed) and whose `scheduled` are the chunks of the prefilling and the admitted
+        sequences, in queue order. Returns None, changing nothing, when the step would preempt,
+        and when the first waiting sequence, or one the step might admit after it, is one
+        `batch.admits` refuses; `schedule` then takes every sequence one by one.
 
-        aligned: the indices of the sequences whose next token starts a page (num_computed_tokens
-        a multiple of page_size); the caller tracks positions in arrays. Every other sequence
-        writes into the page it wrote last step, which it alone holds, but for a fork's parent
-        and children before their first write (their shared last page is copied), which the
+        `batch.aligned`: the indices of the rows whose next token starts a page (num_computed_tokens
+        a multiple of page_size); the caller tracks positions in arrays. Every other row writes
+        into the page it wrote last step, which it alone holds, but for a fork's parent and
+        children before their first write (their shared last page is copied), which the
         scheduler knows; so only those are looked at."""
         cfg, pm = self.config, self.page_manager
+        seqs, aligned, admits, prefilling = batch
         n = len(seqs)
         if n + len(prefilling) != len(self.running) or n > cfg.max_num_batched_tokens or n > cfg.max_num_seqs \
-                or cfg.releases_pages or self.running[:n] != seqs or self.running[n:] != list(prefilling):
+                or self.running[:n] != seqs or self.running[n:] != list(prefilling):
             return None  # (Sequence compares by identity)
         if self.waiting and (admits is None or not admits(self.waiting[0])):
             return None
@@ -417,7 +437,7 @@ class Scheduler:
             check = sorted(set(aligned).union(i for i, seq in enumerate(seqs) if seq.seq_id in shared))
         grow = [i for i in check if not pm.writes_in_place(seqs[i])]
         budget, rows_left = cfg.max_num_batched_tokens - n, cfg.max_prefill_rows or 0
-        chunks = []  # (sequence, tokens) of the prefilling ones, as schedule()'s loop over them
+        chunks = []  # (sequence, tokens) of the prefilling ones, as the one-by-one pass takes them
         for seq in prefilling:
             if budget <= 0 or n + len(chunks) >= cfg.max_num_seqs:
                 break
@@ -428,13 +448,13 @@ class Scheduler:
             budget -= q
             rows_left -= self._rows(q)
         # Admission takes at most one waiting sequence per seat and per token left, in order:
-        # each of those must be one the batch's step may admit, or the full schedule() runs.
+        # each of those must be one the batch's step may admit, or every sequence goes one by one.
         seats = min(len(self.waiting), cfg.max_num_seqs - len(self.running), budget)
         if seats > 1 and not all(admits(seq) for seq in itertools.islice(self.waiting, 1, seats)):
             return None
         need = sum(pm.num_pages_to_write(seqs[i], 1) for i in grow)
         if need + sum(pm.num_pages_to_write(seq, q) for seq, q in chunks) > pm.num_free_pages:
-            return None  # schedule() preempts
+            return None  # the step preempts
         copies: list[tuple[int, int]] = []
         for i in grow:
             copies += pm.prepare_write(seqs[i], 1)

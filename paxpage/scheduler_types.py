@@ -1,13 +1,14 @@
 """What the scheduler is configured with and what one of its steps gives the engine: the
-configuration (`SchedulerConfig`), a sequence's share of a step (`ScheduledSeq`), the step
-(`SchedulerOutput`) and the queues' figures (`SchedulerStats`). Pure Python (no jax); the
-policy that fills them is scheduler.py's.
+configuration (`SchedulerConfig`), the persistent batch's rows a step may start from
+(`BatchRows`), a sequence's share of a step (`ScheduledSeq`), the step (`SchedulerOutput`) and
+the queues' figures (`SchedulerStats`). Pure Python (no jax); the policy that fills them is
+scheduler.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from typing import NamedTuple
 
 from paxpage.page_manager import cdiv
@@ -75,6 +76,15 @@ class SchedulerConfig:
         return pages
 
 
+class BatchRows(NamedTuple):
+    """The persistent batch's rows (decode_batch.py) as `Scheduler.schedule` takes them."""
+
+    seqs: list[Sequence]  # the rows' sequences, each decoding one token, in the running queue's order
+    aligned: Seq[int]  # indices of those whose next token starts a page (the only ones that may need one)
+    admits: Callable[[Sequence], bool] | None = None  # whether a waiting sequence may join (None: none may)
+    prefilling: Seq[Sequence] = ()  # the sequences behind the rows in the queue, part way through their prompts
+
+
 class ScheduledSeq(NamedTuple):  # immutable; a NamedTuple builds ~5x faster than a frozen dataclass
     seq: Sequence
     num_new_tokens: int  # q_len: tokens computed this step, positions [start, start + num_new_tokens)
@@ -91,9 +101,9 @@ class ScheduledSeq(NamedTuple):  # immutable; a NamedTuple builds ~5x faster tha
 @dataclasses.dataclass
 class SchedulerOutput:
     """A step's changes: what runs, what is copied, what was preempted. A step that continues the
-    persistent batch (`Scheduler.schedule_decodes`) lists its rows apart, as `decodes`, by
-    reference: each computes and samples one token, and `scheduled` then holds only the chunks
-    behind them."""
+    persistent batch (`Scheduler.schedule` with its `BatchRows`) lists its rows apart, as
+    `decodes`, by reference: each computes and samples one token, and `scheduled` then holds only
+    the chunks behind them."""
 
     scheduled: list[ScheduledSeq]
     copies: list[tuple[int, int]]  # CoW (src_page, dst_page), to run on device BEFORE the step, in order

@@ -35,7 +35,8 @@ rows a max_tokens that ends inside the measured window (the batch shrinks while 
 "-arrivalsK" adds a request of `context` prompt tokens before every K-th measured step (that step
 carries its prefill chunk beside the decodes); "-n2" samples two completions per request, rows / 2
 requests; "-logprobs5" reports 5 top alternatives per token; "-stop" has a stop string that never
-matches, so every row is detokenised (the tiny model with SmolLM2's tokenizer, same vocabulary).
+matches, so every row is detokenised (the tiny model with SmolLM2's tokenizer, same vocabulary);
+"-regex1" has one row whose output follows a regex (structured outputs: its bitmask every step).
 For every case the output also holds each measured step's host CPU and its max (the target is
 every step's, not the mean), how many of the measured steps took the steady decode step
 (engine.stats.decode_batch_steps over engine.stats.steps), the running rows as each step starts,

@@ -10,7 +10,7 @@ from the device step to the client.
 What is recorded (wrapping methods of the engine's classes; no engine code changes):
   steps    one entry per engine-loop iteration that stepped (`EngineLoop._step`): begin and
            end, and the seconds of each phase in it, exclusive of nested phases:
-               schedule      Scheduler.schedule / schedule_decodes
+               schedule      Scheduler.schedule
                pack          Packer.pack, sampling tensors, DecodeBatch.build
                dispatch      ModelRunner.forward / sample / copy_pages (enqueueing device work)
                device_wait   fetch: waiting for the device's tokens (what the host could not overlap)
@@ -130,7 +130,7 @@ def install() -> Trace:
 
     trace = Trace()
     for cls, names, phase in (
-            (Scheduler, ("schedule", "schedule_decodes"), "schedule"),
+            (Scheduler, ("schedule",), "schedule"),
             (SamplingBatch, ("tensors",), "pack"), (SamplingTensors, ("build",), "pack"),
             (DecodeBatch, ("build",), "pack"),
             (ModelRunner, ("forward", "sample", "copy_pages"), "dispatch"),

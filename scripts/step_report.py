@@ -113,6 +113,8 @@ def case_label(row: dict) -> str:
         parts.append(f"logprobs {row['logprobs']}")
     if row.get("stop"):
         parts.append("stop " + json.dumps(list(row["stop"])))
+    if row.get("structured"):
+        parts.append(f"{row['structured']} row{'s' if row['structured'] > 1 else ''} following a regex")
     return ", ".join(parts)
 
 

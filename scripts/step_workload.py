@@ -44,12 +44,15 @@ class Case:
     logprobs: int | None = None  # top alternatives reported per generated token
     # stop strings; the engine then detokenises every row (SmolLM2's tokenizer on the tiny model)
     stop: tuple[str, ...] = ()
+    # rows whose output follows a grammar (STRUCTURED: a regex that no measured step completes), the
+    # first requests' samples; SmolLM2's tokenizer on the tiny model, as for stop strings
+    structured: int = 0
 
     @property
     def steady(self) -> bool:
         """Every row added at once with one max_tokens, prefix caching on, no per-row extras."""
         return (self.prefix_caching, self.prompt_spread, self.ending, self.arrivals_every, self.n, self.logprobs,
-                self.stop) == (True, 0, 0.0, 0, 1, None, ())
+                self.stop, self.structured) == (True, 0, 0.0, 0, 1, None, (), 0)
 
 
 CASES = [
@@ -70,7 +73,9 @@ CASES = [
     Case("tiny-256x1536-t0.7-n2-arrivals4", "tiny", 256, 1536, temperature=0.7, n=2, arrivals_every=4),
     Case("tiny-256x1536-logprobs5", "tiny", 256, 1536, logprobs=5),
     Case("tiny-256x1536-stop", "tiny", 256, 1536, stop=("xyz",)),
+    Case("tiny-256x1536-regex1", "tiny", 256, 1536, structured=1),
 ]
+STRUCTURED = {"regex": "[a-z]{4000}"}
 QUICK_CASES = [
     Case("tiny-8x32", "tiny", 8, 32, prefill_tokens=256),
     Case("tiny-8x32-t0.7-p0.9", "tiny", 8, 32, temperature=0.7, top_p=0.9, prefill_tokens=256),
@@ -147,7 +152,7 @@ def fill_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: i
                                enable_prefix_caching=case.prefix_caching)
     # A fresh engine (the model's weights shared), not model.engine(cfg): that one is kept per
     # config, so two cases with equal configs would step one engine holding both cases' requests.
-    tokenizer = stop_tokenizer(model) if case.stop else model.tokenizer
+    tokenizer = stop_tokenizer(model) if case.stop or case.structured else model.tokenizer
     engine = paxpage.LLMEngine(model.config, model.param_forms, tokenizer, cfg)
     rng = np.random.default_rng(seed)
     num_requests = case.rows // case.n
@@ -168,9 +173,11 @@ def fill_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: i
         chosen = rng.permutation(num_requests)[:round(case.ending * num_requests)]
         for k, i in enumerate(chosen):
             max_tokens[i] = max(1, first + k * window // len(chosen) - ends[i] + 1)
+    structured = dataclasses.replace(params, structured_outputs=STRUCTURED)
     requests = [engine.request(engine.add_request(rng.integers(0, model.config.vocab_size, length).tolist(),
-                                                  dataclasses.replace(params, max_tokens=limit), stream=case.stream))
-                for length, limit in zip(lens, max_tokens)]
+                                                  dataclasses.replace(structured if i < case.structured else params,
+                                                                      max_tokens=limit), stream=case.stream))
+                for i, (length, limit) in enumerate(zip(lens, max_tokens))]
     t = time.perf_counter()
     fill_steps = 0
     while any(r.first_token_time is None for r in requests):  # prefill, until each has its first token

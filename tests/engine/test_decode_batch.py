@@ -19,20 +19,21 @@ from paxpage.decode_batch import DecodeBatch
 from paxpage.engine import LLMEngine
 from paxpage.outputs import StreamDelta
 from paxpage.engine_step import EngineStep
-from paxpage.scheduler import Scheduler, SchedulerConfig
+from paxpage.scheduler import BatchRows, Scheduler, SchedulerConfig
 from paxpage.sequence import Sequence
-from tests.conftest import random_prompts
+from tests.conftest import random_prompts, save_tiny_hf
 
 
 # ---------------------------------------------------------------- scheduler, pure Python
 def _decoding_scheduler(seed: int, num_pages: int, prefix_caching: bool, allocation: str = "paged",
-                        max_num_batched_tokens: int = 256):
+                        max_num_batched_tokens: int = 256, sliding_window: int | None = None):
     """A scheduler whose running sequences all decode (one pending token each), with random
     lengths, after general steps (so some pages are shared through the prefix cache)."""
     rng = np.random.default_rng(seed)
     sched = Scheduler(SchedulerConfig(num_pages=num_pages, page_size=4, max_num_seqs=16,
                                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=64,
-                                      enable_prefix_caching=prefix_caching, allocation=allocation))
+                                      enable_prefix_caching=prefix_caching, allocation=allocation,
+                                      sliding_window=sliding_window))
     shared = rng.integers(0, 50, 8).tolist()
     for i in range(6):
         prompt = (shared if i % 2 else []) + rng.integers(0, 50, int(rng.integers(1, 12))).tolist()
@@ -52,14 +53,22 @@ def _state(sched: Scheduler):
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_schedule_decodes_equals_schedule_and_update(seed, prefix_caching):
-    fast, rng = _decoding_scheduler(seed, 64, prefix_caching)
+@pytest.mark.parametrize("window", [None, 6])
+def test_batch_step_equals_schedule_and_update(seed, prefix_caching, window):
+    # window: every layer sees its last 6 keys, so pages wholly before a row's window are freed
+    # as it decodes (the free list's order, and so the pages handed out next, must match too)
+    fast, rng = _decoding_scheduler(seed, 64, prefix_caching, sliding_window=window)
+
+    def num_released():
+        return sum(page < 0 for s in fast.running for page in s.page_table)
+
+    released = num_released()
     for step in range(12):
         general = copy.deepcopy(fast)
         out = general.schedule()
         seqs = list(fast.running)
         aligned = [i for i, s in enumerate(seqs) if s.num_computed_tokens % 4 == 0]
-        step_out = fast.schedule_decodes(seqs, aligned)
+        step_out = fast._batch_step(BatchRows(seqs, aligned))
         grown, copies, admitted = step_out.grown, step_out.copies, step_out.scheduled
         assert copies == out.copies and admitted == []
         assert [s.seq.seq_id for s in out.scheduled] == [s.seq_id for s in seqs]
@@ -70,11 +79,13 @@ def test_schedule_decodes_equals_schedule_and_update(seed, prefix_caching):
         assert _state(fast) == _state(general), step
         assert set(grown) <= set(aligned)
         fast.check_invariants()
+    if window is not None:  # rows released pages while they decoded
+        assert num_released() > released
 
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_schedule_decodes_admits_as_schedule_does(seed, prefix_caching):
+def test_batch_step_admits_as_schedule_does(seed, prefix_caching):
     # Requests arrive while the running sequences decode, prompts longer than a step's 24
     # tokens run in chunks: the batch's step gives the prompts part way their next chunks and
     # admits what schedule() admits (same chunks, prefix hits, pages, copies), and refuses,
@@ -108,11 +119,11 @@ def test_schedule_decodes_admits_as_schedule_does(seed, prefix_caching):
         aligned = [i for i, s in enumerate(seqs) if s.num_computed_tokens % 4 == 0]
         if fast.waiting:
             before = _state(fast)
-            assert fast.schedule_decodes(seqs, aligned, lambda seq: False, prefilling) is None
+            assert fast._batch_step(BatchRows(seqs, aligned, lambda seq: False, prefilling)) is None
             assert _state(fast) == before
         if prefilling:
-            assert fast.schedule_decodes(seqs, aligned, lambda seq: True) is None  # not the running queue
-        scheduled = fast.schedule_decodes(seqs, aligned, lambda seq: True, prefilling)
+            assert fast._batch_step(BatchRows(seqs, aligned, lambda seq: True)) is None  # not the running queue
+        scheduled = fast._batch_step(BatchRows(seqs, aligned, lambda seq: True, prefilling))
         if out.preempted:
             assert scheduled is None
             fast = general
@@ -132,7 +143,7 @@ def test_schedule_decodes_admits_as_schedule_does(seed, prefix_caching):
     assert num_admitted >= 2 and num_prefilling >= 1
 
 
-def test_schedule_decodes_declines_what_schedule_decides_otherwise():
+def test_batch_step_declines_what_schedule_decides_otherwise():
     sched, _ = _decoding_scheduler(0, 64, False)
     pm = sched.page_manager
     for _ in range(8):  # general steps until a sequence's next token needs a new page
@@ -145,18 +156,26 @@ def test_schedule_decodes_declines_what_schedule_decides_otherwise():
     else:
         raise AssertionError("no sequence reached a page boundary")
     before = _state(sched)
-    assert sched.schedule_decodes(seqs[:-1], aligned) is None  # not the running queue
-    assert sched.schedule_decodes(seqs[::-1], aligned) is None  # not in its order
+    assert sched._batch_step(BatchRows(seqs[:-1], aligned)) is None  # not the running queue
+    assert sched._batch_step(BatchRows(seqs[::-1], aligned)) is None  # not in its order
     held = pm.allocate(pm.num_free_pages)  # no page left: schedule() would preempt
-    assert sched.schedule_decodes(seqs, aligned) is None
+    assert sched._batch_step(BatchRows(seqs, aligned)) is None
     pm.free(held)
     assert _state(sched)[0] == before[0]
     sched.add(Sequence([1, 2, 3], 4, seq_id=99))
-    assert sched.schedule_decodes(seqs, aligned) is None  # a request waits: schedule() admits
+    assert sched._batch_step(BatchRows(seqs, aligned)) is None  # a request waits: schedule() admits
     assert _state(sched)[0] == before[0]
+    # schedule() given rows that cannot go on takes every sequence one by one, as without them
+    for rows in (BatchRows(seqs[:-1], aligned), BatchRows(seqs, aligned)):
+        with_rows, without = copy.deepcopy(sched), copy.deepcopy(sched)
+        out, expect = with_rows.schedule(batch=rows), without.schedule()
+        assert out.decodes == () and out.copies == expect.copies
+        assert [(s.seq.seq_id, s.num_new_tokens, s.start, s.samples) for s in out.scheduled] == \
+            [(s.seq.seq_id, s.num_new_tokens, s.start, s.samples) for s in expect.scheduled]
+        assert _state(with_rows) == _state(without)
 
 
-def test_schedule_decodes_declines_when_schedule_would_admit_a_refused_sequence_behind_others():
+def test_batch_step_declines_when_schedule_would_admit_a_refused_sequence_behind_others():
     # Three requests wait, the second one the batch's step may not admit (a beam request, say):
     # schedule() admits all three, so the batch's step must not admit only the first.
     sched, _ = _decoding_scheduler(1, 64, False)
@@ -167,9 +186,9 @@ def test_schedule_decodes_declines_when_schedule_would_admit_a_refused_sequence_
     general = copy.deepcopy(sched)
     assert len(general.schedule().scheduled) == len(seqs) + 3  # schedule() admits all three
     before = _state(sched)
-    assert sched.schedule_decodes(seqs, aligned, lambda seq: seq.seq_id != 91) is None
+    assert sched._batch_step(BatchRows(seqs, aligned, lambda seq: seq.seq_id != 91)) is None
     assert _state(sched) == before and len(sched.waiting) == 3
-    admitted = sched.schedule_decodes(seqs, aligned, lambda seq: True).scheduled
+    admitted = sched._batch_step(BatchRows(seqs, aligned, lambda seq: True)).scheduled
     assert [s.seq.seq_id for s in admitted] == [90, 91, 92]
 
 
@@ -204,8 +223,10 @@ def _check_batch(engine) -> int:
         if seq.is_finished:
             continue
         assert batch.table_slots[i] == tables.slot(seq.seq_id)
-        pages = np.maximum(np.asarray(seq.page_table, np.int32), 0)
-        np.testing.assert_array_equal(tables.table[batch.table_slots[i], :len(pages)], pages)
+        # entries a sliding window released are never read again, whatever they hold
+        pages = np.asarray(seq.page_table, np.int32)
+        held = pages >= 0
+        np.testing.assert_array_equal(tables.table[batch.table_slots[i], :len(pages)][held], pages[held])
         request, sample = engine.outputs.lookup(seq.seq_id)
         assert engine._sampling.slot(seq.seq_id, request.params, sample.seed) == batch.sampling_slots[i]
         assert batch.limits[i] == min(request.params.max_tokens,
@@ -222,10 +243,10 @@ def _run(model, fast: bool, prompts, params, joins, abort_at, stream: bool = Tru
                           max_num_batched_tokens=32, enable_prefix_caching=True)
     engine = LLMEngine(model.config, model.params, model.tokenizer, config)  # fresh: no cached prefix
     if not fast:
-        engine._step.continue_batch = lambda previous: None
+        engine.scheduler._batch_step = lambda batch: None  # every sequence one by one
     # decode batches checked, with a penalised row, with a row of a forked request, with a
-    # prompt part way (a chunked prefill) behind its rows
-    ids, steps, finals, batches = {}, [], {}, [0, 0, 0, 0]
+    # prompt part way (a chunked prefill) behind its rows, with a row that follows a grammar
+    ids, steps, finals, batches = {}, [], {}, [0, 0, 0, 0, 0]
     step = 0
     while step == 0 or engine.has_unfinished() or len(ids) < len(prompts):
         for i, at in enumerate(joins):
@@ -246,6 +267,7 @@ def _run(model, fast: bool, prompts, params, joins, abort_at, stream: bool = Tru
             batches[1] += checked == 2
             batches[2] += checked == 3
             batches[3] += checked > 0 and bool(engine._step.inflight.decode.prefilling)
+            batches[4] += checked > 0 and bool(engine._step.inflight.decode.constrained)
             engine.scheduler.check_invariants()
         step += 1
         assert step < 400
@@ -303,6 +325,62 @@ def test_fast_path_equals_general_path_on_a_mixed_workload(text_model, monkeypat
         assert all(deltas == [] for step in quiet[0] for _, deltas in step)
         assert sorted(i for step in quiet[0] for i, _ in step) == sorted(quiet[1])  # once each, at its end
         assert quiet[2].generated_tokens == streamed[2].generated_tokens and quiet[2].steps == streamed[2].steps
+
+
+def test_structured_rows_decode_on_the_batch_as_on_the_general_step(text_model):
+    # Requests that follow a grammar (a regex, any JSON object; one joins late, one with n = 2
+    # samples) decode beside plain ones: every step's deltas and every output equal the general
+    # step's, and the batch, structured rows and all, carries most steps.
+    prompts = random_prompts(7, 320, [5, 9, 3, 12, 7, 6, 8], seed=6)
+    params = [SP(temperature=0, max_tokens=50, ignore_eos=True),
+              SP(temperature=0.8, seed=1, max_tokens=45, structured_outputs={"regex": "[a-d]{20,40}"}),
+              SP(temperature=0, max_tokens=40, structured_outputs={"json_object": True}),
+              SP(temperature=0.9, seed=2, max_tokens=55, ignore_eos=True),
+              SP(temperature=0.7, seed=3, max_tokens=30, structured_outputs={"regex": "(ab|cd)+x?"}),
+              SP(temperature=1.0, seed=4, n=2, max_tokens=25, structured_outputs={"regex": "[0-9]{10,30}"}),
+              SP(temperature=0, max_tokens=20, stop=["1"], structured_outputs={"regex": "[0-9a-f]{5,25}"})]
+    joins, no_abort = [0, 0, 0, 0, 10, 16, 22], (-1, 0)
+    general = _run(text_model, False, prompts, params, joins, no_abort)
+    fast = _run(text_model, True, prompts, params, joins, no_abort)
+    assert fast[0] == general[0] and fast[1] == general[1]
+    assert sorted(fast[1]) == list(range(len(prompts)))
+    assert general[2].decode_batch_steps == 0 and fast[2].decode_batch_steps > fast[2].steps // 2
+    assert fast[3][4] > 20  # in-flight batches holding structured rows
+    assert fast[2].joined_rows >= 2  # the late ones with n = 1 joined a step of the batch
+    text = fast[1][1][0][0]  # the regex held: 20-40 of a-d
+    assert 20 <= len(text) <= 40 and set(text) <= set("abcd"), text
+
+
+@pytest.fixture(scope="module")
+def windowed_model(tmp_path_factory):
+    """A tiny random Mistral whose every layer sees its last 8 keys: the scheduler frees each
+    sequence's pages wholly before that window as it decodes."""
+    path = tmp_path_factory.mktemp("tiny_mistral_window")
+    save_tiny_hf(path, "mistral", sliding_window=8)
+    model = paxpage.load(path)
+    yield model
+    model.close()
+
+
+def test_windowed_model_decodes_on_the_batch_as_on_the_general_step(windowed_model):
+    # Rows decode far past the window (pages released under the batch's steps), requests join,
+    # fork and carry penalties, one is aborted: every step's deltas and every output equal the
+    # general step's, and the batch carries most steps.
+    prompts = random_prompts(7, 128, [5, 19, 3, 30, 11, 7, 9], seed=4)
+    params = [SP(temperature=0, max_tokens=60, ignore_eos=True),
+              SP(temperature=0.8, seed=1, max_tokens=50, ignore_eos=True),
+              SP(temperature=0, max_tokens=45, ignore_eos=True),
+              SP(temperature=0.9, seed=2, max_tokens=70, stop_token_ids=list(range(3, 128, 29))),
+              SP(temperature=0.7, seed=3, repetition_penalty=1.2, max_tokens=40, ignore_eos=True),
+              SP(temperature=1.0, seed=4, n=2, max_tokens=30, ignore_eos=True),
+              SP(temperature=0, max_tokens=25, logprobs=2, ignore_eos=True)]
+    joins, abort = [0, 0, 0, 0, 12, 20, 33], (40, 1)
+    general = _run(windowed_model, False, prompts, params, joins, abort)
+    fast = _run(windowed_model, True, prompts, params, joins, abort)
+    assert fast[0] == general[0] and fast[1] == general[1]
+    assert sorted(fast[1]) == [i for i in range(len(prompts)) if i != 1]
+    assert general[2].decode_batch_steps == 0 and fast[2].decode_batch_steps > fast[2].steps // 2
+    assert fast[2].joined_rows >= 2 and fast[3][0] > 20
 
 
 def test_steady_step_keeps_its_batch_as_requests_end_and_takes_logprobs_and_forks(text_model, monkeypatch):
