@@ -55,8 +55,8 @@ class DecodeBatch:
         widths = [request.params.logprobs or 0 for request, sample, _ in rows if sample.logprobs is not None]
         self.with_logprobs = bool(widths)
         self.num_logprobs = logprob_bucket(max(widths, default=0))
-        # (matcher, row) of the rows whose samples follow a grammar (structured outputs)
-        self.constrained = [(sample.matcher, row) for _, sample, row in rows if sample.matcher is not None]
+        # the rows whose samples follow a grammar, as a step's `Launched.constrained`: (matcher, row, 1)
+        self.constrained = [(sample.matcher, row, 1) for _, sample, row in rows if sample.matcher is not None]
         # i32[B] the previous step's logits row each row reads its input token from (None: row i
         # reads row i, the packer's constant)
         self.prev_rows: np.ndarray | None = None

@@ -105,13 +105,12 @@ class EngineStep:
             return None, None
         speculating = spec is not None and spec.active(scheduler.num_running)
         batch = previous.decode if previous is not None and not speculating else None
+        keep = batch.survivors(scheduler.running) if batch is not None else None
         rows = None
-        if batch is not None:
-            keep = batch.survivors(scheduler.running)
-            if keep and len(keep) < len(batch):
+        if keep:
+            if len(keep) < len(batch):
                 batch = batch.compacted(keep)
-            if keep:
-                rows = BatchRows(batch.seqs, batch.page_aligned(self.config.page_size), self.joins, batch.prefilling)
+            rows = BatchRows(batch.seqs, batch.page_aligned(self.config.page_size), self.joins, batch.prefilling)
         drafts = spec.propose(scheduler.running, self.outputs.lookup, self.embeds.__contains__) if speculating else None
         sched = scheduler.schedule(drafts, rows)
         if not sched.decodes:
@@ -167,8 +166,7 @@ class EngineStep:
         if self.speculation is not None:
             self.speculation.on_step(step_batch, prev_rows, prev_tokens)
         sampler_args = (step_batch, logits, tensors, num_logprobs, num_prompt_logprobs, prev_rows, prev_tokens)
-        # the batch's structured rows, one logits row each (their bitmasks: _dispatch_sampler)
-        constrained = [(matcher, row, 1) for matcher, row in batch.constrained] if n else []
+        constrained = list(batch.constrained) if n else []  # (their bitmasks: _dispatch_sampler)
         if plan is None and batch is previous.decode:  # the rows of the step in flight, as they were
             return self._dispatched(Launched(sched, batch.rows, previous.counts, [], None, None, None,
                                              previous.row_of_seq, sampler_args=sampler_args, constrained=constrained,

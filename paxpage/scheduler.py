@@ -386,9 +386,7 @@ class Scheduler:
 
     def _update_decodes(self, seqs: Seq[Sequence], token: int) -> None:
         """update()'s work for the batch's rows, in the same order: a page that just filled is
-        cached; with window release, a page that just left the window of the next token is freed
-        (`release_outside_window` frees what lies wholly before position num_computed - W + 1,
-        which passes a page boundary once in page_size tokens)."""
+        cached; with window release, pages that left the window of the next token are freed."""
         live, pm = self._live, self.page_manager
         caches, ps = pm.enable_prefix_caching, self.config.page_size
         window = self.config.sliding_window if self.config.releases_pages else None
@@ -400,9 +398,7 @@ class Scheduler:
             if caches and seq.num_computed_tokens % ps == 0:  # a page just filled
                 pm.cache_full_pages(seq)
             if window is not None:
-                start = seq.num_computed_tokens - window + 1  # the next token's first key
-                if start > 0 and start % ps == 0:
-                    pm.release_outside_window(seq, window)
+                pm.release_outside_window(seq, window)
 
     # ---- the persistent batch's rows, in bulk ------------------------------------------------------------
     def _batch_step(self, batch: BatchRows) -> SchedulerOutput | None:
