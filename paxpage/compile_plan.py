@@ -18,8 +18,9 @@ import os
 import jax
 import jax.numpy as jnp
 
-from paxpage.packing import bucket, decode_rows
+from paxpage.packing import bucket, decode_rows, mask_rows
 from paxpage.sampling import sampler as sampler_lib
+from paxpage.structured_backend import RowMasks
 
 
 def step_shapes(max_num_seqs: int, max_num_batched_tokens: int, prefill_row_len: int,
@@ -71,7 +72,7 @@ class CompilePlan:
     def warm_up(self, runner, sampling_for_rows, num_mask_words: int = 0) -> None:
         """Compiles every shape by running it on an all-padding batch (whose K/V writes are
         dropped), and for each logits-row count R the sampler's variants
-        (sampler.sampler_variants)."""
+        (sampler.sampler_variants) and, with num_mask_words, the masking of a few structured rows."""
         sampled: set[int] = set()
         for dec, pre in self.shapes:
             batch = runner.packer.padding_batch(dec, pre)
@@ -80,8 +81,11 @@ class CompilePlan:
             results = [logits]
             if num_logits not in sampled:
                 sampled.add(num_logits)
-                variants = sampler_lib.sampler_variants(sampling_for_rows, num_logits, num_mask_words)
-                results += [runner.sample(batch, logits, sampling, allowed=allowed)[2] for sampling, allowed in variants]
+                variants = sampler_lib.sampler_variants(sampling_for_rows, num_logits)
+                results = [runner.sample(batch, logits, sampling)[2] for sampling in variants]
+                if num_mask_words:  # last: masking writes the logits in place (they are donated)
+                    masks = RowMasks.padding(num_logits, mask_rows(1), num_mask_words)
+                    results.append(runner.sample(batch, logits, variants[0], allowed=masks)[2])
             jax.block_until_ready(results)
 
     def load_executables(self, runner, sampling_for_rows, num_mask_words: int = 0) -> bool:
@@ -101,13 +105,16 @@ class CompilePlan:
             steps = list(pool.map(runner.prepare_step, batches))
             if any(step is None for step in steps):
                 return False
-            samplers = []
+            samplers, masked = [], []
             for num_logits, i in sorted(first.items()):
                 info = steps[i].out_info[1]
                 logits = jnp.zeros(info.shape, info.dtype)
-                variants = sampler_lib.sampler_variants(sampling_for_rows, num_logits, num_mask_words)
-                samplers += [(batches[i], logits, sampling, allowed) for sampling, allowed in variants]
+                samplers += [(batches[i], logits, sampling)
+                             for sampling in sampler_lib.sampler_variants(sampling_for_rows, num_logits)]
+                if num_mask_words:
+                    masked.append((logits, RowMasks.padding(num_logits, mask_rows(1), num_mask_words)))
             # The full sampler (draws, penalties; 1 MB and ~0.5 s to load per R on CPU, ~12 s to
             # compile) is only made sure of on disk: a first sampled batch loads it, no compile.
             done = list(pool.map(lambda args: runner.prepare_sample(*args, load=args[2].greedy_only), samplers))
+            done += list(pool.map(lambda args: runner.prepare_mask(*args), masked))
         return all(done)

@@ -29,7 +29,7 @@ from paxpage.decode_batch import DecodeBatch
 from paxpage.engine_stats import EngineStats
 from paxpage.launched import PENDING_TOKEN, Launched
 from paxpage.output_processor import OutputProcessor
-from paxpage.packing import DecodeRows, logprob_bucket
+from paxpage.packing import DecodeRows, logprob_bucket, mask_rows
 from paxpage.sampling.batch import SamplingBatch
 from paxpage.scheduler import BatchRows, Scheduler, SchedulerOutput
 from paxpage.sequence import Sequence
@@ -206,10 +206,8 @@ class EngineStep:
         batch, logits, tensors, num_logprobs, num_prompt_logprobs, prev_rows, prev_tokens = step.sampler_args
         allowed = None
         if step.constrained:
-            num_rows = len(batch.logits_indices)
-            allowed = self.grammars().bitmask([(m, row) for m, row, _ in step.constrained], num_rows)
-            for _, row, count in step.constrained:  # a forking request's n rows share one state
-                allowed[row + 1:row + count] = allowed[row]
+            allowed = self.grammars().bitmask(step.constrained, len(batch.logits_indices),
+                                              mask_rows(sum(count for _, _, count in step.constrained)))
         if step.speculates:
             draft_ids, draft_dists = self.speculation.draft_rows(step.rows, step.drafts, len(batch.logits_indices))
             step.result, step.prompt_result, step.accepted = self.runner.verify(

@@ -29,6 +29,8 @@ from paxpage.page_tables import PageTables
 # grows with its first few rows (it reads every weight once either way), and 1 and 2 rows would
 # be two more shapes for every prefill-row count. See `decode_rows` for the one exception.
 MIN_DECODE_ROWS = 4
+# Structured-outputs masks of a step are padded to at least this many rows (`mask_rows`).
+MIN_MASK_ROWS = 4
 
 
 def decode_rows(num_decodes: int, num_prefill_rows: int, single_row: bool) -> int:
@@ -55,6 +57,12 @@ def bucket(n: int, minimum: int = 1) -> int:
     if power > 16 and n <= power * 3 // 4:
         return power * 3 // 4
     return power
+
+
+def mask_rows(n: int) -> int:
+    """The rows of a step's structured-outputs masks (structured_backend.RowMasks) for n
+    constrained logits rows: the masking call compiles once per (R, this)."""
+    return bucket(n, MIN_MASK_ROWS)
 
 
 def logprob_bucket(n: int) -> int:

@@ -33,6 +33,7 @@ from paxpage.batch import StepBatch
 from paxpage.compile_plan import CompilePlan
 from paxpage.config import ResolvedConfig
 from paxpage.packing import Packer, bucket
+from paxpage.structured_backend import RowMasks
 
 
 log = logging.getLogger("paxpage")
@@ -144,12 +145,15 @@ class ModelRunner:
         # With native kernels, sampled rows draw through the native proposal kernel.
         self.draw_impl = sampler_lib.resolve_draw_impl(native)
         self._sampler = jax.jit(functools.partial(sampler_lib.sample_rows, draw_impl=self.draw_impl),
-                                static_argnums=(4, 5))
+                                static_argnums=(3, 4))
+        # Structured outputs' masks, applied to their rows' logits in place before the sampler
+        # (one small executable per (R, mask rows); the sampler has no bitmask variant).
+        self._mask = jax.jit(sampler_lib.apply_bitmask, donate_argnums=(0,))
         self._scorer = jax.jit(_score_prompt, static_argnums=(2,))
         # Each device call goes through these: the jitted functions, or the same behind the
         # executable cache (exec_cache.py) when cfg.executable_cache_dir is set.
         self._calls = {"step": self._step, "copy_pages": self._copy, "sample": self._sampler,
-                       "score_prompt": self._scorer}
+                       "mask": self._mask, "score_prompt": self._scorer}
         self.exec_cache = None
         if cfg.executable_cache_dir is not None:
             if mesh is None and jax.process_count() == 1:
@@ -158,7 +162,7 @@ class ModelRunner:
                 self.exec_cache = ExecutableCache(cfg.executable_cache_dir,
                                                   _cache_context(model_cfg, cfg, self.draw_impl,
                                                                  self.lora_impl, self.matmul_impl))
-                static = {"sample": (4, 5), "score_prompt": (2,)}
+                static = {"sample": (3, 4), "score_prompt": (2,)}
                 self._calls = {name: self.exec_cache.wrap(name, fn, static.get(name, ()))
                                for name, fn in self._calls.items()}
             else:  # sharded or multi-host executables are not serialised: the plain jit path
@@ -298,8 +302,9 @@ class ModelRunner:
         """Compiles the step for every shape in `step_shapes()`, and for each logits-row count R
         the sampler's variants: all-greedy rows (`sampling_for_rows(R)`, padding SamplingTensors
         of R rows), unpenalised rows and any rows (sampler.sampler_variants). num_mask_words > 0:
-        also each with a structured-outputs bitmask i32[R, num_mask_words]. With the executable
-        cache the executables are loaded without running. Returns the number of shapes."""
+        also the structured-outputs masking of R rows with masks of W = num_mask_words words
+        for a few constrained rows (packing.mask_rows(1)). With the executable cache the
+        executables are loaded without running. Returns the number of shapes."""
         plan = self.compile_plan
         if self.exec_cache is None or not plan.load_executables(self, sampling_for_rows, num_mask_words):
             plan.warm_up(self, sampling_for_rows, num_mask_words)
@@ -310,14 +315,18 @@ class ModelRunner:
         `batch`'s shape without running it. Its jax.stages.Compiled, or None on the plain jit path."""
         return self._calls["step"].prepare(*self._step_args(batch, self.kv_cache))
 
-    def prepare_sample(self, batch: StepBatch, logits, sampling, allowed: np.ndarray | None = None, *,
-                       load: bool = True) -> bool:
+    def prepare_sample(self, batch: StepBatch, logits, sampling, *, load: bool = True) -> bool:
         """`prepare_step` for the sampler on `batch`'s logits f32[R, V] (no logprobs, no tokens
         pending on device); load False: only makes sure it is on disk, for its first call to load.
         False on the plain jit path."""
-        args = (logits, sampling, allowed, self._pending(batch, sampling, None, None), 0, self.max_logits_rows)
+        args = (logits, sampling, self._pending(batch, sampling, None, None), 0, self.max_logits_rows)
         sample = self._calls["sample"]
         return sample.prepare(*args) is not None if load else sample.ensure_stored(*args)
+
+    def prepare_mask(self, logits, masks) -> bool:
+        """`prepare_step` for the structured-outputs masking of logits f32[R, V] by `masks`
+        (structured_backend.RowMasks). False on the plain jit path."""
+        return self._calls["mask"].prepare(logits, masks) is not None
 
     # ------------------------------------------------------------------ device calls
     def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
@@ -333,12 +342,12 @@ class ModelRunner:
 
     def launch(self, batch: StepBatch, sampling, num_logprobs: int = 0, num_prompt_logprobs: int = 0,
                prev_rows: np.ndarray | None = None, prev_tokens: jax.Array | None = None,
-               allowed: np.ndarray | None = None):
+               allowed: RowMasks | None = None):
         """Dispatches the step and returns (SamplerOutput, PromptLogprobs | None, next_tokens) as
         device arrays, without waiting for them. prev_rows i32[T] / prev_tokens i32[R_max]: the
         tokens the host does not have yet are the previous step's `next_tokens` rows. next_tokens
-        i32[R_max] are this step's sampled tokens in that form. allowed: i32[R, W] structured
-        outputs bitmask, or None."""
+        i32[R_max] are this step's sampled tokens in that form. allowed: the structured-outputs
+        masks of the constrained rows (applied to their logits first), or None."""
         logits = self.forward(batch, prev_rows, prev_tokens)
         return self.sample(batch, logits, sampling, num_logprobs, num_prompt_logprobs, allowed, prev_rows,
                            prev_tokens)
@@ -372,13 +381,15 @@ class ModelRunner:
         return (logits, prompt_logits), pooled
 
     def sample(self, batch: StepBatch, logits, sampling, num_logprobs: int = 0,
-               num_prompt_logprobs: int = 0, allowed: np.ndarray | None = None,
+               num_prompt_logprobs: int = 0, allowed: RowMasks | None = None,
                prev_rows: np.ndarray | None = None, prev_tokens: jax.Array | None = None):
         """The sampler on `forward`'s logits; returns what `launch` does. prev_rows / prev_tokens:
         as `forward` took them: a penalised row whose last token is still on the device gets it
         added to its penalty counts there (the host's counts lack it)."""
         logits, prompt_logits = logits
-        out, next_tokens = self._calls["sample"](logits, sampling, allowed,
+        if allowed is not None:
+            logits = self._calls["mask"](logits, allowed)
+        out, next_tokens = self._calls["sample"](logits, sampling,
                                                  self._pending(batch, sampling, prev_rows, prev_tokens),
                                                  num_logprobs, self.max_logits_rows)
         prompt = None
@@ -398,7 +409,7 @@ class ModelRunner:
         return rows, self._no_prev_tokens if prev_tokens is None else prev_tokens
 
     def verify(self, batch: StepBatch, logits, sampling, draft_ids: np.ndarray, draft_dists=None,
-               num_logprobs: int = 0, num_prompt_logprobs: int = 0, allowed: np.ndarray | None = None,
+               num_logprobs: int = 0, num_prompt_logprobs: int = 0, allowed: RowMasks | None = None,
                prev_rows: np.ndarray | None = None, prev_tokens: jax.Array | None = None):
         """`sample` for a step with speculative drafts (paxpage/speculative/verify.py): draft_ids i32[R]
         (-1: none), draft_dists f32[R, V] or None (one-hot). Returns (SamplerOutput, prompt
@@ -406,7 +417,9 @@ class ModelRunner:
         from paxpage.speculative import verify as verify_lib
 
         logits, prompt_logits = logits
-        out, accepted = verify_lib.verify(logits, sampling, draft_ids, draft_dists, num_logprobs, allowed,
+        if allowed is not None:
+            logits = self._calls["mask"](logits, allowed)
+        out, accepted = verify_lib.verify(logits, sampling, draft_ids, draft_dists, num_logprobs,
                                           self._pending(batch, sampling, prev_rows, prev_tokens),
                                           draw_impl=self.draw_impl)
         prompt = None

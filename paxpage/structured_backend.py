@@ -8,8 +8,10 @@ Why llguidance: its Rust core computes a mask for a 50k-200k vocabulary in tens 
 parallel outside the GIL straight into a numpy buffer, and needs neither torch nor a GPU; it
 takes JSON schemas, regexes, Lark grammars and GBNF. It is what vLLM, SGLang and llama.cpp use.
 
-Pure Python + numpy (no jax): the engine fills `GrammarBackend.bitmask` for a step's rows and
-passes it to the jitted sampler, which unpacks it on device (sampler.apply_bitmask).
+Pure Python + numpy (no jax): the engine fills `GrammarBackend.bitmask` for a step's
+constrained rows only (`RowMasks`), and the runner applies it to their logits on the device
+(sampler.apply_bitmask) before it samples: a step with one structured row among hundreds
+fills, sends and applies one row's mask.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -31,6 +34,20 @@ _CACHED_GRAMMARS = 64  # compiled matchers kept as templates (deep copies are ch
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
+
+
+class RowMasks(NamedTuple):
+    """The allowed tokens of a step's constrained logits rows (a pytree: jax takes it as is).
+    rows i32[K]: the logits row each mask applies to, distinct; padding rows are >= R (the
+    step's logits rows) and apply nowhere. words i32[K, W]: bit j of word w allows token 32 w + j."""
+
+    rows: np.ndarray
+    words: np.ndarray
+
+    @classmethod
+    def padding(cls, num_rows: int, num_masks: int, num_words: int) -> RowMasks:
+        """num_masks padding masks for a step of num_rows logits rows (they apply nowhere)."""
+        return cls(np.full(num_masks, num_rows, np.int32), np.full((num_masks, num_words), -1, np.int32))
 
 
 class GrammarBackend:
@@ -89,14 +106,28 @@ class GrammarBackend:
         not compile against this tokenizer."""
         return self.compile(spec).deep_copy()
 
-    def bitmask(self, rows: Sequence[tuple[object, int]], num_rows: int) -> np.ndarray:
-        """i32[num_rows, W]: each (matcher, row) pair's allowed tokens; other rows allow all."""
-        from llguidance.numpy import fill_next_token_bitmask_par
+    def bitmask(self, entries: Sequence[tuple[object, int, int]], num_rows: int, num_masks: int) -> RowMasks:
+        """The masks of each (matcher, row, count) entry's `count` logits rows from `row` on (a
+        forking request's samples share their parent's state until they diverge), filled in
+        parallel outside the GIL: RowMasks of num_masks rows (>= the entries' rows; the rest
+        padding, row num_rows), for a step of num_rows logits rows. Rows not listed allow every token."""
+        rows = np.full(num_masks, num_rows, np.int32)
+        words = np.full((num_masks, self.num_words), -1, np.int32)
+        fills, at = [], 0
+        for matcher, row, count in entries:
+            if at + count > num_masks:
+                raise ValueError(f"num_masks={num_masks} is fewer than the {sum(c for _, _, c in entries)} "
+                                 "constrained rows")
+            rows[at:at + count] = range(row, row + count)
+            fills.append((matcher, at))
+            at += count
+        if fills:
+            from llguidance.numpy import fill_next_token_bitmask_par
 
-        mask = np.full((num_rows, self.num_words), -1, np.int32)
-        if rows:
-            fill_next_token_bitmask_par(self._executor, list(rows), mask)
-        return mask
+            fill_next_token_bitmask_par(self._executor, fills, words)
+            for (_, _, count), (_, first) in zip(entries, fills):
+                words[first + 1:first + count] = words[first]
+        return RowMasks(rows, words)
 
 
 def accept(matcher, token: int) -> bool:

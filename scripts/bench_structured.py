@@ -71,12 +71,12 @@ class _MaskTimer:
         original = structured_backend.GrammarBackend.bitmask
         timer = self
 
-        def timed(backend, rows, num_rows):
+        def timed(backend, entries, *args):
             t = time.perf_counter()
-            out = original(backend, rows, num_rows)
+            out = original(backend, entries, *args)
             timer.seconds += time.perf_counter() - t
             timer.calls += 1
-            timer.rows += len(rows)
+            timer.rows += sum(count for _, _, count in entries)
             return out
 
         structured_backend.GrammarBackend.bitmask = timed

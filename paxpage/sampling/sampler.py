@@ -4,9 +4,12 @@ Axis legend: R logits rows (sequences sampled this step, padded), V vocabulary,
 S distinct penalty-token slots per row, E banned-token slots per row,
 L number of top logprobs reported, W = ceil(V / 32) words of an allowed-token bitmask.
 
+Structured outputs come first, in their own call (`apply_bitmask`, before `sample` or
+speculative verify): tokens outside a constrained row's allowed-token bitmask -> -inf. Only the
+constrained rows' masks travel and are applied, so the sampler has no bitmask variant and a step
+with one constrained row among hundreds pays for one row.
+
 Order of operations in `sample` (vLLM semantics):
-  0. structured outputs: tokens outside a row's allowed-token bitmask -> -inf (only in the
-     variant called with a bitmask: batches without a constrained row never see it)
   1. banned ids (min_tokens: EOS / stop tokens) -> -inf
   2. repetition penalty (HF) over prompt + output tokens, then presence / frequency penalties
      (OpenAI) over output tokens
@@ -168,19 +171,23 @@ def filter_logits(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
     return jnp.where(scaled >= floor, scaled, -jnp.inf)
 
 
-def apply_bitmask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
-    """logits f32[R, V], allowed i32[R, W] (bit j of word w allows token 32 w + j; W * 32 >= V,
-    bits past V ignored) -> logits with disallowed tokens at -inf. All-ones rows are unchanged."""
-    num_rows, vocab_size = logits.shape
+def apply_bitmask(logits: jax.Array, masks) -> jax.Array:
+    """logits f32[R, V], masks a structured_backend.RowMasks: rows i32[K] (a row >= R is padding,
+    ignored; no row twice) and words i32[K, W] (bit j of word w allows token 32 w + j; W * 32 >= V,
+    bits past V ignored) -> logits with the tokens that row masks[k] disallows at -inf. Rows not
+    listed are unchanged. Jitted with the logits donated, it writes them in place: the [K, V]
+    rows are gathered, masked and scattered back, never an [R, V] mask."""
+    rows, words = masks
+    num_masks, vocab_size = words.shape[0], logits.shape[1]
     shifts = jnp.arange(32, dtype=jnp.uint32)
-    bits = (allowed.astype(jnp.uint32)[:, :, None] >> shifts) & 1  # [R, W, 32]
-    bits = bits.reshape(num_rows, -1)[:, :vocab_size]
-    return jnp.where(bits != 0, logits, -jnp.inf)
+    bits = (words.astype(jnp.uint32)[:, :, None] >> shifts) & 1  # [K, W, 32]
+    bits = bits.reshape(num_masks, -1)[:, :vocab_size]
+    x = logits.at[rows].get(mode="fill", fill_value=0)  # [K, V]
+    return logits.at[rows].set(jnp.where(bits != 0, x, -jnp.inf).astype(logits.dtype), mode="drop")
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs", "draw_impl"))
-def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
-           allowed: jax.Array | None = None, draw_impl: str = "xla",
+def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0, draw_impl: str = "xla",
            pending: jax.Array | None = None) -> SamplerOutput:
     """logits [R, V] (any float dtype) -> SamplerOutput. Rows are independent of each other.
 
@@ -188,9 +195,6 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
     behind lax.cond on "does any row need this". Three executables per shape serve any mix:
     all rows greedy and unpenalised (t.greedy_only), no row penalised (t.penalised False), and
     any rows.
-    allowed: None, or i32[R, W] allowed-token bitmasks (structured outputs; unconstrained rows
-    all ones). The two are separate executables, so unconstrained batches pay nothing for it;
-    which rows are constrained is data again.
     draw_impl: "xla", or "native" (CPU only, once `resolve_draw_impl` returned it): the proposal
     draw of sampled rows without top-k runs as the native kernel (pallas_kernels/native_sampling.py),
     and the penalties as theirs (pallas_kernels/native_penalties.py);
@@ -199,8 +203,6 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
     pending: None, or i32[R] each row's output token that t's penalty lists leave out (-1: none;
     see apply_penalties)."""
     logits = logits.astype(jnp.float32)
-    if allowed is not None:
-        logits = apply_bitmask(logits, allowed)
     if t.greedy_only:  # nothing to ban or penalise, every row takes its argmax
         return _sample(logits, t, num_logprobs, greedy_only=True)
     if t.penalised:
@@ -308,12 +310,12 @@ def score_prompt(logits: jax.Array, targets: jax.Array, num_top: int) -> PromptL
     return PromptLogprobs(*_logprobs_of(logprobs, targets, num_top))
 
 
-def sample_rows(logits, sampling, allowed, pending, num_logprobs: int, num_rows: int, draw_impl: str = "xla"):
+def sample_rows(logits, sampling, pending, num_logprobs: int, num_rows: int, draw_impl: str = "xla"):
     """The runner's sampler executable: `sample`, and its tokens i32[R] cut or zero-padded to
     i32[num_rows] (async scheduling's `next_tokens`), in one executable: a separate jit would be
     one more compile per R. pending: None, or (rows i32[R], prev i32[R_max]): row r's last
     output, which its penalty lists lack, is prev[rows[r]] (-1: none; see apply_penalties)."""
-    out = sample(logits, sampling, num_logprobs, allowed, draw_impl=draw_impl, pending=pending_tokens(pending))
+    out = sample(logits, sampling, num_logprobs, draw_impl=draw_impl, pending=pending_tokens(pending))
     token_ids = out.token_ids
     return out, jnp.zeros(num_rows, jnp.int32).at[:token_ids.shape[0]].set(token_ids[:num_rows])
 
@@ -326,15 +328,9 @@ def pending_tokens(pending) -> jax.Array | None:
     return jnp.where(rows >= 0, prev[jnp.maximum(rows, 0)], -1)
 
 
-def sampler_variants(sampling_for_rows, num_logits: int, num_mask_words: int):
-    """The (SamplingTensors, allowed) pairs whose sampler executables the runner's precompile
-    makes for R = num_logits rows: all-greedy (argmax only), unpenalised and any rows, and with
-    num_mask_words > 0 all three again with a structured-outputs bitmask i32[R, num_mask_words]."""
+def sampler_variants(sampling_for_rows, num_logits: int) -> list[SamplingTensors]:
+    """The SamplingTensors whose sampler executables the runner's precompile makes for
+    R = num_logits rows: all-greedy (argmax only), unpenalised and any rows."""
     greedy = sampling_for_rows(num_logits)
     plain = dataclasses.replace(greedy, greedy_only=False, penalised=False)
-    variants = [greedy, plain, dataclasses.replace(plain, penalised=True)]
-    pairs = [(sampling, None) for sampling in variants]
-    if num_mask_words:
-        allowed = np.full((num_logits, num_mask_words), -1, np.int32)
-        pairs += [(sampling, allowed) for sampling in variants]
-    return pairs
+    return [greedy, plain, dataclasses.replace(plain, penalised=True)]

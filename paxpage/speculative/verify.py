@@ -76,15 +76,13 @@ def accept_rows(p: jax.Array, draft_ids: jax.Array, q: jax.Array | None, keys: j
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs", "draw_impl"))
 def verify(logits: jax.Array, t: SamplingTensors, draft_ids: jax.Array,
-           draft_dists: jax.Array | None = None, num_logprobs: int = 0, allowed: jax.Array | None = None,
-           pending=None, draw_impl: str = "xla") -> tuple[sampler_lib.SamplerOutput, jax.Array]:
+           draft_dists: jax.Array | None = None, num_logprobs: int = 0, pending=None,
+           draw_impl: str = "xla") -> tuple[sampler_lib.SamplerOutput, jax.Array]:
     """logits f32[R, V], draft_ids i32[R] (-1 none), draft_dists f32[R, V] or None (one-hot),
-    allowed i32[R, W] structured-outputs bitmask or None, pending None or (rows, prev) (as the
+    (structured outputs' masks applied to the logits already), pending None or (rows, prev) (as the
     runner's sampler takes them: sampler.sample_rows), draw_impl the runner's (sampler.sample)
     -> (SamplerOutput whose token_ids / logprobs are each row's `token`, accepted bool[R])."""
     logits = logits.astype(jnp.float32)
-    if allowed is not None:
-        logits = sampler_lib.apply_bitmask(logits, allowed)
     pending = sampler_lib.pending_tokens(pending)
     out = sampler_lib.sample(logits, t, num_logprobs, draw_impl=draw_impl, pending=pending)
     has_draft = draft_ids >= 0

@@ -90,7 +90,7 @@ def test_sampler_for_cuda_has_no_data_dependent_control():
     fn = functools.partial(sampler_lib.sample_rows, num_logprobs=0, num_rows=ROWS)
     for name, t in _sampler_variants().items():
         pending = (np.full(ROWS, -1, np.int32), np.zeros(ROWS, np.int32)) if t.penalised else None
-        sample = lambda logits, t, pending: fn(logits, t, None, pending)
+        sample = lambda logits, t, pending: fn(logits, t, pending)
         assert data_dependent_control(_exported(sample, logits, t, pending)) == [], name
         if name == "sampled":  # the CPU keeps its branches: the costly stages run only when needed
             assert data_dependent_control(_exported(sample, logits, t, pending, platform="cpu")), name

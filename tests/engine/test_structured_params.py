@@ -61,10 +61,11 @@ def _allowed(mask_row: np.ndarray) -> set[int]:
 def test_bitmask_allows_exactly_the_grammar_tokens(backend):
     tok, grammars = backend
     m = grammars.matcher(StructuredOutputs(choice=["yes", "no"]))
-    mask = grammars.bitmask([(m, 1)], 3)
-    assert mask.shape == (3, (400 + 31) // 32)
-    assert (mask[[0, 2]] == -1).all()  # unconstrained rows allow everything
-    allowed = _allowed(mask[1])
+    masks = grammars.bitmask([(m, 1, 1)], 3, 4)
+    assert masks.rows.tolist() == [1, 3, 3, 3]  # row 1's mask, then padding (row 3 of 3: none)
+    assert masks.words.shape == (4, (400 + 31) // 32)
+    assert (masks.words[1:] == -1).all()  # padding masks allow everything
+    allowed = _allowed(masks.words[0])
     # hand check: every allowed token is a prefix of a choice; EOS and ids past the tokenizer are not
     assert allowed and max(allowed) < len(tok) and 0 not in allowed
     for t in allowed:
@@ -77,7 +78,22 @@ def test_bitmask_allows_exactly_the_grammar_tokens(backend):
     for t in tok.encode("no", add_special_tokens=False):
         assert m.consume_token(t)
     assert m.is_stopped()
-    assert _allowed(grammars.bitmask([(m, 0)], 1)[0]) == {0}  # a complete grammar: EOS only
+    assert _allowed(grammars.bitmask([(m, 0, 1)], 1, 1).words[0]) == {0}  # a complete grammar: EOS only
+
+
+def test_bitmask_gives_a_forking_requests_rows_one_state(backend):
+    _, grammars = backend
+    spec = StructuredOutputs(choice=["yes", "no"])
+    first, fork = grammars.matcher(spec), grammars.matcher(spec)
+    assert fork.consume_token(grammars.tokenizer.tokenize_str("n")[0])
+    masks = grammars.bitmask([(first, 0, 1), (fork, 2, 3)], 6, 8)
+    assert masks.rows.tolist() == [0, 2, 3, 4, 6, 6, 6, 6]
+    reference = grammars.bitmask([(fork, 5, 1)], 6, 4).words[0]
+    assert not (reference == masks.words[0]).all()  # a different state: a different mask
+    for k in (1, 2, 3):  # the fork's three rows share its one state
+        np.testing.assert_array_equal(masks.words[k], reference)
+    with pytest.raises(ValueError, match="num_masks=3 is fewer than the 4 constrained rows"):
+        grammars.bitmask([(first, 0, 1), (fork, 2, 3)], 6, 3)
 
 
 def test_device_mask_matches_llguidance_reference():
@@ -85,6 +101,8 @@ def test_device_mask_matches_llguidance_reference():
     from llguidance.numpy import apply_token_bitmask_inplace
 
     from paxpage.sampling.sampler import apply_bitmask
+
+    from paxpage.structured_backend import RowMasks
 
     rng = np.random.default_rng(0)
     for vocab in (100, 128, 49152):
@@ -94,15 +112,24 @@ def test_device_mask_matches_llguidance_reference():
         mask[0] = -1
         want = logits.copy()
         apply_token_bitmask_inplace(want, mask)
-        got = np.asarray(apply_bitmask(jnp.asarray(logits), jnp.asarray(mask)))
+        got = np.asarray(apply_bitmask(jnp.asarray(logits), RowMasks(np.arange(5, dtype=np.int32), mask)))
         np.testing.assert_array_equal(got, want)
+        # some rows' masks, in any order, with padding (row 5 of 5): the other rows unchanged
+        rows = np.array([3, 1, 5, 5], np.int32)
+        some = np.full((4, words), -1, np.int32)
+        some[:2] = mask[[3, 1]]
+        partial = logits.copy()
+        partial[[1, 3]] = want[[1, 3]]
+        got = np.asarray(apply_bitmask(jnp.asarray(logits), RowMasks(rows, some)))
+        np.testing.assert_array_equal(got, partial)
 
 
 def test_every_sampling_mode_respects_the_mask():
     import jax.numpy as jnp
 
-    from paxpage.sampling.sampler import sample
+    from paxpage.sampling.sampler import apply_bitmask, sample
     from paxpage.sampling.tensors import SamplingTensors
+    from paxpage.structured_backend import RowMasks
 
     vocab, rows = 300, 8
     rng = np.random.default_rng(1)
@@ -118,7 +145,8 @@ def test_every_sampling_mode_respects_the_mask():
              SP(temperature=2.0, presence_penalty=1.0)]
     for seed in range(10):
         t = SamplingTensors.build([(p, [1, 2], [3, 4], seed) for p in modes], vocab)
-        tokens = np.asarray(sample(jnp.asarray(logits), t, 0, jnp.asarray(mask)).token_ids)
+        masked = apply_bitmask(jnp.asarray(logits), RowMasks(np.arange(rows, dtype=np.int32), mask))
+        tokens = np.asarray(sample(masked, t, 0).token_ids)
         for r in range(rows):
             assert tokens[r] in allowed_sets[r], (r, modes[r])
         # greedy: the best allowed logit, by hand (row 6 after its repetition penalty on 1..4)
