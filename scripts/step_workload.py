@@ -80,7 +80,7 @@ QUICK_CASES = [
     Case("tiny-8x32", "tiny", 8, 32, prefill_tokens=256),
     Case("tiny-8x32-t0.7-p0.9", "tiny", 8, 32, temperature=0.7, top_p=0.9, prefill_tokens=256),
     Case("tiny-8x32-mixed", "tiny", 8, 32, temperature=0.7, prefill_tokens=256, prefix_caching=False,
-         prompt_spread=8, ending=0.5, arrivals_every=1, n=2, logprobs=2, stop=("xyz",)),
+         prompt_spread=8, ending=0.5, arrivals_every=1, n=2, logprobs=2, stop=("xyz",), structured=1),
 ]
 TINY_CONFIG = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=4, intermediate_size=128, max_position_embeddings=2048,
