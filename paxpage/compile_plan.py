@@ -18,7 +18,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from paxpage.packing import bucket, decode_rows, mask_rows
+from paxpage.packing import bucket, decode_rows, mask_row_counts
 from paxpage.sampling import sampler as sampler_lib
 from paxpage.structured_backend import RowMasks
 
@@ -72,7 +72,8 @@ class CompilePlan:
     def warm_up(self, runner, sampling_for_rows, num_mask_words: int = 0) -> None:
         """Compiles every shape by running it on an all-padding batch (whose K/V writes are
         dropped), and for each logits-row count R the sampler's variants
-        (sampler.sampler_variants) and, with num_mask_words, the masking of a few structured rows."""
+        (sampler.sampler_variants) and, with num_mask_words, the structured-outputs masking at
+        every mask-row count (packing.mask_row_counts)."""
         sampled: set[int] = set()
         for dec, pre in self.shapes:
             batch = runner.packer.padding_batch(dec, pre)
@@ -83,9 +84,10 @@ class CompilePlan:
                 sampled.add(num_logits)
                 variants = sampler_lib.sampler_variants(sampling_for_rows, num_logits)
                 results = [runner.sample(batch, logits, sampling)[2] for sampling in variants]
-                if num_mask_words:  # last: masking writes the logits in place (they are donated)
-                    masks = RowMasks.padding(num_logits, mask_rows(1), num_mask_words)
-                    results.append(runner.sample(batch, logits, variants[0], allowed=masks)[2])
+                if num_mask_words:  # last: masking writes the logits in place (each call consumes them)
+                    for num_masks in mask_row_counts(num_logits):
+                        logits = runner.mask(logits, RowMasks.padding(num_logits, num_masks, num_mask_words))
+                    results.append(logits)
             jax.block_until_ready(results)
 
     def load_executables(self, runner, sampling_for_rows, num_mask_words: int = 0) -> bool:
@@ -112,7 +114,8 @@ class CompilePlan:
                 samplers += [(batches[i], logits, sampling)
                              for sampling in sampler_lib.sampler_variants(sampling_for_rows, num_logits)]
                 if num_mask_words:
-                    masked.append((logits, RowMasks.padding(num_logits, mask_rows(1), num_mask_words)))
+                    masked += [(logits, RowMasks.padding(num_logits, num_masks, num_mask_words))
+                               for num_masks in mask_row_counts(num_logits)]
             # The full sampler (draws, penalties; 1 MB and ~0.5 s to load per R on CPU, ~12 s to
             # compile) is only made sure of on disk: a first sampled batch loads it, no compile.
             done = list(pool.map(lambda args: runner.prepare_sample(*args, load=args[2].greedy_only), samplers))

@@ -61,8 +61,22 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 def mask_rows(n: int) -> int:
     """The rows of a step's structured-outputs masks (structured_backend.RowMasks) for n
-    constrained logits rows: the masking call compiles once per (R, this)."""
-    return bucket(n, MIN_MASK_ROWS)
+    constrained logits rows: powers of four from MIN_MASK_ROWS. The masking call compiles once
+    per (R, this), so a few sizes per R cover every count (`mask_row_counts`); padding costs
+    little, the call's work being the masked rows alone."""
+    k = MIN_MASK_ROWS
+    while k < n:
+        k *= 4
+    return k
+
+
+def mask_row_counts(num_rows: int) -> list[int]:
+    """Every `mask_rows(n)` of a step of num_rows logits rows (n <= num_rows): what precompile
+    compiles the masking call for."""
+    counts = [MIN_MASK_ROWS]
+    while counts[-1] < num_rows:
+        counts.append(counts[-1] * 4)
+    return counts
 
 
 def logprob_bucket(n: int) -> int:

@@ -302,8 +302,8 @@ class ModelRunner:
         """Compiles the step for every shape in `step_shapes()`, and for each logits-row count R
         the sampler's variants: all-greedy rows (`sampling_for_rows(R)`, padding SamplingTensors
         of R rows), unpenalised rows and any rows (sampler.sampler_variants). num_mask_words > 0:
-        also the structured-outputs masking of R rows with masks of W = num_mask_words words
-        for a few constrained rows (packing.mask_rows(1)). With the executable cache the
+        also the structured-outputs masking of R rows with masks of W = num_mask_words words,
+        for every mask-row count (packing.mask_row_counts). With the executable cache the
         executables are loaded without running. Returns the number of shapes."""
         plan = self.compile_plan
         if self.exec_cache is None or not plan.load_executables(self, sampling_for_rows, num_mask_words):
@@ -380,15 +380,21 @@ class ModelRunner:
             self._step_params, self.kv_cache, batch, prev_rows, prev_tokens)
         return (logits, prompt_logits), pooled
 
+    def mask(self, logits, masks: RowMasks):
+        """`forward`'s (logits, prompt logits) with structured outputs' `masks` applied to the
+        logits rows they name (sampler.apply_bitmask), in place: the logits given are consumed."""
+        logits, prompt_logits = logits
+        return self._calls["mask"](logits, masks), prompt_logits
+
     def sample(self, batch: StepBatch, logits, sampling, num_logprobs: int = 0,
                num_prompt_logprobs: int = 0, allowed: RowMasks | None = None,
                prev_rows: np.ndarray | None = None, prev_tokens: jax.Array | None = None):
         """The sampler on `forward`'s logits; returns what `launch` does. prev_rows / prev_tokens:
         as `forward` took them: a penalised row whose last token is still on the device gets it
         added to its penalty counts there (the host's counts lack it)."""
-        logits, prompt_logits = logits
         if allowed is not None:
-            logits = self._calls["mask"](logits, allowed)
+            logits = self.mask(logits, allowed)
+        logits, prompt_logits = logits
         out, next_tokens = self._calls["sample"](logits, sampling,
                                                  self._pending(batch, sampling, prev_rows, prev_tokens),
                                                  num_logprobs, self.max_logits_rows)
@@ -416,9 +422,9 @@ class ModelRunner:
         logprobs | None, accepted bool[R]) as device arrays; the step cannot stay in flight."""
         from paxpage.speculative import verify as verify_lib
 
-        logits, prompt_logits = logits
         if allowed is not None:
-            logits = self._calls["mask"](logits, allowed)
+            logits = self.mask(logits, allowed)
+        logits, prompt_logits = logits
         out, accepted = verify_lib.verify(logits, sampling, draft_ids, draft_dists, num_logprobs,
                                           self._pending(batch, sampling, prev_rows, prev_tokens),
                                           draw_impl=self.draw_impl)

@@ -52,3 +52,31 @@ def test_single_row_decode_shape():
     assert step_shapes(8, 64, 16, 4, single_row_decode=True) == sorted([(1, 0), *step_shapes(8, 64, 16, 4)])
     assert [decode_rows(n, 0, True) for n in (0, 1, 2, 3, 5)] == [0, 1, 4, 4, 8]
     assert [decode_rows(1, 1, True), decode_rows(1, 0, False)] == [4, 4]
+
+
+def test_mask_rows_by_hand_and_precompile_covers_every_count():
+    import types
+
+    import numpy as np
+
+    from paxpage.compile_plan import CompilePlan
+    from paxpage.packing import mask_row_counts, mask_rows
+
+    assert [mask_rows(n) for n in (0, 1, 4, 5, 16, 17, 64, 65, 256)] == [4, 4, 4, 16, 16, 64, 64, 256, 256]
+    assert [mask_row_counts(r) for r in (1, 4, 5, 64, 65)] == [[4], [4], [4, 16], [4, 16, 64], [4, 16, 64, 256]]
+    # A warm-up masks the logits of every logits-row count R at each count a step of R rows can
+    # need, on a runner that records its calls (no compiles here).
+    masked = {}
+    runner = types.SimpleNamespace(
+        packer=types.SimpleNamespace(padding_batch=lambda dec, pre: types.SimpleNamespace(
+            logits_indices=np.zeros(bucket(dec + pre), np.int32))),
+        forward=lambda batch: ("logits", len(batch.logits_indices)),
+        sample=lambda batch, logits, sampling, allowed=None: (None, None, "tokens"),
+        mask=lambda logits, masks: masked.setdefault(logits[1], []).append(len(masks.rows)) or logits)
+    plan = CompilePlan(tuple(step_shapes(24, 64, 16, 4)), 16, 24)
+    from paxpage.sampling.tensors import SamplingTensors
+
+    plan.warm_up(runner, lambda rows: SamplingTensors.build([], 96, pad_rows_to=rows), num_mask_words=3)
+    assert set(masked) == {bucket(dec + pre) for dec, pre in plan.shapes}
+    for rows, counts in masked.items():
+        assert counts == sorted({mask_rows(n) for n in range(1, rows + 1)}), rows

@@ -84,7 +84,7 @@ def _check_all(params, results):
 def test_no_recompiles_as_constrained_requests_come_and_go(tiny_text):
     from paxpage import compile_counter
 
-    engine = tiny_text.engine(ASYNC)  # precompiles every step shape, with and without bitmasks
+    engine = tiny_text.engine(ASYNC)  # precompiles every step shape, the sampler and the masking call
     assert engine.precompiled[0] == len(engine.runner.step_shapes())
     before = compile_counter.compiles()
     prompts, params = _workload()
