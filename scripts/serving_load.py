@@ -86,6 +86,7 @@ async def send_one(client: httpx.AsyncClient, url: str, spec: RequestSpec, timeo
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict, record: RequestRecord) -> None:
     chunks_with_text = 0
+    last = 0.0  # when the last chunk with text came
     async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:
             text = (await response.aread()).decode(errors="replace")

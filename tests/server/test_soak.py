@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from tests.scripts.conftest import _load_script
 
 NUM_REQUESTS = 200
