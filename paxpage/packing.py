@@ -73,9 +73,9 @@ def mask_rows(n: int) -> int:
 def mask_row_counts(num_rows: int) -> list[int]:
     """Every `mask_rows(n)` of a step of num_rows logits rows (n <= num_rows): what precompile
     compiles the masking call for."""
-    counts = [MIN_MASK_ROWS]
+    counts = [mask_rows(1)]
     while counts[-1] < num_rows:
-        counts.append(counts[-1] * 4)
+        counts.append(mask_rows(counts[-1] + 1))
     return counts
 
 

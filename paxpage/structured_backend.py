@@ -111,8 +111,7 @@ class GrammarBackend:
         forking request's samples share their parent's state until they diverge), filled in
         parallel outside the GIL: RowMasks of num_masks rows (>= the entries' rows; the rest
         padding, row num_rows), for a step of num_rows logits rows. Rows not listed allow every token."""
-        rows = np.full(num_masks, num_rows, np.int32)
-        words = np.full((num_masks, self.num_words), -1, np.int32)
+        rows, words = RowMasks.padding(num_rows, num_masks, self.num_words)
         fills, at = [], 0
         for matcher, row, count in entries:
             if at + count > num_masks:
