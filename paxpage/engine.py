@@ -225,6 +225,12 @@ class LLMEngine:
         self.stats.host_seconds += time.perf_counter() - t0 - (self.stats.device_seconds - waited)
         return deltas
 
+    def wait_for_compiles(self, timeout: float | None = None) -> bool:
+        """Blocks until no step shape is compiling in the background (ahead_compile.py), or
+        `timeout` seconds passed; True if none is. For benchmarks that measure after a warm-up."""
+        ahead = getattr(self.runner, "ahead", None)
+        return True if ahead is None else ahead.wait(timeout)
+
     def has_unfinished(self) -> bool:
         # An in-flight step with no live request left carries only tokens to discard.
         return len(self.outputs) > 0 or bool(self._embeds)

@@ -114,7 +114,8 @@ def case_label(row: dict) -> str:
     if row.get("stop"):
         parts.append("stop " + json.dumps(list(row["stop"])))
     if row.get("structured"):
-        parts.append(f"{row['structured']} row{'s' if row['structured'] > 1 else ''} following a regex")
+        requests = row["structured"]  # requests with a regex; each of their n samples is a row
+        parts.append(f"{requests} request{'s' if requests > 1 else ''} following a regex")
     return ", ".join(parts)
 
 

@@ -194,6 +194,7 @@ def fill_case(model: paxpage.Model, case: Case, steps: int, warmup: int, seed: i
         if i % 2 == 0 and i // 2 < warm_arrivals:
             arrive()
         engine.step()
+    engine.wait_for_compiles()  # shapes the fill met, compiling in the background
     process_tuning.freeze_startup_heap()  # as paxpage serve does once its engine is built
 
     return engine, cfg, fill_steps, fill_s, arrive

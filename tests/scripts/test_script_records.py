@@ -83,7 +83,7 @@ def test_bench_step_rows_and_case_names():
     assert len(set(labels)) == len(labels) and set(labels) == {r[0] for r in committed["rows"]}
     assert bench.case_label(dataclasses.asdict(bench.QUICK_CASES[-1])) == (
         "tiny 8 x 32, temperature 0.7, prefix caching off, prompts of 24 to 32 tokens, 50% of rows ending in "
-        'the window, a request arriving every step, n 2, logprobs 2, stop ["xyz"], 1 row following a regex')
+        'the window, a request arriving every step, n 2, logprobs 2, stop ["xyz"], 1 request following a regex')
     _renders(tables)
 
 
