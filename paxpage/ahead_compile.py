@@ -4,10 +4,12 @@ Without precompile a step shape compiles the first time a step has it. A batch t
 its sequences finish (256 decode rows, then 190, then 120) meets a smaller decode-row bucket at
 each step down and, with it, a new sampler row count: every running stream waits for both
 compiles (~0.1 s for a tiny model on CPU, seconds for a real one). So once a decode-only step of
-Bd rows has run, a worker thread compiles the decode-only shapes below it, largest first (the
-next the batch can shrink to), and the sampler at their row counts in each form the engine has
-called it in. A step that meets a shape the worker is compiling waits for it; one still queued
-compiles in the foreground, as before.
+Bd rows has run, a worker thread compiles the next LOOKAHEAD decode-only shapes below it, the
+nearest first, and the sampler at their row counts in each form the engine has called it in; a
+batch shrinking through them queues the next ones. A step that meets a shape the worker is
+compiling waits for it; one still queued compiles in the foreground, as before. A batch that
+drops several buckets at once (most of its requests ending together) may meet shapes nobody
+compiled yet: those compile in the step.
 
 Every step keeps its own bucketed shape: which executable runs it never depends on timing, so
 a request's logits are the same however far the worker has got (docs/determinism.md). Shapes
@@ -28,6 +30,10 @@ from typing import Callable, Hashable, Iterable, Sequence
 log = logging.getLogger("paxpage")
 
 Shape = tuple[int, int, int]  # (Bd, Bp, R) of a step with the usual prefill row width, no prompt logprobs
+# Smaller decode shapes compiled ahead of a decode step's: a batch shrinks through them one at a
+# time, so two keep one compiled beyond the next while that one runs, and compiling every smaller
+# shape (11 below 256 rows) would spend CPU on sizes a batch may never reach.
+LOOKAHEAD = 2
 
 
 class AheadCall:
@@ -53,12 +59,20 @@ class AheadCall:
         return getattr(call, name)
 
     def __call__(self, *args):
-        executable = self.executables.get(self.key(*args))
+        key = self.key(*args)
+        executable = self.executables.get(key)
         if executable is None:
             return self.call(*args)
-        if self.static_argnums:
-            args = [a for i, a in enumerate(args) if i not in self.static_argnums]
-        return executable(*args)
+        dynamic = args if not self.static_argnums else [a for i, a in enumerate(args) if i not in self.static_argnums]
+        try:
+            return executable(*dynamic)
+        except TypeError as e:
+            # Arguments the key did not tell apart (a dtype it assumed): checked before anything
+            # runs or is donated, so the call itself can take them.
+            log.warning("paxpage: an executable compiled ahead does not take these arguments (%s); "
+                        "compiling them as usual", e)
+            del self.executables[key]
+            return self.call(*args)
 
 
 class AheadCompiler:
@@ -67,12 +81,14 @@ class AheadCompiler:
 
     `jobs(dec, pre, rows)` returns the compiles that make a shape ready (the step, the sampler at
     R rows in its forms), each a thunk that compiles and registers one executable;
-    `smaller(dec)` lists the decode-only shapes a batch of `dec` decode rows can shrink to."""
+    `smaller(dec)` lists the decode-only shapes a batch of `dec` decode rows can shrink to, the
+    nearest first."""
 
     def __init__(self, jobs: Callable[[int, int, int], list[Callable[[], None]]],
                  smaller: Callable[[int], Iterable[Shape]]):
         self._jobs, self._smaller = jobs, smaller
         self.ready: set[Shape] = set()
+        self._ran: set[Shape] = set()  # shapes a step has run (saw)
         self._claimed: set[Shape] = set()  # queued, compiling, compiled or left to the foreground
         self._queue: list[Shape] = []
         self._compiling: tuple[Shape, threading.Event] | None = None
@@ -83,15 +99,16 @@ class AheadCompiler:
 
     def saw(self, dec: int, pre: int, rows: int) -> None:
         """A step of this shape has run, so its executable exists; after a decode-only one, the
-        smaller decode shapes are queued for the worker."""
+        next LOOKAHEAD smaller decode shapes are queued for the worker."""
         shape = (dec, pre, rows)
-        if shape in self.ready:
+        if shape in self._ran:
             return
+        self._ran.add(shape)
         self.ready.add(shape)
         with self._lock:
             self._claimed.add(shape)
             if pre == 0:
-                for smaller in self._smaller(dec):
+                for smaller in list(self._smaller(dec))[:LOOKAHEAD]:
                     if smaller not in self._claimed and smaller not in self.ready:
                         self._claimed.add(smaller)
                         self._queue.append(smaller)

@@ -40,22 +40,23 @@ def _smaller(dec):
     return [(d, 0, d) for d in (48, 32, 16, 8, 4) if d < dec]
 
 
-def test_a_decode_step_queues_the_smaller_decode_shapes_largest_first():
+def test_a_decode_step_queues_the_next_two_smaller_decode_shapes_nearest_first():
     jobs = _Jobs()
     compiler = AheadCompiler(jobs, _smaller)
     compiler.saw(48, 0, 48)
     assert compiler.wait(10)
-    assert jobs.calls == [(32, 0, 32), (16, 0, 16), (8, 0, 8), (4, 0, 4)]
-    assert compiler.ready == {(48, 0, 48), (32, 0, 32), (16, 0, 16), (8, 0, 8), (4, 0, 4)}
-    assert compiler.compiled == 4
-    compiler.saw(8, 0, 8)
+    assert jobs.calls == [(32, 0, 32), (16, 0, 16)]
+    assert compiler.ready == {(48, 0, 48), (32, 0, 32), (16, 0, 16)} and compiler.compiled == 2
+    compiler.saw(32, 0, 32)  # compiled by the worker; once a step runs it, the next ones are queued
     compiler.saw(0, 16, 16)  # a step with prefill rows queues nothing
-    assert compiler.wait(10) and len(jobs.calls) == 4
+    assert compiler.wait(10) and jobs.calls == [(32, 0, 32), (16, 0, 16), (8, 0, 8)]
+    compiler.saw(4, 0, 4)  # nothing below 4
+    assert compiler.wait(10) and len(jobs.calls) == 3
 
     jobs = _Jobs()
     compiler = AheadCompiler(jobs, _smaller)
     compiler.saw(16, 0, 16)
-    compiler.saw(48, 0, 48)  # 16 ran, and 8 and 4 are queued already: only 32 is new
+    compiler.saw(48, 0, 48)  # 16 ran already: only 32 is new
     assert compiler.wait(10) and jobs.calls == [(8, 0, 8), (4, 0, 4), (32, 0, 32)]
 
 
@@ -63,14 +64,14 @@ def test_a_step_waits_for_the_shape_being_compiled_and_compiles_a_queued_one_its
     jobs = _Jobs(hold=True)
     compiler = AheadCompiler(jobs, _smaller)
     compiler.saw(48, 0, 48)
-    assert jobs.started.wait(10)  # the worker holds (32, 0, 32); 16, 8 and 4 are queued
-    compiler.before(8, 0, 8)  # queued: taken off the queue, for the step to compile
+    assert jobs.started.wait(10)  # the worker holds (32, 0, 32); (16, 0, 16) is queued
+    compiler.before(16, 0, 16)  # queued: taken off the queue, for the step to compile
     threading.Timer(0.3, jobs.release.set).start()
     t = time.monotonic()
     compiler.before(32, 0, 32)  # being compiled: waits for it
     assert time.monotonic() - t >= 0.2 and (32, 0, 32) in compiler.ready
     assert compiler.wait(10)
-    assert jobs.calls == [(32, 0, 32), (16, 0, 16), (4, 0, 4)] and (8, 0, 8) not in compiler.ready
+    assert jobs.calls == [(32, 0, 32)] and (16, 0, 16) not in compiler.ready
 
 
 def test_a_failed_background_compile_leaves_the_shape_to_the_foreground(caplog):
@@ -84,6 +85,30 @@ def test_a_failed_background_compile_leaves_the_shape_to_the_foreground(caplog):
     compiler.before(32, 0, 32)  # nothing to wait for
     compiler.saw(64, 0, 64)  # not tried again
     assert compiler.wait(10) and jobs.calls == [(32, 0, 32)]
+
+
+def test_an_ahead_executable_runs_for_its_key_and_the_call_for_any_other(caplog):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from paxpage.ahead_compile import AheadCall
+
+    jitted = jax.jit(lambda pool, x, scale: (pool + 1, x * scale), donate_argnums=(0,), static_argnums=(2,))
+    call = AheadCall(jitted, key=lambda pool, x, scale: (x.shape[0] % 4, scale), static_argnums=(2,))
+    args = (jax.ShapeDtypeStruct((4,), jnp.float32), jax.ShapeDtypeStruct((3,), jnp.float32), 2.0)
+    call.add(args, jitted.lower(*args).compile())
+    pool, x = call(jnp.zeros(4), np.arange(3, dtype=np.float32), 2.0)
+    np.testing.assert_array_equal(x, [0, 2, 4])
+    pool, x = call(pool, np.ones(5, np.float32), 3.0)  # no executable for this key
+    np.testing.assert_array_equal(x, [3] * 5)
+    # a key that does not tell (7,) from (3,) apart: the executable refuses before the pool is
+    # donated, and the call runs them instead
+    with caplog.at_level(logging.WARNING, logger="paxpage"):
+        pool, x = call(pool, np.ones(7, np.float32), 2.0)
+    assert "does not take these arguments" in caplog.text and not call.executables
+    np.testing.assert_array_equal(x, [2] * 7)
+    np.testing.assert_array_equal(pool, [3] * 4)  # three calls, each adding 1
 
 
 # ---------------------------------------------------------------- the engine
