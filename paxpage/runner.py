@@ -28,12 +28,12 @@ from models import layer_stack, lora_ops, panel_layout, param_forms, table_layou
 from models.families import build_model
 from models.moe import routed_experts
 from paxpage import attention_impl, held_form, kv_pool, kv_sizing, lora_slab
-from paxpage.ahead_compile import AheadCall, AheadCompiler
 from paxpage.sampling import sampler as sampler_lib
 from paxpage.batch import StepBatch
 from paxpage.compile_plan import CompilePlan
 from paxpage.config import ResolvedConfig
-from paxpage.packing import Packer, bucket, decode_rows
+from paxpage.packing import Packer, bucket
+from paxpage.runner_ahead import RunnerAhead
 from paxpage.structured_backend import RowMasks
 
 
@@ -169,14 +169,11 @@ class ModelRunner:
             else:  # sharded or multi-host executables are not serialised: the plain jit path
                 log.info("paxpage: the executable cache is for single-device engines; not used here")
         # One process, one device: the decode shapes a shrinking batch will meet compile in the
-        # background (ahead_compile.py). With the executable cache they load from disk instead.
-        self.ahead = None
+        # background (runner_ahead.py). With the executable cache they load from disk instead.
+        self._ahead, self.ahead = None, None  # RunnerAhead, and its AheadCompiler
         if mesh is None and jax.process_count() == 1 and not abstract and self.exec_cache is None:
-            self._ahead_step = AheadCall(self._calls["step"], _step_key)
-            self._ahead_sample = AheadCall(self._calls["sample"], _sample_key, static_argnums=(3, 4))
-            self._calls["step"], self._calls["sample"] = self._ahead_step, self._ahead_sample
-            self._sampler_forms: dict[tuple, tuple] = {}  # see _note_sampler_form
-            self.ahead = AheadCompiler(self._ahead_jobs, self._smaller_decode_shapes)
+            self._ahead = RunnerAhead(self)
+            self.ahead = self._ahead.compiler
         # Steps with embedding rows (batch.pool_rows set) also return the pooled hidden states;
         # they compile on first use and are not in the executable cache.
         pool_shardings = {}
@@ -323,52 +320,6 @@ class ModelRunner:
                 self.ahead.saw(dec, pre, bucket(dec + pre))
         return len(plan.shapes)
 
-    def _smaller_decode_shapes(self, dec: int) -> list[tuple[int, int, int]]:
-        """The decode-only step shapes (Bd, 0, R) below `dec` decode rows, largest first: what a
-        batch of dec rows meets as its sequences finish."""
-        rows = {decode_rows(n, 0, self.single_row_decode) for n in range(1, dec)}
-        return [(d, 0, bucket(d)) for d in sorted(rows, reverse=True) if d < dec]
-
-    def _ahead_jobs(self, dec: int, pre: int, num_logits: int) -> list:
-        """The compiles that make the step shape (dec, pre, num_logits) ready
-        (ahead_compile.AheadCompiler): the step, and the sampler at num_logits rows in every form
-        it has been called in. Run on the worker thread: they lower against abstract arguments
-        and touch no runner state but the executables they add."""
-        batch = self.packer.padding_batch(dec, pre)
-        assert batch.logits_indices.shape[0] == num_logits, (dec, pre, num_logits)
-        step_args = self._step_args(batch, self.pool_spec.abstract(self.cfg.num_pages))
-
-        def step():
-            self._ahead_step.add(step_args, self._step.lower(*step_args).compile())
-
-        def sampler(form):
-            (vocab, dtype), treedef, tails, pending, statics = form
-            logits = jax.ShapeDtypeStruct((num_logits, vocab), dtype)
-            sampling = treedef.unflatten([jax.ShapeDtypeStruct((num_logits, *tail), dt) for tail, dt in tails])
-            if pending:
-                pending = (jax.ShapeDtypeStruct((num_logits,), np.int32), self._no_prev_tokens)
-            else:
-                pending = None
-            args = (logits, sampling, pending, *statics)
-            self._ahead_sample.add(args, self._sampler.lower(*args).compile())
-
-        def samplers():  # the forms known once the step has compiled (the first step's sampler runs after it)
-            for form in list(self._sampler_forms.values()):
-                sampler(form)
-
-        return [step, samplers]
-
-    def _note_sampler_form(self, logits, sampling, pending, num_logprobs: int) -> None:
-        """Keeps what a sampler call looked like apart from its row count R (every sampling
-        tensor's leading axis), so `_ahead_jobs` compiles the sampler for new shapes in the forms
-        the engine uses. A few attribute reads per step once a form is known."""
-        key = _sample_key(logits, sampling, pending, num_logprobs, self.max_logits_rows)[1:]
-        if key not in self._sampler_forms:
-            leaves, treedef = jax.tree.flatten(sampling)
-            self._sampler_forms[key] = ((logits.shape[1], logits.dtype), treedef,
-                                        [(np.shape(x)[1:], x.dtype) for x in leaves], pending is not None,
-                                        (num_logprobs, self.max_logits_rows))
-
     def prepare_step(self, batch: StepBatch):
         """With the executable cache: loads (or compiles and stores) the step's executable for
         `batch`'s shape without running it. Its jax.stages.Compiled, or None on the plain jit path."""
@@ -420,12 +371,7 @@ class ModelRunner:
             prev_rows = np.full(batch.token_ids.shape[0], -1, np.int32)
         if prev_tokens is None:
             prev_tokens = self._no_prev_tokens
-        shape = None
-        if self.ahead is not None and not batch.prompt_targets.shape[0]:
-            dec, pre = batch.num_decode_rows, batch.num_prefill_rows
-            if batch.num_tokens == dec + pre * self.cfg.prefill_row_len:  # prefill rows of the usual width
-                shape = (dec, pre, batch.logits_indices.shape[0])
-                self.ahead.before(*shape)  # (waits if the worker is compiling it)
+        shape = self._ahead.before_step(batch) if self._ahead is not None else None  # (may wait for the worker)
         self.kv_cache, logits, prompt_logits = self._calls["step"](self._step_params, self.kv_cache, batch,
                                                                    prev_rows, prev_tokens)
         if shape is not None:
@@ -463,8 +409,8 @@ class ModelRunner:
             logits = self.mask(logits, allowed)
         logits, prompt_logits = logits
         pending = self._pending(batch, sampling, prev_rows, prev_tokens)
-        if self.ahead is not None:
-            self._note_sampler_form(logits, sampling, pending, num_logprobs)
+        if self._ahead is not None:
+            self._ahead.note_sampler(logits, sampling, pending, num_logprobs)
         out, next_tokens = self._calls["sample"](logits, sampling, pending, num_logprobs, self.max_logits_rows)
         prompt = None
         if batch.prompt_targets.shape[0]:
@@ -522,20 +468,6 @@ class ModelRunner:
     def run(self, batch: StepBatch, sampling, num_logprobs: int = 0, num_prompt_logprobs: int = 0):
         """Returns (SamplerOutput, PromptLogprobs) as numpy."""
         return jax.device_get(self.launch(batch, sampling, num_logprobs, num_prompt_logprobs)[:2])
-
-
-def _step_key(params, kv_cache, batch: StepBatch, prev_rows, prev_tokens) -> tuple:
-    """What picks a step executable of one runner (ahead_compile.AheadCall): the batch's row
-    counts (its params, pool, dtypes and LoRA rows never change)."""
-    return (batch.token_ids.shape[0], batch.dec_kv_lens.shape[0], batch.pre_kv_lens.shape[0],
-            batch.logits_indices.shape[0], batch.prompt_targets.shape[0], batch.pool_rows is None)
-
-
-def _sample_key(logits, sampling, pending, num_logprobs: int, num_rows: int) -> tuple:
-    """What picks a sampler executable of one runner: R, the static variants, and the penalty and
-    banned lists' widths (every SamplingTensors leaf is [R], [R, 2], [R, S] or [R, E])."""
-    return (logits.shape[0], sampling.greedy_only, sampling.penalised, num_logprobs, num_rows, pending is None,
-            sampling.token_ids.shape[1], sampling.banned_ids.shape[1])
 
 
 def _sharded_zeros(x, sharding):
