@@ -31,7 +31,8 @@ def main(argv: list[str]) -> None:
                                              temperature=0, ignore_eos=True)):
             print(f"token {k}", flush=True)
     except Exception as e:  # noqa: BLE001 - what the request got is the test's to judge
-        print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+        sys.stdout.write(json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")  # one write: one line
+        sys.stdout.flush()
         raise
     model.engine(config).runner.stop_followers()
 
