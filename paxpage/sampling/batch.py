@@ -46,6 +46,7 @@ class SamplingBatch:
         self._alloc(capacity)
         # the tensors last built, when they need no per-step data (see _Reusable)
         self._reusable: _Reusable | None = None
+        self._neutral_tensors: dict[int, SamplingTensors] = {}  # padded rows -> all-neutral rows' tensors
         # per penalised slot (penalty_counts.py), its counts row `slot` of one slab
         self._counts: dict[int, RunningCounts] = {}
         self._slab = CountSlab(capacity)
@@ -154,12 +155,17 @@ class SamplingBatch:
                     token_ids, token_counts = SamplingTensors.penalty_lists(
                         num_rows, cached.counted, cached.with_prompt, lists, self.token_width)
                     return dataclasses.replace(ahead, token_ids=token_ids, token_counts=token_counts)
-        if cached is not None and cached.neutral and cached.key[0] == num_rows and self._neutral(slots, steps):
-            # Other rows (a batch that lost some), every field neutral in each of them as in the
-            # cached tensors' rows (greedy, unfiltered, unpenalised) and none below min_tokens:
-            # the same tensors (no row draws, so their keys are never read).
-            cached.key, cached.min_tokens = reuse_key, 0
-            return cached.tensors
+        if self._neutral(slots, steps):
+            # Every row greedy, unfiltered and unpenalised, none below min_tokens (a batch that
+            # lost rows or gained some, all of them so): the tensors depend on the padded row
+            # count alone, one kept per count (no row draws, so their keys are never read).
+            tensors = self._neutral_tensors.get(num_rows)
+            if tensors is None:
+                tensors = self._neutral_tensors[num_rows] = SamplingTensors.from_host(
+                    fields.neutral_rows(num_rows), np.zeros((num_rows, 2), np.uint32), {}, lists, self.token_width)
+            self._reusable = _Reusable(reuse_key, tensors, 0, np.zeros(n, np.uint64), np.zeros(0, np.int64),
+                                       np.zeros(0, bool))
+            return tensors
         below = self.min_tokens[slots] > steps
         keys = np.zeros((num_rows, 2), np.uint32)
         with np.errstate(over="ignore"):
@@ -174,8 +180,7 @@ class SamplingBatch:
         if not below.any():
             counted = np.flatnonzero(fields.counted_rows(arrays.__getitem__))
             self._reusable = _Reusable(reuse_key, tensors, int(self.min_tokens[slots].max(initial=0)), hashed,
-                                       counted, arrays["repetition_penalty"][counted] != 1.0,
-                                       bool(self.neutral[slots].all()))
+                                       counted, arrays["repetition_penalty"][counted] != 1.0)
         return tensors
 
     def _neutral(self, slots: np.ndarray, steps: np.ndarray) -> bool:
@@ -249,8 +254,5 @@ class _Reusable:
     hashed_seeds: np.ndarray  # u64[n] hash_seeds of the rows' seeds
     counted: np.ndarray  # int64[k] the rows with a penalty (their lists are laid out every step)
     with_prompt: np.ndarray  # bool[k] which of them count their prompt (a repetition penalty)
-    # every field of every row neutral (so are the padding rows'): the same tensors serve any
-    # other such rows, as many, none below min_tokens
-    neutral: bool
     # sampled rows: steps bytes -> the tensors with those steps' keys, for a window of steps
     ahead: dict[bytes, SamplingTensors] = dataclasses.field(default_factory=dict)

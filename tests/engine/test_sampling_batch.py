@@ -150,20 +150,21 @@ def test_repeated_slots_reuse_device_tensors():
     np.testing.assert_array_equal(np.asarray(b.keys)[3], np.asarray(want.keys)[0])
 
 
-def test_a_shrinking_greedy_batch_keeps_its_tensors_while_they_equal_builds():
-    """Rows leaving a batch of plain greedy rows (every field neutral): the same tensors serve the
-    rows left, as many padded rows, equal to build's. A greedy row with a filter set, or one still
-    below min_tokens, gets tensors of its own (build's again)."""
+def test_greedy_batches_share_tensors_per_padded_row_count_while_they_equal_builds():
+    """Rows leaving or joining a batch of plain greedy rows (every field neutral): the same tensors
+    serve any such rows padded to as many rows, equal to build's, whatever batches came between.
+    A greedy row with a filter set, or one still below min_tokens, gets tensors of its own
+    (build's again)."""
     batch = SamplingBatch(VOCAB, EOS, token_width=64)
     plain = SamplingParams(temperature=0.0)
     others = {10: SamplingParams(temperature=0.0, top_p=0.5), 11: SamplingParams(temperature=0.0, min_tokens=9)}
     params = {k: plain for k in range(6)} | others
     slot_of = {k: batch.slot(k, p, k) for k, p in params.items()}
 
-    def tensors(keys, step=4):
+    def tensors(keys, step=4, pad=8):
         got = batch.tensors(np.array([slot_of[k] for k in keys], np.int64), np.zeros(len(keys), np.int64),
-                            np.full(len(keys), step, np.int64), None, pad_rows_to=8)
-        want = SamplingTensors.build([RowInfo(params[k], [], [0] * step, k) for k in keys], VOCAB, pad_rows_to=8,
+                            np.full(len(keys), step, np.int64), None, pad_rows_to=pad)
+        want = SamplingTensors.build([RowInfo(params[k], [], [0] * step, k) for k in keys], VOCAB, pad_rows_to=pad,
                                      eos_token_ids=EOS, token_width=64)
         assert (got.greedy_only, got.penalised) == (want.greedy_only, want.penalised)
         for name in FIELDS:
@@ -176,7 +177,10 @@ def test_a_shrinking_greedy_batch_keeps_its_tensors_while_they_equal_builds():
     assert tensors([2, 5, 10]) is not first  # top_p set: its row's values differ from the neutral ones
     below = tensors([2, 11])
     assert below is not first and (np.asarray(below.banned_ids)[1] >= 0).any()
-    assert tensors([1, 4]) is not below  # below's tensors ban ids for its row 1
+    assert tensors([1, 4]) is first  # plain rows again, after the others
+    wider = tensors(range(6), pad=16)
+    assert wider is not first and tensors([0, 3], pad=16) is wider and tensors(range(5)) is first
+    assert tensors([0, 11], step=9) is first  # row 11 past its min_tokens: plain now
 
 
 def test_reused_rows_get_each_steps_keys_across_windows():
