@@ -53,21 +53,25 @@ class StepBooking:
         made entries of `step` of their own, so that `step.rows` has one entry per sample, each
         one logits row, in the running queue's order. The children's sampling slots replace the
         parent's in `step.sampling_rows` (child i draws with the parent's seed + i)."""
-        if all(count == 1 for count in step.counts):
+        forking = [i for i, count in enumerate(step.counts) if count != 1]
+        if not forking:
             return
-        rows, slots, steps = [], np.array(step.sampling_rows[0]), np.array(step.sampling_rows[1])
-        for (request, parent, first_row), count in zip(step.rows, step.counts):
-            rows.append((request, parent, first_row))
-            if count == 1:
-                continue
+        # The entries between forking ones stay as they are: copied by the slice (a step that
+        # admits one request beside a batch of hundreds of rows touches that one in Python).
+        rows, start, slots, steps = [], 0, np.array(step.sampling_rows[0]), np.array(step.sampling_rows[1])
+        for i in forking:
+            rows += step.rows[start:i + 1]
+            start = i + 1
+            request, parent, first_row = step.rows[i]
             assert parent.matcher is None and request.beam is None, request  # those fork when read
-            for extra in range(1, count):
+            for extra in range(1, step.counts[i]):
                 child = self._child(request, parent, extra, PENDING_TOKEN)
                 seq_id = child.seq.seq_id
                 rows.append((request, child, first_row + extra))
                 step.row_of_seq[seq_id] = first_row + extra
                 slots[first_row + extra] = self.sampling.slot(seq_id, request.params, child.seed)
             request.forked = True
+        rows += step.rows[start:]
         step.rows, step.counts, step.drafts = rows, [1] * len(rows), [()] * len(rows)
         step.sampling_rows = (slots, steps)
 
