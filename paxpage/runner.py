@@ -170,10 +170,9 @@ class ModelRunner:
                 log.info("paxpage: the executable cache is for single-device engines; not used here")
         # One process, one device: the decode shapes a shrinking batch will meet compile in the
         # background (runner_ahead.py). With the executable cache they load from disk instead.
-        self._ahead, self.ahead = None, None  # RunnerAhead, and its AheadCompiler
+        self._ahead = None  # RunnerAhead
         if mesh is None and jax.process_count() == 1 and not abstract and self.exec_cache is None:
             self._ahead = RunnerAhead(self)
-            self.ahead = self._ahead.compiler
         # Steps with embedding rows (batch.pool_rows set) also return the pooled hidden states;
         # they compile on first use and are not in the executable cache.
         pool_shardings = {}
@@ -207,6 +206,12 @@ class ModelRunner:
             sized = {} if self.memory_budget is not None else {"kv_source": kv_sizing.NO_STATS_SOURCE}
             self.cfg = cfg = dataclasses.replace(cfg, num_pages=num_pages, **sized)
         self.kv_cache = (self.pool_spec.abstract if abstract else self.pool_spec.zeros)(cfg.num_pages)
+
+    @property
+    def ahead(self):
+        """The compiler of smaller decode shapes in the background (ahead_compile.AheadCompiler),
+        or None where the runner does not compile ahead."""
+        return None if self._ahead is None else self._ahead.compiler
 
     def reset_state(self) -> None:
         """A fresh, empty KV pool and page tables in place of the current ones (a failed step may

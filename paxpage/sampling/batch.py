@@ -161,8 +161,8 @@ class SamplingBatch:
             # count alone, one kept per count (no row draws, so their keys are never read).
             tensors = self._neutral_tensors.get(num_rows)
             if tensors is None:
-                tensors = self._neutral_tensors[num_rows] = SamplingTensors.from_host(
-                    fields.neutral_rows(num_rows), np.zeros((num_rows, 2), np.uint32), {}, lists, self.token_width)
+                tensors = self._neutral_tensors[num_rows] = SamplingTensors.build(
+                    [], self.vocab_size, pad_rows_to=num_rows, token_width=self.token_width)  # padding rows
             self._reusable = _Reusable(reuse_key, tensors, 0, np.zeros(n, np.uint64), np.zeros(0, np.int64),
                                        np.zeros(0, bool))
             return tensors

@@ -97,8 +97,8 @@ def test_frozen_follower_ends_the_leader_naming_it(tiny_llama_dir, xla_cache_dir
 def test_lost_leader_ends_the_follower(tiny_llama_dir, xla_cache_dir, tmp_path):
     procs = _start_pair(tiny_llama_dir, xla_cache_dir, tmp_path)
     rc, seconds = _exit_after_kill(procs, victim=0)
-    out, log = (tmp_path / "err1.txt").read_text(), _log(tmp_path, 1)
+    err, log = (tmp_path / "err1.txt").read_text(), _log(tmp_path, 1)
     assert seconds < DETECT_S, f"process 1 took {seconds:.1f} s to end after process 0 was killed\n{log}"
     assert rc != 0, log
     # its own exit (status 1, the lost process named), unless jax's fatal error came first
-    assert rc == 1 and "paxpage: process 0 (the leader) was lost" in out or rc == -signal.SIGABRT, log
+    assert rc == 1 and "paxpage: process 0 (the leader) was lost" in err or rc == -signal.SIGABRT, log
